@@ -1,0 +1,374 @@
+"""
+scheduler.py: who runs in each engine step, and how the block pool is shared when memory
+is tight.
+
+  Sequence        one request's state (a request with n > 1 samples becomes n sequences)
+  Scheduler       FCFS continuous batching under a token budget, chunked prefill,
+                  recompute preemption, prefix caching, forks for parallel sampling
+
+The scheduler is handed the BlockPool (nanopaged.py) as an object and only calls its
+methods: new_table, num_available, lookup, register, ref_count, say. It never imports the
+engine, so it can be read - and tested - without a model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import time
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass
+class SamplingParams:
+    """How to pick a request's tokens (vLLM's names). temperature 0 is greedy."""
+    n: int = 1                          # parallel samples of one prompt (prefilled once, then forked)
+    temperature: float = 1.0
+    top_k: int = -1                     # -1: all tokens
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop: list[str] | str | None = None  # stop strings (the engine checks the text)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
+# -----------------------------------------------------------------------------
+# Sequence: a request's state
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: int, block_table, sample_index: int = 0):
+        self.request_id = request_id
+        self.sample_index = sample_index        # which of the request's n samples this is
+        self.token_ids = list(prompt_token_ids)  # prompt, then generated tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival                  # arrival order: the FCFS key (forks share it)
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None   # "stop", "length" or "aborted"
+        self.num_computed_tokens = 0            # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0              # of those, tokens found in the prefix cache
+        self.block_table = block_table
+        self.block_hashes: list[int] = []       # prefix hash of each full, computed block
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def order(self):
+        return (self.arrival, self.sample_index)
+
+    def __repr__(self):
+        return f"seq {self.request_id}.{self.sample_index}" if self.params.n > 1 else f"seq {self.request_id}"
+
+
+# -----------------------------------------------------------------------------
+# Prefix hashing
+#
+# A full block's hash covers the block's tokens *and* everything before it, by chaining:
+# hash(parent block's hash, this block's token ids). Two requests get the same hash for
+# block i exactly when their first (i+1) * block_size tokens agree (barring a collision,
+# which BlockPool.lookup catches by comparing token ids). hashlib, not Python's hash(),
+# so the same prefix gets the same hash in every run and process.
+
+ROOT_HASH = 0
+
+
+def hash_block(parent_hash: int, token_ids) -> int:
+    data = parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+
+
+# -----------------------------------------------------------------------------
+# The scheduler
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: which sequences run, how many tokens each, and where they go."""
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)   # tokens computed for each sequence
+    slots: list[list[int]] = field(default_factory=list)  # their cache slots (the slot_mapping)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def samples(self, i: int) -> bool:
+        """Does sequence i reach its last token this step (so its logits get sampled)?"""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, pool, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int = 2048, enable_prefix_caching: bool = True,
+                 eos_token_ids=()):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()  # in arrival order; preempted ones go back to the head
+        self.running: list[Sequence] = []        # in arrival order (the preemption victim is the last)
+        self.requests: dict[object, list[Sequence]] = {}  # request id -> its unfinished sequences
+        self.next_arrival = 0
+        # counters for the engine's metrics
+        self.num_preemptions = 0
+        self.prefix_hit_blocks = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # --- requests in and out ---
+    def add(self, request_id, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request. Refuses, with a clear error, one that could never run."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n_prompt, total = len(prompt_token_ids), len(prompt_token_ids) + params.max_tokens
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n = {params.n} samples exceed max_num_seqs = {self.max_num_seqs}")
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the model's context of {self.max_model_len} tokens")
+        blocks = -(-total // self.block_size)
+        if blocks > self.pool.num_blocks:
+            raise ValueError(f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks, but the "
+                             f"whole pool has {self.pool.num_blocks}")
+        seq = Sequence(request_id, prompt_token_ids, params, self.next_arrival, self.pool.new_table())
+        self.next_arrival += 1
+        self.waiting.append(seq)
+        self.requests[request_id] = [seq]
+        return seq
+
+    def abort(self, request_id):
+        """Stop a request now, wherever it is; its blocks return to the pool at once."""
+        if request_id not in self.requests:
+            raise ValueError(f"unknown request id {request_id!r}")
+        for seq in list(self.requests[request_id]):
+            self.finish(seq, "aborted")
+
+    def finish(self, seq: Sequence, reason: str):
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            return
+        seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.perf_counter()
+        # Full blocks that were registered stay in the prefix cache (ref_count 0, evictable).
+        seq.block_table.release()
+        siblings = self.requests[seq.request_id]
+        siblings.remove(seq)
+        if not siblings:
+            del self.requests[seq.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ---
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # 1. Running sequences first, oldest first: a decode token, or the next prefill chunk.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, n, out):
+                break  # seq preempted itself: it was the newest, nothing after it is left
+            self._place(seq, n, out)
+            budget -= n
+            i += 1
+        # 2. Then waiting sequences in arrival order, as long as they fit (no overtaking).
+        #    After a preemption memory is short: admitting more would only thrash.
+        seats = sum(self._seats(s) for s in self.running)
+        while self.waiting and budget > 0 and not out.preempted:
+            seq = self.waiting[0]
+            if seats + self._seats(seq) > self.max_num_seqs:
+                break
+            hits, hashes = self._cached_prefix(seq)
+            n_cached = len(hits) * self.block_size
+            n = min(seq.num_tokens - n_cached, budget)
+            need = -(-(n_cached + n) // self.block_size) - len(hits)
+            revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
+            if need > self.pool.num_available - revived:
+                break
+            self.waiting.popleft()
+            self._adopt_cached_prefix(seq, hits, hashes)
+            seq.status = Status.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.order)
+            self._place(seq, n, out)
+            budget -= n
+            seats += self._seats(seq)
+        out.copies = self.pool.pending_copies
+        self.pool.pending_copies = []
+        return out
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Places in the batch a sequence will take: a request with n samples that has not
+        forked yet will soon be n sequences, so it is admitted only with room for all n."""
+        return seq.params.n if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
+
+    def _place(self, seq: Sequence, n: int, out: SchedulerOutput):
+        out.seqs.append(seq)
+        out.num_tokens.append(n)
+        out.slots.append(seq.block_table.slots_for(n))
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences until seq's n tokens fit. False if seq itself
+        had to go. The oldest sequence always fits (add() checked it fits the whole pool), so
+        it always makes progress: no livelock."""
+        while seq.block_table.blocks_needed(n) > self.pool.num_available:
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence):
+        """Recompute preemption: drop all of seq's blocks at once and send it back to the head
+        of the waiting queue. Its prompt and the tokens it generated so far become its new
+        prompt to prefill; with prefix caching on, its full blocks may still be found there."""
+        self.running.remove(seq)
+        seq.block_table.release()
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.block_hashes = []
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        self.pool.say(f"preempt {seq}: all its blocks freed, it will be recomputed "
+                      f"({self.pool.num_available} blocks available)")
+
+    # --- prefix caching ---
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """The longest chain of cached blocks that starts seq, and their prefix hashes. Only
+        blocks that end before the last token count, so at least one token is computed and
+        yields logits."""
+        bs, hits, hashes = self.block_size, [], []
+        if self.enable_prefix_caching:
+            for i in range((seq.num_tokens - 1) // bs):
+                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                h = hash_block(hashes[-1] if hashes else ROOT_HASH, tokens)
+                block = self.pool.lookup(h, tokens)
+                if block is None:
+                    break
+                hits.append(block)
+                hashes.append(h)
+        return hits, hashes
+
+    def _adopt_cached_prefix(self, seq: Sequence, hits: list[int], hashes: list[int]):
+        for block in hits:
+            seq.block_table.append_cached(block)
+        seq.block_hashes = hashes
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_blocks += len(hits)
+            self.prefix_hit_tokens += seq.num_cached_tokens
+        if hits:
+            self.pool.say(f"prefix-cache hit for {seq}: blocks {hits} "
+                          f"({seq.num_cached_tokens} tokens not recomputed)")
+
+    def _register_full_blocks(self, seq: Sequence):
+        """Enter every block that this step filled into the prefix cache."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            h = hash_block(parent, tokens)
+            self.pool.register(seq.block_table.block_ids[i], h, tokens)
+            seq.block_hashes.append(h)
+
+    # --- after the step ---
+    def update(self, out: SchedulerOutput, sampled: dict):
+        """Record the step: the scheduled tokens are now in the cache, and sampled[seq] is
+        the token picked for each sequence that reached its end (a list of n tokens for a
+        request's first sampling with n > 1: the sequence forks)."""
+        for seq, n in zip(out.seqs, out.num_tokens):
+            if seq.status is Status.RUNNING:
+                seq.num_computed_tokens += n
+                if self.enable_prefix_caching:
+                    self._register_full_blocks(seq)
+        for seq, token in sampled.items():
+            if seq.status is not Status.RUNNING:
+                continue  # aborted during the step
+            if isinstance(token, list):
+                for child, t in zip(self.fork(seq, len(token) - 1), token[1:]):
+                    self._append(child, t)
+                token = token[0]
+            self._append(seq, token)
+
+    def fork(self, seq: Sequence, k: int) -> list[Sequence]:
+        """k more samples of seq, sharing all its blocks (copy-on-write splits them later)."""
+        children = []
+        for j in range(1, k + 1):
+            child = Sequence(seq.request_id, [], seq.params, seq.arrival, seq.block_table.fork(),
+                             sample_index=seq.sample_index + j)
+            child.token_ids, child.num_prompt_tokens = list(seq.token_ids), seq.num_prompt_tokens
+            child.num_computed_tokens = seq.num_computed_tokens
+            child.num_cached_tokens = seq.num_cached_tokens
+            child.block_hashes = list(seq.block_hashes)
+            child.arrival_time, child.status = seq.arrival_time, Status.RUNNING
+            bisect.insort(self.running, child, key=lambda s: s.order)
+            self.requests[seq.request_id].append(child)
+            children.append(child)
+        self.pool.say(f"fork {seq} into {k + 1} samples sharing blocks {seq.block_table.block_ids}")
+        return children
+
+    def _append(self, seq: Sequence, token: int):
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or (p.stop_token_ids and token in p.stop_token_ids):
+            self.finish(seq, "stop")
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
