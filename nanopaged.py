@@ -15,11 +15,18 @@ kernel in kernels.cu (built by build_ext.py).
 
 from __future__ import annotations
 
-import math
+import argparse
+import sys
+import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+import build_ext
+from model import load_model, load_tokenizer
+from scheduler import SamplingParams, Scheduler, Status
 
 # -----------------------------------------------------------------------------
 # 1. The paged KV cache
@@ -54,10 +61,11 @@ class BlockPool:
             raise ValueError(f"a BlockPool needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        # The KV data, preallocated once: one K and one V tensor per layer.
+        # The KV data, preallocated once: one K and one V tensor per layer. Left uninitialized:
+        # no slot is ever read before it is written (the tests fill unused slots with NaN).
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.ref_count = [0] * num_blocks
         self.free_list = deque(range(num_blocks))  # O(1) popleft / append
         # The prefix cache: full blocks indexed by the hash of their whole prefix.
@@ -393,3 +401,560 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mp, scale=scale)
         out[start:end] = op.view(kvh, group, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
     return out
+
+
+class PagedAttention:
+    """The attention object the model calls: out = attn(layer_idx, q, k, v).
+
+    The model hands over its new q (T, H, D), k and v (T, KVH, D); this writes k and v into
+    the paged cache at the step's slot_mapping, then attends over each sequence's blocks.
+    The engine calls begin_step() with the flat batch's metadata before each forward pass.
+    The backend is chosen once: "torch" (the fast torch path above) or "cuda" (kernels.cu).
+    """
+
+    def __init__(self, pool: BlockPool, scale: float, ops=None):
+        self.pool, self.scale, self.ops = pool, scale, ops
+        self.backend = "cuda" if ops is not None else "torch"
+
+    def begin_step(self, slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len):
+        self.slot_mapping, self.block_tables = slot_mapping, block_tables
+        self.seq_lens, self.query_start_loc = seq_lens, query_start_loc
+        self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
+        if self.ops is None:  # the torch path's gather plan is shared by all layers of the step
+            self.plan = AttentionPlan(block_tables, seq_lens, query_start_loc, self.pool.block_size)
+
+    def __call__(self, layer_idx: int, q, k, v):
+        k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
+        if self.ops is not None:
+            self.ops.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
+            return self.ops.paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
+                                            self.query_start_loc, self.scale,
+                                            self.max_query_len, self.max_seq_len)
+        write_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
+                               self.query_start_loc, self.scale, plan=self.plan)
+
+    def copy_blocks(self, copies):
+        """Copy-on-write's block copies, in every layer, before the forward pass reads them."""
+        if not copies:
+            return
+        if self.ops is None:
+            copy_blocks(self.pool.k_cache, self.pool.v_cache, copies)
+            return
+        pairs = torch.tensor(copies, dtype=torch.int64, device=self.pool.k_cache[0].device)
+        for cache in (*self.pool.k_cache, *self.pool.v_cache):
+            self.ops.copy_blocks(cache, pairs)
+
+
+# -----------------------------------------------------------------------------
+# 3. The engine
+#
+# One step: Scheduler.schedule() picks the work and allocates its blocks -> we build one
+# flat batch (no padding) -> copy-on-write copies run -> the model's forward pass, whose
+# attention layers write K/V through slot_mapping and read them through block_tables ->
+# the logits of every sequence that reached its last token are sampled -> update().
+
+
+@dataclass
+class CompletionOutput:
+    index: int                 # which of the request's n samples
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "aborted", "error" (non-finite logits)
+
+
+@dataclass
+class RequestOutput:
+    request_id: object
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int     # prompt tokens found in the prefix cache
+    ttft: float                # seconds from arrival to first token
+    latency: float             # seconds from arrival to the last sample's finish
+
+
+@dataclass
+class Stats:
+    """What --stats prints; LLM.generate resets it, LLM.step adds to it."""
+    steps: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    elapsed: float = 0.0
+    ttfts: list = field(default_factory=list)
+    tpots: list = field(default_factory=list)
+    peak_blocks_used: int = 0
+    peak_running: int = 0
+    allocated_slots: int = 0   # summed over steps, per sequence: blocks held x block_size
+    filled_slots: int = 0      # ... and slots actually holding a token
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+
+    def summary(self, num_blocks: int) -> str:
+        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+        waste = 100 * (1 - self.filled_slots / self.allocated_slots) if self.allocated_slots else 0.0
+        hit = 100 * self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        return "\n".join([
+            f"time to first token   {1000 * mean(self.ttfts):9.1f} ms (mean)",
+            f"time per output token {1000 * mean(self.tpots):9.1f} ms (mean)",
+            f"throughput            {self.output_tokens / self.elapsed:9.1f} output tok/s, "
+            f"{(self.prompt_tokens + self.output_tokens) / self.elapsed:.1f} total tok/s "
+            f"({self.output_tokens} + {self.prompt_tokens} prompt tokens in {self.elapsed:.2f} s, {self.steps} steps)",
+            f"peak KV blocks used   {self.peak_blocks_used:9d} of {num_blocks}",
+            f"KV waste              {waste:9.2f} % of allocated slots unfilled",
+            f"prefix-cache hit rate {hit:9.1f} % of prompt tokens",
+            f"preemptions           {self.preemptions:9d}",
+        ])
+
+
+class LLM:
+    """The engine, with vLLM's API: LLM(...).generate(prompts, SamplingParams(...))."""
+
+    def __init__(self, model=None, dtype=None, device=None, block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 attn_backend: str = "auto", load_format: str = "auto"):
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = _parse_dtype(dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        if attn_backend not in ("auto", "torch", "cuda"):
+            raise ValueError(f"unknown attn_backend {attn_backend!r}: use auto, torch or cuda")
+        if attn_backend == "cuda" and device.type != "cuda":
+            raise ValueError("attn_backend='cuda' needs device='cuda'")
+        self.device, self.dtype = device, dtype
+        self.model = load_model(model, dtype=dtype, device=device, dummy=(load_format == "dummy"))
+        self.tokenizer = load_tokenizer(model)
+        cfg = self.model.config
+        self.config = cfg
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+        # The KV cache: sized by a block count, or by a memory budget in bytes.
+        self.bytes_per_block = BlockPool.bytes_per_block(cfg.num_hidden_layers, block_size,
+                                                         cfg.num_key_value_heads, cfg.head_dim, dtype)
+        if num_blocks is None:
+            if kv_cache_memory is None:
+                kv_cache_memory = _default_kv_cache_memory(device)
+            num_blocks = kv_cache_memory // self.bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory = {kv_cache_memory} bytes holds no block of "
+                                 f"{self.bytes_per_block} bytes")
+        self.pool = BlockPool(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                              cfg.head_dim, dtype, device)
+        # On the CPU a step of 512 tokens already keeps both cores' matmuls busy; a bigger
+        # budget would only make decodes wait longer behind prefill chunks.
+        max_num_batched_tokens = max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
+                                   enable_prefix_caching, cfg.eos_token_id)
+        self.attn = PagedAttention(self.pool, cfg.head_dim ** -0.5, _pick_kernels(attn_backend, device, cfg, dtype))
+        self.stats = Stats()
+        self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
+        self._generators: dict[tuple, torch.Generator] = {}
+        self._next_id = 0
+        self.trace = None  # a callable(str): the block trace
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def describe_kv_cache(self) -> str:
+        c, pool = self.config, self.pool
+        per_token = self.bytes_per_block // pool.block_size
+        return (f"KV cache: {pool.num_blocks} blocks x {pool.block_size} tokens = "
+                f"{pool.num_blocks * pool.block_size} token slots, {pool.num_blocks * self.bytes_per_block / 2**20:.1f} MiB; "
+                f"{per_token} bytes/token = {c.num_hidden_layers} layers x 2 (K,V) x {c.num_key_value_heads} kv heads "
+                f"x {c.head_dim} dims x {torch.finfo(self.dtype).bits // 8} bytes; {self.bytes_per_block} bytes/block; "
+                f"attention backend: {self.attn.backend}")
+
+    # --- requests ---
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
+        """Queue one prompt (text, or a list of token ids). Bad input raises ValueError and
+        leaves the engine as it was."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {self.config.vocab_size}): got {bad[:5]}")
+        if request_id is None:
+            request_id, self._next_id = self._next_id, self._next_id + 1
+        seq = self.scheduler.add(request_id, ids, params)
+        self._requests[request_id] = {"prompt": text, "params": params, "seqs": [seq], "stop_at": {}}
+        return request_id
+
+    def abort(self, request_id) -> RequestOutput:
+        """Stop a request now; its blocks return to the pool at once. Returns what it had."""
+        self.scheduler.abort(request_id)
+        return self._request_output(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step ---
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the requests that finished in it."""
+        if self.trace:
+            self.trace(f"--- step {self.stats.steps + 1} ---")
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            raise RuntimeError("the scheduler found nothing to run")  # cannot happen: add() checks fit
+        self._record_usage()
+        if self.trace:
+            self._trace_step(out)
+        input_ids, positions, logits_indices = self._prepare(out)
+        self.attn.copy_blocks(out.copies)
+        with torch.inference_mode():
+            logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S, vocab)
+        sampled = self._sample(out, logits)
+        if self.trace:
+            self.trace("  sampled: " + ", ".join(f"{seq} -> {self.tokenizer.decode(t if isinstance(t, list) else [t])!r}"
+                                                 for seq, t in sampled.items()))
+        forked = self.scheduler.update(out, sampled)
+        for child in forked:
+            self._requests[child.request_id]["seqs"].append(child)
+        self._check_stop_strings(sampled)
+        self.stats.output_tokens += sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())
+        return self._collect_finished(out, forked)
+
+    def _prepare(self, out):
+        """The flat batch of this step (DESIGN.md): token ids, positions and slots of every
+        scheduled token, back to back; per sequence its query range, context length and
+        block table; and which rows' logits to sample."""
+        input_ids, positions, slot_mapping, seq_lens, qsl, logits_indices = [], [], [], [], [0], []
+        for i, (seq, n, slots) in enumerate(zip(out.seqs, out.num_tokens, out.slots)):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slot_mapping += slots
+            seq_lens.append(start + n)
+            qsl.append(qsl[-1] + n)
+            if out.samples(i):
+                logits_indices.append(qsl[-1] - 1)   # the last token of the sequence
+        max_blocks = max(len(s.block_table.block_ids) for s in out.seqs)
+        # padded entries (past a sequence's blocks) are never read
+        tables = [s.block_table.block_ids + [0] * (max_blocks - len(s.block_table.block_ids)) for s in out.seqs]
+        dev = self.device
+        self.attn.begin_step(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            max_query_len=max(out.num_tokens), max_seq_len=max(seq_lens))
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev),
+                torch.tensor(logits_indices, dtype=torch.int64, device=dev))
+
+    # --- sampling ---
+    def _sample(self, out, logits) -> dict:
+        """Pick the next token of every sequence that reached its end. Greedy rows share one
+        argmax; the others are sampled one by one, each with its own generator, so a seeded
+        request gives the same tokens whatever else is in the batch."""
+        logits = logits.float()
+        due = [seq for i, seq in enumerate(out.seqs) if out.samples(i)]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        greedy = logits.argmax(dim=-1).tolist()
+        sampled = {}
+        for row, seq in enumerate(due):
+            if not finite[row]:   # a broken row must not take the batch down: fail this request
+                self.scheduler.finish(seq, "error")
+                continue
+            p, k = seq.params, seq.pending_samples
+            if p.temperature == 0:
+                tokens = [greedy[row]] * k
+            else:
+                probs = sampling_probs(logits[row], p)
+                tokens = [torch.multinomial(probs, 1, generator=self._generator(seq, seq.sample_index + j)).item()
+                          for j in range(k)]
+            sampled[seq] = tokens if k > 1 else tokens[0]
+        return sampled
+
+    def _generator(self, seq, sample_index):
+        """Sample i of a seeded request draws from its own generator, seeded seed + i."""
+        if seq.params.seed is None:
+            return None
+        key = (seq.request_id, sample_index)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(self.device).manual_seed(seq.params.seed + sample_index)
+        return self._generators[key]
+
+    def _check_stop_strings(self, sampled):
+        for seq in sampled:
+            req = self._requests.get(seq.request_id)
+            if not seq.params.stop or seq.status is not Status.RUNNING:
+                continue
+            text = self.tokenizer.decode(seq.output_token_ids)
+            hits = [text.find(s) for s in seq.params.stop if s in text]
+            if hits:
+                req["stop_at"][seq.sample_index] = min(hits)
+                self.scheduler.finish(seq, "stop")
+
+    # --- bookkeeping ---
+    def _record_usage(self):
+        """Right after scheduling, when this step's blocks are allocated: peaks, and the KV
+        waste (slots allocated to a sequence but not filled: at most one partial block each)."""
+        s, pool, sched = self.stats, self.pool, self.scheduler
+        s.steps += 1
+        s.peak_blocks_used = max(s.peak_blocks_used, pool.num_used)
+        s.peak_running = max(s.peak_running, len(sched.running))
+        for seq in sched.running:
+            s.allocated_slots += len(seq.block_table.block_ids) * pool.block_size
+            s.filled_slots += seq.block_table.num_tokens
+        s.preemptions, s.prefix_hit_tokens, s.prefix_query_tokens = (
+            sched.num_preemptions, sched.prefix_hit_tokens, sched.prefix_query_tokens)
+
+    def _collect_finished(self, out, forked) -> list[RequestOutput]:
+        done = []
+        for seq in (*out.seqs, *forked):
+            req = self._requests.get(seq.request_id)
+            if req is None or seq.request_id in self.scheduler.requests:
+                continue  # not finished yet (or already reported)
+            done.append(self._request_output(seq.request_id))
+        return done
+
+    def _request_output(self, request_id) -> RequestOutput:
+        req = self._requests.pop(request_id)
+        seqs = sorted(req["seqs"], key=lambda q: q.sample_index)
+        first = seqs[0]
+        ttft = min((q.first_token_time for q in seqs if q.first_token_time), default=first.finish_time) - first.arrival_time
+        outputs = []
+        for q in seqs:
+            ids = q.output_token_ids
+            shown = ids
+            if q.finish_reason == "stop" and ids and (ids[-1] in self.scheduler.eos_token_ids
+                                                     or ids[-1] in (q.params.stop_token_ids or ())):
+                shown = ids[:-1]  # the stop token ends the text but is not part of it
+            text = self.tokenizer.decode(shown)
+            if q.sample_index in req["stop_at"]:
+                text = text[:req["stop_at"][q.sample_index]]
+            outputs.append(CompletionOutput(q.sample_index, text, ids, q.finish_reason))
+            if q.first_token_time and q.num_output_tokens > 1:
+                self.stats.tpots.append((q.finish_time - q.first_token_time) / (q.num_output_tokens - 1))
+        self.stats.ttfts.append(ttft)
+        self.stats.prompt_tokens += first.num_prompt_tokens
+        for q in seqs:
+            self._generators.pop((request_id, q.sample_index), None)
+        return RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
+                             first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time)
+
+    # --- the whole loop ---
+    def generate(self, prompts, sampling_params=None, progress: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts.
+        sampling_params: one SamplingParams for all prompts, or a list with one per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        self.reset_stats()
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                try:
+                    ids.append(self.add_request(prompt, p))
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+        except ValueError:
+            for rid in ids:   # refuse the whole call, and leave nothing behind
+                self.scheduler.abort(rid)
+                del self._requests[rid]
+            raise
+        results, start = {}, time.perf_counter()
+        while self.has_unfinished_requests():
+            for r in self.step():
+                results[r.request_id] = r
+            self.stats.elapsed = time.perf_counter() - start
+            if progress:
+                _progress(len(results), len(ids), self.stats)
+        if progress:
+            print(file=sys.stderr)
+        return [results[rid] for rid in ids]
+
+    def reset_stats(self):
+        self.stats = Stats()
+        sched = self.scheduler
+        sched.num_preemptions = sched.prefix_hit_blocks = sched.prefix_hit_tokens = sched.prefix_query_tokens = 0
+
+    # --- streaming and the block trace ---
+    def stream(self, prompt, params: SamplingParams | None = None):
+        """Generate for one prompt, yielding its text piece by piece as tokens arrive."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("stream() generates one sample: use generate() for n > 1")
+        self.reset_stats()
+        rid = self.add_request(prompt, params)
+        seq, shown, start = self._requests[rid]["seqs"][0], "", time.perf_counter()
+        # hold back text that could be the start of a stop string, until we know
+        hold = max((len(s) for s in params.stop or ()), default=1) - 1
+        while True:
+            finished = [r for r in self.step() if r.request_id == rid]
+            self.stats.elapsed = time.perf_counter() - start
+            if finished:
+                yield finished[0].outputs[0].text[len(shown):]
+                return
+            text = self.tokenizer.decode(seq.output_token_ids)
+            text = text[:len(text) - hold]
+            if text.endswith("\ufffd"):   # a character split across tokens: wait for the rest
+                continue
+            yield text[len(shown):]
+            shown = text
+
+    def enable_trace(self, emit=print):
+        """Narrate every step: the chapter's figures, live."""
+        self.trace = emit
+        self.pool.trace = lambda msg: emit("  " + msg)   # pool and scheduler events, as they happen
+
+    def _trace_step(self, out):
+        """After scheduling: what runs, and every running sequence's block table as
+        logical block -> physical block [its tokens] filled/size ref_count."""
+        ran = ", ".join(f"{seq} {'prefill' if seq.num_computed_tokens < seq.num_prompt_tokens else 'decode'} "
+                        f"{n} token{'s' * (n > 1)}" for seq, n in zip(out.seqs, out.num_tokens))
+        self.trace(f"  ran: {ran}")
+        bs, pool = self.pool.block_size, self.pool
+        for seq in self.scheduler.running:
+            table, cells = seq.block_table, []
+            for i, block in enumerate(table.block_ids):
+                filled = min(bs, table.num_tokens - i * bs)
+                words = "|".join(self.tokenizer.decode([t]) for t in seq.token_ids[i * bs:i * bs + filled])
+                cells.append(f"{i}->{block} [{words}] {filled}/{bs} ref={pool.ref_count[block]}")
+            self.trace(f"  {seq}: " + "  ".join(cells))
+        self.trace(f"  blocks: {pool.num_free} free, {pool.num_cached} cached, {pool.num_used} used")
+
+
+def sampling_probs(logits, p: SamplingParams):
+    """Next-token probabilities (V,) after temperature, top-k and top-p (nucleus) filtering."""
+    x = logits / p.temperature
+    if p.top_k > 0 and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1.0:
+        # keep the smallest set of most likely tokens whose probability reaches top_p
+        sorted_p, order = probs.sort(descending=True)
+        outside = sorted_p.cumsum(-1) - sorted_p >= p.top_p   # mass before this token already enough
+        probs = probs.scatter(0, order, sorted_p.masked_fill(outside, 0.0))
+    return probs
+
+
+def _parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
+    return names[dtype]
+
+
+def _default_kv_cache_memory(device) -> int:
+    """The KV budget when none is given: 2 GiB on the CPU; on a GPU, 40% of what is free
+    once the weights are loaded."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(0.4 * free)
+    return 2 << 30
+
+
+def _pick_kernels(backend: str, device, cfg, dtype):
+    """The CUDA kernel's ops when attention should run on it, else None (the torch path)."""
+    if backend == "torch" or device.type != "cuda":
+        return None
+    ops = build_ext.load_kernels()
+    reason = build_ext.unavailable_reason() if ops is None else None
+    if ops is not None and cfg.head_dim not in build_ext.SUPPORTED_HEAD_DIMS:
+        ops, reason = None, (f"the kernel is built for head_dim {build_ext.SUPPORTED_HEAD_DIMS}, "
+                             f"not {cfg.head_dim}")
+    if ops is None:
+        if backend == "cuda":
+            raise ValueError(f"attn_backend='cuda' is not available: {reason}")
+        print(f"nanopaged: attention runs on the torch path: {reason}", file=sys.stderr)
+    return ops
+
+
+def _progress(done: int, total: int, stats: Stats):
+    bar = "#" * (30 * done // total)
+    rate = stats.output_tokens / stats.elapsed if stats.elapsed else 0.0
+    print(f"\r[{bar:<30}] {done}/{total} requests, {stats.output_tokens} output tokens, "
+          f"{rate:.1f} tok/s", end="", file=sys.stderr, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# 4. The command line
+
+EXAMPLES = """examples:
+  python nanopaged.py --prompt "What is the capital of France?"
+  python nanopaged.py --prompt "Once upon a time," --raw --max-tokens 40 --stats
+  python nanopaged.py --prompt "Tell me a joke." --temperature 0.8 --top-p 0.9 --seed 1 --n 3
+  python nanopaged.py --prompt "Hi!" --prompt "Name three colors." --stats
+  python nanopaged.py --prompt "Four score and seven years ago our" --raw --block-size 4 --max-tokens 3 --trace
+  python nanopaged.py --model path/to/hf_dir_or_file.gguf --prompt "..."
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="nanopaged.py", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A minimal PagedAttention inference engine. Without --model it runs the "
+                    "embedded SmolLM2-135M-Instruct, offline.")
+    ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    ap.add_argument("--model", help="a Hugging Face layout directory or a .gguf file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt (prefilled once, then forked)")
+    ap.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
+    ap.add_argument("--dtype", help="float32 (CPU default), bfloat16 (GPU default), float16")
+    ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    ap.add_argument("--num-blocks", type=int, help="KV blocks in the pool (default: a memory budget)")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--attn-backend", default="auto", choices=["auto", "torch", "cuda"])
+    ap.add_argument("--stats", action="store_true", help="print latency, throughput and KV-cache use")
+    ap.add_argument("--trace", action="store_true", help="print every step's block tables and events")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if not args.prompt:
+            raise ValueError("give at least one --prompt")
+        if any(not p.strip() for p in args.prompt):
+            raise ValueError("a --prompt is empty")
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                max_tokens=args.max_tokens, seed=args.seed)
+        if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 1):
+            raise ValueError("--block-size and --num-blocks must be >= 1")
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                  num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
+                  attn_backend=args.attn_backend)
+        tok = llm.get_tokenizer()
+        prompts = args.prompt if args.raw or not tok.has_chat_template else [tok.apply_chat_template(p) for p in args.prompt]
+        if args.trace:
+            print(llm.describe_kv_cache())
+            llm.enable_trace()
+        elif args.stats:
+            print(llm.describe_kv_cache(), file=sys.stderr)
+        if len(prompts) == 1 and args.n == 1 and not args.trace:   # stream, unless the trace is talking
+            for piece in llm.stream(prompts[0], params):
+                print(piece, end="", flush=True)
+            print()
+        else:
+            for i, r in enumerate(llm.generate(prompts, params)):
+                for c in r.outputs:
+                    label = f"[prompt {i}" + (f", sample {c.index}]" if args.n > 1 else "]")
+                    print(f"{label} {c.text}  ({c.finish_reason})")
+        if args.stats:
+            print(llm.stats.summary(llm.pool.num_blocks), file=sys.stderr)
+    except ValueError as e:   # bad input of any kind: one clear line, exit status 2
+        print(f"nanopaged: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

