@@ -1,0 +1,524 @@
+"""build_ext.py — turn kernels.cu into torch ops, or say in one line why not.
+
+    ops = load_kernels()            # the compiled module, or None
+    if ops is None: print(unavailable_reason())
+    out = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                              query_start_loc, scale, max_query_len, max_seq_len)
+    ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    ops.copy_blocks(cache, src_dst)
+
+kernels.cu is plain CUDA (raw pointers, no torch headers). The small C++ binding
+below checks every tensor — device, dtype, shape, contiguity, alignment — with a
+message that names it, then calls the kernels on torch's current CUDA stream.
+torch.utils.cpp_extension.load() compiles both with nvcc and ninja and caches the
+result under ~/.cache/nanopaged/kernels (or $NANOPAGED_CACHE/kernels); it
+rebuilds only when a source or flag changes.
+
+    python build_ext.py --check   # nvcc-only compile for sm_80 and sm_90, warnings
+                                  # as errors, a registers/smem/spills table; works
+                                  # without a GPU or a CUDA torch (CI runs it)
+    python build_ext.py --build   # build and load the extension, timed
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+KERNELS = HERE / "kernels.cu"
+
+# Must match paged_attention_supported() in kernels.cu (the binding re-checks).
+SUPPORTED_HEAD_DIMS = (64, 128)
+CHECK_ARCHS = ("80", "90")  # Ampere (A100) and Hopper (H100/H200)
+
+# The flags torch's cpp_extension gives nvcc: kernels.cu must build under them.
+TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+                      "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
+
+# ----------------------------------------------------------------------------
+# the C++ binding
+# ----------------------------------------------------------------------------
+BINDING = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+
+// kernels.cu's interface part: the launch functions and their argument structs.
+#define NANOPAGED_INTERFACE_ONLY
+#include "kernels.cu"
+
+namespace {
+
+KvDtype kv_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return KvDtype::kFloat32;
+    case at::kHalf: return KvDtype::kFloat16;
+    case at::kBFloat16: return KvDtype::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+// Every tensor argument: on `device`, of `dtype`, with `dim` dimensions, contiguous.
+void check(const at::Tensor& t, const char* name, const at::Device& device,
+           at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, ", got ", t.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (call .contiguous()), got shape ",
+                    t.sizes(), " with strides ", t.strides());
+}
+
+// The kernels move data in 16-byte vectors.
+void check_aligned(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0, name,
+                    " must start at a 16-byte aligned address (the kernels use 16-byte loads); "
+                    "it is a view at an offset: pass a fresh tensor or .clone() it");
+}
+
+// q, k, v: [T, heads, D]. Each token's [heads, D] must be contiguous; the tokens
+// may be strided, so a view into a fused qkv projection needs no copy.
+void check_rows(const at::Tensor& t, const char* name, const at::Device& device, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, ", got ", t.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 3, name, " must be [tokens, heads, head_dim], got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.stride(2) == 1 && (t.size(1) == 1 || t.stride(1) == t.size(2)), name,
+                    " must have contiguous [heads, head_dim] rows, got shape ", t.sizes(),
+                    " with strides ", t.strides(), " (call .contiguous())");
+  TORCH_CHECK_VALUE(t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0, name,
+                    "'s tokens must start 16 bytes apart, got strides ", t.strides());
+  check_aligned(t, name);
+}
+
+// Elements from one token's row to the next.
+int64_t token_stride(const at::Tensor& t) { return t.size(0) > 1 ? t.stride(0) : t.size(1) * t.size(2); }
+
+void check_size(const at::Tensor& t, const char* name, int64_t dim, int64_t expected, const char* what) {
+  TORCH_CHECK_VALUE(t.size(dim) == expected, name, " has shape ", t.sizes(), " but dimension ", dim,
+                    " should be ", expected, " (", what, ")");
+}
+
+// The planner spreads work over all SMs; ask the driver once per device.
+int sm_count(int device) {
+  static std::mutex mutex;
+  static std::unordered_map<int, int> counts;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = counts.find(device);
+  if (it != counts.end()) return it->second;
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  counts[device] = count;
+  return count;
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, " failed to launch: ", cudaGetErrorString(err));
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, int64_t max_query_len,
+                           int64_t max_seq_len, int64_t partition_size) {
+  TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor, got one on ", q.device());
+  const auto device = q.device();
+  const KvDtype dtype = kv_dtype(q, "q");
+  check_rows(q, "q", device, q.scalar_type());
+  check(k_cache, "k_cache", device, q.scalar_type(), 4);
+  check(v_cache, "v_cache", device, q.scalar_type(), 4);
+  check(block_tables, "block_tables", device, at::kInt, 2);
+  check(seq_lens, "seq_lens", device, at::kInt, 1);
+  check(query_start_loc, "query_start_loc", device, at::kInt, 1);
+  check_aligned(k_cache, "k_cache");
+  check_aligned(v_cache, "v_cache");
+
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t B = block_tables.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "v_cache has shape ", v_cache.sizes(),
+                    " but k_cache has shape ", k_cache.sizes());
+  check_size(k_cache, "k_cache", 3, D, "head_dim, from q [T, H, D]");
+  TORCH_CHECK_VALUE(paged_attention_supported(dtype, (int)D), "head_dim ", D,
+                    " is not compiled into kernels.cu (supported: 64, 128)");
+  TORCH_CHECK_VALUE(block_size > 0 && (block_size & (block_size - 1)) == 0,
+                    "block_size (k_cache.size(1)) must be a power of two, got ", block_size);
+  TORCH_CHECK_VALUE(KVH > 0 && H % KVH == 0, "q has ", H, " heads, not a multiple of the ", KVH,
+                    " kv heads of k_cache");
+  check_size(seq_lens, "seq_lens", 0, B, "one per sequence, from block_tables [B, max_blocks]");
+  check_size(query_start_loc, "query_start_loc", 0, B + 1, "B + 1, from block_tables [B, max_blocks]");
+  TORCH_CHECK_VALUE(max_seq_len <= max_blocks * block_size, "max_seq_len ", max_seq_len,
+                    " does not fit in block_tables of ", max_blocks, " blocks of ", block_size);
+  TORCH_CHECK_VALUE(T * H < (int64_t(1) << 31) && B < (int64_t(1) << 31),
+                    "batch too large for the kernel's 32-bit row indices");
+
+  auto out = at::empty({T, H, D}, q.options());
+  if (T == 0) return out;
+  const c10::cuda::OptionalCUDAGuard guard(device);
+
+  const AttentionPlan plan = plan_paged_attention((int)T, (int)B, (int)H, (int)KVH,
+                                                  (int)max_query_len, (int)max_seq_len,
+                                                  sm_count(device.index()), (int)partition_size);
+  // Split-K workspace: each partition's unnormalised output, max and sum.
+  at::Tensor partial_out, partial_stats;
+  if (plan.num_partitions > 1) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    partial_out = at::empty({T, H, plan.num_partitions, D}, f32);
+    partial_stats = at::empty({2, T, H, plan.num_partitions}, f32);
+  }
+
+  PagedAttentionArgs args{};
+  args.out = out.data_ptr();
+  args.q = q.data_ptr();
+  args.q_token_stride = token_stride(q);
+  args.k_cache = k_cache.data_ptr();
+  args.v_cache = v_cache.data_ptr();
+  args.block_tables = block_tables.data_ptr<int32_t>();
+  args.seq_lens = seq_lens.data_ptr<int32_t>();
+  args.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  if (plan.num_partitions > 1) {
+    args.partial_out = partial_out.data_ptr<float>();
+    args.partial_max = partial_stats[0].data_ptr<float>();
+    args.partial_sum = partial_stats[1].data_ptr<float>();
+  }
+  args.num_tokens = (int)T;
+  args.num_seqs = (int)B;
+  args.num_heads = (int)H;
+  args.num_kv_heads = (int)KVH;
+  args.head_dim = (int)D;
+  args.block_size = (int)block_size;
+  args.max_blocks_per_seq = (int)max_blocks;
+  args.scale = (float)scale;
+  args.dtype = dtype;
+  check_launch(launch_paged_attention(args, plan, c10::cuda::getCurrentCUDAStream()), "paged_attention");
+  return out;
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+              const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK_VALUE(k_cache.is_cuda(), "k_cache must be a CUDA tensor, got one on ", k_cache.device());
+  const auto device = k_cache.device();
+  check(k_cache, "k_cache", device, k_cache.scalar_type(), 4);
+  check(v_cache, "v_cache", device, k_cache.scalar_type(), 4);
+  check_rows(k, "k", device, k_cache.scalar_type());
+  check_rows(v, "v", device, k_cache.scalar_type());
+  check(slot_mapping, "slot_mapping", device, at::kLong, 1);
+  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "v_cache has shape ", v_cache.sizes(),
+                    " but k_cache has shape ", k_cache.sizes());
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "v has shape ", v.sizes(), " but k has shape ", k.sizes());
+  check_size(k, "k", 1, k_cache.size(2), "kv heads, from k_cache [num_blocks, block_size, KVH, D]");
+  check_size(k, "k", 2, k_cache.size(3), "head_dim, from k_cache [num_blocks, block_size, KVH, D]");
+  check_size(slot_mapping, "slot_mapping", 0, k.size(0), "one slot per token of k");
+  const int64_t bytes_per_token = k.size(1) * k.size(2) * k.element_size();
+  TORCH_CHECK_VALUE(bytes_per_token % 16 == 0, "a token's k row (", bytes_per_token,
+                    " bytes) must be a multiple of 16 bytes");
+  check_aligned(k_cache, "k_cache");
+  check_aligned(v_cache, "v_cache");
+  if (k.size(0) == 0) return;
+  const c10::cuda::OptionalCUDAGuard guard(device);
+  check_launch(launch_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                               slot_mapping.data_ptr<int64_t>(), (int)k.size(0),
+                               k_cache.size(0) * k_cache.size(1), bytes_per_token,
+                               token_stride(k) * k.element_size(), token_stride(v) * v.element_size(),
+                               c10::cuda::getCurrentCUDAStream()),
+               "write_kv");
+}
+
+void copy_blocks(const at::Tensor& cache, const at::Tensor& src_dst) {
+  TORCH_CHECK_VALUE(cache.is_cuda(), "cache must be a CUDA tensor, got one on ", cache.device());
+  TORCH_CHECK_VALUE(cache.dim() >= 1 && cache.is_contiguous(), "cache must be a contiguous "
+                    "[num_blocks, ...] tensor, got shape ", cache.sizes(), " with strides ", cache.strides());
+  check(src_dst, "src_dst", cache.device(), at::kLong, 2);
+  check_size(src_dst, "src_dst", 1, 2, "(src, dst) block pairs");
+  check_aligned(cache, "cache");
+  const int64_t bytes_per_block = cache.numel() / std::max<int64_t>(cache.size(0), 1) * cache.element_size();
+  TORCH_CHECK_VALUE(bytes_per_block % 16 == 0, "a cache block (", bytes_per_block,
+                    " bytes) must be a multiple of 16 bytes");
+  if (src_dst.size(0) == 0) return;
+  const c10::cuda::OptionalCUDAGuard guard(cache.device());
+  check_launch(launch_copy_blocks(cache.data_ptr(), src_dst.data_ptr<int64_t>(), (int)src_dst.size(0),
+                                  cache.size(0), bytes_per_block, c10::cuda::getCurrentCUDAStream()),
+               "copy_blocks");
+}
+
+// The launch shape paged_attention would use on the current device (for benchmarks).
+py::dict describe_plan(int64_t num_tokens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t max_query_len, int64_t max_seq_len, int64_t partition_size) {
+  TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads ", num_heads,
+                    " must be a multiple of num_kv_heads ", num_kv_heads);
+  const AttentionPlan p = plan_paged_attention((int)num_tokens, (int)num_seqs, (int)num_heads,
+                                               (int)num_kv_heads, (int)max_query_len, (int)max_seq_len,
+                                               sm_count(c10::cuda::current_device()), (int)partition_size);
+  py::dict d;
+  d["rows_per_cta"] = p.rows_per_cta;
+  d["heads_per_cta"] = p.heads_per_cta;
+  d["tokens_per_cta"] = p.tokens_per_cta;
+  d["grid"] = py::make_tuple(p.num_tiles, num_kv_heads * p.head_chunks, p.num_partitions);
+  d["partition_size"] = p.partition_size;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "Paged attention over a flat varlen batch -> out [T, H, D] (kernels.cu)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
+        py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("partition_size") = 0);
+  m.def("describe_plan", &describe_plan, "The launch shape of paged_attention on this device",
+        py::arg("num_tokens"), py::arg("num_seqs"), py::arg("num_heads"), py::arg("num_kv_heads"),
+        py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("partition_size") = 0);
+  m.def("write_kv", &write_kv, "Write k, v [T, KVH, D] into their cache slots (slot < 0: skip)",
+        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("copy_blocks", &copy_blocks, "Copy cache blocks src_dst[:, 0] onto src_dst[:, 1]",
+        py::arg("cache"), py::arg("src_dst"));
+}
+"""
+
+# ----------------------------------------------------------------------------
+# finding the toolkit, building, loading
+# ----------------------------------------------------------------------------
+
+
+class KernelsUnavailable(RuntimeError):
+    """Why the CUDA kernels cannot be used here (one line)."""
+
+
+def find_cuda_home() -> str | None:
+    """A CUDA toolkit directory with bin/nvcc and include/cuda_runtime.h.
+
+    $CUDA_HOME first, then /usr/local/cuda, then the directory above the nvcc on
+    PATH. The last guess is what torch itself tries, and it fails where that nvcc
+    is a wrapper script (e.g. /usr/local/bin/nvcc), which is why we look first.
+    """
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    if shutil.which("nvcc"):
+        candidates.append(str(Path(shutil.which("nvcc")).resolve().parent.parent))
+    for home in candidates:
+        if home and (Path(home) / "bin" / "nvcc").exists() and (Path(home) / "include" / "cuda_runtime.h").exists():
+            return home
+    return None
+
+
+def build_dir() -> Path:
+    cache = os.environ.get("NANOPAGED_CACHE") or Path.home() / ".cache" / "nanopaged"
+    return Path(cache) / "kernels"
+
+
+def first_error(log: str) -> str:
+    """The line of a compiler log worth showing in a one-line reason."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for pattern in (r"error:", r"\berror\b"):  # a compiler's "file:line: error: ..." first
+        for line in lines:
+            if re.search(pattern, line, re.IGNORECASE):
+                return line[:300]
+    return (lines[-1] if lines else "no output")[:300]
+
+
+def _build():
+    """Compile and import the extension; raise KernelsUnavailable with the reason."""
+    try:
+        import torch
+    except ImportError:
+        raise KernelsUnavailable("torch is not installed") from None
+    if torch.version.cuda is None:
+        raise KernelsUnavailable(f"torch {torch.__version__} was built without CUDA")
+    if not torch.cuda.is_available():
+        raise KernelsUnavailable("no CUDA GPU is visible to torch")
+    home = find_cuda_home()
+    if home is None:
+        raise KernelsUnavailable("nvcc not found: set CUDA_HOME to a CUDA toolkit")
+    # cpp_extension reads CUDA_HOME once, when first imported: set the variable
+    # before that, and the module's copy too in case it was imported already.
+    os.environ["CUDA_HOME"] = home
+    from torch.utils import cpp_extension
+    cpp_extension.CUDA_HOME = home
+    if not cpp_extension.is_ninja_available():
+        raise KernelsUnavailable("ninja is not installed (pip install ninja): torch needs it to build")
+    # Compile for this GPU only (unset, torch picks every visible GPU's arch).
+    major, minor = torch.cuda.get_device_capability()
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    binding = out / "binding.cpp"
+    if not binding.exists() or binding.read_text() != BINDING:
+        binding.write_text(BINDING)
+    try:
+        return cpp_extension.load(
+            name="nanopaged_kernels", sources=[str(binding), str(KERNELS)],
+            extra_include_paths=[str(HERE)], extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3"], build_directory=str(out), verbose=False)
+    except Exception as e:  # a compiler error, a missing header, a link error...
+        log = out / "build.log"
+        log.write_text(f"{type(e).__name__}: {e}\n")
+        raise KernelsUnavailable(f"building kernels.cu failed: {first_error(str(e))} (log: {log})") from None
+
+
+_ops = None
+_reason = None
+_tried = False
+
+
+def load_kernels():
+    """The compiled ops module (built once, then cached), or None; see unavailable_reason()."""
+    global _ops, _reason, _tried
+    if not _tried:
+        _tried = True
+        try:
+            _ops = _build()
+        except KernelsUnavailable as e:
+            _reason = str(e)
+    return _ops
+
+
+def unavailable_reason() -> str | None:
+    """One line saying why load_kernels() returns None; None when the kernels work."""
+    load_kernels()
+    return _reason
+
+
+# ----------------------------------------------------------------------------
+# --check: compile with plain nvcc, report resources (no GPU, no CUDA torch)
+# ----------------------------------------------------------------------------
+
+PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
+PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def demangle(names: list[str]) -> list[str]:
+    """Readable kernel names: c++filt, then without the namespace and arguments."""
+    if shutil.which("c++filt"):
+        run = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
+        if run.returncode == 0 and len(run.stdout.splitlines()) == len(names):
+            names = run.stdout.splitlines()
+    short = []
+    for name in names:
+        name = name.replace("(anonymous namespace)::", "")
+        name = re.sub(r"^void ", "", name)
+        name = re.sub(r"\((?:[^()]|\([^()]*\))*\)$", "", name)  # drop the argument list
+        short.append(name.replace("__nv_bfloat16", "bf16").replace("__half", "fp16"))
+    return short
+
+
+def parse_ptxas(log: str) -> list[dict]:
+    """One row per (kernel, arch) from nvcc -Xptxas -v output."""
+    rows = []
+    for line in log.splitlines():
+        if m := PTXAS_ENTRY.search(line):
+            rows.append(dict(kernel=m.group(1), arch=m.group(2), regs=0, smem=0, stack=0, spill_st=0, spill_ld=0))
+        elif rows and (m := PTXAS_SPILLS.search(line)):
+            rows[-1].update(stack=int(m.group(1)), spill_st=int(m.group(2)), spill_ld=int(m.group(3)))
+        elif rows and (m := PTXAS_USED.search(line)):
+            rows[-1].update(regs=int(m.group(1)), smem=int(m.group(2) or 0))
+    for row, name in zip(rows, demangle([r["kernel"] for r in rows])):
+        row["kernel"] = name
+    return rows
+
+
+def check_binding_syntax(nvcc_home: str) -> str:
+    """g++ -fsyntax-only on the binding against torch's headers, when torch is importable."""
+    try:
+        from torch.utils import cpp_extension
+    except ImportError:
+        return "skipped (torch not importable)"
+    gxx = shutil.which("g++") or shutil.which("c++")
+    if gxx is None:
+        return "skipped (no g++)"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "binding.cpp"
+        src.write_text(BINDING)
+        # A CPU wheel ships c10/cuda's headers but not the one its CMake build
+        # generates; stand in for it (it only marks c10_cuda as a shared library).
+        stub = Path(tmp) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+        stub.parent.mkdir(parents=True)
+        stub.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        cmd = [gxx, "-fsyntax-only", "-std=c++17", "-DTORCH_EXTENSION_NAME=nanopaged_kernels",
+               f"-I{HERE}", f"-I{nvcc_home}/include", *[f"-isystem{p}" for p in cpp_extension.include_paths()],
+               f"-idirafter{tmp}",
+               f"-isystem{__import__('sysconfig').get_paths()['include']}", str(src)]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise KernelsUnavailable(f"the C++ binding does not compile:\n{run.stdout}{run.stderr}")
+    return "ok (g++ -fsyntax-only against torch's headers)"
+
+
+def check(archs=CHECK_ARCHS) -> int:
+    home = find_cuda_home()
+    if home is None:
+        print("build_ext --check: nvcc not found (set CUDA_HOME)", file=sys.stderr)
+        return 1
+    nvcc = str(Path(home) / "bin" / "nvcc")
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-c", str(KERNELS), "-o", str(Path(tmp) / "kernels.o"), "-std=c++17", "-O3",
+               *gencode, *TORCH_NVCC_DEFINES, "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra",
+               "-Xptxas", "-v"]
+        start = time.perf_counter()
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+    log = run.stdout + run.stderr
+    if run.returncode != 0:
+        print(" ".join(cmd), file=sys.stderr)
+        print(log, file=sys.stderr)
+        print(f"build_ext --check: nvcc failed (exit {run.returncode})", file=sys.stderr)
+        return 1
+    rows = parse_ptxas(log)
+    if not rows:
+        print(log, file=sys.stderr)
+        print("build_ext --check: found no kernel in ptxas's report (did its format change?)", file=sys.stderr)
+        return 1
+    kernels = sorted({r["kernel"] for r in rows})
+    by_key = {(r["kernel"], r["arch"]): r for r in rows}
+    width = max(len(k) for k in kernels)
+    arch_names = "/".join(f"sm_{a}" for a in archs)
+    print(f"nvcc {arch_names}: kernels.cu compiled in {seconds:.1f} s, no warnings")
+    print(f"{'kernel':<{width}}  {'registers':>12}  {'smem (B)':>9}  {'stack (B)':>10}  {'spills (B)':>10}")
+    print(f"{'':<{width}}  {arch_names:>12}")
+    for kernel in kernels:
+        per_arch = [by_key.get((kernel, f"sm_{a}"), {}) for a in archs]
+        regs = "/".join(str(r.get("regs", "?")) for r in per_arch)
+        stack = max(r.get("stack", 0) for r in per_arch)
+        spills = max(r.get("spill_st", 0) + r.get("spill_ld", 0) for r in per_arch)
+        print(f"{kernel:<{width}}  {regs:>12}  {per_arch[0].get('smem', 0):>9}  {stack:>10}  {spills:>10}")
+    sys.stdout.flush()
+    spilled = [f"{r['kernel']} ({r['arch']})" for r in rows if r["spill_st"] or r["spill_ld"]]
+    if spilled:  # a spill is no error, but it quietly slows the kernel down
+        print(f"build_ext --check: register spills in {', '.join(spilled)}", file=sys.stderr)
+        return 1
+    try:
+        print(f"C++ binding: {check_binding_syntax(home)}")
+    except KernelsUnavailable as e:
+        print(f"build_ext --check: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build() -> int:
+    start = time.perf_counter()
+    ops = load_kernels()
+    if ops is None:
+        print(f"build_ext --build: kernels unavailable: {unavailable_reason()}", file=sys.stderr)
+        return 1
+    print(f"build_ext --build: built and loaded {ops.__name__} in {time.perf_counter() - start:.1f} s "
+          f"(cache: {build_dir()})")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--check"]:
+        sys.exit(check())
+    if sys.argv[1:] == ["--build"]:
+        sys.exit(build())
+    print(__doc__.strip())
+    print("\nusage: python build_ext.py --check | --build", file=sys.stderr)
+    sys.exit(2)
