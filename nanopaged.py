@@ -322,38 +322,52 @@ class AttentionPlan:
     once per layer (the 30 layers of a step share it).
 
     The fast path gathers each sequence's context from its blocks into a dense tensor and
-    runs one scaled_dot_product_attention. Decode sequences (one query each) are stacked
-    into one batched call; sequences with several queries (prefill chunks) get one call each.
-    The gather indices point only at slots inside the context: positions past a sequence's
-    end are clamped to its position 0 and masked out, so padding never reads a slot the
-    sequence does not own (a NaN there could otherwise leak in through 0 * NaN).
+    runs scaled_dot_product_attention on it. Decode sequences (one query each) are sorted
+    by context length and stacked, DECODE_BUCKET at a time, into padded batches: sorting
+    first keeps the padding small, since neighbours have similar lengths. Sequences with
+    several queries (prefill chunks) get one call each. The gather indices point only at
+    slots inside a context: positions past a sequence's end are clamped to its position 0
+    and masked out, so padding never reads a slot the sequence does not own (a NaN there
+    would leak in through 0 * NaN).
     """
+
+    DECODE_BUCKET = 8  # decode sequences per padded batch (8 measured best on a 2-core CPU)
 
     def __init__(self, block_tables, seq_lens, query_start_loc, block_size):
         device = block_tables.device
         lens = seq_lens.tolist()
         qsl = query_start_loc.tolist()
         q_lens = [qsl[b + 1] - qsl[b] for b in range(len(lens))]
-        decode = [b for b, n in enumerate(q_lens) if n == 1]
-        # Decode group: (Bd, Lmax) slot indices and a (Bd, 1, 1, Lmax) mask. When every
-        # sequence decodes, q's rows are the sequences in order and need no gather.
-        self.has_decode = bool(decode)
-        self.all_decode = len(decode) == len(lens)
-        if decode:
-            idx = torch.tensor(decode, device=device)
-            self.decode_rows = None if self.all_decode else query_start_loc[idx].long()
-            self.decode_slots, valid = self._slots(block_tables[idx], seq_lens[idx].long(),
-                                                   max(lens[b] for b in decode), block_size)
-            self.decode_mask = valid[:, None, None, :]                # (Bd, 1, 1, Lmax)
-        # Prefill sequences: (row range, slots, bottom-right-aligned causal mask) each.
+        # Decode buckets: (q rows, slots (n * Lmax,) to gather, (n, 1, 1, Lmax) length mask,
+        # n, Lmax) each.
+        decode = sorted((b for b, n in enumerate(q_lens) if n == 1), key=lambda b: lens[b])
+        self.decode_buckets = []
+        for i in range(0, len(decode), self.DECODE_BUCKET):
+            seqs = decode[i:i + self.DECODE_BUCKET]
+            idx = torch.tensor(seqs, device=device)
+            L = max(lens[b] for b in seqs)
+            slots, valid = self._slots(block_tables[idx], seq_lens[idx].long(), L, block_size)
+            rows = query_start_loc[idx].long()
+            self.decode_buckets.append((rows, slots.reshape(-1), valid[:, None, None, :], len(seqs), L))
+        # The gathered K and V, (2, n * Lmax, KVH, D) for the largest bucket, allocated by the
+        # first layer and rewritten by every other bucket and layer: a fresh tensor per
+        # gather would cost more in page faults than the gather itself.
+        self.workspace = None
+        self.workspace_rows = max((n * L for *_, n, L in self.decode_buckets), default=0)
+        # Prefill sequences: (row range, slots, causal mask or None) each. The mask is
+        # aligned bottom-right: the queries are the *last* q_len positions of the context.
+        # With nothing cached before them (q_len == context) it is plain causal attention,
+        # which SDPA does without a mask tensor.
         self.prefills = []
         for b, n in enumerate(q_lens):
             if n <= 1:
                 continue
             L = lens[b]
             slots, _ = self._slots(block_tables[b:b + 1], seq_lens[b:b + 1].long(), L, block_size)
-            q_pos = torch.arange(L - n, L, device=device)
-            mask = torch.arange(L, device=device)[None, :] <= q_pos[:, None]   # (q_len, L)
+            mask = None
+            if n < L:
+                q_pos = torch.arange(L - n, L, device=device)
+                mask = torch.arange(L, device=device)[None, :] <= q_pos[:, None]   # (q_len, L)
             self.prefills.append((qsl[b], qsl[b + 1], slots[0], mask))
 
     @staticmethod
@@ -376,30 +390,27 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     k_flat = k_cache.view(-1, kvh, D)                                  # (slots, KVH, D)
     v_flat = v_cache.view(-1, kvh, D)
     out = q.new_empty(T, H, D)
-    if plan.has_decode:
-        qd = q if plan.all_decode else q[plan.decode_rows]             # (Bd, H, D)
-        Bd = qd.shape[0]
+    if plan.decode_buckets and plan.workspace is None:
+        plan.workspace = k_cache.new_empty(2, plan.workspace_rows, kvh, D)
+    for rows, slots, mask, n, L in plan.decode_buckets:
+        kd, vd = plan.workspace[0, :n * L], plan.workspace[1, :n * L]
+        torch.index_select(k_flat, 0, slots, out=kd)                   # (n * L, KVH, D)
+        torch.index_select(v_flat, 0, slots, out=vd)
         # GQA without copying K/V: the `group` query heads that share a kv head become
-        # `group` query rows of that kv head, (Bd, KVH, group, D) against (Bd, KVH, L, D).
-        qd = qd.view(Bd, kvh, group, D)
-        kd = k_flat[plan.decode_slots].transpose(1, 2)                 # (Bd, KVH, L, D)
-        vd = v_flat[plan.decode_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale)
-        od = od.reshape(Bd, H, D)                                      # (Bd, KVH, group, D) -> (Bd, H, D)
-        if plan.all_decode:
-            out = od
-        else:
-            out[plan.decode_rows] = od
+        # `group` query rows of that kv head: (n, KVH, group, D) against (n, KVH, L, D).
+        od = F.scaled_dot_product_attention(
+            q[rows].view(n, kvh, group, D), kd.view(n, L, kvh, D).transpose(1, 2),
+            vd.view(n, L, kvh, D).transpose(1, 2), attn_mask=mask, scale=scale)
+        out.index_copy_(0, rows, od.reshape(n, H, D))                  # (n, KVH, group, D) -> (n, H, D)
     for start, end, slots, mask in plan.prefills:
-        n = end - start
-        # Same GQA trick: (q_len, H, D) -> (KVH, group * q_len, D); the causal mask is
-        # repeated for each of the group's heads.
-        qp = q[start:end].view(n, kvh, group, D).permute(1, 2, 0, 3).reshape(kvh, group * n, D)
-        kp = k_flat[slots].transpose(0, 1)                             # (KVH, L, D)
-        vp = v_flat[slots].transpose(0, 1)
-        mp = mask.repeat(group, 1)                                     # (group * q_len, L)
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mp, scale=scale)
-        out[start:end] = op.view(kvh, group, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
+        qp = q[start:end].transpose(0, 1)[None]                        # (1, H, q_len, D)
+        kp = k_flat[slots].transpose(0, 1)[None]                       # (1, KVH, L, D)
+        vp = v_flat[slots].transpose(0, 1)[None]
+        # 4-D inputs and enable_gqa let SDPA pick its fused (flash) CPU kernel, which also
+        # reads each kv head once for its whole group of query heads.
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
+                                            scale=scale, enable_gqa=True)
+        out[start:end] = op[0].transpose(0, 1)                         # (q_len, H, D)
     return out
 
 
@@ -522,6 +533,8 @@ class LLM:
             raise ValueError(f"unknown attn_backend {attn_backend!r}: use auto, torch or cuda")
         if attn_backend == "cuda" and device.type != "cuda":
             raise ValueError("attn_backend='cuda' needs device='cuda'")
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"unknown load_format {load_format!r}: use auto, or dummy (random weights)")
         self.device, self.dtype = device, dtype
         self.model = load_model(model, dtype=dtype, device=device, dummy=(load_format == "dummy"))
         self.tokenizer = load_tokenizer(model)
@@ -541,12 +554,14 @@ class LLM:
                                  f"{self.bytes_per_block} bytes")
         self.pool = BlockPool(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
                               cfg.head_dim, dtype, device)
-        # On the CPU a step of 512 tokens already keeps both cores' matmuls busy; a bigger
-        # budget would only make decodes wait longer behind prefill chunks.
-        max_num_batched_tokens = max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
+        # The token budget of a step. On the CPU, 1024 measured best on the benchmark workload
+        # (93, 105, 96 output tok/s at 512, 1024, 2048): big enough for efficient prefill
+        # matmuls, small enough that decodes do not wait long behind prefill chunks.
+        max_num_batched_tokens = max_num_batched_tokens or (8192 if device.type == "cuda" else 1024)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    enable_prefix_caching, cfg.eos_token_id)
-        self.attn = PagedAttention(self.pool, cfg.head_dim ** -0.5, _pick_kernels(attn_backend, device, cfg, dtype))
+        self.attn = PagedAttention(self.pool, cfg.head_dim ** -0.5,
+                                   _pick_kernels(attn_backend, device, cfg, block_size))
         self.stats = Stats()
         self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
         self._generators: dict[tuple, torch.Generator] = {}
@@ -560,7 +575,8 @@ class LLM:
         c, pool = self.config, self.pool
         per_token = self.bytes_per_block // pool.block_size
         return (f"KV cache: {pool.num_blocks} blocks x {pool.block_size} tokens = "
-                f"{pool.num_blocks * pool.block_size} token slots, {pool.num_blocks * self.bytes_per_block / 2**20:.1f} MiB; "
+                f"{pool.num_blocks * pool.block_size} token slots, "
+                f"{pool.num_blocks * self.bytes_per_block / 2**20:.1f} MiB; "
                 f"{per_token} bytes/token = {c.num_hidden_layers} layers x 2 (K,V) x {c.num_key_value_heads} kv heads "
                 f"x {c.head_dim} dims x {torch.finfo(self.dtype).bits // 8} bytes; {self.bytes_per_block} bytes/block; "
                 f"attention backend: {self.attn.backend}")
@@ -610,8 +626,8 @@ class LLM:
             logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S, vocab)
         sampled = self._sample(out, logits)
         if self.trace:
-            self.trace("  sampled: " + ", ".join(f"{seq} -> {self.tokenizer.decode(t if isinstance(t, list) else [t])!r}"
-                                                 for seq, t in sampled.items()))
+            self.trace("  sampled: " + ", ".join(
+                f"{seq} -> {self.tokenizer.decode(t if isinstance(t, list) else [t])!r}" for seq, t in sampled.items()))
         forked = self.scheduler.update(out, sampled)
         for child in forked:
             self._requests[child.request_id]["seqs"].append(child)
@@ -654,7 +670,7 @@ class LLM:
         request gives the same tokens whatever else is in the batch."""
         logits = logits.float()
         due = [seq for i, seq in enumerate(out.seqs) if out.samples(i)]
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        finite = logits.sum(dim=-1).isfinite().tolist()   # any NaN or inf makes its row's sum one
         greedy = logits.argmax(dim=-1).tolist()
         sampled = {}
         for row, seq in enumerate(due):
@@ -718,7 +734,8 @@ class LLM:
         req = self._requests.pop(request_id)
         seqs = sorted(req["seqs"], key=lambda q: q.sample_index)
         first = seqs[0]
-        ttft = min((q.first_token_time for q in seqs if q.first_token_time), default=first.finish_time) - first.arrival_time
+        first_token = min((q.first_token_time for q in seqs if q.first_token_time), default=first.finish_time)
+        ttft = first_token - first.arrival_time
         outputs = []
         for q in seqs:
             ids = q.output_token_ids
@@ -857,15 +874,17 @@ def _default_kv_cache_memory(device) -> int:
     return 2 << 30
 
 
-def _pick_kernels(backend: str, device, cfg, dtype):
+def _pick_kernels(backend: str, device, cfg, block_size: int):
     """The CUDA kernel's ops when attention should run on it, else None (the torch path)."""
     if backend == "torch" or device.type != "cuda":
         return None
-    ops = build_ext.load_kernels()
+    ops = build_ext.load_kernels()   # the first use on a machine compiles it (about a minute)
     reason = build_ext.unavailable_reason() if ops is None else None
     if ops is not None and cfg.head_dim not in build_ext.SUPPORTED_HEAD_DIMS:
         ops, reason = None, (f"the kernel is built for head_dim {build_ext.SUPPORTED_HEAD_DIMS}, "
                              f"not {cfg.head_dim}")
+    if ops is not None and block_size & (block_size - 1):
+        ops, reason = None, f"the kernel needs a power-of-two block_size, not {block_size}"
     if ops is None:
         if backend == "cuda":
             raise ValueError(f"attn_backend='cuda' is not available: {reason}")
@@ -933,7 +952,8 @@ def main(argv=None) -> int:
                   num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
                   attn_backend=args.attn_backend)
         tok = llm.get_tokenizer()
-        prompts = args.prompt if args.raw or not tok.has_chat_template else [tok.apply_chat_template(p) for p in args.prompt]
+        chat = tok.has_chat_template and not args.raw
+        prompts = [tok.apply_chat_template(p) for p in args.prompt] if chat else args.prompt
         if args.trace:
             print(llm.describe_kv_cache())
             llm.enable_trace()

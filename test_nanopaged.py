@@ -7,12 +7,17 @@ Chapters, in the order the code is built:
   the paged KV cache BlockPool, BlockTable, copy-on-write, paged attention vs dense softmax
   the scheduler     model-free, with a fake runner: invariants, FCFS, preemption, prefix caching
   the engine        LLM.generate end to end on the default model, and the command line
+  the CUDA kernel   without a GPU: the fallback and the nvcc check; with one (bash gpu_check.sh):
+                    the kernel against paged_attention_ref, KV write and block copy, the engine
 """
 
 import importlib.util
 import json
 import math
 import random
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,13 +25,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+import build_ext
 import scheduler as scheduler_module
 from model import ModelConfig, ModelError, load_model, load_tokenizer, resolve_model_dir
 from nanopaged import (LLM, BlockPool, OutOfBlocks, copy_blocks, main, paged_attention,
                        paged_attention_ref, sampling_probs, write_kv)
 from scheduler import SamplingParams, Scheduler, Status
 
-TESTDATA = Path(__file__).parent / "testdata"
+HERE = Path(__file__).resolve().parent
+TESTDATA = HERE / "testdata"
 
 
 # =============================================================================
@@ -1393,3 +1400,251 @@ def test_cli_trace_tells_the_chapter_walk_through(capsys, smollm2_dir):
     # step 2: the first generated token fills block 1 (no allocation); step 3 needs block 2
     assert "allocate" not in steps[2] and "4/4 ref=1" in steps[2].split("1->1")[1]
     assert "allocate blocks [2]" in steps[3] and "2->2 [" in steps[3]
+
+
+# =============================================================================
+# The CUDA kernel (kernels.cu, built by build_ext.py). GPU tests have "cuda" in their
+# names: `bash gpu_check.sh` runs them on a GPU machine; here they skip.
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# --- without a GPU: the fallback and the compile check ---
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a machine without CUDA")
+def test_kernels_fall_back_without_cuda():
+    assert build_ext.load_kernels() is None
+    reason = build_ext.unavailable_reason()
+    assert isinstance(reason, str) and reason.strip() and "\n" not in reason
+
+
+@pytest.mark.skipif(build_ext.find_cuda_home() is None, reason="needs nvcc")
+def test_kernels_nvcc_check():
+    run = subprocess.run([sys.executable, str(HERE / "build_ext.py"), "--check"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "paged_attention_kernel" in run.stdout and "write_kv_kernel" in run.stdout
+
+
+# --- paged batches for the GPU tests ---
+
+@dataclass
+class Case:
+    pairs: list            # (q_len, seq_len) per sequence
+    kv_heads: int
+    group: int             # query heads per kv head
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    partition_size: int = 0    # 0: the kernel's own choice; small values force split-K
+    scale: float | None = None  # None: 1/sqrt(head_dim)
+    num_blocks: int = 0        # 0: just enough (with spares); more puts blocks far apart
+
+
+def make_batch(case: Case, device, seed=0):
+    """q, a paged K/V cache and the flat-batch metadata for case.pairs.
+
+    Block tables are shuffled block ids from the top of the pool (in a big pool, at large
+    offsets). Every slot no sequence owns holds NaN — unused
+    blocks and the unused tail of each last block — and padded block-table entries point
+    at a NaN block: a kernel that reads outside a sequence's context returns NaN.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    bs, kvh, D = case.block_size, case.kv_heads, case.head_dim
+    H = kvh * case.group
+    n_blocks = [-(-seq_len // bs) for _, seq_len in case.pairs]
+    num_blocks = max(case.num_blocks, sum(n_blocks) + 1 + sum(n_blocks) // 4)
+    order = num_blocks - 1 - torch.randperm(min(num_blocks, sum(n_blocks) * 2 + 1), generator=gen)
+    poison_block, order = int(order[0]), order[1:]
+
+    max_blocks = max(n_blocks) + 2                       # two columns of padding at least
+    tables = torch.full((len(case.pairs), max_blocks), poison_block, dtype=torch.int32)
+    slots = []
+    taken = 0
+    for b, ((_, seq_len), n) in enumerate(zip(case.pairs, n_blocks)):
+        tables[b, :n] = order[taken:taken + n].to(torch.int32)
+        taken += n
+        pos = torch.arange(seq_len)
+        slots.append(tables[b, pos // bs].long() * bs + pos % bs)
+    slots = torch.cat(slots).to(device)
+
+    k_cache = torch.full((num_blocks, bs, kvh, D), float("nan"), dtype=case.dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache.view(-1, kvh, D)[slots] = torch.randn(len(slots), kvh, D, generator=gen).to(device, case.dtype)
+    v_cache.view(-1, kvh, D)[slots] = torch.randn(len(slots), kvh, D, generator=gen).to(device, case.dtype)
+
+    q_lens = [q_len for q_len, _ in case.pairs]
+    q = torch.randn(sum(q_lens), H, D, generator=gen).to(device, case.dtype)
+    seq_lens = torch.tensor([seq_len for _, seq_len in case.pairs], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_cache, v_cache, tables, seq_lens, query_start_loc
+
+
+def check_attention(ops, case: Case, device, seed=0):
+    """The kernel's output against paged_attention_ref on the same batch."""
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(case, device, seed)
+    scale = case.scale if case.scale is not None else case.head_dim ** -0.5
+    max_query_len = max(q_len for q_len, _ in case.pairs)
+    max_seq_len = max(seq_len for _, seq_len in case.pairs)
+    out = ops.paged_attention(q, k_cache, v_cache, tables.to(device), seq_lens.to(device), qsl.to(device),
+                              scale, max_query_len, max_seq_len, partition_size=case.partition_size)
+    # The reference walks the tables in Python: host copies of the metadata spare it a
+    # device sync per block.
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not out.isnan().any(), "NaN in the output: the kernel read a slot outside a context"
+    tol = 1e-4 if case.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+# Each axis is covered (dtype, head_dim, block_size, GQA group, context length, decode /
+# prefill / chunked prefill, split-K) without taking their full product.
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+VARLEN = [(1, 1328), (5, 18), (129, 463)]
+CASES = {
+    "decode-fp32-d128-bs16-g4": Case([(1, n) for n in (1, 2, 15, 16, 17, 100, 1000, 8192)], 2, 4, 128, 16, f32),
+    "decode-fp16-d64-bs8-g3": Case([(1, n) for n in (1, 7, 9, 333, 4097)], 3, 3, 64, 8, f16),
+    "decode-bf16-d128-bs32-g8": Case([(1, n) for n in (31, 33, 2048, 8191)], 1, 8, 128, 32, bf16),
+    "decode-bf16-d64-bs8-g1": Case([(1, n) for n in (5, 1000, 3333)], 4, 1, 64, 8, bf16),
+    "decode-fp32-d128-bs32-g2": Case([(1, n) for n in (1, 64, 2500)], 2, 2, 128, 32, f32),
+    "varlen-bf16-d64-bs16-g1": Case(VARLEN + [(7, 7), (1, 1)], 4, 1, 64, 16, bf16),
+    "varlen-fp32-d64-bs32-g4": Case(VARLEN + [(64, 64), (3, 3000)], 2, 4, 64, 32, f32),
+    "varlen-fp16-d64-bs8-g3": Case([(5, 18), (129, 463), (2, 2)], 3, 3, 64, 8, f16),
+    # split-K forced on prefill rows whose causal limits fall inside a partition
+    "varlen-fp16-d128-bs8-g8-split64": Case(VARLEN, 1, 8, 128, 8, f16, partition_size=64),
+    # a group of 16 needs two CTAs per kv head; scale 1 makes softmax peaky (many rescales)
+    "varlen-fp32-d64-bs16-g16-split100": Case([(1, 300), (9, 40)], 1, 16, 64, 16, f32,
+                                              partition_size=100, scale=1.0),
+    "chunked-bf16-d128-bs16-g4": Case([(256, 8192), (1, 4000), (1, 17)], 2, 4, 128, 16, bf16),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda_paged_attention_matches_reference(ops, name):
+    check_attention(ops, CASES[name], "cuda")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kernels = build_ext.load_kernels()
+    assert kernels is not None, f"CUDA is available but the kernels are not: {build_ext.unavailable_reason()}"
+    return kernels
+
+
+# --- KV write and block copy: exact ---
+
+def check_write_kv(ops, dtype, device, num_blocks=40, block_size=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T, H, kvh, D = 50, 6, 3, 64
+    num_slots = num_blocks * block_size
+    k_cache = torch.randn(num_blocks, block_size, kvh, D, generator=gen).to(device, dtype)
+    v_cache = torch.randn(num_blocks, block_size, kvh, D, generator=gen).to(device, dtype)
+    # k and v are views into a fused projection: tokens strided, each token's rows contiguous
+    qkv = torch.randn(T, H + 2 * kvh, D, generator=gen).to(device, dtype)
+    k, v = qkv[:, H:H + kvh], qkv[:, H + kvh:]
+    slot_mapping = (num_slots - 1 - torch.randperm(num_slots, generator=gen)[:T]).to(device)
+    slot_mapping[::7] = -1                                 # padding: not written
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    keep = slot_mapping >= 0
+    expect_k.view(-1, kvh, D)[slot_mapping[keep]] = k[keep]
+    expect_v.view(-1, kvh, D)[slot_mapping[keep]] = v[keep]
+    ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+
+
+def check_copy_blocks(ops, dtype, device, num_blocks=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(num_blocks, 16, 2, 128, generator=gen).to(device, dtype)
+    blocks = (num_blocks - 1 - torch.randperm(num_blocks, generator=gen)[:10]).tolist()
+    pairs = torch.tensor(list(zip(blocks[:5], blocks[5:])), dtype=torch.int64)  # sources != targets
+    expect = cache.clone()
+    expect[pairs[:, 1].to(device)] = cache[pairs[:, 0].to(device)]
+    ops.copy_blocks(cache, pairs.to(device))
+    assert torch.equal(cache, expect)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [f32, f16, bf16], ids=["fp32", "fp16", "bf16"])
+def test_cuda_write_kv_and_copy_blocks_exact(ops, dtype):
+    check_write_kv(ops, dtype, "cuda")
+    check_copy_blocks(ops, dtype, "cuda")
+
+
+# --- a pool of more than 2^31 elements: 64-bit offsets everywhere ---
+
+BIG = Case([(1, 5000), (37, 100), (1, 33)], 8, 1, 128, 32, f16, num_blocks=70_000)
+
+
+@needs_cuda
+def test_cuda_big_pool_needs_64bit_offsets(ops):
+    bs, kvh, D = BIG.block_size, BIG.kv_heads, BIG.head_dim
+    elements = BIG.num_blocks * bs * kvh * D
+    assert BIG.num_blocks > 32_768 and elements > 2**31
+    if torch.cuda.mem_get_info()[0] < 3 * elements * 2:   # two fp16 caches, and room to spare
+        pytest.skip("not enough free GPU memory for two 4.6 GB caches")
+    check_attention(ops, BIG, "cuda")
+
+    # KV write and block copy at the far end of the pool (byte offsets past 4 GiB)
+    k_cache = torch.zeros(BIG.num_blocks, bs, kvh, D, device="cuda", dtype=BIG.dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([BIG.num_blocks * bs - 1, (BIG.num_blocks - 3) * bs + 5, -1], device="cuda")
+    k = torch.randn(3, kvh, D, device="cuda", dtype=BIG.dtype)
+    v = torch.randn(3, kvh, D, device="cuda", dtype=BIG.dtype)
+    ops.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, kvh, D)[slots[:2]], k[:2])
+    assert torch.equal(v_cache.view(-1, kvh, D)[slots[:2]], v[:2])
+    src, dst = BIG.num_blocks - 1, BIG.num_blocks - 2
+    ops.copy_blocks(k_cache, torch.tensor([[src, dst]], device="cuda"))
+    assert torch.equal(k_cache[dst], k_cache[src]) and not torch.equal(v_cache[dst], v_cache[src])
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+
+
+# --- bad input: a clear error that names the tensor ---
+
+@needs_cuda
+def test_cuda_bad_input_names_the_tensor(ops):
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(CASES["varlen-bf16-d64-bs16-g1"], "cuda")
+    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables.cuda(), seq_lens=seq_lens.cuda(),
+                query_start_loc=qsl.cuda(), scale=0.125, max_query_len=129, max_seq_len=1328)
+    bad = {"block_tables": tables.cuda().long(),                  # int64 instead of int32
+           "k_cache": k_cache.transpose(1, 2),                    # not contiguous
+           "v_cache": v_cache.float(),                            # dtype differs from q
+           "seq_lens": seq_lens.cuda()[:-1],                      # one too few
+           "q": q.cpu()}                                          # not on the GPU
+    for name, tensor in bad.items():
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=name):
+            ops.paged_attention(**{**args, name: tensor})
+
+
+# --- the engine end to end on the GPU ---
+
+@needs_cuda
+def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
+    """Random (dummy) weights, as on a GPU machine no checkpoint reaches: the same greedy
+    tokens with the kernel as with the torch path, through prefill, decode, chunked
+    prefill, prefix hits and copy-on-write."""
+    vocab, _ = byte_vocab()
+    model_dir = write_tokenizer_json(tmp_path / "tiny", {"type": "ByteLevel"}, vocab, [])
+    (model_dir / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 4,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "eos_token_id": 0}))
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 40, 300, 17, 1000))]
+    prompts.append(prompts[2][:200] + [9, 9, 9])            # shares 12 full blocks with prompt 2
+    results = {}
+    for backend in ("cuda", "torch"):
+        llm = LLM(model_dir, device="cuda", dtype="float32", load_format="dummy", attn_backend=backend,
+                  max_num_batched_tokens=256, num_blocks=400)
+        assert llm.attn.backend == backend
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        outs += llm.generate(prompts[1], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8,
+                                                       ignore_eos=True))
+        results[backend] = [[c.token_ids for c in o.outputs] for o in outs]
+        assert llm.stats.prefix_hit_tokens > 0
+        assert_nothing_leaked(llm)
+    assert results["cuda"] == results["torch"]

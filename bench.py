@@ -1,0 +1,417 @@
+"""
+bench.py: nanopaged's benchmarks, measured, never asserted. Each prints a table; the
+README quotes them with the command that produced them.
+
+  python bench.py attention   paged attention on the CPU: fast path vs reference vs contiguous SDPA
+  python bench.py scheduler   the scheduler's own time per step, 256 running sequences, no model
+  python bench.py engine      the 64-request offline workload (+ transformers side by side), memory report
+  python bench.py prefix      a ~1,000-token shared system prompt: TTFT with prefix caching on vs off
+  python bench.py parallel    n = 4 parallel sampling: KV blocks with copy-on-write vs without sharing
+  python bench.py kernel      (GPU) the CUDA kernel's bandwidth vs the card's copy bandwidth
+  python bench.py all         every CPU benchmark above
+
+Benchmarks get their own file because they are not part of the engine: they drive it
+from outside, as a user would, and compare it with other ways of doing the same work.
+"""
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import build_ext
+from nanopaged import AttentionPlan, BlockPool, paged_attention, paged_attention_ref
+from scheduler import SamplingParams, Scheduler
+
+
+def median_time(fn, repeats=5, warmup=1):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# -----------------------------------------------------------------------------
+# paged attention on the CPU
+
+
+def bench_attention(args):
+    """A decode batch: 64 sequences with mixed context lengths up to 2,048, SmolLM2's head
+    shape (9 query heads, 3 kv heads, head_dim 64), float32, block size 16."""
+    H, KVH, D, bs, B = 9, 3, 64, 16, 64
+    rng = random.Random(0)
+    lens = [rng.randint(16, 2048) for _ in range(B)]
+    lens[0] = 2048
+    blocks = [-(-n // bs) for n in lens]
+    num_blocks = sum(blocks)
+    perm = torch.randperm(num_blocks).tolist()
+    k_cache = torch.randn(num_blocks, bs, KVH, D)
+    v_cache = torch.randn(num_blocks, bs, KVH, D)
+    tables = torch.zeros(B, max(blocks), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = torch.tensor(perm[start:start + n], dtype=torch.int32)
+        start += n
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    qsl = torch.arange(B + 1, dtype=torch.int32)
+    q = torch.randn(B, H, D)
+    scale = D ** -0.5
+    # the same data stored contiguously, padded to the longest sequence: (B, KVH, Lmax, D)
+    plan = AttentionPlan(tables, seq_lens, qsl, bs)
+    slots, valid = AttentionPlan._slots(tables, seq_lens.long(), max(lens), bs)   # (B, Lmax)
+    k_dense = k_cache.view(-1, KVH, D)[slots].transpose(1, 2).contiguous()
+    v_dense = v_cache.view(-1, KVH, D)[slots].transpose(1, 2).contiguous()
+    mask = valid[:, None, None, :]
+
+    def contiguous_sdpa():
+        return F.scaled_dot_product_attention(q.view(B, KVH, H // KVH, D), k_dense, v_dense,
+                                              attn_mask=mask, scale=scale)
+
+    torch.testing.assert_close(contiguous_sdpa().reshape(B, H, D),
+                               paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale))
+    rows = [
+        ("contiguous SDPA (no paging, padded)", median_time(contiguous_sdpa, args.repeats)),
+        ("paged fast path (plan per call)", median_time(
+            lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale), args.repeats)),
+        ("paged fast path (plan + workspace shared)", median_time(
+            lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, plan=plan), args.repeats)),
+        ("paged reference (online softmax, loops)", median_time(
+            lambda: paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale), 1, 0)),
+    ]
+    base = rows[0][1]
+    print(f"decode batch: {B} sequences, context {min(lens)}..{max(lens)} (sum {sum(lens)}), "
+          f"H={H} KVH={KVH} D={D} fp32, block size {bs}, {torch.get_num_threads()} threads; median of {args.repeats}")
+    print(f"{'':42s} {'ms/layer':>9s} {'vs contiguous':>14s}")
+    for name, t in rows:
+        print(f"{name:42s} {1000 * t:9.2f} {t / base:13.2f}x")
+
+
+# -----------------------------------------------------------------------------
+# the scheduler alone
+
+
+def bench_scheduler(args):
+    """schedule() + update() with 256 sequences decoding, a fake token for each: the
+    scheduler's own cost per step, to set against the model's step time."""
+    pool = BlockPool(num_blocks=256 * 80, block_size=16, num_layers=1, num_kv_heads=1, head_dim=1)
+    sched = Scheduler(pool, max_num_seqs=256, max_num_batched_tokens=256 * 600, max_model_len=4096)
+    rng = random.Random(0)
+    for i in range(256):
+        sched.add(i, [rng.randint(3, 999) for _ in range(rng.randint(16, 512))],
+                  SamplingParams(max_tokens=1000, ignore_eos=True))
+
+    def step():
+        out = sched.schedule()
+        sampled = {seq: 7 for i, seq in enumerate(out.seqs) if out.samples(i)}
+        sched.update(out, sampled)
+        return out
+
+    step()  # the prefill step
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        out = step()
+        times.append(time.perf_counter() - t)
+    assert len(out.seqs) == 256 and all(n == 1 for n in out.num_tokens)
+    med = statistics.median(times)
+    print(f"scheduler, 256 running sequences decoding (block size 16, prefix caching on): "
+          f"median {1000 * med:.2f} ms per step over {args.steps} steps "
+          f"({1e6 * med / 256:.1f} us per sequence)")
+
+
+# -----------------------------------------------------------------------------
+# the engine on the offline workload
+
+
+def offline_workload(vocab_size, seed=0, num_requests=64):
+    """64 requests: prompt lengths uniform in 16..512 tokens (random ids), output lengths
+    uniform in 32..256, greedy, ignore_eos so that every request produces exactly its
+    output length."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for _ in range(num_requests):
+        prompts.append([rng.randrange(17, vocab_size) for _ in range(rng.randint(16, 512))])
+        params.append(SamplingParams(temperature=0, max_tokens=rng.randint(32, 256), ignore_eos=True))
+    return prompts, params
+
+
+def bench_engine(args):
+    from nanopaged import LLM
+    llm = LLM(args.model, dtype=args.dtype)
+    prompts, params = offline_workload(llm.config.vocab_size)
+    n_prompt, n_out = sum(map(len, prompts)), sum(p.max_tokens for p in params)
+    max_len = max(len(p) + q.max_tokens for p, q in zip(prompts, params))
+    print(f"workload: {len(prompts)} requests, {n_prompt} prompt + {n_out} output tokens, "
+          f"{llm.config.num_hidden_layers}-layer model in {llm.dtype}, {torch.get_num_threads()} threads")
+    print(llm.describe_kv_cache())
+    llm.generate([[17] * 64] * 2, SamplingParams(temperature=0, max_tokens=4))  # warm up, sharing nothing
+    results = []
+    for run in range(args.runs):
+        t = time.perf_counter()
+        llm.generate(prompts, params, progress=True)
+        results.append((time.perf_counter() - t, llm.stats))
+    wall, stats = sorted(results, key=lambda r: r[0])[len(results) // 2]  # the median run
+    print(f"nanopaged (median of {args.runs} run{'s' * (args.runs > 1)}):")
+    print(stats.summary(llm.pool.num_blocks))
+    # Memory: at its peak the engine held peak_running requests in peak_blocks_used blocks.
+    # A contiguous cache reserves each request's maximum length up front; in the same memory
+    # it holds far fewer requests, depending on what "maximum" it can know.
+    bs = llm.pool.block_size
+    budget = stats.peak_blocks_used * bs
+    print(f"memory: {llm.bytes_per_block // bs} bytes of KV per token, {llm.bytes_per_block} per block of {bs}. "
+          f"At the peak, {stats.peak_running} requests ran in {stats.peak_blocks_used} blocks ({budget} token "
+          f"slots, {budget * llm.bytes_per_block / bs / 2**20:.0f} MiB). Reserving contiguously, that budget holds:")
+    finals, oracle = [len(p) + q.max_tokens for p, q in zip(prompts, params)], 0
+    while oracle < len(finals) and sum(finals[:oracle + 1]) <= budget:
+        oracle += 1
+    for label, fits in ((f"the model's context ({llm.max_model_len} tokens) per request", budget // llm.max_model_len),
+                        (f"the workload's longest request ({max_len} tokens) per request", budget // max_len),
+                        ("each request's exact final length (an oracle)", oracle)):
+        print(f"  {label:58s} {fits:3d} requests: paged holds {stats.peak_running / max(fits, 1):5.1f}x more")
+    if args.hf:
+        bench_hf_generate(llm, prompts, params, wall)
+
+
+def bench_hf_generate(llm, prompts, params, nanopaged_wall):
+    """The same requests through Hugging Face transformers' batched generate: one static
+    batch, left-padded, running until its longest request is done."""
+    try:
+        import transformers
+    except ImportError:
+        print("transformers: not installed (pip install transformers) - comparison skipped")
+        return
+    from model import resolve_model_dir
+    model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=llm.dtype)
+    model.generation_config.eos_token_id = None      # ignore_eos, like the workload
+    model.generation_config.pad_token_id = 0
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    max_new = max(p.max_tokens for p in params)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False)
+    wall = time.perf_counter() - t
+    useful = sum(p.max_tokens for p in params)
+    print(f"transformers {transformers.__version__} batched generate: {wall:.1f} s, {useful / wall:.1f} output tok/s "
+          f"(the tokens requested; it computed {len(prompts) * max_new}), vs nanopaged {nanopaged_wall:.1f} s: "
+          f"nanopaged is {wall / nanopaged_wall:.2f}x faster")
+
+
+# -----------------------------------------------------------------------------
+# prefix caching: a shared system prompt
+
+
+def bench_prefix(args):
+    from nanopaged import LLM
+    system = ("You are a meticulous assistant for a library. " * 120)
+    questions = ["Where are the maps?", "When do you open?", "Can I renew a book?", "Is there wifi?",
+                 "Who wrote Dracula?", "Do you have audiobooks?", "How much is a late fee?", "Where can I print?"]
+    row = {}
+    for caching in (True, False):
+        llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=caching)
+        n_system = len(llm.get_tokenizer().encode(system))
+        llm.generate(system + "Hello.", SamplingParams(temperature=0, max_tokens=1))  # the first visitor
+        ttfts = [llm.generate(system + q, SamplingParams(temperature=0, max_tokens=1))[0].ttft for q in questions]
+        row[caching] = statistics.median(ttfts)
+    print(f"shared system prompt of {n_system} tokens, {len(questions)} requests one after another, "
+          f"median time to first token: prefix caching on {1000 * row[True]:.0f} ms, "
+          f"off {1000 * row[False]:.0f} ms: {row[False] / row[True]:.1f}x lower with caching")
+
+
+# -----------------------------------------------------------------------------
+# parallel sampling: copy-on-write
+
+
+def bench_parallel(args):
+    from nanopaged import LLM
+    prompts = ["Write a story about a dragon who learns to read, in the style of a fairy tale, "
+               "with a happy ending and a moral about patience. " * 6, "List ten uses for a paperclip."]
+    rows = []
+    for label, n, copies, caching in (("n=4, blocks shared + copy-on-write", 4, 1, True),
+                                       ("4 independent requests, no sharing", 1, 4, False)):
+        llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=caching)
+        p = SamplingParams(n=n, temperature=0.8, seed=0, max_tokens=64, ignore_eos=True)
+        llm.generate([q for q in prompts for _ in range(copies)], p)
+        rows.append((label, llm.stats.peak_blocks_used, llm.stats.output_tokens))
+    print(f"{len(prompts)} prompts, 4 samples each, 64 tokens per sample, block size 16:")
+    for label, blocks, tokens in rows:
+        print(f"  {label:38s} peak KV blocks used {blocks:5d} ({tokens} output tokens)")
+    print(f"  copy-on-write uses {rows[1][1] / rows[0][1]:.2f}x fewer blocks")
+
+
+# -----------------------------------------------------------------------------
+# the CUDA kernel (GPU only; bash gpu_check.sh runs it)
+#
+# Decode attention on the GPU: the CUDA kernel against the card's copy bandwidth.
+#
+#     python bench_part_cuda.py
+#
+# Decode attention reads every cached K and V once per step and does little arithmetic, so
+# its speed limit is memory bandwidth. For decode batches of a Llama-3-8B layer (32 query
+# heads, 8 kv heads, head_dim 128, bf16, block_size 16) this prints the bandwidth the kernel
+# achieves (bytes of K/V read / kernel time) next to the bandwidth of a plain device-to-device
+# copy, and the time of the torch fast path (nanopaged.paged_attention) on the same data.
+# Times are CUDA-event medians. Each call reads other blocks than the one before (a pool of
+# at least 1 GiB is rotated through), so the 50 MB L2 cache does not serve repeats.
+
+BATCHES = [(1, 32768), (64, 4096), (256, 1024)]          # (sequences, context tokens each)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
+POOL_BYTES = 1 << 30                                      # K+V rotated through, at least
+GOAL = (64, 4096, 0.80)                                   # 80% of copy bandwidth at 64 x 4k
+
+
+def cuda_time_us(fn, calls: int, repeats: int = 7) -> float:
+    """Median over `repeats` of the mean time of `calls` back-to-back fn(i), in microseconds.
+
+    Back-to-back calls keep the GPU queue full, so host launch overhead is hidden as long as
+    a call takes longer on the GPU than on the CPU.
+    """
+    fn(0)                                                 # warm-up (and any lazy setup)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy: nbytes read plus nbytes written per copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = cuda_time_us(lambda i: dst.copy_(src), calls=5)
+    return 2 * nbytes / us / 1e3
+
+
+def decode_batch(num_seqs: int, context: int, gen: torch.Generator):
+    """A shuffled paged pool holding `copies` independent batches of num_seqs x context."""
+    blocks = context // BLOCK_SIZE
+    kv_bytes = num_seqs * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize * 2
+    copies = max(1, math.ceil(POOL_BYTES / kv_bytes))
+    num_blocks = copies * num_seqs * blocks
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
+    tables = perm.view(copies, num_seqs, blocks)             # (copies, B, blocks)
+    q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
+    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, tables, seq_lens, query_start_loc, kv_bytes
+
+
+def torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale):
+    """The torch fast path's time (its per-step plan built beforehand, as the engine does)
+    and its output on the first batch; (None, reason) when it cannot run here."""
+    try:
+        plans = [AttentionPlan(t, seq_lens, qsl, BLOCK_SIZE) for t in tables]
+        run = lambda i: paged_attention(q, k_cache, v_cache, tables[i % len(tables)], seq_lens,  # noqa: E731
+                                        qsl, scale, plan=plans[i % len(tables)])
+        out = run(0)
+        return cuda_time_us(run, calls=3, repeats=3), out
+    except Exception as e:  # the comparison is optional: an OOM or API change must not end the run
+        torch.cuda.empty_cache()
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+
+
+def bench_kernel(args) -> int:
+    if not torch.cuda.is_available():
+        print("kernel: no CUDA GPU, nothing to measure")
+        return 0
+    ops = build_ext.load_kernels()
+    if ops is None:
+        print(f"kernel: the kernels are unavailable: {build_ext.unavailable_reason()}")
+        return 1
+    props = torch.cuda.get_device_properties(0)
+    copy_gbs = copy_bandwidth_gbs()
+    torch.cuda.empty_cache()
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
+    print(f"device-to-device copy bandwidth (2 GiB, read + write): {copy_gbs:,.0f} GB/s")
+    print(f"decode attention: {HEADS} q heads / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, "
+          f"{str(DTYPE).removeprefix('torch.')}, block_size {BLOCK_SIZE}\n")
+    header = (f"{'batch x context':>16} {'K+V read':>9} {'grid (x,y,z)':>15} {'kernel us':>10} {'GB/s':>7} "
+              f"{'of copy':>8} {'torch us':>10} {'speedup':>8} {'max|diff|':>10}")
+    print(header)
+    print("-" * len(header))
+
+    status = 0
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scale = HEAD_DIM ** -0.5
+    achieved = {}
+    for num_seqs, context in BATCHES:
+        label = f"{num_seqs} x {context}"
+        try:
+            q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = decode_batch(num_seqs, context, gen)
+            call = lambda i: ops.paged_attention(q, k_cache, v_cache, tables[i % len(tables)], seq_lens,
+                                                 qsl, scale, 1, context)
+            kernel_us = cuda_time_us(call, calls=20)
+            gbs = kv_bytes / kernel_us / 1e3
+            achieved[(num_seqs, context)] = gbs / copy_gbs
+            plan = ops.describe_plan(num_seqs, num_seqs, HEADS, KV_HEADS, 1, context)
+            grid = ",".join(map(str, plan["grid"]))
+            torch_us, torch_out = torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
+            if torch_us is None:
+                torch_col, speedup, diff = "n/a", "", f"({torch_out})"
+            else:
+                max_diff = (call(0).float() - torch_out.float()).abs().max().item()
+                torch_col, speedup, diff = f"{torch_us:10.1f}", f"{torch_us / kernel_us:7.1f}x", f"{max_diff:10.2e}"
+                if not max_diff < 2e-2:
+                    diff += "  MISMATCH"
+                    status = 1
+            print(f"{label:>16} {kv_bytes / 1e6:7.0f}MB {grid:>15} {kernel_us:10.1f} {gbs:7.0f} "
+                  f"{gbs / copy_gbs:7.0%} {torch_col:>10} {speedup:>8} {diff:>10}")
+        except Exception as e:  # report the batch and go on with the next one
+            print(f"{label:>16}  failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+            status = 1
+        finally:
+            q = k_cache = v_cache = tables = None
+            torch.cuda.empty_cache()
+
+    seqs, ctx, goal = GOAL
+    if (seqs, ctx) in achieved:
+        verdict = "met" if achieved[(seqs, ctx)] >= goal else "NOT met"
+        print(f"\ngoal {goal:.0%} of copy bandwidth at {seqs} x {ctx}: {achieved[(seqs, ctx)]:.0%}, {verdict}")
+    return status
+
+
+# -----------------------------------------------------------------------------
+
+BENCHES = {"attention": bench_attention, "scheduler": bench_scheduler, "engine": bench_engine,
+           "prefix": bench_prefix, "parallel": bench_parallel, "kernel": bench_kernel}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", choices=[*BENCHES, "all"])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--runs", type=int, default=1, help="engine workload runs (the median is shown)")
+    ap.add_argument("--model", help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
+    args = ap.parse_args(argv)
+    status = 0
+    for name, fn in BENCHES.items():
+        if args.which == name or (args.which == "all" and name != "kernel"):
+            print(f"== {name} ==")
+            status |= fn(args) or 0
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
