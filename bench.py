@@ -2,6 +2,7 @@
 bench.py: nanopaged's benchmarks, measured, never asserted. Each prints a table; the
 README quotes them with the command that produced them.
 
+  python bench.py load        loading the default model: first run (conversion) and later runs
   python bench.py attention   paged attention on the CPU: fast path vs reference vs contiguous SDPA
   python bench.py scheduler   the scheduler's own time per step, 256 running sequences, no model
   python bench.py engine      the 64-request offline workload (+ transformers side by side), memory report
@@ -38,6 +39,34 @@ def median_time(fn, repeats=5, warmup=1):
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+# -----------------------------------------------------------------------------
+# loading the default model
+
+LOAD_SCRIPT = """
+import resource, sys, time
+t = time.perf_counter()
+from model import load_model, load_tokenizer
+model, tok = load_model(), load_tokenizer()
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def bench_load(args):
+    """Load the default model in a fresh process: first into an empty cache (the GGUF is
+    converted), then again from the converted directory. Time includes importing torch."""
+    import os
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NANOPAGED_CACHE": cache}
+        for label in ("first run (converts the GGUF)", "later runs (safetensors)"):
+            runs = [subprocess.run([sys.executable, "-c", LOAD_SCRIPT], env=env, capture_output=True, text=True,
+                                   check=True, cwd=sys.path[0]).stdout.split()
+                    for _ in range(1 if label.startswith("first") else args.repeats)]
+            secs, rss = statistics.median(float(r[0]) for r in runs), max(float(r[1]) for r in runs)
+            print(f"{label:32s} {secs:6.2f} s (median of {len(runs)}), peak RSS {rss:.0f} MiB")
 
 
 # -----------------------------------------------------------------------------
@@ -145,23 +174,42 @@ def offline_workload(vocab_size, seed=0, num_requests=64):
 
 
 def bench_engine(args):
+    """The offline workload through a fresh engine per run (so that no run finds the
+    previous one's prompts in the prefix cache), each run followed by transformers'
+    batched generate on the same requests: the ratio is taken side by side, as the
+    machine's speed drifts."""
     from nanopaged import LLM
-    llm = LLM(args.model, dtype=args.dtype)
+
+    def fresh_engine():
+        llm = LLM(args.model, dtype=args.dtype)
+        llm.generate([[17] * 64] * 2, SamplingParams(temperature=0, max_tokens=4))  # warm up, sharing nothing
+        return llm
+
+    llm = fresh_engine()
     prompts, params = offline_workload(llm.config.vocab_size)
     n_prompt, n_out = sum(map(len, prompts)), sum(p.max_tokens for p in params)
     max_len = max(len(p) + q.max_tokens for p, q in zip(prompts, params))
     print(f"workload: {len(prompts)} requests, {n_prompt} prompt + {n_out} output tokens, "
           f"{llm.config.num_hidden_layers}-layer model in {llm.dtype}, {torch.get_num_threads()} threads")
     print(llm.describe_kv_cache())
-    llm.generate([[17] * 64] * 2, SamplingParams(temperature=0, max_tokens=4))  # warm up, sharing nothing
-    results = []
+    runs, hf_walls = [], []
     for run in range(args.runs):
-        t = time.perf_counter()
+        llm = llm if run == 0 else fresh_engine()
         llm.generate(prompts, params, progress=True)
-        results.append((time.perf_counter() - t, llm.stats))
-    wall, stats = sorted(results, key=lambda r: r[0])[len(results) // 2]  # the median run
-    print(f"nanopaged (median of {args.runs} run{'s' * (args.runs > 1)}):")
+        runs.append(llm.stats)
+        print(f"run {run + 1}: nanopaged {llm.stats.elapsed:.1f} s", end="")
+        if args.hf:
+            hf_walls.append(hf_generate(args.model, llm.dtype, prompts, params))
+            print(f", transformers {hf_walls[-1]:.1f} s" if hf_walls[-1] else "", end="")
+        print()
+    stats = sorted(runs, key=lambda s: s.elapsed)[len(runs) // 2]  # the median run
+    print(f"nanopaged, the median of {len(runs)} run{'s' * (len(runs) > 1)}:")
     print(stats.summary(llm.pool.num_blocks))
+    if hf_walls and hf_walls[0]:
+        hf = statistics.median(hf_walls)
+        print(f"transformers batched generate, median of {len(hf_walls)}: {hf:.1f} s, {n_out / hf:.1f} output tok/s "
+              f"(counting the tokens requested; as one static batch it computes {len(prompts)} x "
+              f"{max(p.max_tokens for p in params)}). nanopaged is {hf / stats.elapsed:.2f}x faster")
     # Memory: at its peak the engine held peak_running requests in peak_blocks_used blocks.
     # A contiguous cache reserves each request's maximum length up front; in the same memory
     # it holds far fewer requests, depending on what "maximum" it can know.
@@ -177,34 +225,30 @@ def bench_engine(args):
                         (f"the workload's longest request ({max_len} tokens) per request", budget // max_len),
                         ("each request's exact final length (an oracle)", oracle)):
         print(f"  {label:58s} {fits:3d} requests: paged holds {stats.peak_running / max(fits, 1):5.1f}x more")
-    if args.hf:
-        bench_hf_generate(llm, prompts, params, wall)
 
 
-def bench_hf_generate(llm, prompts, params, nanopaged_wall):
+def hf_generate(model_name, dtype, prompts, params):
     """The same requests through Hugging Face transformers' batched generate: one static
-    batch, left-padded, running until its longest request is done."""
+    batch, left-padded, running until its longest request is done. Seconds, or None when
+    transformers is not installed."""
     try:
         import transformers
     except ImportError:
-        print("transformers: not installed (pip install transformers) - comparison skipped")
-        return
+        print("\ntransformers: not installed (pip install transformers): comparison skipped", end="")
+        return None
     from model import resolve_model_dir
-    model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=llm.dtype)
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_dir(model_name), dtype=dtype)
     model.generation_config.eos_token_id = None      # ignore_eos, like the workload
     model.generation_config.pad_token_id = 0
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    max_new = max(p.max_tokens for p in params)
     t = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False)
-    wall = time.perf_counter() - t
-    useful = sum(p.max_tokens for p in params)
-    print(f"transformers {transformers.__version__} batched generate: {wall:.1f} s, {useful / wall:.1f} output tok/s "
-          f"(the tokens requested; it computed {len(prompts) * max_new}), vs nanopaged {nanopaged_wall:.1f} s: "
-          f"nanopaged is {wall / nanopaged_wall:.2f}x faster")
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(p.max_tokens for p in params),
+                       do_sample=False)
+    return time.perf_counter() - t
 
 
 # -----------------------------------------------------------------------------
@@ -391,7 +435,7 @@ def bench_kernel(args) -> int:
 
 # -----------------------------------------------------------------------------
 
-BENCHES = {"attention": bench_attention, "scheduler": bench_scheduler, "engine": bench_engine,
+BENCHES = {"load": bench_load, "attention": bench_attention, "scheduler": bench_scheduler, "engine": bench_engine,
            "prefix": bench_prefix, "parallel": bench_parallel, "kernel": bench_kernel}
 
 

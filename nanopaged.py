@@ -626,12 +626,13 @@ class LLM:
             logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S, vocab)
         sampled = self._sample(out, logits)
         if self.trace:
-            self.trace("  sampled: " + ", ".join(
-                f"{seq} -> {self.tokenizer.decode(t if isinstance(t, list) else [t])!r}" for seq, t in sampled.items()))
+            words = {seq: [self.tokenizer.decode([x]) for x in (t if isinstance(t, list) else [t])]
+                     for seq, t in sampled.items()}   # a list: the first tokens of a fork's samples
+            self.trace("  sampled: " + ", ".join(f"{seq} -> {' | '.join(map(repr, w))}" for seq, w in words.items()))
         forked = self.scheduler.update(out, sampled)
         for child in forked:
             self._requests[child.request_id]["seqs"].append(child)
-        self._check_stop_strings(sampled)
+        self._check_stop_strings([*sampled, *forked])
         self.stats.output_tokens += sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())
         return self._collect_finished(out, forked)
 
@@ -696,15 +697,15 @@ class LLM:
             self._generators[key] = torch.Generator(self.device).manual_seed(seq.params.seed + sample_index)
         return self._generators[key]
 
-    def _check_stop_strings(self, sampled):
-        for seq in sampled:
-            req = self._requests.get(seq.request_id)
+    def _check_stop_strings(self, seqs):
+        """Finish the sequences whose text now contains a stop string; the text ends before it."""
+        for seq in seqs:
             if not seq.params.stop or seq.status is not Status.RUNNING:
                 continue
             text = self.tokenizer.decode(seq.output_token_ids)
             hits = [text.find(s) for s in seq.params.stop if s in text]
             if hits:
-                req["stop_at"][seq.sample_index] = min(hits)
+                self._requests[seq.request_id]["stop_at"][seq.sample_index] = min(hits)
                 self.scheduler.finish(seq, "stop")
 
     # --- bookkeeping ---
