@@ -504,13 +504,14 @@ class Stats:
 
     def summary(self, num_blocks: int) -> str:
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+        per_s = lambda n: n / self.elapsed if self.elapsed else float("nan")  # noqa: E731
         waste = 100 * (1 - self.filled_slots / self.allocated_slots) if self.allocated_slots else 0.0
         hit = 100 * self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
         return "\n".join([
             f"time to first token   {1000 * mean(self.ttfts):9.1f} ms (mean)",
             f"time per output token {1000 * mean(self.tpots):9.1f} ms (mean)",
-            f"throughput            {self.output_tokens / self.elapsed:9.1f} output tok/s, "
-            f"{(self.prompt_tokens + self.output_tokens) / self.elapsed:.1f} total tok/s "
+            f"throughput            {per_s(self.output_tokens):9.1f} output tok/s, "
+            f"{per_s(self.prompt_tokens + self.output_tokens):.1f} total tok/s "
             f"({self.output_tokens} + {self.prompt_tokens} prompt tokens in {self.elapsed:.2f} s, {self.steps} steps)",
             f"peak KV blocks used   {self.peak_blocks_used:9d} of {num_blocks}",
             f"KV waste              {waste:9.2f} % of allocated slots unfilled",
@@ -527,7 +528,7 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  attn_backend: str = "auto", load_format: str = "auto"):
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = _parse_device(device)
         dtype = _parse_dtype(dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         if attn_backend not in ("auto", "torch", "cuda"):
             raise ValueError(f"unknown attn_backend {attn_backend!r}: use auto, torch or cuda")
@@ -854,6 +855,20 @@ def sampling_probs(logits, p: SamplingParams):
         outside = sorted_p.cumsum(-1) - sorted_p >= p.top_p   # mass before this token already enough
         probs = probs.scatter(0, order, sorted_p.masked_fill(outside, 0.0))
     return probs
+
+
+def _parse_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: no CUDA GPU is available to torch {torch.__version__}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r} is not supported: use cpu or cuda")
+    return device
 
 
 def _parse_dtype(dtype) -> torch.dtype:

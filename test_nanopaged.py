@@ -1372,6 +1372,8 @@ def test_cli_help_shows_examples(capsys):
     ([], "give at least one --prompt"),
     (["--prompt", "hi", "--top-p", "2"], "top_p"),
     (["--prompt", "hi", "--dtype", "float8"], "unknown dtype"),
+    (["--prompt", "hi", "--device", "gpu"], "unknown device"),
+    (["--prompt", "hi", "--block-size", "0"], "--block-size"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
