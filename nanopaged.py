@@ -649,7 +649,7 @@ class LLM:
             slot_mapping += slots
             seq_lens.append(start + n)
             qsl.append(qsl[-1] + n)
-            if out.samples(i):
+            if out.samples[i]:
                 logits_indices.append(qsl[-1] - 1)   # the last token of the sequence
         max_blocks = max(len(s.block_table.block_ids) for s in out.seqs)
         # padded entries (past a sequence's blocks) are never read
@@ -671,7 +671,7 @@ class LLM:
         argmax; the others are sampled one by one, each with its own generator, so a seeded
         request gives the same tokens whatever else is in the batch."""
         logits = logits.float()
-        due = [seq for i, seq in enumerate(out.seqs) if out.samples(i)]
+        due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]
         finite = logits.sum(dim=-1).isfinite().tolist()   # any NaN or inf makes its row's sum one
         greedy = logits.argmax(dim=-1).tolist()
         sampled = {}
@@ -793,8 +793,7 @@ class LLM:
 
     def reset_stats(self):
         self.stats = Stats()
-        sched = self.scheduler
-        sched.num_preemptions = sched.prefix_hit_blocks = sched.prefix_hit_tokens = sched.prefix_query_tokens = 0
+        self.scheduler.reset_counters()
 
     # --- streaming and the block trace ---
     def stream(self, prompt, params: SamplingParams | None = None):

@@ -138,11 +138,8 @@ class SchedulerOutput:
     slots: list[list[int]] = field(default_factory=list)  # their cache slots (the slot_mapping)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)
-
-    def samples(self, i: int) -> bool:
-        """Does sequence i reach its last token this step (so its logits get sampled)?"""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_tokens[i] == seq.num_tokens
+    # does sequence i reach its last token this step (so that its logits get sampled)?
+    samples: list[bool] = field(default_factory=list)
 
 
 class Scheduler:
@@ -214,6 +211,9 @@ class Scheduler:
         if not siblings:
             del self.requests[seq.request_id]
 
+    def reset_counters(self):
+        self.num_preemptions = self.prefix_hit_blocks = self.prefix_hit_tokens = self.prefix_query_tokens = 0
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -262,6 +262,7 @@ class Scheduler:
         out.seqs.append(seq)
         out.num_tokens.append(n)
         out.slots.append(seq.block_table.slots_for(n))
+        out.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until seq's n tokens fit. False if seq itself

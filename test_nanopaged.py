@@ -914,7 +914,7 @@ def run_step(sched, check=True, token=fake_token):
         assert [len(s) for s in out.slots] == out.num_tokens
     sampled = {}
     for i, seq in enumerate(out.seqs):
-        if out.samples(i):
+        if out.samples[i]:
             k = seq.pending_samples
             sampled[seq] = [token(seq)] * k if k > 1 else token(seq)
     sched.update(out, sampled)
