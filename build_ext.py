@@ -18,6 +18,10 @@ rebuilds only when a source or flag changes.
                                   # as errors, a registers/smem/spills table; works
                                   # without a GPU or a CUDA torch (CI runs it)
     python build_ext.py --build   # build and load the extension, timed
+
+load_kernels(emulate=True) builds the same kernels.cu and binding for the CPU
+emulator (see EMULATOR below): CPU tensors, no GPU, slow but exact — the tests
+run the kernels that way on every CI run.
 """
 
 import os
@@ -45,8 +49,10 @@ TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSI
 # ----------------------------------------------------------------------------
 BINDING = r"""
 #include <torch/extension.h>
+#ifndef NANOPAGED_EMULATE
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <cstdint>
 #include <mutex>
@@ -107,7 +113,17 @@ void check_size(const at::Tensor& t, const char* name, int64_t dim, int64_t expe
                     " should be ", expected, " (", what, ")");
 }
 
-// The planner spreads work over all SMs; ask the driver once per device.
+// Where the kernels run. On a GPU: CUDA tensors, torch's current stream, and the
+// planner spreads work over all SMs (asked of the driver once per device). Built
+// with NANOPAGED_EMULATE (load_kernels(emulate=True)): the same kernels run on
+// CPU fibers over CPU tensors (see EMULATOR), planned as for a 132-SM H100/H200.
+#ifndef NANOPAGED_EMULATE
+constexpr const char* kKernelDevice = "CUDA";
+bool on_kernel_device(const at::Tensor& t) { return t.is_cuda(); }
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
+int current_device() { return c10::cuda::current_device(); }
+using DeviceGuard = c10::cuda::OptionalCUDAGuard;
+
 int sm_count(int device) {
   static std::mutex mutex;
   static std::unordered_map<int, int> counts;
@@ -119,6 +135,14 @@ int sm_count(int device) {
   counts[device] = count;
   return count;
 }
+#else
+constexpr const char* kKernelDevice = "CPU";
+bool on_kernel_device(const at::Tensor& t) { return t.is_cpu(); }
+cudaStream_t current_stream() { return nullptr; }
+int current_device() { return 0; }
+struct DeviceGuard { explicit DeviceGuard(const at::Device&) {} };
+int sm_count(int) { return 132; }
+#endif
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, what, " failed to launch: ", cudaGetErrorString(err));
@@ -128,7 +152,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale, int64_t max_query_len,
                            int64_t max_seq_len, int64_t partition_size) {
-  TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor, got one on ", q.device());
+  TORCH_CHECK_VALUE(on_kernel_device(q), "q must be a ", kKernelDevice, " tensor, got one on ", q.device());
   const auto device = q.device();
   const KvDtype dtype = kv_dtype(q, "q");
   check_rows(q, "q", device, q.scalar_type());
@@ -161,7 +185,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
   auto out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
-  const c10::cuda::OptionalCUDAGuard guard(device);
+  const DeviceGuard guard(device);
 
   const AttentionPlan plan = plan_paged_attention((int)T, (int)B, (int)H, (int)KVH,
                                                   (int)max_query_len, (int)max_seq_len,
@@ -197,13 +221,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   args.max_blocks_per_seq = (int)max_blocks;
   args.scale = (float)scale;
   args.dtype = dtype;
-  check_launch(launch_paged_attention(args, plan, c10::cuda::getCurrentCUDAStream()), "paged_attention");
+  check_launch(launch_paged_attention(args, plan, current_stream()), "paged_attention");
   return out;
 }
 
 void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
               const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK_VALUE(k_cache.is_cuda(), "k_cache must be a CUDA tensor, got one on ", k_cache.device());
+  TORCH_CHECK_VALUE(on_kernel_device(k_cache), "k_cache must be a ", kKernelDevice, " tensor, got one on ",
+                    k_cache.device());
   const auto device = k_cache.device();
   check(k_cache, "k_cache", device, k_cache.scalar_type(), 4);
   check(v_cache, "v_cache", device, k_cache.scalar_type(), 4);
@@ -222,17 +247,17 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   check_aligned(k_cache, "k_cache");
   check_aligned(v_cache, "v_cache");
   if (k.size(0) == 0) return;
-  const c10::cuda::OptionalCUDAGuard guard(device);
+  const DeviceGuard guard(device);
   check_launch(launch_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
                                slot_mapping.data_ptr<int64_t>(), (int)k.size(0),
                                k_cache.size(0) * k_cache.size(1), bytes_per_token,
                                token_stride(k) * k.element_size(), token_stride(v) * v.element_size(),
-                               c10::cuda::getCurrentCUDAStream()),
+                               current_stream()),
                "write_kv");
 }
 
 void copy_blocks(const at::Tensor& cache, const at::Tensor& src_dst) {
-  TORCH_CHECK_VALUE(cache.is_cuda(), "cache must be a CUDA tensor, got one on ", cache.device());
+  TORCH_CHECK_VALUE(on_kernel_device(cache), "cache must be a ", kKernelDevice, " tensor, got one on ", cache.device());
   TORCH_CHECK_VALUE(cache.dim() >= 1 && cache.is_contiguous(), "cache must be a contiguous "
                     "[num_blocks, ...] tensor, got shape ", cache.sizes(), " with strides ", cache.strides());
   check(src_dst, "src_dst", cache.device(), at::kLong, 2);
@@ -242,9 +267,9 @@ void copy_blocks(const at::Tensor& cache, const at::Tensor& src_dst) {
   TORCH_CHECK_VALUE(bytes_per_block % 16 == 0, "a cache block (", bytes_per_block,
                     " bytes) must be a multiple of 16 bytes");
   if (src_dst.size(0) == 0) return;
-  const c10::cuda::OptionalCUDAGuard guard(cache.device());
+  const DeviceGuard guard(cache.device());
   check_launch(launch_copy_blocks(cache.data_ptr(), src_dst.data_ptr<int64_t>(), (int)src_dst.size(0),
-                                  cache.size(0), bytes_per_block, c10::cuda::getCurrentCUDAStream()),
+                                  cache.size(0), bytes_per_block, current_stream()),
                "copy_blocks");
 }
 
@@ -255,7 +280,7 @@ py::dict describe_plan(int64_t num_tokens, int64_t num_seqs, int64_t num_heads, 
                     " must be a multiple of num_kv_heads ", num_kv_heads);
   const AttentionPlan p = plan_paged_attention((int)num_tokens, (int)num_seqs, (int)num_heads,
                                                (int)num_kv_heads, (int)max_query_len, (int)max_seq_len,
-                                               sm_count(c10::cuda::current_device()), (int)partition_size);
+                                               sm_count(current_device()), (int)partition_size);
   py::dict d;
   d["rows_per_cta"] = p.rows_per_cta;
   d["heads_per_cta"] = p.heads_per_cta;
@@ -282,6 +307,250 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cache"), py::arg("src_dst"));
 }
 """
+
+# ----------------------------------------------------------------------------
+# the emulator: kernels.cu on the CPU, for tests on machines without a GPU
+# ----------------------------------------------------------------------------
+# load_kernels(emulate=True) compiles kernels.cu with the host compiler instead of
+# nvcc, after this header, and the binding above for CPU tensors. The kernels
+# then run — slowly, microseconds per shuffle — with CUDA's semantics where they
+# decide right or wrong: every thread of a CTA runs the kernel with its own
+# threadIdx, __syncthreads and warp shuffles are real rendezvous, __shared__
+# memory is one per CTA, and a thread left waiting at a barrier that another
+# never reaches is reported as a deadlock, not a hang. So the tests prove the
+# kernels' indexing, masking, online softmax and split-K merge in every CI run.
+# What it cannot show: speed, memory coalescing, the GPU's memory model (the
+# fibers interleave only at barriers, so a missing __syncthreads between two
+# unrelated accesses can go unnoticed), and nvcc-only bugs; bash gpu_check.sh does.
+#
+# Each CUDA thread is a fiber (a ucontext with its own stack) on one OS thread.
+# A fiber runs until it reaches a barrier, then yields to the scheduler loop in
+# run_grid(), which resumes the next runnable fiber; a barrier lets its fibers
+# go once every live thread it spans has arrived. CTAs run one after another.
+EMULATOR = r"""
+// kernels.cu on CPU fibers (build_ext.py's EMULATOR; see the comment above it there).
+#include <cuda_runtime_api.h>
+#include <vector_functions.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+// Device-code keywords: __global__, __device__ and __forceinline__ already mean
+// nothing (or plain inline) to a host compiler; these two need a host meaning.
+#undef __launch_bounds__
+#undef __shared__
+#define __launch_bounds__(...)
+#define __shared__ static  // one CTA runs at a time, so a static is its shared memory
+
+using std::max;
+using std::min;
+
+inline uint3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
+
+namespace emu {
+
+constexpr int kWarp = 32;
+constexpr size_t kStackBytes = 64 << 10;
+
+struct Barrier {      // a CTA's __syncthreads, or one warp's shuffles
+  int first, count;   // the threads it spans
+  int live, arrived;  // threads not yet exited; threads waiting here
+};
+
+struct Fiber {
+  ucontext_t context;
+  std::vector<char> stack;
+  Barrier* waiting_on = nullptr;
+  bool done = false;
+  unsigned shuffles = 0;  // shuffles done: picks the exchange buffer (see __shfl_xor_sync)
+};
+
+struct Grid {
+  ucontext_t scheduler;
+  std::vector<Fiber> fibers;
+  std::vector<Barrier> warps;
+  Barrier block;
+  std::vector<float> exchange;  // [2][num_warps][32] values in flight in shuffles
+  std::function<void()> body;   // the kernel with its arguments
+  int current = 0;
+  std::string error;
+};
+inline Grid grid;
+
+inline void release(Barrier& b) {
+  b.arrived = 0;
+  for (int t = b.first; t < b.first + b.count; ++t)
+    if (grid.fibers[t].waiting_on == &b) grid.fibers[t].waiting_on = nullptr;
+}
+
+// Switch from the running fiber (or the scheduler) to fiber t.
+inline void resume(ucontext_t* from, int t) {
+  grid.current = t;
+  threadIdx = make_uint3(t, 0, 0);
+  swapcontext(from, &grid.fibers[t].context);
+}
+
+// The next fiber after `after` (round robin) that has neither finished nor
+// waits at a barrier; -1 if there is none.
+inline int next_runnable(int after) {
+  const int n = (int)grid.fibers.size();
+  for (int i = 1; i <= n; ++i) {
+    const int t = (after + i) % n;
+    if (!grid.fibers[t].done && !grid.fibers[t].waiting_on) return t;
+  }
+  return -1;
+}
+
+// The calling thread waits at b until every live thread of b has arrived. The
+// last to arrive releases the others and goes on; the others hand the CPU
+// straight to the next runnable fiber (one switch, not two through the
+// scheduler), or to the scheduler when none can run: a deadlock.
+inline void arrive(Barrier& b) {
+  const int me = grid.current;
+  Fiber& self = grid.fibers[me];
+  self.waiting_on = &b;
+  if (++b.arrived == b.live) release(b);
+  while (self.waiting_on) {
+    const int t = next_runnable(me);
+    if (t < 0) swapcontext(&self.context, &grid.scheduler);
+    else resume(&self.context, t);
+  }
+}
+
+// An exited thread no longer counts at its barriers (as on the GPU, where a
+// barrier waits only for the threads that have not exited).
+inline void leave(Barrier& b) {
+  if (--b.live > 0 && b.arrived == b.live) release(b);
+}
+
+inline void fiber_main() {
+  grid.body();
+  grid.fibers[grid.current].done = true;
+  Barrier& warp = grid.warps[grid.current / kWarp];
+  if (warp.arrived > 0 && grid.error.empty())
+    grid.error = "emulator: a thread exited while lanes of its warp wait at a shuffle";
+  leave(warp);
+  leave(grid.block);
+}  // returns to grid.scheduler through uc_link
+
+inline void run_grid(dim3 g, dim3 b, std::function<void()> body) {
+  const int threads = (int)(b.x * b.y * b.z), num_warps = (threads + kWarp - 1) / kWarp;
+  if (b.y != 1 || b.z != 1) { grid.error = "emulator: only 1-D thread blocks"; return; }
+  gridDim = g;
+  blockDim = b;
+  grid.body = std::move(body);
+  grid.fibers.resize(threads);
+  grid.warps.resize(num_warps);
+  grid.exchange.assign(2 * num_warps * kWarp, 0.f);
+  for (Fiber& f : grid.fibers) f.stack.resize(kStackBytes);
+  for (unsigned z = 0; z < g.z; ++z)
+    for (unsigned y = 0; y < g.y; ++y)
+      for (unsigned x = 0; x < g.x; ++x) {
+        blockIdx = make_uint3(x, y, z);
+        grid.block = Barrier{0, threads, threads, 0};
+        for (int w = 0; w < num_warps; ++w) {
+          const int n = std::min(kWarp, threads - w * kWarp);
+          grid.warps[w] = Barrier{w * kWarp, n, n, 0};
+        }
+        for (Fiber& f : grid.fibers) {
+          f.waiting_on = nullptr;
+          f.done = false;
+          f.shuffles = 0;
+          getcontext(&f.context);
+          f.context.uc_stack.ss_sp = f.stack.data();
+          f.context.uc_stack.ss_size = f.stack.size();
+          f.context.uc_link = &grid.scheduler;
+          makecontext(&f.context, fiber_main, 0);
+        }
+        // Fibers come back here when they finish, or when all that remain wait.
+        for (int t = 0; t >= 0; t = next_runnable(grid.current)) resume(&grid.scheduler, t);
+        for (const Fiber& f : grid.fibers) {
+          if (f.done) continue;
+          grid.error = "emulator: deadlock in CTA (" + std::to_string(x) + ", " + std::to_string(y) +
+                       ", " + std::to_string(z) + "): a thread waits at __syncthreads or a shuffle "
+                       "that another live thread of its CTA or warp never reaches";
+          return;
+        }
+      }
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) is rewritten by build_ext.py as
+// emu::launch(kernel, grid, block, smem, stream)(args...).
+template <typename Kernel>
+auto launch(Kernel kernel, dim3 g, dim3 b, size_t /*dynamic smem*/ = 0, cudaStream_t = nullptr) {
+  return [=](auto... args) {
+    if (grid.error.empty()) run_grid(g, b, [&] { kernel(args...); });
+  };
+}
+
+}  // namespace emu
+
+// --- the intrinsics kernels.cu uses ------------------------------------------
+inline void __syncthreads() { emu::arrive(emu::grid.block); }
+
+// Each lane posts its value, meets its warp at the barrier, then reads its
+// partner's. Consecutive shuffles alternate between two buffers: a lane can run
+// at most one shuffle ahead of the slowest (the next barrier stops it), so it
+// never overwrites a value that a slower lane has still to read.
+inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
+  emu::Grid& g = emu::grid;
+  const int t = g.current, warp = t / emu::kWarp, lane = t % emu::kWarp;
+  emu::Barrier& b = g.warps[warp];
+  if ((mask != 0xffffffffu || b.live != emu::kWarp) && g.error.empty())
+    g.error = "emulator: a full-warp shuffle needs all 32 lanes live and in the mask";
+  float* buffer = &g.exchange[((g.fibers[t].shuffles++ & 1) * g.warps.size() + warp) * emu::kWarp];
+  buffer[lane] = value;
+  emu::arrive(b);
+  return buffer[lane ^ lane_mask];
+}
+
+template <typename T> inline T __ldg(const T* p) { return *p; }
+
+inline int __ffs(int x) { return __builtin_ffs(x); }  // 1 + index of the lowest set bit, 0 for 0
+
+inline float __uint_as_float(unsigned x) {
+  float f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
+
+// The runtime calls kernels.cu and the binding make. Like CUDA's, the error of
+// a failed launch is reported once, then cleared.
+static std::string last_error;
+
+cudaError_t cudaGetLastError(void) {
+  if (emu::grid.error.empty()) return cudaSuccess;
+  last_error = std::move(emu::grid.error);
+  emu::grid.error.clear();
+  return cudaErrorLaunchFailure;
+}
+
+const char* cudaGetErrorString(cudaError_t error) {
+  return error == cudaSuccess ? "no error" : last_error.c_str();
+}
+"""
+
+# kernel<<<grid, block, smem, stream>>>(args) -> emu::launch(kernel, grid, block, smem, stream)(args)
+CUDA_LAUNCH = re.compile(r"(\w+(?:<[^<>;]*>)?)<<<(.+?)>>>\(")
+
+
+def emulated_source(cuda_source: str, filename: str) -> str:
+    """CUDA source as C++ for the host compiler: the emulator, then the source with
+    each triple-chevron launch turned into a call (line numbers kept for errors)."""
+    source, launches = CUDA_LAUNCH.subn(lambda m: f"emu::launch({m.group(1)}, {m.group(2)})(", cuda_source)
+    if launches != cuda_source.count("<<<"):
+        raise KernelsUnavailable(f"emulator: a <<<...>>> launch in {filename} is not of the form "
+                                 "kernel<<<...>>>(args) on one line")
+    return f'{EMULATOR}\n#line 1 "{filename}"\n{source}'
+
 
 # ----------------------------------------------------------------------------
 # finding the toolkit, building, loading
@@ -323,17 +592,23 @@ def first_error(log: str) -> str:
     return (lines[-1] if lines else "no output")[:300]
 
 
-def _build():
+def write_if_changed(path: Path, text: str) -> None:
+    """Rewrite a generated source only when it changed (the build cache goes by it)."""
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def _build(emulate: bool):
     """Compile and import the extension; raise KernelsUnavailable with the reason."""
     try:
         import torch
     except ImportError:
         raise KernelsUnavailable("torch is not installed") from None
-    if torch.version.cuda is None:
+    if not emulate and torch.version.cuda is None:
         raise KernelsUnavailable(f"torch {torch.__version__} was built without CUDA")
-    if not torch.cuda.is_available():
+    if not emulate and not torch.cuda.is_available():
         raise KernelsUnavailable("no CUDA GPU is visible to torch")
-    home = find_cuda_home()
+    home = find_cuda_home()  # the emulator needs only its headers (cuda_fp16.h, ...)
     if home is None:
         raise KernelsUnavailable("nvcc not found: set CUDA_HOME to a CUDA toolkit")
     # cpp_extension reads CUDA_HOME once, when first imported: set the variable
@@ -343,47 +618,52 @@ def _build():
     cpp_extension.CUDA_HOME = home
     if not cpp_extension.is_ninja_available():
         raise KernelsUnavailable("ninja is not installed (pip install ninja): torch needs it to build")
-    # Compile for this GPU only (unset, torch picks every visible GPU's arch).
-    major, minor = torch.cuda.get_device_capability()
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
 
-    out = build_dir()
+    out = build_dir() / "emulated" if emulate else build_dir()
     out.mkdir(parents=True, exist_ok=True)
     binding = out / "binding.cpp"
-    if not binding.exists() or binding.read_text() != BINDING:
-        binding.write_text(BINDING)
+    write_if_changed(binding, BINDING)
+    if emulate:
+        kernels = out / "kernels_emulated.cpp"
+        write_if_changed(kernels, emulated_source(KERNELS.read_text(), str(KERNELS)))
+        options = dict(name="nanopaged_kernels_emulated", extra_include_paths=[str(HERE), f"{home}/include"],
+                       extra_cflags=["-O2", "-DNANOPAGED_EMULATE"])
+    else:
+        # Compile for this GPU only (unset, torch picks every visible GPU's arch).
+        major, minor = torch.cuda.get_device_capability()
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+        kernels = KERNELS
+        options = dict(name="nanopaged_kernels", extra_include_paths=[str(HERE)], extra_cflags=["-O3"],
+                       extra_cuda_cflags=["-O3"])
     try:
-        return cpp_extension.load(
-            name="nanopaged_kernels", sources=[str(binding), str(KERNELS)],
-            extra_include_paths=[str(HERE)], extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3"], build_directory=str(out), verbose=False)
+        return cpp_extension.load(sources=[str(binding), str(kernels)], build_directory=str(out),
+                                  verbose=False, **options)
     except Exception as e:  # a compiler error, a missing header, a link error...
         log = out / "build.log"
         log.write_text(f"{type(e).__name__}: {e}\n")
         raise KernelsUnavailable(f"building kernels.cu failed: {first_error(str(e))} (log: {log})") from None
 
 
-_ops = None
-_reason = None
-_tried = False
+_loaded: dict[bool, tuple] = {}  # emulate -> (ops module or None, reason or None)
 
 
-def load_kernels():
-    """The compiled ops module (built once, then cached), or None; see unavailable_reason()."""
-    global _ops, _reason, _tried
-    if not _tried:
-        _tried = True
+def load_kernels(emulate: bool = False):
+    """The compiled ops module (built once, then cached), or None; see unavailable_reason().
+
+    emulate=True builds the same kernels for the CPU emulator (EMULATOR): CPU
+    tensors in and out, no GPU needed, for tests only."""
+    if emulate not in _loaded:
         try:
-            _ops = _build()
+            _loaded[emulate] = (_build(emulate), None)
         except KernelsUnavailable as e:
-            _reason = str(e)
-    return _ops
+            _loaded[emulate] = (None, str(e))
+    return _loaded[emulate][0]
 
 
-def unavailable_reason() -> str | None:
+def unavailable_reason(emulate: bool = False) -> str | None:
     """One line saying why load_kernels() returns None; None when the kernels work."""
-    load_kernels()
-    return _reason
+    load_kernels(emulate)
+    return _loaded[emulate][1]
 
 
 # ----------------------------------------------------------------------------

@@ -7,8 +7,9 @@ Chapters, in the order the code is built:
   the paged KV cache BlockPool, BlockTable, copy-on-write, paged attention vs dense softmax
   the scheduler     model-free, with a fake runner: invariants, FCFS, preemption, prefix caching
   the engine        LLM.generate end to end on the default model, and the command line
-  the CUDA kernel   without a GPU: the fallback and the nvcc check; with one (bash gpu_check.sh):
-                    the kernel against paged_attention_ref, KV write and block copy, the engine
+  the CUDA kernel   without a GPU: the fallback, the nvcc check, and the kernels on the CPU
+                    emulator against paged_attention_ref, KV write and block copy, the engine;
+                    with one (bash gpu_check.sh): the same on the GPU, the full matrix
 """
 
 import importlib.util
@@ -28,8 +29,8 @@ from safetensors.torch import save_file
 import build_ext
 import scheduler as scheduler_module
 from model import ModelConfig, ModelError, load_model, load_tokenizer, resolve_model_dir
-from nanopaged import (LLM, BlockPool, OutOfBlocks, copy_blocks, main, paged_attention,
-                       paged_attention_ref, sampling_probs, write_kv)
+from nanopaged import (LLM, BlockPool, OutOfBlocks, PagedAttention, copy_blocks, main,
+                       paged_attention, paged_attention_ref, sampling_probs, write_kv)
 from scheduler import SamplingParams, Scheduler, Status
 
 HERE = Path(__file__).resolve().parent
@@ -1406,7 +1407,8 @@ def test_cli_trace_tells_the_chapter_walk_through(capsys, smollm2_dir):
 
 # =============================================================================
 # The CUDA kernel (kernels.cu, built by build_ext.py). GPU tests have "cuda" in their
-# names: `bash gpu_check.sh` runs them on a GPU machine; here they skip.
+# names: `bash gpu_check.sh` runs them on a GPU machine; here they skip. Tests named
+# "emulated" run the same kernels on the CPU emulator (build_ext.EMULATOR) in every CI run.
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -1426,6 +1428,60 @@ def test_kernels_nvcc_check():
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "paged_attention_kernel" in run.stdout and "write_kv_kernel" in run.stdout
+
+
+needs_toolkit = pytest.mark.skipif(build_ext.find_cuda_home() is None, reason="needs the CUDA toolkit's headers")
+
+EMULATOR_PROBE = r"""
+#include <cstdio>
+// Shared memory, __syncthreads and shuffles across 4 warps: out[b] = sum of block b's x.
+__global__ void block_sum(const float* x, float* out) {
+  __shared__ float partial[4];
+  float v = x[blockIdx.x * blockDim.x + threadIdx.x];
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = partial[0] + partial[1] + partial[2] + partial[3];
+}
+// Lane 5 exits, the others shuffle with a full mask: undefined on a GPU.
+__global__ void shuffle_after_exit(float* out) {
+  if (threadIdx.x == 5) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
+}
+// Thread 0 waits at a shuffle, the rest of its CTA at __syncthreads.
+__global__ void deadlock(float* out) {
+  if (threadIdx.x == 0) out[0] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
+  else __syncthreads();
+}
+int main() {
+  float x[3 * 128], out[128];
+  for (int i = 0; i < 3 * 128; ++i) x[i] = (float)i;
+  block_sum<<<3, 128>>>(x, out);
+  printf("%s: %g %g %g\n", cudaGetErrorString(cudaGetLastError()), out[0], out[1], out[2]);
+  shuffle_after_exit<<<1, 32>>>(out);
+  printf("%s\n", cudaGetErrorString(cudaGetLastError()));
+  deadlock<<<2, 64>>>(out);
+  printf("%s\n", cudaGetErrorString(cudaGetLastError()));
+  block_sum<<<3, 128>>>(x, out);  // a failed launch's error is reported once
+  printf("%s: %g\n", cudaGetErrorString(cudaGetLastError()), out[2]);
+}
+"""
+
+
+@needs_toolkit
+def test_emulator_barriers_shuffles_and_misuse(tmp_path):
+    """The emulator itself: barriers, shuffles and shared memory give CUDA's answers, and
+    a shuffle with an exited lane or a deadlock is an error, not garbage or a hang."""
+    src = tmp_path / "probe.cpp"
+    src.write_text(build_ext.emulated_source(EMULATOR_PROBE, "probe.cu"))
+    include = Path(build_ext.find_cuda_home()) / "include"
+    subprocess.run(["g++", "-std=c++17", "-O1", f"-I{include}", str(src), "-o", str(tmp_path / "probe")],
+                   check=True, capture_output=True, timeout=120)
+    lines = subprocess.run([tmp_path / "probe"], capture_output=True, text=True, timeout=60).stdout.splitlines()
+    assert lines[0] == f"no error: {sum(range(128))} {sum(range(128, 256))} {sum(range(256, 384))}"
+    assert "exited while lanes of its warp wait at a shuffle" in lines[1]
+    assert "deadlock in CTA (0, 0, 0)" in lines[2]
+    assert lines[3] == f"no error: {sum(range(256, 384))}"
 
 
 # --- paged batches for the GPU tests ---
@@ -1536,6 +1592,27 @@ def ops():
     return kernels
 
 
+@pytest.fixture(scope="module")
+def emulated_ops():
+    """kernels.cu and the binding built for the CPU emulator (about a minute the first time)."""
+    if build_ext.find_cuda_home() is None:
+        pytest.skip("needs the CUDA toolkit's headers")
+    kernels = build_ext.load_kernels(emulate=True)
+    assert kernels is not None, build_ext.unavailable_reason(emulate=True)
+    return kernels
+
+
+# The emulator takes microseconds per shuffle: the same matrix, but the 256 x 8192
+# chunked prefill (minutes there) shrinks; bash gpu_check.sh runs the full one.
+EMULATED_CASES = {name: case for name, case in CASES.items() if not name.startswith("chunked")}
+EMULATED_CASES["chunked-bf16-d128-bs16-g4-short"] = Case([(16, 1100), (1, 700), (1, 17)], 2, 4, 128, 16, bf16)
+
+
+@pytest.mark.parametrize("name", list(EMULATED_CASES))
+def test_emulated_paged_attention_matches_reference(emulated_ops, name):
+    check_attention(emulated_ops, EMULATED_CASES[name], "cpu")
+
+
 # --- KV write and block copy: exact ---
 
 def check_write_kv(ops, dtype, device, num_blocks=40, block_size=16, seed=0):
@@ -1575,6 +1652,12 @@ def test_cuda_write_kv_and_copy_blocks_exact(ops, dtype):
     check_copy_blocks(ops, dtype, "cuda")
 
 
+@pytest.mark.parametrize("dtype", [f32, f16, bf16], ids=["fp32", "fp16", "bf16"])
+def test_emulated_write_kv_and_copy_blocks_exact(emulated_ops, dtype):
+    check_write_kv(emulated_ops, dtype, "cpu")
+    check_copy_blocks(emulated_ops, dtype, "cpu")
+
+
 # --- a pool of more than 2^31 elements: 64-bit offsets everywhere ---
 
 BIG = Case([(1, 5000), (37, 100), (1, 33)], 8, 1, 128, 32, f16, num_blocks=70_000)
@@ -1607,28 +1690,34 @@ def test_cuda_big_pool_needs_64bit_offsets(ops):
 
 # --- bad input: a clear error that names the tensor ---
 
-@needs_cuda
-def test_cuda_bad_input_names_the_tensor(ops):
-    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(CASES["varlen-bf16-d64-bs16-g1"], "cuda")
-    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables.cuda(), seq_lens=seq_lens.cuda(),
-                query_start_loc=qsl.cuda(), scale=0.125, max_query_len=129, max_seq_len=1328)
-    bad = {"block_tables": tables.cuda().long(),                  # int64 instead of int32
+def check_bad_input(ops, device, elsewhere):
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(CASES["varlen-bf16-d64-bs16-g1"], device)
+    tables, seq_lens, qsl = tables.to(device), seq_lens.to(device), qsl.to(device)
+    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, seq_lens=seq_lens,
+                query_start_loc=qsl, scale=0.125, max_query_len=129, max_seq_len=1328)
+    bad = {"block_tables": tables.long(),                         # int64 instead of int32
            "k_cache": k_cache.transpose(1, 2),                    # not contiguous
            "v_cache": v_cache.float(),                            # dtype differs from q
-           "seq_lens": seq_lens.cuda()[:-1],                      # one too few
-           "q": q.cpu()}                                          # not on the GPU
+           "seq_lens": seq_lens[:-1],                             # one too few
+           "q": q.to(elsewhere)}                                  # not on the kernels' device
     for name, tensor in bad.items():
         with pytest.raises((ValueError, TypeError, RuntimeError), match=name):
             ops.paged_attention(**{**args, name: tensor})
 
 
-# --- the engine end to end on the GPU ---
-
 @needs_cuda
-def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
-    """Random (dummy) weights, as on a GPU machine no checkpoint reaches: the same greedy
-    tokens with the kernel as with the torch path, through prefill, decode, chunked
-    prefill, prefix hits and copy-on-write."""
+def test_cuda_bad_input_names_the_tensor(ops):
+    check_bad_input(ops, "cuda", "cpu")
+
+
+def test_emulated_bad_input_names_the_tensor(emulated_ops):
+    check_bad_input(emulated_ops, "cpu", "meta")
+
+
+# --- the engine end to end on the kernels ---
+
+def tiny_llama_dir(tmp_path):
+    """A byte-level tokenizer and a 4-layer GQA config, for random (dummy) weights."""
     vocab, _ = byte_vocab()
     model_dir = write_tokenizer_json(tmp_path / "tiny", {"type": "ByteLevel"}, vocab, [])
     (model_dir / "config.json").write_text(json.dumps({
@@ -1636,17 +1725,45 @@ def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
         "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
         "eos_token_id": 0}))
-    prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 40, 300, 17, 1000))]
-    prompts.append(prompts[2][:200] + [9, 9, 9])            # shares 12 full blocks with prompt 2
+    return model_dir
+
+
+def engine_tokens(llm, lengths, max_tokens):
+    """Greedy tokens for prompts of these lengths, the last sharing a prefix with the third,
+    then n=3 samples of the second: prefill, decode, chunked prefill (when a prompt exceeds
+    the token budget), prefix hits and copy-on-write all go through the attention backend."""
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+    prompts.append(prompts[2][:lengths[2] * 2 // 3] + [9, 9, 9])
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    outs += llm.generate(prompts[1], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
+    assert llm.stats.prefix_hit_tokens > 0
+    assert_nothing_leaked(llm)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@needs_cuda
+def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
+    """Random (dummy) weights, as on a GPU machine no checkpoint reaches: the same greedy
+    tokens with the kernel as with the torch path."""
+    model_dir = tiny_llama_dir(tmp_path)
     results = {}
     for backend in ("cuda", "torch"):
         llm = LLM(model_dir, device="cuda", dtype="float32", load_format="dummy", attn_backend=backend,
                   max_num_batched_tokens=256, num_blocks=400)
         assert llm.attn.backend == backend
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-        outs += llm.generate(prompts[1], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8,
-                                                       ignore_eos=True))
-        results[backend] = [[c.token_ids for c in o.outputs] for o in outs]
-        assert llm.stats.prefix_hit_tokens > 0
-        assert_nothing_leaked(llm)
+        results[backend] = engine_tokens(llm, (5, 40, 300, 17, 1000), max_tokens=24)
     assert results["cuda"] == results["torch"]
+
+
+def test_emulated_kernels_drive_the_engine(tmp_path, emulated_ops):
+    """The engine's side of the kernel interface (slot_mapping, block tables, seq_lens,
+    query_start_loc, copy-on-write pairs) on the CPU: the same tokens as the torch path."""
+    model_dir = tiny_llama_dir(tmp_path)
+    results = {}
+    for backend in ("emulated", "torch"):
+        llm = LLM(model_dir, device="cpu", dtype="float32", load_format="dummy", max_num_batched_tokens=64,
+                  num_blocks=100)
+        if backend == "emulated":
+            llm.attn = PagedAttention(llm.pool, llm.attn.scale, ops=emulated_ops)
+        results[backend] = engine_tokens(llm, (5, 40, 90, 17), max_tokens=12)
+    assert results["emulated"] == results["torch"]
