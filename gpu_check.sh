@@ -4,10 +4,10 @@
 #     bash gpu_check.sh
 #
 # Prints the machine, builds the CUDA extension (timed), runs the CUDA tests (the kernel
-# against the torch reference, and the engine with either backend), then the
-# decode-attention benchmark. Each step has a time limit; the script goes on after a failed
-# step, and exits non-zero if any failed. With $OUT set, the output also goes to
-# $OUT/gpu_check.log. About 3 minutes on an H200.
+# against the torch reference, and the engine with either backend), the decode-attention
+# benchmark, then compute-sanitizer's racecheck and memcheck. Each step has a time limit;
+# the script goes on after a failed step, and exits non-zero if any failed. With $OUT set, the output also goes to
+# $OUT/gpu_check.log. About 3 minutes on an H200, plus the sanitizer runs (up to 5).
 set -u -o pipefail
 
 TEST_FILE=test_nanopaged.py
@@ -43,6 +43,30 @@ step "machine" 60 nvidia-smi
 step "build" 300 "$PYTHON" build_ext.py --build
 step "tests" 240 "$PYTHON" -m pytest -x -q -rs "$TEST_FILE" -k "$TEST_FILTER"
 step "benchmark" 150 "$PYTHON" bench.py kernel
+
+# What the CPU emulator cannot see: shared-memory races and out-of-bounds accesses on the
+# real memory system. compute-sanitizer watches the kernels while they run a split-K
+# prefill batch, a decode batch, a KV write and a block copy.
+SANITIZED='
+import torch, build_ext, test_nanopaged as t
+ops = build_ext.load_kernels()
+for name in ("varlen-fp16-d128-bs8-g8-split64", "decode-bf16-d64-bs8-g1"):
+    case = t.CASES[name]
+    q, k_cache, v_cache, tables, seq_lens, qsl = t.make_batch(case, "cuda")
+    ops.paged_attention(q, k_cache, v_cache, tables.cuda(), seq_lens.cuda(), qsl.cuda(), case.head_dim ** -0.5,
+                        max(n for n, _ in case.pairs), max(n for _, n in case.pairs), case.partition_size)
+t.check_write_kv(ops, torch.bfloat16, "cuda")
+t.check_copy_blocks(ops, torch.bfloat16, "cuda")
+torch.cuda.synchronize()
+print("kernels ran under the sanitizer")'
+SANITIZER=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
+if [ -x "$SANITIZER" ]; then
+    for tool in racecheck memcheck; do
+        step "$tool" 150 "$SANITIZER" --tool "$tool" --error-exitcode 1 "$PYTHON" -c "$SANITIZED"
+    done
+else
+    echo "compute-sanitizer not found: racecheck and memcheck skipped"
+fi
 
 echo
 if [ ${#failed[@]} -eq 0 ]; then
