@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import regex  # tiktoken's own dependency: \p{L} and friends, as its patterns use
 import tiktoken
 import torch
 import torch.nn as nn
@@ -199,10 +200,16 @@ class Tokenizer:
 
     def __init__(self, encoding: tiktoken.Encoding, eos_token_id: int | None = None,
                  chat_template: str | None = None, dropped_from: int | None = None,
-                 nfc: bool = False):
+                 pattern: str | None = None, nfc: bool = False):
         self.encoding = encoding
         self.eos_token_id = eos_token_id
         self.dropped_from = dropped_from  # ids >= this stand for bytes the vocab lacks
+        if dropped_from is not None:      # for _encode_dropping (pattern: the pre-tokenizer's)
+            self._dropped = {encoding.decode_single_token_bytes(i)[0]
+                             for i in range(dropped_from, encoding.n_vocab)}
+            self._pieces = regex.compile(pattern)
+            specials = sorted(encoding.special_tokens_set, key=len, reverse=True)  # longest wins
+            self._specials = regex.compile("(" + ("|".join(map(regex.escape, specials)) or "(?!)") + ")")
         self.nfc = nfc                    # Unicode NFC-normalize text first (Qwen 2)
         # nanopaged speaks one chat format, ChatML (<|im_start|>role\n...<|im_end|>\n), and
         # takes the default system prompt from the model's template when it has a literal
@@ -218,8 +225,24 @@ class Tokenizer:
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
         ids = self.encoding.encode(text, allowed_special="all")
-        if self.dropped_from is not None:
-            ids = [i for i in ids if i < self.dropped_from]
+        if self.dropped_from is not None and any(i >= self.dropped_from for i in ids):
+            ids = self._encode_dropping(text)  # rare: text with a byte the vocab lacks
+        return ids
+
+    def _encode_dropping(self, text: str) -> list[int]:
+        """HF's byte-level BPE drops a byte its vocab lacks *before* merging, so the bytes on
+        either side, in the same pre-token, may merge ("!\x04!" is one token, "!!"). tiktoken
+        would keep it as a symbol between them. So, slowly: split off the special tokens,
+        pre-tokenize, drop the bytes, and merge each piece."""
+        ids = []
+        for n, part in enumerate(self._specials.split(text)):
+            if n % 2:  # the split's captured separators are the special tokens
+                ids.append(self.encoding.encode_single_token(part))
+                continue
+            for piece in self._pieces.finditer(part):
+                kept = bytes(b for b in piece.group().encode("utf-8", "surrogatepass") if b not in self._dropped)
+                if kept:
+                    ids += self.encoding._encode_single_piece(kept)
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -240,13 +263,13 @@ def bpe_tokenizer(name: str, pattern: str, ranks: dict[bytes, int], special: dic
     """A Tokenizer from byte-string ranks (= token ids) and special tokens."""
     # tiktoken starts every piece from single bytes, so each byte needs a rank. Some vocabs
     # (SmolLM2) have no token for a few bytes that never occurred in training, and HF's BPE
-    # drops such bytes. Give them ranks past the vocab and drop those ids after encoding.
+    # drops such bytes. Give them ranks past the vocab; Tokenizer.encode drops them.
     missing = [bytes([b]) for b in range(256) if bytes([b]) not in ranks]
     dropped_from = max([*ranks.values(), *special.values()]) + 1 if missing else None
     ranks = ranks | {b: dropped_from + n for n, b in enumerate(missing)}
     encoding = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks,
                                  special_tokens=special)
-    return Tokenizer(encoding, dropped_from=dropped_from, **kwargs)
+    return Tokenizer(encoding, dropped_from=dropped_from, pattern=pattern, **kwargs)
 
 
 def gpt2_tokenizer() -> Tokenizer:

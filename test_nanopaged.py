@@ -344,6 +344,21 @@ def test_smollm2_tokenizer_cases(smollm2_tokenizer):
     assert not wrong, f"{len(wrong)} of {len(cases)} differ, e.g. {wrong[:3]}"
 
 
+# Text with bytes SmolLM2's vocab lacks, and the ids Hugging Face tokenizers 0.23.3 gives
+# for it (on the tokenizer.json that resolve_model_dir writes): HF drops such a byte before
+# merging, so its neighbours in the same pre-token merge across it.
+DROPPED_BYTE_CASES = {
+    "!\x04!": [10095], "==\x06==": [2031], "...\x1d...": [5592, 950], "a\x04b": [81, 82],
+    "<|im_start|>!\x04!<|im_end|>": [1, 10095, 2], "x\U00040000!!": [104, 218, 218, 218, 10095],
+    "Hi!\x04! \x13\x14 ok": [26843, 10095, 216, 10907],
+}
+
+
+def test_smollm2_drops_missing_bytes_before_merging(smollm2_tokenizer):
+    got = {text: smollm2_tokenizer.encode(text) for text in DROPPED_BYTE_CASES}
+    assert got == DROPPED_BYTE_CASES
+
+
 def test_gpt2_tokenizer_cases(tmp_path):
     # a GPT-2 directory with no tokenizer files gets GPT-2's tokenizer
     (tmp_path / "config.json").write_text(json.dumps(GPT2_CONFIG))
