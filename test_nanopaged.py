@@ -1618,9 +1618,11 @@ def emulated_ops():
 
 
 # The emulator takes microseconds per shuffle: the same matrix, but the 256 x 8192
-# chunked prefill (minutes there) shrinks; bash gpu_check.sh runs the full one.
+# chunked prefill (minutes there) shrinks, and the pool past 2^31 elements (two 4.6 GB
+# caches) becomes one past 32,768 blocks only; bash gpu_check.sh runs the full ones.
 EMULATED_CASES = {name: case for name, case in CASES.items() if not name.startswith("chunked")}
 EMULATED_CASES["chunked-bf16-d128-bs16-g4-short"] = Case([(16, 1100), (1, 700), (1, 17)], 2, 4, 128, 16, bf16)
+EMULATED_CASES["pool-40k-blocks-fp16-d64-bs8-g2"] = Case([(1, 300), (7, 40)], 1, 2, 64, 8, f16, num_blocks=40_000)
 
 
 @pytest.mark.parametrize("name", list(EMULATED_CASES))
