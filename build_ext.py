@@ -319,9 +319,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 # memory is one per CTA, and a thread left waiting at a barrier that another
 # never reaches is reported as a deadlock, not a hang. So the tests prove the
 # kernels' indexing, masking, online softmax and split-K merge in every CI run.
-# What it cannot show: speed, memory coalescing, the GPU's memory model (the
-# fibers interleave only at barriers, so a missing __syncthreads between two
-# unrelated accesses can go unnoticed), and nvcc-only bugs; bash gpu_check.sh does.
+# What it cannot show: speed, memory coalescing, the GPU's memory model (fibers
+# interleave only at barriers; alternate CTAs run their threads in opposite
+# orders, which turns most missing __syncthreads into wrong answers, but not
+# every race), and nvcc-only bugs; bash gpu_check.sh does, with racecheck.
 #
 # Each CUDA thread is a fiber (a ucontext with its own stack) on one OS thread.
 # A fiber runs until it reaches a barrier, then yields to the scheduler loop in
@@ -381,6 +382,7 @@ struct Grid {
   std::vector<float> exchange;  // [2][num_warps][32] values in flight in shuffles
   std::function<void()> body;   // the kernel with its arguments
   int current = 0;
+  int step = 1;                 // 1: threads run in order 0, 1, ...; n - 1: in reverse
   std::string error;
 };
 inline Grid grid;
@@ -398,12 +400,12 @@ inline void resume(ucontext_t* from, int t) {
   swapcontext(from, &grid.fibers[t].context);
 }
 
-// The next fiber after `after` (round robin) that has neither finished nor
-// waits at a barrier; -1 if there is none.
+// The next fiber after `after` (round robin, in this CTA's direction) that has
+// neither finished nor waits at a barrier; -1 if there is none.
 inline int next_runnable(int after) {
   const int n = (int)grid.fibers.size();
   for (int i = 1; i <= n; ++i) {
-    const int t = (after + i) % n;
+    const int t = (after + i * grid.step) % n;
     if (!grid.fibers[t].done && !grid.fibers[t].waiting_on) return t;
   }
   return -1;
@@ -470,8 +472,14 @@ inline void run_grid(dim3 g, dim3 b, std::function<void()> body) {
           f.context.uc_link = &grid.scheduler;
           makecontext(&f.context, fiber_main, 0);
         }
+        // Alternate CTAs run their threads in opposite orders, so that a missing
+        // __syncthreads (a thread reading what another has not yet written) shows
+        // as a wrong answer whichever of the two comes first in the kernel.
+        const bool reverse = (x + y + z) % 2;
+        grid.step = reverse ? threads - 1 : 1;
         // Fibers come back here when they finish, or when all that remain wait.
-        for (int t = 0; t >= 0; t = next_runnable(grid.current)) resume(&grid.scheduler, t);
+        for (int t = reverse ? threads - 1 : 0; t >= 0; t = next_runnable(grid.current))
+          resume(&grid.scheduler, t);
         for (const Fiber& f : grid.fibers) {
           if (f.done) continue;
           grid.error = "emulator: deadlock in CTA (" + std::to_string(x) + ", " + std::to_string(y) +

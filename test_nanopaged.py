@@ -1468,6 +1468,12 @@ __global__ void deadlock(float* out) {
   if (threadIdx.x == 0) out[0] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
   else __syncthreads();
 }
+// Thread 0 writes shared memory that thread 127 reads, with no __syncthreads between.
+__global__ void race(float* out) {
+  __shared__ float s;
+  if (threadIdx.x == 0) s = blockIdx.x + 1.f;
+  if (threadIdx.x == 127) out[blockIdx.x] = s;
+}
 int main() {
   float x[3 * 128], out[128];
   for (int i = 0; i < 3 * 128; ++i) x[i] = (float)i;
@@ -1479,14 +1485,17 @@ int main() {
   printf("%s\n", cudaGetErrorString(cudaGetLastError()));
   block_sum<<<3, 128>>>(x, out);  // a failed launch's error is reported once
   printf("%s: %g\n", cudaGetErrorString(cudaGetLastError()), out[2]);
+  race<<<2, 128>>>(out);  // CTA 1 runs its threads in reverse: 127 reads before 0 writes
+  printf("%g %g\n", out[0], out[1]);
 }
 """
 
 
 @needs_toolkit
 def test_emulator_barriers_shuffles_and_misuse(tmp_path):
-    """The emulator itself: barriers, shuffles and shared memory give CUDA's answers, and
-    a shuffle with an exited lane or a deadlock is an error, not garbage or a hang."""
+    """The emulator itself: barriers, shuffles and shared memory give CUDA's answers; a
+    shuffle with an exited lane or a deadlock is an error, not garbage or a hang; and a
+    missing __syncthreads gives a wrong answer."""
     src = tmp_path / "probe.cpp"
     src.write_text(build_ext.emulated_source(EMULATOR_PROBE, "probe.cu"))
     include = Path(build_ext.find_cuda_home()) / "include"
@@ -1497,6 +1506,7 @@ def test_emulator_barriers_shuffles_and_misuse(tmp_path):
     assert "exited while lanes of its warp wait at a shuffle" in lines[1]
     assert "deadlock in CTA (0, 0, 0)" in lines[2]
     assert lines[3] == f"no error: {sum(range(256, 384))}"
+    assert lines[4] == "1 1", "the race should read CTA 0's value in CTA 1"
 
 
 # --- paged batches for the GPU tests ---
