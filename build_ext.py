@@ -634,8 +634,10 @@ def _build(emulate: bool):
     if emulate:
         kernels = out / "kernels_emulated.cpp"
         write_if_changed(kernels, emulated_source(KERNELS.read_text(), str(KERNELS)))
+        # -Bsymbolic: the emulator's cudaGetLastError answers its own calls, even in a
+        # process where the real CUDA runtime is loaded too.
         options = dict(name="nanopaged_kernels_emulated", extra_include_paths=[str(HERE), f"{home}/include"],
-                       extra_cflags=["-O2", "-DNANOPAGED_EMULATE"])
+                       extra_cflags=["-O2", "-DNANOPAGED_EMULATE"], extra_ldflags=["-Wl,-Bsymbolic"])
     else:
         # Compile for this GPU only (unset, torch picks every visible GPU's arch).
         major, minor = torch.cuda.get_device_capability()
