@@ -316,8 +316,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 # then run — slowly, microseconds per shuffle — with CUDA's semantics where they
 # decide right or wrong: every thread of a CTA runs the kernel with its own
 # threadIdx, __syncthreads and warp shuffles are real rendezvous, __shared__
-# memory is one per CTA, and a thread left waiting at a barrier that another
-# never reaches is reported as a deadlock, not a hang. So the tests prove the
+# memory is one per CTA, a misaligned 16-byte load is an error as on the GPU,
+# and a thread left waiting at a barrier that another never reaches is reported
+# as a deadlock, not a hang. So the tests prove the
 # kernels' indexing, masking, online softmax and split-K merge in every CI run.
 # What it cannot show: speed, memory coalescing, the GPU's memory model (fibers
 # interleave only at barriers; alternate CTAs run their threads in opposite
@@ -338,6 +339,7 @@ EMULATOR = r"""
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -520,7 +522,14 @@ inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
   return buffer[lane ^ lane_mask];
 }
 
-template <typename T> inline T __ldg(const T* p) { return *p; }
+// A GPU faults on a load from an address not aligned to its size (16 bytes for
+// the kernels' uint4 loads); a CPU would quietly do it. Report it instead.
+template <typename T> inline T __ldg(const T* p) {
+  if (reinterpret_cast<std::uintptr_t>(p) % alignof(T) != 0 && emu::grid.error.empty())
+    emu::grid.error = "emulator: a load from an address not aligned to its " + std::to_string(alignof(T)) +
+                      " bytes";
+  return *p;
+}
 
 inline int __ffs(int x) { return __builtin_ffs(x); }  // 1 + index of the lowest set bit, 0 for 0
 

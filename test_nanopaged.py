@@ -1474,8 +1474,13 @@ __global__ void race(float* out) {
   if (threadIdx.x == 0) s = blockIdx.x + 1.f;
   if (threadIdx.x == 127) out[blockIdx.x] = s;
 }
+// A 16-byte load from an address 4 bytes past a 16-byte boundary.
+__global__ void misaligned(const float* x, float* out) {
+  out[0] = __uint_as_float(__ldg(reinterpret_cast<const uint4*>(x + 1)).x);
+}
 int main() {
-  float x[3 * 128], out[128];
+  alignas(16) float x[3 * 128];
+  float out[128];
   for (int i = 0; i < 3 * 128; ++i) x[i] = (float)i;
   block_sum<<<3, 128>>>(x, out);
   printf("%s: %g %g %g\n", cudaGetErrorString(cudaGetLastError()), out[0], out[1], out[2]);
@@ -1487,6 +1492,8 @@ int main() {
   printf("%s: %g\n", cudaGetErrorString(cudaGetLastError()), out[2]);
   race<<<2, 128>>>(out);  // CTA 1 runs its threads in reverse: 127 reads before 0 writes
   printf("%g %g\n", out[0], out[1]);
+  misaligned<<<1, 32>>>(x, out);
+  printf("%s\n", cudaGetErrorString(cudaGetLastError()));
 }
 """
 
@@ -1494,8 +1501,8 @@ int main() {
 @needs_toolkit
 def test_emulator_barriers_shuffles_and_misuse(tmp_path):
     """The emulator itself: barriers, shuffles and shared memory give CUDA's answers; a
-    shuffle with an exited lane or a deadlock is an error, not garbage or a hang; and a
-    missing __syncthreads gives a wrong answer."""
+    shuffle with an exited lane, a deadlock or a misaligned load is an error, not garbage
+    or a hang; and a missing __syncthreads gives a wrong answer."""
     src = tmp_path / "probe.cpp"
     src.write_text(build_ext.emulated_source(EMULATOR_PROBE, "probe.cu"))
     include = Path(build_ext.find_cuda_home()) / "include"
@@ -1507,6 +1514,7 @@ def test_emulator_barriers_shuffles_and_misuse(tmp_path):
     assert "deadlock in CTA (0, 0, 0)" in lines[2]
     assert lines[3] == f"no error: {sum(range(256, 384))}"
     assert lines[4] == "1 1", "the race should read CTA 0's value in CTA 1"
+    assert "not aligned to its 16 bytes" in lines[5]
 
 
 # --- paged batches for the GPU tests ---
