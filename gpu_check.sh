@@ -6,8 +6,9 @@
 # Prints the machine, builds the CUDA extension (timed), runs the CUDA tests (the kernel
 # against the torch reference, and the engine with either backend), the decode-attention
 # benchmark, then compute-sanitizer's racecheck and memcheck. Each step has a time limit;
-# the script goes on after a failed step, and exits non-zero if any failed. With $OUT set, the output also goes to
-# $OUT/gpu_check.log. About 3 minutes on an H200, plus the sanitizer runs (up to 5).
+# the script goes on after a failed step, and exits non-zero if any failed. With $OUT set,
+# the output also goes to $OUT/gpu_check.log. About 3 minutes on an H200, plus the
+# sanitizer runs (up to 5).
 set -u -o pipefail
 
 TEST_FILE=test_nanopaged.py
