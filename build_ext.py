@@ -174,14 +174,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                     " is not compiled into kernels.cu (supported: 64, 128)");
   TORCH_CHECK_VALUE(block_size > 0 && (block_size & (block_size - 1)) == 0,
                     "block_size (k_cache.size(1)) must be a power of two, got ", block_size);
-  TORCH_CHECK_VALUE(KVH > 0 && H % KVH == 0, "q has ", H, " heads, not a multiple of the ", KVH,
-                    " kv heads of k_cache");
+  TORCH_CHECK_VALUE(KVH > 0 && H > 0 && H % KVH == 0, "q has ", H, " heads, not a positive multiple of the ",
+                    KVH, " kv heads of k_cache");
   check_size(seq_lens, "seq_lens", 0, B, "one per sequence, from block_tables [B, max_blocks]");
   check_size(query_start_loc, "query_start_loc", 0, B + 1, "B + 1, from block_tables [B, max_blocks]");
+  TORCH_CHECK_VALUE(B > 0 || T == 0, "q has ", T, " tokens but block_tables has no sequence to own them");
   TORCH_CHECK_VALUE(max_seq_len <= max_blocks * block_size, "max_seq_len ", max_seq_len,
                     " does not fit in block_tables of ", max_blocks, " blocks of ", block_size);
-  TORCH_CHECK_VALUE(T * H < (int64_t(1) << 31) && B < (int64_t(1) << 31),
-                    "batch too large for the kernel's 32-bit row indices");
+  TORCH_CHECK_VALUE(T * H < (int64_t(1) << 31) && B < (int64_t(1) << 31) &&
+                    max_blocks * block_size < (int64_t(1) << 31),
+                    "batch too large for the kernel's 32-bit row and position indices");
 
   auto out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
@@ -276,8 +278,8 @@ void copy_blocks(const at::Tensor& cache, const at::Tensor& src_dst) {
 // The launch shape paged_attention would use on the current device (for benchmarks).
 py::dict describe_plan(int64_t num_tokens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                        int64_t max_query_len, int64_t max_seq_len, int64_t partition_size) {
-  TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads ", num_heads,
-                    " must be a multiple of num_kv_heads ", num_kv_heads);
+  TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0, "num_heads ",
+                    num_heads, " must be a positive multiple of num_kv_heads ", num_kv_heads);
   const AttentionPlan p = plan_paged_attention((int)num_tokens, (int)num_seqs, (int)num_heads,
                                                (int)num_kv_heads, (int)max_query_len, (int)max_seq_len,
                                                sm_count(current_device()), (int)partition_size);

@@ -267,6 +267,10 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
   const int head0 = kv_head * group + (blockIdx.y % plan.head_chunks) * GH;
   const int head_end = (kv_head + 1) * group;                 // this group's heads
   const int cached = __ldg(a.seq_lens + seq) - q_len;         // context before this step
+  // The binding cannot read seq_lens and query_start_loc (they live on the GPU), so
+  // metadata that contradicts the tensors is made harmless here, for free: a row
+  // outside q is no row, and no key lies past the end of the block table.
+  const int table_keys = a.max_blocks_per_seq * a.block_size;
 
   // Row r is query token tok0 + r / GH, query head head0 + r % GH. Each row has
   // its own causal limit: keys t < limit[r] are visible to it (0 = no row).
@@ -278,8 +282,9 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int j = tok0 + r / GH, head = head0 + r % GH;
-    const bool valid = r < QT * GH && j < q_len && head < head_end;
-    limit[r] = valid ? cached + j + 1 : 0;
+    const bool valid = r < QT * GH && j < q_len && head < head_end &&
+                       q_start + j >= 0 && q_start + j < a.num_tokens;
+    limit[r] = valid ? min(cached + j + 1, table_keys) : 0;
     cta_limit = max(cta_limit, limit[r]);
     uint4 raw = make_uint4(0, 0, 0, 0);
     if (valid)
@@ -473,7 +478,8 @@ __global__ void merge_partitions_kernel(const PagedAttentionArgs a, const Attent
   });
   const int q_start = __ldg(a.query_start_loc + seq);
   const int q_len = __ldg(a.query_start_loc + seq + 1) - q_start;
-  const int keys = __ldg(a.seq_lens + seq) - q_len + (token - q_start) + 1;  // causal
+  const int keys = min(__ldg(a.seq_lens + seq) - q_len + (token - q_start) + 1,  // causal,
+                       a.max_blocks_per_seq * a.block_size);  // as the attention kernel caps it
   // Only partitions that hold at least one of this row's keys were written.
   const int P = plan.num_partitions;
   const int used = min((keys + plan.partition_size - 1) / plan.partition_size, P);

@@ -1603,6 +1603,10 @@ CASES = {
     "decode-bf16-d128-bs32-g8": Case([(1, n) for n in (31, 33, 2048, 8191)], 1, 8, 128, 32, bf16),
     "decode-bf16-d64-bs8-g1": Case([(1, n) for n in (5, 1000, 3333)], 4, 1, 64, 8, bf16),
     "decode-fp32-d128-bs32-g2": Case([(1, n) for n in (1, 64, 2500)], 2, 2, 128, 32, f32),
+    # the benchmark's kernel: a Llama-8B-like group of 4 in bf16 (4 rows per CTA)
+    "decode-bf16-d128-bs16-g4": Case([(1, n) for n in (1, 17, 1000, 4096)], 2, 4, 128, 16, bf16),
+    "decode-fp16-d128-bs16-g2-split256": Case([(1, n) for n in (3, 700, 2049)], 2, 2, 128, 16, f16,
+                                              partition_size=256),
     "varlen-bf16-d64-bs16-g1": Case(VARLEN + [(7, 7), (1, 1)], 4, 1, 64, 16, bf16),
     "varlen-fp32-d64-bs32-g4": Case(VARLEN + [(64, 64), (3, 3000)], 2, 4, 64, 32, f32),
     "varlen-fp16-d64-bs8-g3": Case([(5, 18), (129, 463), (2, 2)], 3, 3, 64, 8, f16),
@@ -1741,14 +1745,48 @@ def check_bad_input(ops, device, elsewhere):
     tables, seq_lens, qsl = tables.to(device), seq_lens.to(device), qsl.to(device)
     args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, seq_lens=seq_lens,
                 query_start_loc=qsl, scale=0.125, max_query_len=129, max_seq_len=1328)
-    bad = {"block_tables": tables.long(),                         # int64 instead of int32
-           "k_cache": k_cache.transpose(1, 2),                    # not contiguous
-           "v_cache": v_cache.float(),                            # dtype differs from q
-           "seq_lens": seq_lens[:-1],                             # one too few
-           "q": q.to(elsewhere)}                                  # not on the kernels' device
-    for name, tensor in bad.items():
-        with pytest.raises((ValueError, TypeError, RuntimeError), match=name):
-            ops.paged_attention(**{**args, name: tensor})
+    bad = [("block_tables", dict(block_tables=tables.long())),       # int64 instead of int32
+           ("k_cache", dict(k_cache=k_cache.transpose(1, 2))),       # not contiguous
+           ("v_cache", dict(v_cache=v_cache.float())),               # dtype differs from q
+           ("seq_lens", dict(seq_lens=seq_lens[:-1])),               # one too few
+           ("q", dict(q=q.to(elsewhere))),                           # not on the kernels' device
+           ("q has 0 heads", dict(q=q[:, :0])),                      # nothing to attend with
+           ("no sequence", dict(block_tables=tables[:0], seq_lens=seq_lens[:0],
+                                query_start_loc=qsl[:1]))]           # tokens owned by nobody
+    for message, change in bad:
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
+            ops.paged_attention(**{**args, **change})
+
+
+def check_contradictory_metadata(ops, device):
+    """The binding cannot read seq_lens or query_start_loc without a device sync, so the
+    kernel itself keeps metadata that contradicts the tensors inside them."""
+    case = Case([(1, 32), (1, 32)], 2, 2, 64, 16, f32)
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(case, device)
+    tables = tables[:, :2].contiguous()   # no padding: exactly each sequence's 2 blocks
+    to = lambda *ts: [t.to(device) for t in ts]
+    # seq_lens past the end of the block table: sequence 0 sees its table's 32 keys, not
+    # sequence 1's blocks (the next row of the table) or, for sequence 1, past the table
+    long_lens = torch.tensor([100, 90], dtype=torch.int32)
+    out = ops.paged_attention(q, k_cache, v_cache, *to(tables, long_lens, qsl), 0.125, 1, 32)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # query_start_loc claiming more tokens than q has: the rows outside q do not exist
+    one = q[:1]
+    out = ops.paged_attention(one, k_cache, v_cache, *to(tables[:1], torch.tensor([5], dtype=torch.int32),
+                                                         torch.tensor([0, 5], dtype=torch.int32)), 0.125, 5, 5)
+    ref = paged_attention_ref(one, k_cache, v_cache, tables[:1], torch.tensor([1], dtype=torch.int32),
+                              torch.tensor([0, 1], dtype=torch.int32), 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+def test_cuda_contradictory_metadata_stays_in_bounds(ops):
+    check_contradictory_metadata(ops, "cuda")
+
+
+def test_emulated_contradictory_metadata_stays_in_bounds(emulated_ops):
+    check_contradictory_metadata(emulated_ops, "cpu")
 
 
 @needs_cuda
