@@ -16,6 +16,8 @@ kernel in kernels.cu (built by build_ext.py).
 from __future__ import annotations
 
 import argparse
+import numbers
+import reprlib
 import sys
 import time
 from collections import OrderedDict, deque
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 import build_ext
 from model import load_model, load_tokenizer
-from scheduler import SamplingParams, Scheduler, Status
+from scheduler import SamplingParams, Scheduler, Status, hash_block
 
 # -----------------------------------------------------------------------------
 # 1. The paged KV cache
@@ -530,6 +532,9 @@ class LLM:
                  attn_backend: str = "auto", load_format: str = "auto"):
         device = _parse_device(device)
         dtype = _parse_dtype(dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        for name, value in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None for the default), got {value}")
         if attn_backend not in ("auto", "torch", "cuda"):
             raise ValueError(f"unknown attn_backend {attn_backend!r}: use auto, torch or cuda")
         if attn_backend == "cuda" and device.type != "cuda":
@@ -586,18 +591,29 @@ class LLM:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
         """Queue one prompt (text, or a list of token ids). Bad input raises ValueError and
         leaves the engine as it was."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
             text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
+        elif _is_token_ids(prompt):
+            text, ids = None, [int(t) for t in prompt]   # numpy and torch integers become ints
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {self.config.vocab_size}): got {bad[:5]}")
+                raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}): got {bad[:5]}")
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
         if request_id is None:
-            request_id, self._next_id = self._next_id, self._next_id + 1
+            while self._next_id in self._requests:   # skip ids the caller chose
+                self._next_id += 1
+            request_id = self._next_id
+        else:
+            try:
+                hash(request_id)
+            except TypeError:
+                raise ValueError(f"a request id must be hashable, got {type(request_id).__name__}") from None
         seq = self.scheduler.add(request_id, ids, params)
         self._requests[request_id] = {"prompt": text, "params": params, "seqs": [seq], "stop_at": {}}
         return request_id
@@ -612,7 +628,9 @@ class LLM:
 
     # --- one step ---
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that finished in it."""
+        """Run one engine step; return the requests that finished in it (none when idle)."""
+        if not self.has_unfinished_requests():
+            return []
         if self.trace:
             self.trace(f"--- step {self.stats.steps + 1} ---")
         out = self.scheduler.schedule()
@@ -621,11 +639,18 @@ class LLM:
         self._record_usage()
         if self.trace:
             self._trace_step(out)
-        input_ids, positions, logits_indices = self._prepare(out)
-        self.attn.copy_blocks(out.copies)
-        with torch.inference_mode():
-            logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S, vocab)
-        sampled = self._sample(out, logits)
+        try:
+            input_ids, positions, logits_indices = self._prepare(out)
+            self.attn.copy_blocks(out.copies)
+            with torch.inference_mode():
+                logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S, vocab)
+            sampled = self._sample(out, logits)
+        except BaseException:
+            # Out of memory, a KeyboardInterrupt...: the step did not happen. Its slots were
+            # reserved (and maybe written): its sequences are preempted and will be recomputed,
+            # so that nothing they write later lands one step off.
+            self.scheduler.rollback(out)
+            raise
         if self.trace:
             words = {seq: [self.tokenizer.decode([x]) for x in (t if isinstance(t, list) else [t])]
                      for seq, t in sampled.items()}   # a list: the first tokens of a fork's samples
@@ -690,24 +715,30 @@ class LLM:
         return sampled
 
     def _generator(self, seq, sample_index):
-        """Sample i of a seeded request draws from its own generator, seeded seed + i."""
+        """Sample i of a seeded request draws from its own generator, seeded by a hash of
+        (seed, i): well mixed, so that seeds 0 and 1 share no sample (seed + i would share n - 1)."""
         if seq.params.seed is None:
             return None
         key = (seq.request_id, sample_index)
         if key not in self._generators:
-            self._generators[key] = torch.Generator(self.device).manual_seed(seq.params.seed + sample_index)
+            seed = hash_block(seq.params.seed, [sample_index])
+            self._generators[key] = torch.Generator(self.device).manual_seed(seed)
         return self._generators[key]
 
     def _check_stop_strings(self, seqs):
-        """Finish the sequences whose text now contains a stop string; the text ends before it."""
+        """Finish the sequences whose text now contains a stop string; the text ends before it.
+        A stop string completed by the last token max_tokens allows still counts: "stop"."""
         for seq in seqs:
-            if not seq.params.stop or seq.status is not Status.RUNNING:
+            if not seq.params.stop or seq.finish_reason not in (None, "length"):
                 continue
             text = self.tokenizer.decode(seq.output_token_ids)
             hits = [text.find(s) for s in seq.params.stop if s in text]
             if hits:
                 self._requests[seq.request_id]["stop_at"][seq.sample_index] = min(hits)
-                self.scheduler.finish(seq, "stop")
+                if seq.status is Status.RUNNING:
+                    self.scheduler.finish(seq, "stop")
+                else:
+                    seq.finish_reason = "stop"   # finished this step, by length
 
     # --- bookkeeping ---
     def _record_usage(self):
@@ -751,6 +782,9 @@ class LLM:
             outputs.append(CompletionOutput(q.sample_index, text, ids, q.finish_reason))
             if q.first_token_time and q.num_output_tokens > 1:
                 self.stats.tpots.append((q.finish_time - q.first_token_time) / (q.num_output_tokens - 1))
+        # A request that ended before its first token (aborted, or its logits broke) never
+        # forked: its n samples all ended there, empty.
+        outputs += [CompletionOutput(j, "", [], first.finish_reason) for j in range(len(seqs), first.params.n)]
         self.stats.ttfts.append(ttft)
         self.stats.prompt_tokens += first.num_prompt_tokens
         for q in seqs:
@@ -762,11 +796,15 @@ class LLM:
     def generate(self, prompts, sampling_params=None, progress: bool = False) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
         sampling_params: one SamplingParams for all prompts, or a list with one per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
+                             f"got {_describe(prompts)}")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        self._check_alone("generate()")
         self.reset_stats()
         ids = []
         try:
@@ -775,21 +813,35 @@ class LLM:
                     ids.append(self.add_request(prompt, p))
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
-        except ValueError:
-            for rid in ids:   # refuse the whole call, and leave nothing behind
-                self.scheduler.abort(rid)
-                del self._requests[rid]
+            results, start = {}, time.perf_counter()
+            while self.has_unfinished_requests():
+                for r in self.step():
+                    results[r.request_id] = r
+                self.stats.elapsed = time.perf_counter() - start
+                if progress:
+                    _progress(len(results), len(ids), self.stats)
+        except BaseException:
+            self._drop(ids)   # a refused prompt, an interrupt...: leave nothing behind
             raise
-        results, start = {}, time.perf_counter()
-        while self.has_unfinished_requests():
-            for r in self.step():
-                results[r.request_id] = r
-            self.stats.elapsed = time.perf_counter() - start
-            if progress:
-                _progress(len(results), len(ids), self.stats)
         if progress:
             print(file=sys.stderr)
         return [results[rid] for rid in ids]
+
+    def _check_alone(self, caller: str):
+        """generate() and stream() run the engine until their own requests finish: requests
+        queued with add_request would run too, and their outputs would be lost."""
+        if self.has_unfinished_requests():
+            raise ValueError(f"{caller} cannot run while {len(self._requests)} request(s) queued with "
+                             "add_request() are unfinished: step() them to the end, or abort() them")
+
+    def _drop(self, request_ids):
+        """Abort these requests, where unfinished, and forget them."""
+        for rid in request_ids:
+            if rid in self.scheduler.requests:
+                self.scheduler.abort(rid)
+            req = self._requests.pop(rid, None)
+            for q in req["seqs"] if req else ():
+                self._generators.pop((rid, q.sample_index), None)
 
     def reset_stats(self):
         self.stats = Stats()
@@ -798,26 +850,34 @@ class LLM:
     # --- streaming and the block trace ---
     def stream(self, prompt, params: SamplingParams | None = None):
         """Generate for one prompt, yielding its text piece by piece as tokens arrive."""
-        params = params or SamplingParams()
-        if params.n != 1:
+        params = SamplingParams() if params is None else params
+        if isinstance(params, SamplingParams) and params.n != 1:
             raise ValueError("stream() generates one sample: use generate() for n > 1")
+        self._check_alone("stream()")
         self.reset_stats()
         rid = self.add_request(prompt, params)
+        return self._stream(rid, params)
+
+    def _stream(self, rid, params: SamplingParams):
+        # (a generator of its own, so that stream() checks its arguments when called)
         seq, shown, start = self._requests[rid]["seqs"][0], "", time.perf_counter()
         # hold back text that could be the start of a stop string, until we know
         hold = max((len(s) for s in params.stop or ()), default=1) - 1
-        while True:
-            finished = [r for r in self.step() if r.request_id == rid]
-            self.stats.elapsed = time.perf_counter() - start
-            if finished:
-                yield finished[0].outputs[0].text[len(shown):]
-                return
-            text = self.tokenizer.decode(seq.output_token_ids)
-            text = text[:len(text) - hold]
-            if text.endswith("\ufffd"):   # a character split across tokens: wait for the rest
-                continue
-            yield text[len(shown):]
-            shown = text
+        try:
+            while rid in self.scheduler.requests:   # until it finishes, or someone aborts it
+                finished = [r for r in self.step() if r.request_id == rid]
+                self.stats.elapsed = time.perf_counter() - start
+                if finished:
+                    yield finished[0].outputs[0].text[len(shown):]
+                    return
+                text = self.tokenizer.decode(seq.output_token_ids)
+                text = text[:len(text) - hold]
+                if text.endswith("\ufffd"):   # a character split across tokens: wait for the rest
+                    continue
+                yield text[len(shown):]
+                shown = text
+        finally:
+            self._drop([rid])   # the caller stopped reading early, or a step raised: free its blocks
 
     def enable_trace(self, emit=print):
         """Narrate every step: the chapter's figures, live."""
@@ -843,7 +903,9 @@ class LLM:
 
 def sampling_probs(logits, p: SamplingParams):
     """Next-token probabilities (V,) after temperature, top-k and top-p (nucleus) filtering."""
-    x = logits / p.temperature
+    # Shift the top logit to 0 before dividing: a tiny temperature then sends the others
+    # to -inf (probability 0: the greedy limit) instead of overflowing them all to inf.
+    x = (logits - logits.max()) / p.temperature
     if p.top_k > 0 and p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -905,6 +967,18 @@ def _pick_kernels(backend: str, device, cfg, block_size: int):
             raise ValueError(f"attn_backend='cuda' is not available: {reason}")
         print(f"nanopaged: attention runs on the torch path: {reason}", file=sys.stderr)
     return ops
+
+
+def _is_token_ids(x) -> bool:
+    """A list or tuple of integer token ids (a 1-D numpy array or tensor too; no bools)."""
+    if getattr(x, "ndim", None) == 1 and hasattr(x, "tolist"):
+        x = x.tolist()
+    return isinstance(x, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                for t in x)
+
+
+def _describe(x) -> str:
+    return f"{type(x).__name__} {reprlib.repr(x)}"
 
 
 def _progress(done: int, total: int, stats: Stats):
@@ -988,6 +1062,9 @@ def main(argv=None) -> int:
     except ValueError as e:   # bad input of any kind: one clear line, exit status 2
         print(f"nanopaged: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's usual status
+        print("\nnanopaged: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

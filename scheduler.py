@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import time
 from array import array
 from collections import deque
@@ -36,15 +37,29 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        # Every value is checked here, when the request is made: a bad one found later,
+        # in the middle of an engine step, would fail the whole batch.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        integer = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
+        real = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)  # noqa: E731
         checks = [
-            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            (integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (real(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature!r}"),
+            (integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+             f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}"),
+            (real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be a number in (0, 1], got {self.top_p!r}"),
+            (integer(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (self.stop is None or (isinstance(self.stop, (list, tuple))
+                                   and all(isinstance(s, str) and s for s in self.stop)),
+             f"stop must be a non-empty string or a list of them, got {self.stop!r}"),
+            (self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple, set))
+                                             and all(integer(t) for t in self.stop_token_ids)),
+             f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"),
+            (self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**63),
+             f"seed must be an integer in [0, 2**63), got {self.seed!r}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -73,7 +88,8 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None   # "stop", "length" or "aborted"
         self.num_computed_tokens = 0            # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0              # of those, tokens found in the prefix cache
+        self.num_cached_tokens = 0              # prompt tokens found in the prefix cache at admission
+        self.num_preemptions = 0                # times its blocks were dropped, to be recomputed
         self.block_table = block_table
         self.block_hashes: list[int] = []       # prefix hash of each full, computed block
         self.arrival_time = time.perf_counter()
@@ -282,10 +298,11 @@ class Scheduler:
         prompt to prefill; with prefix caching on, its full blocks may still be found there."""
         self.running.remove(seq)
         seq.block_table.release()
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
         seq.block_hashes = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.pool.say(f"preempt {seq}: all its blocks freed, it will be recomputed "
                       f"({self.pool.num_available} blocks available)")
@@ -311,14 +328,17 @@ class Scheduler:
         for block in hits:
             seq.block_table.append_cached(block)
         seq.block_hashes = hashes
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
-        if self.enable_prefix_caching:
+        seq.num_computed_tokens = len(hits) * self.block_size
+        # The hit rate is about prompts: a preempted sequence finding its own blocks again
+        # on its way back (a recompute made cheaper) is not counted.
+        if self.enable_prefix_caching and seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_blocks += len(hits)
             self.prefix_hit_tokens += seq.num_cached_tokens
         if hits:
             self.pool.say(f"prefix-cache hit for {seq}: blocks {hits} "
-                          f"({seq.num_cached_tokens} tokens not recomputed)")
+                          f"({seq.num_computed_tokens} tokens not recomputed)")
 
     def _register_full_blocks(self, seq: Sequence):
         """Enter every block that this step filled into the prefix cache."""
@@ -329,6 +349,17 @@ class Scheduler:
             h = hash_block(parent, tokens)
             self.pool.register(seq.block_table.block_ids[i], h, tokens)
             seq.block_hashes.append(h)
+
+    def rollback(self, out: SchedulerOutput):
+        """The step that out scheduled failed before update() (an exception in the model or
+        the sampler, a KeyboardInterrupt): its slots were reserved, and some maybe written,
+        but the step never happened. Its sequences are preempted, newest first so that the
+        waiting queue stays in arrival order, and recomputed when they run again. Blocks the
+        prefix cache already holds were all filled by steps that did complete, so it stays
+        true."""
+        for seq in sorted(out.seqs, key=lambda s: s.order, reverse=True):
+            if seq.status is Status.RUNNING:
+                self._preempt(seq)
 
     # --- after the step ---
     def update(self, out: SchedulerOutput, sampled: dict):

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1223,6 +1224,8 @@ def test_preemption_gives_the_same_tokens(smollm2_dir, llm):
     outs = tight.generate(prompts, greedy(24))
     assert tight.stats.preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    # the prompts share no prefix: blocks found again while recomputing are no prefix hits
+    assert tight.stats.prefix_hit_tokens == 0 and all(o.num_cached_tokens == 0 for o in outs)
     assert_nothing_leaked(tight)
 
 
@@ -1261,6 +1264,9 @@ def test_parallel_sampling_forks_and_is_reproducible(llm):
     again = llm.generate(prompt, p)[0]
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1      # the samples differ
+    # neighbouring seeds share no samples (seeding sample i with seed + i, they would share 3)
+    other = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=124, max_tokens=12, ignore_eos=True))[0]
+    assert [c.token_ids for c in other.outputs[:3]] != [c.token_ids for c in first.outputs[1:]]
     # a seeded request gives the same tokens whatever else is in the batch
     with_others = llm.generate([prompt, "Another prompt entirely", "And a third"],
                                [p, SamplingParams(seed=5, max_tokens=12), greedy(12)])[0]
@@ -1285,8 +1291,14 @@ def test_sampling_bounds(llm):
     assert (probs > 0).sum() == 7 and set(probs.topk(7).indices.tolist()) == set(logits.topk(7).indices.tolist())
     hot, cold = (sampling_probs(logits, SamplingParams(temperature=t)) for t in (2.0, 0.5))
     assert hot.max() < torch.softmax(logits, -1).max() < cold.max()     # temperature flattens / sharpens
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=0), dict(n=0)):
-        with pytest.raises(ValueError):
+    frozen = llm.generate(prompt, SamplingParams(temperature=1e-45, seed=3, max_tokens=10, ignore_eos=True))[0]
+    assert frozen.outputs[0].token_ids == g              # the limit of a vanishing temperature: greedy
+    # every value is checked when the params are made, not in the middle of a step
+    for bad in (dict(temperature=-1), dict(temperature=float("inf")), dict(temperature="0.5"), dict(top_p=0),
+                dict(top_p=1.5), dict(top_p="1"), dict(top_k=0), dict(top_k=2.5), dict(top_k=True), dict(n=0),
+                dict(stop=5), dict(stop=[5]), dict(stop=[""]), dict(stop_token_ids=5),
+                dict(stop_token_ids="ab"), dict(seed=1.5), dict(seed=2**64), dict(seed="x")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
 
 
@@ -1322,10 +1334,23 @@ def test_abort_and_a_failing_request_leave_the_others_intact(llm, monkeypatch):
 
 def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
     for prompt, message in [("", "prompt 1: the prompt is empty"), ([], "prompt 1: the prompt is empty"),
-                            ([1, 2, 10**9], "prompt 1: prompt token ids must be")]:
+                            ([1, 2, 10**9], "prompt 1: prompt token ids must be"),
+                            (None, "prompt 1: a prompt is a string or a list of token ids"),
+                            (3.5, "prompt 1: a prompt is a string"), ([1.0, 2.0], "prompt 1: a prompt is"),
+                            ([True, False], "prompt 1: a prompt is")]:
         with pytest.raises(ValueError, match=message):
             llm.generate(["fine prompt", prompt], greedy(4))
         assert_nothing_leaked(llm)
+    with pytest.raises(ValueError, match="prompt 1: sampling params must be a SamplingParams"):
+        llm.generate(["fine prompt", "another"], [greedy(4), {"max_tokens": 4}])
+    with pytest.raises(ValueError, match="request id must be hashable"):
+        llm.add_request("hi", greedy(4), request_id=["unhashable"])
+    assert_nothing_leaked(llm)
+    # token ids as numpy or torch integers are token ids
+    ids = GOLDEN[0]["prompt_ids"]
+    as_list = llm.generate(ids, greedy(4))[0].outputs[0].token_ids
+    assert llm.generate(torch.tensor(ids), greedy(4))[0].outputs[0].token_ids == as_list
+    assert llm.generate([np.array(ids)], greedy(4))[0].outputs[0].token_ids == as_list
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate("hi", SamplingParams(max_tokens=-3))
     with pytest.raises(ValueError, match="exceeds the model's context of 8192"):
@@ -1342,6 +1367,75 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
         LLM(smollm2_dir, attn_backend="magic")
     with pytest.raises(ValueError, match="needs device='cuda'"):
         LLM(smollm2_dir, attn_backend="cuda", device="cpu")
+    for bad in ("max_model_len", "max_num_batched_tokens"):
+        with pytest.raises(ValueError, match=f"{bad} must be >= 1"):
+            LLM(smollm2_dir, **{bad: 0})
+
+
+def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch):
+    """An exception inside a step (out of memory, a bug, Ctrl-C) must not leave the step's
+    sequences one step ahead of their KV cache: the others finish with their own tokens,
+    and the prefix cache stays true."""
+    prompts = [SYSTEM + q for q in ("What is 2+2?", "Name a fruit.", "Say hi.")]
+    alone = [llm.generate(p, greedy(12, ignore_eos=True))[0].outputs[0].token_ids for p in prompts]
+    forward = llm.model.forward
+    ids = [llm.add_request(p, greedy(12, ignore_eos=True)) for p in prompts]
+    llm.step()
+    llm.step()
+
+    def broken(*args, **kw):
+        forward(*args, **kw)   # the KV cache is written, then the step fails
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(llm.model, "forward", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.step()
+    monkeypatch.undo()
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({r.request_id: r for r in llm.step()})
+    assert [done[i].outputs[0].token_ids for i in ids] == alone
+    assert llm.step() == []                             # idle: nothing to do, no error
+    # an interrupt inside generate(): it leaves nothing behind, and what comes next is right
+    calls = []
+
+    def interrupted(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return forward(*args, **kw)
+
+    monkeypatch.setattr(llm.model, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, greedy(12, ignore_eos=True))
+    monkeypatch.undo()
+    assert_nothing_leaked(llm)
+    outs = llm.generate(prompts, greedy(12, ignore_eos=True))   # prefix-cache hits on what came before
+    assert [o.outputs[0].token_ids for o in outs] == alone and llm.stats.prefix_hit_tokens > 0
+    assert_nothing_leaked(llm)
+
+
+def test_requests_by_hand_and_the_whole_loop_do_not_mix(llm):
+    rid = llm.add_request("Water boils at", greedy(4))
+    for run in (lambda: llm.generate("hi", greedy(2)), lambda: llm.stream("hi", greedy(2))):
+        with pytest.raises(ValueError, match="1 request.* queued with add_request"):
+            run()
+    # automatic ids step over the ids callers chose
+    mine = llm.add_request("Water boils at", greedy(4), request_id=rid + 1)
+    auto = llm.add_request("Water boils at", greedy(4))
+    assert mine == rid + 1 and auto not in (rid, mine)
+    # n samples that end before their first token are still n outputs
+    n3 = llm.add_request("Water boils at", SamplingParams(n=3, max_tokens=4))
+    assert [(c.index, c.finish_reason) for c in llm.abort(n3).outputs] == [(0, "aborted"), (1, "aborted"),
+                                                                          (2, "aborted")]
+    for r in (rid, mine, auto):
+        llm.abort(r)
+    assert_nothing_leaked(llm)
+    # a stream the caller stops reading frees its request
+    stream = llm.stream("Once upon a time,", greedy(20, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert_nothing_leaked(llm)
 
 
 def test_stop_strings_and_stop_token_ids(llm):
@@ -1353,6 +1447,11 @@ def test_stop_strings_and_stop_token_ids(llm):
     assert out.token_ids == GOLDEN[2]["greedy_ids"][:6] and out.finish_reason == "stop"
     pieces = list(llm.stream(GOLDEN[2]["prompt_ids"], greedy(40, stop="metropolis")))
     assert len(pieces) > 5 and "".join(pieces) == full.text[:full.text.index("metropolis")]
+    # a stop string completed by the last token max_tokens allows: a stop, not a length
+    tok = llm.get_tokenizer()
+    last = next(k for k in range(1, 41) if "metropolis" in tok.decode(full.token_ids[:k]))
+    out = llm.generate(GOLDEN[2]["prompt_ids"], greedy(last, stop="metropolis"))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == full.text[:full.text.index("metropolis")]
 
 
 def test_stats_and_kv_waste(llm):
