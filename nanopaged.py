@@ -16,7 +16,9 @@ kernel in kernels.cu (built by build_ext.py).
 from __future__ import annotations
 
 import argparse
+import math
 import numbers
+import os
 import reprlib
 import sys
 import time
@@ -66,8 +68,13 @@ class BlockPool:
         # The KV data, preallocated once: one K and one V tensor per layer. Left uninitialized:
         # no slot is ever read before it is written (the tests fill unused slots with NaN).
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        try:
+            self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        except RuntimeError as e:   # out of memory (torch.OutOfMemoryError is a RuntimeError)
+            size = 2 * num_layers * math.prod(shape) * dtype.itemsize
+            raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks ({size / 2**30:.1f} GiB) "
+                             f"on {device}: {str(e).splitlines()[0]}") from None
         self.ref_count = [0] * num_blocks
         self.free_list = deque(range(num_blocks))  # O(1) popleft / append
         # The prefix cache: full blocks indexed by the hash of their whole prefix.
@@ -487,6 +494,10 @@ class RequestOutput:
     latency: float             # seconds from arrival to the last sample's finish
 
 
+class GenerationError(RuntimeError):
+    """A request failed inside the engine: its model gave non-finite logits."""
+
+
 @dataclass
 class Stats:
     """What --stats prints; LLM.generate resets it, LLM.step adds to it."""
@@ -600,11 +611,13 @@ class LLM:
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif _is_token_ids(prompt):
             text, ids = None, [int(t) for t in prompt]   # numpy and torch integers become ints
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}): got {bad[:5]}")
         else:
             raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
+        # (a text prompt too: a tokenizer may know more tokens than config.json's vocab_size)
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}) (the model's "
+                             f"vocab_size): got {bad[:5]}")
         if request_id is None:
             while self._next_id in self._requests:   # skip ids the caller chose
                 self._next_id += 1
@@ -868,10 +881,14 @@ class LLM:
                 finished = [r for r in self.step() if r.request_id == rid]
                 self.stats.elapsed = time.perf_counter() - start
                 if finished:
-                    yield finished[0].outputs[0].text[len(shown):]
+                    out = finished[0].outputs[0]
+                    yield out.text[len(shown):]
+                    if out.finish_reason == "error":
+                        raise GenerationError("the model's logits are not finite (NaN or inf): "
+                                              "generation stopped")
                     return
                 text = self.tokenizer.decode(seq.output_token_ids)
-                text = text[:len(text) - hold]
+                text = text[:max(len(text) - hold, 0)]
                 if text.endswith("\ufffd"):   # a character split across tokens: wait for the rest
                     continue
                 yield text[len(shown):]
@@ -905,7 +922,7 @@ def sampling_probs(logits, p: SamplingParams):
     """Next-token probabilities (V,) after temperature, top-k and top-p (nucleus) filtering."""
     # Shift the top logit to 0 before dividing: a tiny temperature then sends the others
     # to -inf (probability 0: the greedy limit) instead of overflowing them all to inf.
-    x = (logits - logits.max()) / p.temperature
+    x = (logits.double() - logits.max()) / p.temperature   # float64: a temperature of 1e-46 is not 0
     if p.top_k > 0 and p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -915,7 +932,7 @@ def sampling_probs(logits, p: SamplingParams):
         sorted_p, order = probs.sort(descending=True)
         outside = sorted_p.cumsum(-1) - sorted_p >= p.top_p   # mass before this token already enough
         probs = probs.scatter(0, order, sorted_p.masked_fill(outside, 0.0))
-    return probs
+    return probs.to(logits.dtype)
 
 
 def _parse_device(device) -> torch.device:
@@ -1001,8 +1018,13 @@ EXAMPLES = """examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line and status 2, like every other bad input
+        self.exit(2, f"nanopaged: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="nanopaged.py", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="A minimal PagedAttention inference engine. Without --model it runs the "
                     "embedded SmolLM2-135M-Instruct, offline.")
@@ -1053,18 +1075,29 @@ def main(argv=None) -> int:
                 print(piece, end="", flush=True)
             print()
         else:
+            failed = False
             for i, r in enumerate(llm.generate(prompts, params)):
                 for c in r.outputs:
                     label = f"[prompt {i}" + (f", sample {c.index}]" if args.n > 1 else "]")
                     print(f"{label} {c.text}  ({c.finish_reason})")
+                    failed |= c.finish_reason == "error"
+            if failed:
+                raise GenerationError("the model's logits are not finite (NaN or inf) for the "
+                                      "samples marked (error)")
         if args.stats:
             print(llm.stats.summary(llm.pool.num_blocks), file=sys.stderr)
     except ValueError as e:   # bad input of any kind: one clear line, exit status 2
         print(f"nanopaged: error: {e}", file=sys.stderr)
         return 2
+    except GenerationError as e:  # the model failed (broken weights): one line, status 1
+        print(f"\nnanopaged: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's usual status
         print("\nnanopaged: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:    # `| head`: the reader has gone; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (Python would flush into it at exit)
+        return 1
     return 0
 
 

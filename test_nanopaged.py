@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 import build_ext
 import scheduler as scheduler_module
 from model import ModelConfig, ModelError, load_model, load_tokenizer, resolve_model_dir
-from nanopaged import (LLM, BlockPool, OutOfBlocks, PagedAttention, copy_blocks, main,
+from nanopaged import (LLM, BlockPool, GenerationError, OutOfBlocks, PagedAttention, copy_blocks, main,
                        paged_attention, paged_attention_ref, sampling_probs, write_kv)
 from scheduler import SamplingParams, Scheduler, Status
 
@@ -1291,8 +1291,9 @@ def test_sampling_bounds(llm):
     assert (probs > 0).sum() == 7 and set(probs.topk(7).indices.tolist()) == set(logits.topk(7).indices.tolist())
     hot, cold = (sampling_probs(logits, SamplingParams(temperature=t)) for t in (2.0, 0.5))
     assert hot.max() < torch.softmax(logits, -1).max() < cold.max()     # temperature flattens / sharpens
-    frozen = llm.generate(prompt, SamplingParams(temperature=1e-45, seed=3, max_tokens=10, ignore_eos=True))[0]
-    assert frozen.outputs[0].token_ids == g              # the limit of a vanishing temperature: greedy
+    for t in (1e-45, 1e-300):                            # (0 in float32)
+        frozen = llm.generate(prompt, SamplingParams(temperature=t, seed=3, max_tokens=10, ignore_eos=True))[0]
+        assert frozen.outputs[0].token_ids == g          # the limit of a vanishing temperature: greedy
     # every value is checked when the params are made, not in the middle of a step
     for bad in (dict(temperature=-1), dict(temperature=float("inf")), dict(temperature="0.5"), dict(top_p=0),
                 dict(top_p=1.5), dict(top_p="1"), dict(top_k=0), dict(top_k=2.5), dict(top_k=True), dict(n=0),
@@ -1415,6 +1416,38 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     assert_nothing_leaked(llm)
 
 
+def test_non_finite_logits_fail_the_stream_and_the_cli(llm, smollm2_dir, monkeypatch, capsys):
+    def nan_logits(self, input_ids, positions, attn, logits_indices=None):
+        return torch.full((len(logits_indices), self.config.vocab_size), float("nan"))
+
+    monkeypatch.setattr(type(llm.model), "forward", nan_logits)
+    with pytest.raises(GenerationError, match="not finite"):
+        list(llm.stream("Water boils at", greedy(4)))
+    assert_nothing_leaked(llm)
+    for extra in ([], ["--n", "2", "--temperature", "1"]):   # the stream, and the batch
+        code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "hi", *extra)
+        assert code == 1 and "not finite" in err and "Traceback" not in err
+
+
+def test_prompt_beyond_the_models_vocab_and_a_pool_too_big(tmp_path):
+    model_dir = tiny_llama_dir(tmp_path)       # a byte-level tokenizer: 256 tokens
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"vocab_size": 100}))
+    llm = LLM(model_dir, load_format="dummy", num_blocks=16)
+    with pytest.raises(ValueError, match=r"must be in \[0, 100\) \(the model's vocab_size\)"):
+        llm.generate("hello", greedy(2))        # 'h' is byte 104
+    assert_nothing_leaked(llm)
+    with pytest.raises(ValueError, match="cannot allocate a KV cache of 1099511627776 blocks"):
+        BlockPool(2**40, 16, 1, 8, 128)
+
+
+def test_cli_output_into_a_closed_pipe_is_quiet(smollm2_dir):
+    cmd = (f"{sys.executable} {HERE / 'nanopaged.py'} --model {smollm2_dir} --prompt 'Tell me a story.' "
+           f"--max-tokens 64 | head -c 5")
+    run = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert len(run.stdout) == 5 and "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr
+
+
 def test_requests_by_hand_and_the_whole_loop_do_not_mix(llm):
     rid = llm.add_request("Water boils at", greedy(4))
     for run in (lambda: llm.generate("hi", greedy(2)), lambda: llm.stream("hi", greedy(2))):
@@ -1447,6 +1480,10 @@ def test_stop_strings_and_stop_token_ids(llm):
     assert out.token_ids == GOLDEN[2]["greedy_ids"][:6] and out.finish_reason == "stop"
     pieces = list(llm.stream(GOLDEN[2]["prompt_ids"], greedy(40, stop="metropolis")))
     assert len(pieces) > 5 and "".join(pieces) == full.text[:full.text.index("metropolis")]
+    # a stop string longer than the text so far: the stream holds all of it back
+    stop = full.text[5:25]
+    pieces = list(llm.stream(GOLDEN[2]["prompt_ids"], greedy(40, stop=stop)))
+    assert "".join(pieces) == full.text[:full.text.index(stop)]
     # a stop string completed by the last token max_tokens allows: a stop, not a length
     tok = llm.get_tokenizer()
     last = next(k for k in range(1, 41) if "metropolis" in tok.decode(full.token_ids[:k]))
@@ -1469,7 +1506,10 @@ def test_stats_and_kv_waste(llm):
 # --- the command line ---
 
 def run_cli(capsys, *argv):
-    code = main(list(argv))
+    try:
+        code = main(list(argv))
+    except SystemExit as e:   # argparse's own errors (and --help)
+        code = e.code
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -1489,6 +1529,8 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--dtype", "float8"], "unknown dtype"),
     (["--prompt", "hi", "--device", "gpu"], "unknown device"),
     (["--prompt", "hi", "--block-size", "0"], "--block-size"),
+    (["--prompt", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'"),      # argparse's own
+    (["--prompt", "hi", "--seed", "99999999999999999999"], "seed must be an integer in [0, 2**63)"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
