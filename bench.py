@@ -430,6 +430,23 @@ def bench_kernel(args) -> int:
     if (seqs, ctx) in achieved:
         verdict = "met" if achieved[(seqs, ctx)] >= goal else "NOT met"
         print(f"\ngoal {goal:.0%} of copy bandwidth at {seqs} x {ctx}: {achieved[(seqs, ctx)]:.0%}, {verdict}")
+
+    # The planner's split-K choice against fixed partition sizes, at the goal's shape: the
+    # data for tuning kMinPartitionKeys / kTargetCtasPerSm in kernels.cu on this card.
+    print(f"\nsplit-K at {seqs} x {ctx}: {'asked':>6} {'keys/CTA':>9} {'grid (x,y,z)':>15} {'kernel us':>10} "
+          f"{'GB/s':>7} {'of copy':>8}")
+    try:
+        q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = decode_batch(seqs, ctx, gen)
+        for asked in (0, 256, 512, 1024, 2048, ctx):
+            plan = ops.describe_plan(seqs, seqs, HEADS, KV_HEADS, 1, ctx, asked)
+            us = cuda_time_us(lambda i: ops.paged_attention(q, k_cache, v_cache, tables[i % len(tables)],
+                                                            seq_lens, qsl, scale, 1, ctx, asked), calls=20)
+            gbs = kv_bytes / us / 1e3
+            print(f"{'':>21}{asked or 'auto':>6} {plan['partition_size']:>9} "
+                  f"{','.join(map(str, plan['grid'])):>15} {us:10.1f} {gbs:7.0f} {gbs / copy_gbs:7.0%}")
+    except Exception as e:
+        print(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+        status = 1
     return status
 
 
