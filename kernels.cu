@@ -60,6 +60,7 @@
 
 #include <cuda_runtime_api.h>
 #include <cstdint>
+#include <type_traits>
 
 // -----------------------------------------------------------------------------
 // The interface: the binding in build_ext.py includes this part alone
@@ -196,13 +197,26 @@ __device__ __forceinline__ uint4 load16(const void* p) {
 // Online softmax
 // -----------------------------------------------------------------------------
 // Scores are kept in base 2: q is multiplied once by scale * log2(e), so
-// exp(s - m) becomes exp2f(s' - m'), which is the hardware's ex2.approx.
+// exp(s - m) becomes 2^(s' - m'): one instruction of the hardware (fast_exp2).
 //
 // A row that has seen no key yet has m = -inf. Subtracting -inf from -inf is
 // NaN, so every rescale subtracts `safe_max(m)`, which is 0 for -inf: then
 // exp2(-inf - 0) = 0 wipes the empty state (l = 0, acc = 0 stay 0) and a masked
 // score s = -inf contributes exp2(-inf) = 0. No NaN can appear.
 __device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f : m; }
+
+// 2^x with the hardware's approximate ex2 alone. exp2f adds a few instructions to
+// keep results below 2^-126 exact; probabilities that small vanish next to the
+// row's largest, which is 1. (The emulator has no PTX: it calls exp2f.)
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
 
 // Query tiles of tokens_per_cta tokens must not straddle two sequences, so
 // sequence b's tiles start at tile (query_start_loc[b] + b * (QT - 1)) / QT:
@@ -322,9 +336,13 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
     for (int i = 0; i < VEC; ++i) acc[r][i] = 0.f;
   }
 
-  // The loop condition depends on the warp only, so all 32 lanes run the same
-  // iterations: the shuffles below need every lane of the warp present.
-  for (int tile0 = key_begin + warp * TILE; tile0 < key_end; tile0 += kNumWarps * TILE) {
+  // One tile of keys through online softmax. `masked` is a compile-time bool
+  // (std::true_type or std::false_type): most tiles lie wholly inside the
+  // partition and below every row's causal limit, and for those the bounds
+  // checks and the mask are compiled out — a sixth of the loop's instructions,
+  // in a loop that must keep pace with the memory system.
+  auto tile_step = [&](int tile0, auto masked) {
+    constexpr bool MASKED = decltype(masked)::value;
     // 2a. Issue every load of the tile first. Keys at or beyond key_end are
     // never loaded — not even their block-table entry, which may be padding —
     // and stand in as zeros: the cache slots past a sequence's end may hold
@@ -334,7 +352,7 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
     for (int u = 0; u < UNROLL; ++u) {
       const int t = tile0 + u * KEYS_PER_STEP + key_in_step;
       k_raw[u] = v_raw[u] = make_uint4(0, 0, 0, 0);
-      if (t < key_end) {
+      if (!MASKED || t < key_end) {
         const int64_t offset = (int64_t)__ldg(table + (t >> block_shift)) * block_stride +
                                (t & (a.block_size - 1)) * token_stride;
         k_raw[u] = load16(k_base + offset);
@@ -360,7 +378,7 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
         for (int offset = LANES_PER_KEY / 2; offset > 0; offset /= 2)
           dot += __shfl_xor_sync(kFullMask, dot, offset);
         const int t = tile0 + u * KEYS_PER_STEP + key_in_step;
-        s[u][r] = (t < key_end && t < limit[r]) ? dot : -INFINITY;  // causal mask
+        s[u][r] = (!MASKED || (t < key_end && t < limit[r])) ? dot : -INFINITY;  // causal mask
       }
     }
 
@@ -372,13 +390,13 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
       for (int u = 1; u < UNROLL; ++u) tile_max = fmaxf(tile_max, s[u][r]);
       const float m_new = fmaxf(m[r], tile_max);
       const float base = safe_max(m_new);
-      const float rescale = exp2f(m[r] - base);
+      const float rescale = fast_exp2(m[r] - base);
       l[r] *= rescale;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[r][i] *= rescale;
       m[r] = m_new;
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) s[u][r] = exp2f(s[u][r] - base);  // now p
+      for (int u = 0; u < UNROLL; ++u) s[u][r] = fast_exp2(s[u][r] - base);  // now p
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -391,7 +409,19 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
         for (int i = 0; i < VEC; ++i) acc[r][i] = fmaf(s[u][r], v[i], acc[r][i]);
       }
     }
-  }
+  };
+
+  // Tiles below `unmasked_end` hold no key any row must not see. (A row that is
+  // no row, limit 0, may see them all: it is never written.) Both loop
+  // conditions depend on the warp only, so all 32 lanes run the same
+  // iterations: the shuffles need every lane of the warp present.
+  int unmasked_end = key_end;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+    if (limit[r] > 0) unmasked_end = min(unmasked_end, limit[r]);
+  int tile0 = key_begin + warp * TILE;
+  for (; tile0 + TILE <= unmasked_end; tile0 += kNumWarps * TILE) tile_step(tile0, std::false_type{});
+  for (; tile0 < key_end; tile0 += kNumWarps * TILE) tile_step(tile0, std::true_type{});
 
   // --- 3. merge the lanes' states, then the warps' states ------------------
   // Lanes that read the same 16-byte chunk of different keys hold states over
