@@ -143,6 +143,9 @@ class ModelConfig:
                 max_position_embeddings=_positive(d, "max_position_embeddings", default=2048),
                 norm_eps=_positive(d, "rms_norm_eps", float, 1e-6), rope_theta=rope_theta,
                 rope_scaling=rope_scaling, tie_word_embeddings=d.get("tie_word_embeddings", False))
+            if not isinstance(fields["tie_word_embeddings"], bool):  # "false" would be true
+                raise ModelError(f"'tie_word_embeddings' is {d['tie_word_embeddings']!r}, expected "
+                                 f"true or false")
             default_token_id = None
         elif model_type == "gpt2":
             if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -368,6 +371,8 @@ def _hf_pattern(pre: dict | None, path: Path) -> str:
     byte-level BPE families: ByteLevel alone (GPT-2), Digits + ByteLevel (SmolLM2), and
     Split(regex) + ByteLevel without its own regex (Llama 3, Qwen 2)."""
     steps = pre.get("pretokenizers", [pre]) if pre else []
+    if not (isinstance(steps, list) and all(isinstance(s, dict) for s in steps)):
+        raise ModelError(f"{path}: pre_tokenizer {pre!r} is not a pre-tokenizer object")
     kinds = [s.get("type") for s in steps]
     if not kinds or kinds[-1] != "ByteLevel":
         raise ModelError(f"{path}: pre_tokenizer {kinds} is not byte-level; nanopaged reads "
@@ -380,7 +385,7 @@ def _hf_pattern(pre: dict | None, path: Path) -> str:
         return GPT2_PATTERN
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and own_regex:
         return SMOLLM_PATTERN
-    if (kinds == ["Split", "ByteLevel"] and not own_regex and "Regex" in steps[0]["pattern"]
+    if (kinds == ["Split", "ByteLevel"] and not own_regex and "Regex" in (steps[0].get("pattern") or {})
             and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")):
         return steps[0]["pattern"]["Regex"]
     raise ModelError(f"{path}: pre_tokenizer {kinds} is not supported (supported: ByteLevel; "
@@ -398,6 +403,9 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
         kind = "byte-fallback BPE" if bpe.get("byte_fallback") else bpe.get("type")
         raise ModelError(f"{path}: tokenizer model {kind!r} is not supported; nanopaged reads "
                          f"byte-level BPE tokenizers only (GPT-2, SmolLM2, Llama 3, Qwen 2)")
+    for key in ("normalizer", "pre_tokenizer"):
+        if not isinstance(tj.get(key), dict | None):
+            raise ModelError(f"{path}: {key!r} is {tj[key]!r}, expected an object or null")
     normalizer = (tj.get("normalizer") or {}).get("type")
     if normalizer not in (None, "NFC"):
         raise ModelError(f"{path}: normalizer {normalizer!r} is not supported")

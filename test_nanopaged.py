@@ -663,6 +663,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"eos_token_id": [3, "4"]}, "'eos_token_id' is \\[3, '4'\\]"),
     ({"bos_token_id": "1"}, "'bos_token_id' is '1', expected a token id or null"),
     ({"bos_token_id": [1]}, "'bos_token_id' is \\[1\\]"),
+    ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' is 'false', expected true or false"),
     ({"head_dim": 7}, "head_dim 7 is odd, but RoPE rotates pairs$"),
     ({"hidden_size": 42}, r"head_dim 7 is odd.*\(head_dim = hidden_size 42 // "
                           r"num_attention_heads 6\)"),
@@ -744,6 +745,12 @@ def test_tiny_tokenizer_dir_loads(tmp_path):
     ({"added_tokens": [{"id": 257}]}, r"tokenizer.json: added token \{'id': 257\} lacks"),
     ({"added_tokens": [{"id": "257", "content": "<|x|>"}]}, "tokenizer.json: added token"),
     ({"added_tokens": ["<|x|>"]}, r"tokenizer.json: added token '<\|x\|>' lacks"),
+    ({"normalizer": "NFC"}, "tokenizer.json: 'normalizer' is 'NFC', expected an object"),
+    ({"pre_tokenizer": ["ByteLevel"]}, "tokenizer.json: 'pre_tokenizer' is \\['ByteLevel'\\]"),
+    ({"pre_tokenizer": {"type": "Sequence", "pretokenizers": ["Split"]}}, "is not a pre-tokenizer object"),
+    ({"pre_tokenizer": {"type": "Sequence",   # a Split without its pattern
+                        "pretokenizers": [{"type": "Split"}, BYTE_LEVEL | {"use_regex": False}]}},
+     r"pre_tokenizer \['Split', 'ByteLevel'\] is not supported"),
 ])
 def test_malformed_tokenizer_json(tmp_path, tokenizer, message):
     with pytest.raises(ModelError, match=message):
