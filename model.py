@@ -1013,6 +1013,9 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
         weights[name] = w
 
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise ModelError(f"{gguf_path}: tokenizer.ggml.token_type has {len(types)} entries for "
+                         f"{len(tokens)} tokens")
     tokenizer = {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": i, "content": tok, "single_word": False, "lstrip": False,

@@ -821,7 +821,7 @@ def test_decode_skips_ids_that_are_no_token():
 
 # GGUF conversion
 
-def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=()):
+def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None):
     """A tiny Llama GGUF: the 256 byte tokens, random float32 weights (tied embeddings), less
     the tensors named in `skip`, plus (or replaced by) those in `extra`."""
     import gguf
@@ -837,6 +837,8 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(sorted(vocab, key=vocab.get))
+    if token_types is not None:
+        writer.add_token_types(token_types)
     writer.add_token_merges([])
     writer.add_eos_token_id(eos)
     if bos is not None:
@@ -875,6 +877,7 @@ def test_tiny_gguf_loads(tmp_path, own_cache):
     ({"extra": [("blk.1.ffn_up.weight", (32, 16))]}, "unexpected tensor 'blk.1.ffn_up.weight'"),
     ({"skip": ["blk.0.ffn_up.weight"]}, "tensor 'blk.0.ffn_up.weight' is missing"),
     ({"I": 0}, "'intermediate_size' is 0"),
+    ({"token_types": [1] * 10}, "tokenizer.ggml.token_type has 10 entries for 256 tokens"),
 ])
 def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, kwargs, message):
     path = write_gguf(tmp_path / "bad.gguf", **kwargs)
