@@ -42,14 +42,13 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         integer = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
-        real = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)  # noqa: E731
         checks = [
             (integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (real(self.temperature) and self.temperature >= 0,
+            (_finite_number(self.temperature) and self.temperature >= 0,
              f"temperature must be a finite number >= 0, got {self.temperature!r}"),
             (integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
              f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}"),
-            (real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be a number in (0, 1], got {self.top_p!r}"),
+            (_finite_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be a number in (0, 1], got {self.top_p!r}"),
             (integer(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
             (self.stop is None or (isinstance(self.stop, (list, tuple))
@@ -64,6 +63,14 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+
+
+def _finite_number(x) -> bool:
+    """An int or float (not a bool) that a float can hold: 10**400 is finite but unusable."""
+    try:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 # -----------------------------------------------------------------------------

@@ -1571,7 +1571,8 @@ def test_sampling_bounds(llm):
         frozen = llm.generate(prompt, SamplingParams(temperature=t, seed=3, max_tokens=10, ignore_eos=True))[0]
         assert frozen.outputs[0].token_ids == g          # the limit of a vanishing temperature: greedy
     # every value is checked when the params are made, not in the middle of a step
-    for bad in (dict(temperature=-1), dict(temperature=float("inf")), dict(temperature="0.5"), dict(top_p=0),
+    for bad in (dict(temperature=-1), dict(temperature=float("inf")), dict(temperature="0.5"),
+                dict(temperature=10**400), dict(top_p=0),
                 dict(top_p=1.5), dict(top_p="1"), dict(top_k=0), dict(top_k=2.5), dict(top_k=True), dict(n=0),
                 dict(stop=5), dict(stop=[5]), dict(stop=[""]), dict(stop_token_ids=5),
                 dict(stop_token_ids="ab"), dict(seed=1.5), dict(seed=2**64), dict(seed="x")):
