@@ -308,14 +308,18 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        """The text of `ids`, skipping (as HF does) ids that are no token: embedding matrices
+        """The text of `ids`; bytes that are no UTF-8 show as U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """The bytes of `ids`, skipping (as HF does) ids that are no token: embedding matrices
         are often padded past the tokenizer's vocab, and the sampler can pick the padding."""
         if self.dropped_from is None or max(ids, default=0) < self.dropped_from:
             try:
-                return self.encoding.decode(ids)
+                return self.encoding.decode_bytes(ids)
             except KeyError:  # rare: some id is no token
                 pass
-        return b"".join(map(self._token_bytes, ids)).decode("utf-8", errors="replace")
+        return b"".join(map(self._token_bytes, ids))
 
     def _token_bytes(self, i: int) -> bytes:
         """The bytes of token `i`; none if `i` is no token (ids from dropped_from on stand

@@ -16,6 +16,7 @@ kernel in kernels.cu (built by build_ext.py).
 from __future__ import annotations
 
 import argparse
+import codecs
 import math
 import numbers
 import os
@@ -498,6 +499,43 @@ class GenerationError(RuntimeError):
     """A request failed inside the engine: its model gave non-finite logits."""
 
 
+class IncrementalDetokenizer:
+    """The text of a sample's growing output, decoded as tokens arrive: each call decodes
+    only the tokens added since the last one, where decoding the whole output every step
+    would cost time quadratic in its length. A character whose UTF-8 bytes are split
+    across tokens (an emoji, often) comes out once its last byte has arrived."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.num_tokens = tokenizer, 0
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def new_text(self, token_ids: list[int]) -> str:
+        """The text that token_ids[self.num_tokens:] add."""
+        new, self.num_tokens = token_ids[self.num_tokens:], len(token_ids)
+        return self.utf8.decode(self.tokenizer.decode_bytes(new))
+
+
+class StopStringScan:
+    """Finds the first stop string in a sample's text as it grows. A stop string that
+    appears now ends in the new text, so it began at most len(longest stop) - 1
+    characters before it: only that tail and the new text are searched."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.detokenizer, self.stops = IncrementalDetokenizer(tokenizer), stops
+        self.keep = max(map(len, stops)) - 1
+        self.tail, self.tail_start = "", 0   # the text's last `keep` characters, and where they begin
+
+    def find(self, token_ids: list[int]) -> int | None:
+        """Where in the text the first stop string begins, once one has appeared."""
+        window = self.tail + self.detokenizer.new_text(token_ids)
+        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            return self.tail_start + min(hits)
+        cut = max(len(window) - self.keep, 0)
+        self.tail, self.tail_start = window[cut:], self.tail_start + cut
+        return None
+
+
 @dataclass
 class Stats:
     """What --stats prints; LLM.generate resets it, LLM.step adds to it."""
@@ -628,7 +666,8 @@ class LLM:
             except TypeError:
                 raise ValueError(f"a request id must be hashable, got {type(request_id).__name__}") from None
         seq = self.scheduler.add(request_id, ids, params)
-        self._requests[request_id] = {"prompt": text, "params": params, "seqs": [seq], "stop_at": {}}
+        self._requests[request_id] = {"prompt": text, "params": params, "seqs": [seq], "stop_at": {},
+                                      "stop_scans": {}}
         return request_id
 
     def abort(self, request_id) -> RequestOutput:
@@ -744,10 +783,13 @@ class LLM:
         for seq in seqs:
             if not seq.params.stop or seq.finish_reason not in (None, "length"):
                 continue
-            text = self.tokenizer.decode(seq.output_token_ids)
-            hits = [text.find(s) for s in seq.params.stop if s in text]
-            if hits:
-                self._requests[seq.request_id]["stop_at"][seq.sample_index] = min(hits)
+            req = self._requests[seq.request_id]
+            scan = req["stop_scans"].get(seq.sample_index)
+            if scan is None:
+                scan = req["stop_scans"][seq.sample_index] = StopStringScan(self.tokenizer, seq.params.stop)
+            at = scan.find(seq.output_token_ids)
+            if at is not None:
+                req["stop_at"][seq.sample_index] = at
                 if seq.status is Status.RUNNING:
                     self.scheduler.finish(seq, "stop")
                 else:
@@ -873,7 +915,8 @@ class LLM:
 
     def _stream(self, rid, params: SamplingParams):
         # (a generator of its own, so that stream() checks its arguments when called)
-        seq, shown, start = self._requests[rid]["seqs"][0], "", time.perf_counter()
+        seq, start = self._requests[rid]["seqs"][0], time.perf_counter()
+        detokenizer, shown, held = IncrementalDetokenizer(self.tokenizer), 0, ""
         # hold back text that could be the start of a stop string, until we know
         hold = max((len(s) for s in params.stop or ()), default=1) - 1
         try:
@@ -882,17 +925,16 @@ class LLM:
                 self.stats.elapsed = time.perf_counter() - start
                 if finished:
                     out = finished[0].outputs[0]
-                    yield out.text[len(shown):]
+                    yield out.text[shown:]
                     if out.finish_reason == "error":
                         raise GenerationError("the model's logits are not finite (NaN or inf): "
                                               "generation stopped")
                     return
-                text = self.tokenizer.decode(seq.output_token_ids)
-                text = text[:max(len(text) - hold, 0)]
-                if text.endswith("\ufffd"):   # a character split across tokens: wait for the rest
-                    continue
-                yield text[len(shown):]
-                shown = text
+                held += detokenizer.new_text(seq.output_token_ids)
+                cut = max(len(held) - hold, 0)
+                if cut:
+                    yield held[:cut]
+                    shown, held = shown + cut, held[cut:]
         finally:
             self._drop([rid])   # the caller stopped reading early, or a step raised: free its blocks
 

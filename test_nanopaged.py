@@ -29,10 +29,11 @@ from safetensors.torch import save_file
 
 import build_ext
 import scheduler as scheduler_module
-from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, load_model, load_tokenizer,
-                   resolve_model_dir)
-from nanopaged import (LLM, BlockPool, GenerationError, OutOfBlocks, PagedAttention, copy_blocks, main,
-                       paged_attention, paged_attention_ref, sampling_probs, write_kv)
+from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
+                   load_tokenizer, resolve_model_dir)
+from nanopaged import (LLM, BlockPool, GenerationError, IncrementalDetokenizer, OutOfBlocks, PagedAttention,
+                       StopStringScan, copy_blocks, main, paged_attention, paged_attention_ref, sampling_probs,
+                       write_kv)
 from scheduler import SamplingParams, Scheduler, Status
 
 HERE = Path(__file__).resolve().parent
@@ -1766,6 +1767,44 @@ def test_stop_strings_and_stop_token_ids(llm):
     last = next(k for k in range(1, 41) if "metropolis" in tok.decode(full.token_ids[:k]))
     out = llm.generate(GOLDEN[2]["prompt_ids"], greedy(last, stop="metropolis"))[0].outputs[0]
     assert out.finish_reason == "stop" and out.text == full.text[:full.text.index("metropolis")]
+
+
+def test_incremental_text_matches_decoding_the_whole_output():
+    """Random outputs, fed a few tokens at a time, with single-byte tokens that split
+    characters: the incremental text and the stop-string scan agree with decoding and
+    searching the whole output every step."""
+    tok, rng = gpt2_tokenizer(), random.Random(0)
+    split = [tok.encoding.encode_single_token(bytes([b])) for b in "é€😀".encode()]  # halves of characters
+    for trial in range(300):
+        ids = [rng.choice(split) if rng.random() < 0.3 else rng.randrange(50000) for _ in range(rng.randint(1, 60))]
+        full = tok.decode(ids)
+        stops = [full[i:i + rng.randint(1, 6)] for i in rng.sample(range(len(full)), min(2, len(full)))]
+        stops.append(rng.choice(["e", "th", "\n\n", "zzz"]))
+        detok, scan, text, found, n = IncrementalDetokenizer(tok), StopStringScan(tok, stops), "", None, 0
+        while n < len(ids) and found is None:
+            n = min(len(ids), n + rng.randint(1, 4))
+            text += detok.new_text(ids[:n])
+            whole = tok.decode(ids[:n])
+            assert whole.startswith(text) and whole[len(text):] in ("", "\ufffd")   # a character pending
+            found = scan.find(ids[:n])
+            hits = [text.find(s) for s in stops if s in text]
+            assert found == (min(hits) if hits else None), (trial, ids[:n], stops)
+
+
+def test_stop_strings_and_streams_decode_each_token_once(llm, monkeypatch):
+    """Each step decodes only its new tokens: work linear in the output's length."""
+    tok = llm.get_tokenizer()
+    decoded = []
+    decode_bytes = tok.decode_bytes
+    monkeypatch.setattr(tok, "decode_bytes", lambda ids: decoded.append(len(ids)) or decode_bytes(ids))
+    params = greedy(48, ignore_eos=True, stop=["never appears in the output"])
+    text = "".join(llm.stream(GOLDEN[2]["prompt_ids"], params))
+    full = llm.generate(GOLDEN[2]["prompt_ids"], greedy(48, ignore_eos=True))[0].outputs[0].text
+    assert text == full
+    # the stop-string scan and the stream's text (which takes its last piece from the final
+    # output): 48 tokens each at most; the two final outputs, 48 each. Decoding everything
+    # every step would be 48 * 49 / 2 per loop.
+    assert sum(decoded) <= 4 * 48
 
 
 def test_stats_and_kv_waste(llm):
