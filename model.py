@@ -71,8 +71,9 @@ def _as_list(x) -> list:
 
 
 def _is_id(x) -> bool:
-    """A token id: an int >= 0 (bool is an int to Python, but JSON's true is no id)."""
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    """A token id: an int in [0, 2^31) (bool is an int to Python, but JSON's true is no id;
+    tiktoken and the embedding's index tensors hold ids in 32 bits)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31
 
 
 # ----------------------------------------------------------------------------------------
@@ -427,17 +428,22 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     vocab = bpe.get("vocab")
     if not isinstance(vocab, dict):
         raise ModelError(f"{path}: no model.vocab object (token -> id)")
-    ranks = {}
+    ranks, token_of_id = {}, {}
     for token, i in vocab.items():
         if i in added_ids:
             continue
         if not _is_id(i):
             raise ModelError(f"{path}: token {token!r} has id {i!r}")
+        if i in token_of_id:   # (tiktoken would panic: one id decodes to one token)
+            raise ModelError(f"{path}: tokens {token_of_id[i]!r} and {token!r} have the same id {i}")
+        token_of_id[i] = token
         try:
             ranks[bytes(BYTE_OF_CHAR[c] for c in token)] = i
         except KeyError:
             raise ModelError(f"{path}: token {token!r} is not in the byte-level alphabet; "
                              f"nanopaged reads byte-level BPE tokenizers only") from None
+    if not ranks:
+        raise ModelError(f"{path}: model.vocab has no tokens (but for added tokens)")
     # rank = id reproduces HF's BPE only if ids follow merge order (see the chapter's top).
     last = -1
     for n, merge in enumerate(bpe.get("merges") or []):
@@ -922,6 +928,18 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
              .reshape(rows, cols))                      # (heads * D, C)
 
 
+def _dequantizable(tensor_type) -> bool:
+    """Whether gguf.quants.dequantize knows this storage type (some, such as Q8_1, F64 or
+    integers, it does not): tried on one block of zeros."""
+    import gguf
+    block_bytes = gguf.GGML_QUANT_SIZES[tensor_type][1]
+    try:
+        gguf.quants.dequantize(np.zeros(block_bytes, dtype=np.uint8), tensor_type)
+        return True
+    except NotImplementedError:
+        return False
+
+
 def _gguf_name(hf_name: str) -> str:
     """A Llama tensor's GGUF name: model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight"""
     base, kind = hf_name.rsplit(".", 1)
@@ -1004,6 +1022,9 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
         if shape != shapes[hf_name[t.name]]:
             raise ModelError(f"{gguf_path}: tensor {t.name!r} has shape {shape}, expected "
                              f"{shapes[hf_name[t.name]]}")
+        if not _dequantizable(t.tensor_type):
+            raise ModelError(f"{gguf_path}: tensor {t.name!r} is stored as {t.tensor_type.name}, "
+                             f"which the gguf package cannot dequantize")
     missing = [name for name in hf_name if name not in tensors]
     if missing:
         raise ModelError(f"{gguf_path}: tensor {missing[0]!r} is missing")

@@ -743,6 +743,10 @@ def test_tiny_tokenizer_dir_loads(tmp_path):
     ({"model": ["BPE"]}, "tokenizer.json: no 'model' object"),
     ({"model": {"type": "BPE", "merges": []}}, "tokenizer.json: no model.vocab object"),
     ({"model": {"type": "BPE", "vocab": {"a": "1"}}}, r"tokenizer.json: token 'a' has id '1'"),
+    ({"model": {"type": "BPE", "vocab": {"a": 2**40}}}, r"tokenizer.json: token 'a' has id 1099511627776"),
+    ({"model": {"type": "BPE", "vocab": {"a": 1, "b": 1}}}, "tokenizer.json: tokens 'a' and 'b' have the same id 1"),
+    ({"model": {"type": "BPE", "vocab": {}}}, "tokenizer.json: model.vocab has no tokens"),
+    ({"model": {"type": "BPE", "vocab": {"a": 257}}}, "tokenizer.json: model.vocab has no tokens"),  # the added token's id
     ({"added_tokens": [{"id": 257}]}, r"tokenizer.json: added token \{'id': 257\} lacks"),
     ({"added_tokens": [{"id": "257", "content": "<|x|>"}]}, "tokenizer.json: added token"),
     ({"added_tokens": ["<|x|>"]}, r"tokenizer.json: added token '<\|x\|>' lacks"),
@@ -822,9 +826,11 @@ def test_decode_skips_ids_that_are_no_token():
 
 # GGUF conversion
 
-def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None):
+def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None,
+               dtypes=None):
     """A tiny Llama GGUF: the 256 byte tokens, random float32 weights (tied embeddings), less
-    the tensors named in `skip`, plus (or replaced by) those in `extra`."""
+    the tensors named in `skip`, plus (or replaced by) those in `extra`; `dtypes` maps a
+    tensor's name to another numpy dtype to store it in."""
     import gguf
     vocab, _ = byte_vocab()
     writer = gguf.GGUFWriter(path, "llama")
@@ -855,7 +861,7 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     shapes = {name: shape for name, shape in shapes.items() if name not in skip} | dict(extra)
     rng = np.random.default_rng(0)
     for name, shape in shapes.items():
-        writer.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype(np.float32))
+        writer.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype((dtypes or {}).get(name, np.float32)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -879,6 +885,9 @@ def test_tiny_gguf_loads(tmp_path, own_cache):
     ({"skip": ["blk.0.ffn_up.weight"]}, "tensor 'blk.0.ffn_up.weight' is missing"),
     ({"I": 0}, "'intermediate_size' is 0"),
     ({"token_types": [1] * 10}, "tokenizer.ggml.token_type has 10 entries for 256 tokens"),
+    ({"dtypes": {"blk.0.ffn_up.weight": np.float64}}, "tensor 'blk.0.ffn_up.weight' is stored as F64, "
+                                                      "which the gguf package cannot dequantize"),
+    ({"dtypes": {"output_norm.weight": np.int32}}, "tensor 'output_norm.weight' is stored as I32"),
 ])
 def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, kwargs, message):
     path = write_gguf(tmp_path / "bad.gguf", **kwargs)
