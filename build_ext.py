@@ -38,6 +38,7 @@ KERNELS = HERE / "kernels.cu"
 
 # Must match paged_attention_supported() in kernels.cu (the binding re-checks).
 SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")   # torch dtype names; KvDtype in kernels.cu
 CHECK_ARCHS = ("80", "90")  # Ampere (A100) and Hopper (H100/H200)
 
 # The flags torch's cpp_extension gives nvcc: kernels.cu must build under them.
@@ -181,9 +182,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK_VALUE(B > 0 || T == 0, "q has ", T, " tokens but block_tables has no sequence to own them");
   TORCH_CHECK_VALUE(max_seq_len <= max_blocks * block_size, "max_seq_len ", max_seq_len,
                     " does not fit in block_tables of ", max_blocks, " blocks of ", block_size);
-  TORCH_CHECK_VALUE(T * H < (int64_t(1) << 31) && B < (int64_t(1) << 31) &&
+  TORCH_CHECK_VALUE(T * H < (int64_t(1) << 31) && T + 8 * B < (int64_t(1) << 31) &&
                     max_blocks * block_size < (int64_t(1) << 31),
-                    "batch too large for the kernel's 32-bit row and position indices");
+                    "batch too large for the kernel's 32-bit row, tile and position indices");
+  TORCH_CHECK_VALUE(partition_size >= 0 && partition_size < (int64_t(1) << 31), "partition_size must be "
+                    "0 (the planner chooses) or a number of keys below 2^31, got ", partition_size);
 
   auto out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;

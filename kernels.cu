@@ -139,6 +139,7 @@ constexpr int kWarp = 32;
 constexpr int kNumWarps = 4;                      // warps per attention CTA
 constexpr int kNumThreads = kNumWarps * kWarp;
 constexpr int kMaxRows = 8;                       // query rows per CTA, at most
+constexpr int kNoRow = -1;                        // the causal limit of a row slot with no row
 constexpr unsigned kFullMask = 0xffffffffu;       // every lane joins a shuffle
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -287,7 +288,9 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
   const int table_keys = a.max_blocks_per_seq * a.block_size;
 
   // Row r is query token tok0 + r / GH, query head head0 + r % GH. Each row has
-  // its own causal limit: keys t < limit[r] are visible to it (0 = no row).
+  // its own causal limit: keys t < limit[r] are visible to it (kNoRow: no row).
+  // A row with limit 0 sees no key — only metadata where seq_len < q_len gives
+  // one — and its output is 0 / 0 = NaN, as the torch reference's.
   // q is loaded once, pre-multiplied by scale * log2(e) (see online softmax).
   const float q_scale = a.scale * kLog2e;
   float q[ROWS][VEC];
@@ -298,7 +301,7 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
     const int j = tok0 + r / GH, head = head0 + r % GH;
     const bool valid = r < QT * GH && j < q_len && head < head_end &&
                        q_start + j >= 0 && q_start + j < a.num_tokens;
-    limit[r] = valid ? min(cached + j + 1, table_keys) : 0;
+    limit[r] = valid ? max(min(cached + j + 1, table_keys), 0) : kNoRow;
     cta_limit = max(cta_limit, limit[r]);
     uint4 raw = make_uint4(0, 0, 0, 0);
     if (valid)
@@ -311,7 +314,9 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
 
   const int partition = blockIdx.z;
   const int key_begin = partition * plan.partition_size;
-  if (key_begin >= cta_limit) return;  // every row ends before this partition
+  // Every row ends before this partition. (Partition 0 goes on to write its
+  // rows even when they see no key at all: NaN, see above.)
+  if (key_begin >= cta_limit && partition > 0) return;
   const int key_end = partition == plan.num_partitions - 1
                           ? cta_limit  // the last partition takes all the rest
                           : min(key_begin + plan.partition_size, cta_limit);
@@ -412,13 +417,13 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
   };
 
   // Tiles below `unmasked_end` hold no key any row must not see. (A row that is
-  // no row, limit 0, may see them all: it is never written.) Both loop
+  // no row may see them all: it is never written.) Both loop
   // conditions depend on the warp only, so all 32 lanes run the same
   // iterations: the shuffles need every lane of the warp present.
   int unmasked_end = key_end;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
-    if (limit[r] > 0) unmasked_end = min(unmasked_end, limit[r]);
+    if (limit[r] != kNoRow) unmasked_end = min(unmasked_end, limit[r]);
   int tile0 = key_begin + warp * TILE;
   for (; tile0 + TILE <= unmasked_end; tile0 += kNumWarps * TILE) tile_step(tile0, std::false_type{});
   for (; tile0 < key_end; tile0 += kNumWarps * TILE) tile_step(tile0, std::true_type{});
@@ -464,7 +469,7 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
   if (d >= D) return;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    if (limit[r] <= 0) continue;  // not a row (past the tile or the group)
+    if (limit[r] == kNoRow) continue;  // past the tile or the group
     float row_max = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kNumWarps; ++w) row_max = fmaxf(row_max, s_max[w][r]);
@@ -512,7 +517,8 @@ __global__ void merge_partitions_kernel(const PagedAttentionArgs a, const Attent
                        a.max_blocks_per_seq * a.block_size);  // as the attention kernel caps it
   // Only partitions that hold at least one of this row's keys were written.
   const int P = plan.num_partitions;
-  const int used = min((keys + plan.partition_size - 1) / plan.partition_size, P);
+  const int64_t touched = ((int64_t)keys + plan.partition_size - 1) / plan.partition_size;
+  const int used = touched < P ? (int)touched : P;
 
   const float* part_max = a.partial_max + row * P;
   const float* part_sum = a.partial_sum + row * P;
@@ -632,6 +638,9 @@ AttentionPlan plan_paged_attention(int num_tokens, int num_seqs, int num_heads,
     if (parts < 1) parts = 1;
     partition_size = ceil_div(ceil_div(seq_len, parts), kPartitionAlign) * kPartitionAlign;
   }
+  // More keys than the longest context is one partition; capping it here keeps
+  // key_begin + partition_size inside an int.
+  if (partition_size > seq_len) partition_size = seq_len;
   // grid.z is at most 65535.
   if (ceil_div(seq_len, partition_size) > 65535) partition_size = ceil_div(seq_len, 65535);
   plan.partition_size = partition_size;

@@ -616,7 +616,7 @@ class LLM:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    enable_prefix_caching, cfg.eos_token_id)
         self.attn = PagedAttention(self.pool, cfg.head_dim ** -0.5,
-                                   _pick_kernels(attn_backend, device, cfg, block_size))
+                                   _pick_kernels(attn_backend, device, cfg, block_size, dtype))
         self.stats = Stats()
         self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
         self._generators: dict[tuple, torch.Generator] = {}
@@ -1010,12 +1010,15 @@ def _default_kv_cache_memory(device) -> int:
     return 2 << 30
 
 
-def _pick_kernels(backend: str, device, cfg, block_size: int):
+def _pick_kernels(backend: str, device, cfg, block_size: int, dtype: torch.dtype):
     """The CUDA kernel's ops when attention should run on it, else None (the torch path)."""
     if backend == "torch" or device.type != "cuda":
         return None
     ops = build_ext.load_kernels()   # the first use on a machine compiles it (about a minute)
     reason = build_ext.unavailable_reason() if ops is None else None
+    dtype_name = str(dtype).removeprefix("torch.")
+    if ops is not None and dtype_name not in build_ext.SUPPORTED_DTYPES:
+        ops, reason = None, f"the kernel is built for {build_ext.SUPPORTED_DTYPES}, not {dtype_name}"
     if ops is not None and cfg.head_dim not in build_ext.SUPPORTED_HEAD_DIMS:
         ops, reason = None, (f"the kernel is built for head_dim {build_ext.SUPPORTED_HEAD_DIMS}, "
                              f"not {cfg.head_dim}")

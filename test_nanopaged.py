@@ -1903,6 +1903,28 @@ def test_kernels_fall_back_without_cuda():
     assert isinstance(reason, str) and reason.strip() and "\n" not in reason
 
 
+def test_kernel_choice_falls_back_for_what_it_does_not_support(monkeypatch, capsys):
+    """Where the kernel built but does not cover the model (dtype, head_dim, block_size):
+    "auto" takes the torch path with a one-line reason, "cuda" is a clear error."""
+    import nanopaged
+    built = object()   # stands for the compiled ops
+    monkeypatch.setattr(build_ext, "load_kernels", lambda: built)
+    cuda = torch.device("cuda")
+    cfg = lambda head_dim: ModelConfig.from_dict(llama_config(head_dim=head_dim))   # noqa: E731
+    assert nanopaged._pick_kernels("auto", cuda, cfg(64), 16, torch.bfloat16) is built
+    assert nanopaged._pick_kernels("torch", cuda, cfg(64), 16, torch.bfloat16) is None
+    for head_dim, block_size, dtype, reason in [
+            (64, 16, torch.float64, "is built for ('float32', 'float16', 'bfloat16'), not float64"),
+            (8, 16, torch.float32, "is built for head_dim (64, 128), not 8"),
+            (128, 12, torch.float16, "needs a power-of-two block_size, not 12")]:
+        args = (cuda, cfg(head_dim), block_size, dtype)
+        assert nanopaged._pick_kernels("auto", *args) is None
+        assert capsys.readouterr().err == f"nanopaged: attention runs on the torch path: the kernel {reason}\n"
+        with pytest.raises(ValueError) as e:
+            nanopaged._pick_kernels("cuda", *args)
+        assert str(e.value) == f"attn_backend='cuda' is not available: the kernel {reason}"
+
+
 @pytest.mark.skipif(build_ext.find_cuda_home() is None, reason="needs nvcc")
 def test_kernels_nvcc_check():
     run = subprocess.run([sys.executable, str(HERE / "build_ext.py"), "--check"],
@@ -2218,7 +2240,9 @@ def check_bad_input(ops, device, elsewhere):
            ("q", dict(q=q.to(elsewhere))),                           # not on the kernels' device
            ("q has 0 heads", dict(q=q[:, :0])),                      # nothing to attend with
            ("no sequence", dict(block_tables=tables[:0], seq_lens=seq_lens[:0],
-                                query_start_loc=qsl[:1]))]           # tokens owned by nobody
+                                query_start_loc=qsl[:1])),           # tokens owned by nobody
+           ("partition_size must be", dict(partition_size=-1)),
+           ("partition_size must be", dict(partition_size=2**32 + 1))]   # would wrap to 1 in an int
     for message, change in bad:
         with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
             ops.paged_attention(**{**args, **change})
@@ -2244,6 +2268,16 @@ def check_contradictory_metadata(ops, device):
     ref = paged_attention_ref(one, k_cache, v_cache, tables[:1], torch.tensor([1], dtype=torch.int32),
                               torch.tensor([0, 1], dtype=torch.int32), 0.125)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # a context shorter than the queries: the first 10 rows see no key, and are NaN (0 / 0),
+    # as in the reference, whether or not the keys are split into partitions
+    case = Case([(40, 40)], 2, 2, 64, 16, f32)
+    q, k_cache, v_cache, tables, _, qsl = make_batch(case, device)
+    short = torch.tensor([30], dtype=torch.int32)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, short, qsl, 0.125)
+    assert ref[:10].isnan().all() and not ref[10:].isnan().any()
+    for partition_size in (0, 8, 2**31 - 1):   # auto (one partition), split, and more keys than any context
+        out = ops.paged_attention(q, k_cache, v_cache, *to(tables, short, qsl), 0.125, 40, 30, partition_size)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4, equal_nan=True)
 
 
 @needs_cuda
