@@ -581,9 +581,18 @@ class LLM:
                  attn_backend: str = "auto", load_format: str = "auto"):
         device = _parse_device(device)
         dtype = _parse_dtype(dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-        for name, value in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 (or None for the default), got {value}")
+        sizes = {"block_size": block_size, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
+                 "kv_cache_memory": kv_cache_memory, "max_num_batched_tokens": max_num_batched_tokens,
+                 "max_model_len": max_model_len}
+        for name, value in sizes.items():
+            optional = name not in ("block_size", "max_num_seqs")
+            if (value is None and optional) or (isinstance(value, numbers.Integral)
+                                                and not isinstance(value, bool) and value >= 1):
+                continue
+            raise ValueError(f"{name} must be an integer >= 1{' (or None for the default)' if optional else ''}, "
+                             f"got {value!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if attn_backend not in ("auto", "torch", "cuda"):
             raise ValueError(f"unknown attn_backend {attn_backend!r}: use auto, torch or cuda")
         if attn_backend == "cuda" and device.type != "cuda":
@@ -619,7 +628,6 @@ class LLM:
                                    _pick_kernels(attn_backend, device, cfg, block_size, dtype))
         self.stats = Stats()
         self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
-        self._generators: dict[tuple, torch.Generator] = {}
         self._next_id = 0
         self.trace = None  # a callable(str): the block trace
 
@@ -660,6 +668,7 @@ class LLM:
             while self._next_id in self._requests:   # skip ids the caller chose
                 self._next_id += 1
             request_id = self._next_id
+            self._next_id += 1   # an id is never handed out twice, even once its request finished
         else:
             try:
                 hash(request_id)
@@ -767,15 +776,14 @@ class LLM:
         return sampled
 
     def _generator(self, seq, sample_index):
-        """Sample i of a seeded request draws from its own generator, seeded by a hash of
-        (seed, i): well mixed, so that seeds 0 and 1 share no sample (seed + i would share n - 1)."""
+        """The generator of one draw of a seeded request, seeded by a hash of (seed, sample,
+        position): a draw depends on nothing else, not on the batch around it, and not on a
+        step that failed after drawing and was rolled back. (Well mixed: seeds 0 and 1 share
+        no sample, where seed + i would share n - 1.)"""
         if seq.params.seed is None:
             return None
-        key = (seq.request_id, sample_index)
-        if key not in self._generators:
-            seed = hash_block(seq.params.seed, [sample_index])
-            self._generators[key] = torch.Generator(self.device).manual_seed(seed)
-        return self._generators[key]
+        seed = hash_block(seq.params.seed, [sample_index, seq.num_output_tokens])
+        return torch.Generator(self.device).manual_seed(seed)
 
     def _check_stop_strings(self, seqs):
         """Finish the sequences whose text now contains a stop string; the text ends before it.
@@ -842,8 +850,6 @@ class LLM:
         outputs += [CompletionOutput(j, "", [], first.finish_reason) for j in range(len(seqs), first.params.n)]
         self.stats.ttfts.append(ttft)
         self.stats.prompt_tokens += first.num_prompt_tokens
-        for q in seqs:
-            self._generators.pop((request_id, q.sample_index), None)
         return RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
                              first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time)
 
@@ -894,9 +900,7 @@ class LLM:
         for rid in request_ids:
             if rid in self.scheduler.requests:
                 self.scheduler.abort(rid)
-            req = self._requests.pop(rid, None)
-            for q in req["seqs"] if req else ():
-                self._generators.pop((rid, q.sample_index), None)
+            self._requests.pop(rid, None)
 
     def reset_stats(self):
         self.stats = Stats()
@@ -910,16 +914,22 @@ class LLM:
             raise ValueError("stream() generates one sample: use generate() for n > 1")
         self._check_alone("stream()")
         self.reset_stats()
-        rid = self.add_request(prompt, params)
-        return self._stream(rid, params)
+        pieces = self._stream(prompt, params)
+        # Run the generator to its first yield, which comes right after it queued the request:
+        # bad input raises here, at the call. From then on, closing the stream or dropping it
+        # unread runs its `finally`, which frees the request. (A generator that never
+        # started has no `finally` to run: its request would stay queued for good.)
+        next(pieces)
+        return pieces
 
-    def _stream(self, rid, params: SamplingParams):
-        # (a generator of its own, so that stream() checks its arguments when called)
+    def _stream(self, prompt, params):
+        rid = self.add_request(prompt, params)
         seq, start = self._requests[rid]["seqs"][0], time.perf_counter()
         detokenizer, shown, held = IncrementalDetokenizer(self.tokenizer), 0, ""
         # hold back text that could be the start of a stop string, until we know
         hold = max((len(s) for s in params.stop or ()), default=1) - 1
         try:
+            yield ""   # where stream() leaves us, primed
             while rid in self.scheduler.requests:   # until it finishes, or someone aborts it
                 finished = [r for r in self.step() if r.request_id == rid]
                 self.stats.elapsed = time.perf_counter() - start

@@ -1655,9 +1655,13 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
         LLM(smollm2_dir, attn_backend="magic")
     with pytest.raises(ValueError, match="needs device='cuda'"):
         LLM(smollm2_dir, attn_backend="cuda", device="cpu")
-    for bad in ("max_model_len", "max_num_batched_tokens"):
-        with pytest.raises(ValueError, match=f"{bad} must be >= 1"):
-            LLM(smollm2_dir, **{bad: 0})
+    for name, value in [("max_model_len", 0), ("max_num_batched_tokens", 2.5), ("block_size", 0),
+                        ("block_size", -4), ("num_blocks", 8.0), ("kv_cache_memory", "1GB"),
+                        ("max_num_seqs", None), ("max_num_seqs", True)]:
+        with pytest.raises(ValueError, match=f"^{name} must be an integer >= 1.*, got {value!r}$"):
+            LLM(smollm2_dir, **{name: value})
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False, got 'no'"):
+        LLM(smollm2_dir, enable_prefix_caching="no")
 
 
 def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch):
@@ -1700,6 +1704,29 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     assert_nothing_leaked(llm)
     outs = llm.generate(prompts, greedy(12, ignore_eos=True))   # prefix-cache hits on what came before
     assert [o.outputs[0].token_ids for o in outs] == alone and llm.stats.prefix_hit_tokens > 0
+    assert_nothing_leaked(llm)
+    # a step that fails after it began to sample: seeded samples redraw the same tokens
+    seeded = SamplingParams(temperature=3.0, seed=1234, max_tokens=6, ignore_eos=True)   # flat: draws differ
+    clean = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)]
+    ids = [llm.add_request(p, seeded) for p in prompts]
+    llm.step()
+    llm.step()
+    multinomial, draws = torch.multinomial, []
+
+    def interrupted_sampler(*args, **kw):
+        draws.append(1)
+        if len(draws) == 2:   # the first sequence has drawn its token
+            raise KeyboardInterrupt
+        return multinomial(*args, **kw)
+
+    monkeypatch.setattr(torch, "multinomial", interrupted_sampler)
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    monkeypatch.undo()
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({r.request_id: r for r in llm.step()})
+    assert [done[i].outputs[0].token_ids for i in ids] == clean
     assert_nothing_leaked(llm)
 
 
@@ -1751,10 +1778,18 @@ def test_requests_by_hand_and_the_whole_loop_do_not_mix(llm):
     for r in (rid, mine, auto):
         llm.abort(r)
     assert_nothing_leaked(llm)
-    # a stream the caller stops reading frees its request
+    # ... and are never handed out twice, even once their requests have finished
+    later = llm.add_request("Water boils at", greedy(4))
+    assert later not in (rid, mine, auto, n3)
+    llm.abort(later)
+    # a stream the caller stops reading frees its request; so does one never read at all
     stream = llm.stream("Once upon a time,", greedy(20, ignore_eos=True))
     next(stream)
     stream.close()
+    assert_nothing_leaked(llm)
+    llm.stream("Once upon a time,", greedy(20)).close()
+    assert_nothing_leaked(llm)
+    llm.stream("Once upon a time,", greedy(20))   # dropped unread
     assert_nothing_leaked(llm)
 
 
