@@ -1664,6 +1664,18 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
         LLM(smollm2_dir, enable_prefix_caching="no")
 
 
+def interrupted_on_call(n, fn):
+    """fn, but its n-th call is interrupted (Ctrl-C)."""
+    calls = []
+
+    def wrapper(*args, **kw):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return fn(*args, **kw)
+    return wrapper
+
+
 def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch):
     """An exception inside a step (out of memory, a bug, Ctrl-C) must not leave the step's
     sequences one step ahead of their KV cache: the others finish with their own tokens,
@@ -1689,15 +1701,7 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     assert [done[i].outputs[0].token_ids for i in ids] == alone
     assert llm.step() == []                             # idle: nothing to do, no error
     # an interrupt inside generate(): it leaves nothing behind, and what comes next is right
-    calls = []
-
-    def interrupted(*args, **kw):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return forward(*args, **kw)
-
-    monkeypatch.setattr(llm.model, "forward", interrupted)
+    monkeypatch.setattr(llm.model, "forward", interrupted_on_call(3, forward))
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, greedy(12, ignore_eos=True))
     monkeypatch.undo()
@@ -1711,15 +1715,8 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     ids = [llm.add_request(p, seeded) for p in prompts]
     llm.step()
     llm.step()
-    multinomial, draws = torch.multinomial, []
-
-    def interrupted_sampler(*args, **kw):
-        draws.append(1)
-        if len(draws) == 2:   # the first sequence has drawn its token
-            raise KeyboardInterrupt
-        return multinomial(*args, **kw)
-
-    monkeypatch.setattr(torch, "multinomial", interrupted_sampler)
+    # the first sequence has drawn its token when the second's draw is interrupted
+    monkeypatch.setattr(torch, "multinomial", interrupted_on_call(2, torch.multinomial))
     with pytest.raises(KeyboardInterrupt):
         llm.step()
     monkeypatch.undo()
