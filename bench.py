@@ -342,20 +342,23 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / us / 1e3
 
 
-def decode_batch(num_seqs: int, context: int, gen: torch.Generator):
-    """A shuffled paged pool holding `copies` independent batches of num_seqs x context."""
-    blocks = context // BLOCK_SIZE
-    kv_bytes = num_seqs * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize * 2
+def decode_batch(contexts: list[int], gen: torch.Generator):
+    """A shuffled paged pool holding `copies` independent decode batches, one sequence of
+    each context length in each."""
+    blocks = [-(-n // BLOCK_SIZE) for n in contexts]
+    kv_bytes = sum(contexts) * KV_HEADS * HEAD_DIM * DTYPE.itemsize * 2
     copies = max(1, math.ceil(POOL_BYTES / kv_bytes))
-    num_blocks = copies * num_seqs * blocks
+    num_blocks = copies * sum(blocks)
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
     v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
     perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
-    tables = perm.view(copies, num_seqs, blocks)             # (copies, B, blocks)
-    q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
-    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
-    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
+    tables = torch.zeros(copies, len(contexts), max(blocks), dtype=torch.int32, device="cuda")
+    owned = torch.arange(max(blocks), device="cuda")[None, :] < torch.tensor(blocks, device="cuda")[:, None]
+    tables[:, owned] = perm.view(copies, -1)                 # (copies, B, max blocks), padded with 0
+    q = torch.randn(len(contexts), HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    query_start_loc = torch.arange(len(contexts) + 1, dtype=torch.int32, device="cuda")
     return q, k_cache, v_cache, tables, seq_lens, query_start_loc, kv_bytes
 
 
@@ -400,7 +403,7 @@ def bench_kernel(args) -> int:
     for num_seqs, context in BATCHES:
         label = f"{num_seqs} x {context}"
         try:
-            q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = decode_batch(num_seqs, context, gen)
+            q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = decode_batch([context] * num_seqs, gen)
             call = lambda i: ops.paged_attention(q, k_cache, v_cache, tables[i % len(tables)], seq_lens,
                                                  qsl, scale, 1, context)
             kernel_us = cuda_time_us(call, calls=20)
@@ -431,23 +434,38 @@ def bench_kernel(args) -> int:
         verdict = "met" if achieved[(seqs, ctx)] >= goal else "NOT met"
         print(f"\ngoal {goal:.0%} of copy bandwidth at {seqs} x {ctx}: {achieved[(seqs, ctx)]:.0%}, {verdict}")
 
-    # The planner's split-K choice against fixed partition sizes, at the goal's shape: the
-    # data for tuning kMinPartitionKeys / kTargetCtasPerSm in kernels.cu on this card.
-    print(f"\nsplit-K at {seqs} x {ctx}: {'asked':>6} {'keys/CTA':>9} {'grid (x,y,z)':>15} {'kernel us':>10} "
-          f"{'GB/s':>7} {'of copy':>8}")
+    # The planner's split-K choice against fixed partition sizes: at the goal's shape, and
+    # for a skewed batch, where the planner (which sees only the longest context) gives the
+    # long sequence few, long partitions that may finish well after the rest: the data for
+    # tuning kMinPartitionKeys / kTargetCtasPerSm in kernels.cu on this card.
+    sweeps = [(f"{seqs} x {ctx}", [ctx] * seqs, (0, 256, 512, 1024, 2048, ctx)),
+              ("1 x 32768 + 255 x 1024", [32768] + [1024] * 255, (0, 1024, 2048, 4096))]
+    for label, contexts, sizes in sweeps:
+        status |= partition_sweep(ops, label, contexts, sizes, copy_gbs, gen)
+    return status
+
+
+def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
+    """One decode batch's time with the planner's partition size (0) and with fixed ones."""
+    print(f"\nsplit-K, {label}:")
+    print(f"{'asked':>8} {'keys/CTA':>9} {'grid (x,y,z)':>15} {'kernel us':>10} {'GB/s':>7} {'of copy':>8}")
     try:
-        q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = decode_batch(seqs, ctx, gen)
-        for asked in (0, 256, 512, 1024, 2048, ctx):
-            plan = ops.describe_plan(seqs, seqs, HEADS, KV_HEADS, 1, ctx, asked)
+        q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = decode_batch(contexts, gen)
+        scale, B, longest = HEAD_DIM ** -0.5, len(contexts), max(contexts)
+        for asked in sizes:
+            plan = ops.describe_plan(B, B, HEADS, KV_HEADS, 1, longest, asked)
             us = cuda_time_us(lambda i: ops.paged_attention(q, k_cache, v_cache, tables[i % len(tables)],
-                                                            seq_lens, qsl, scale, 1, ctx, asked), calls=20)
+                                                            seq_lens, qsl, scale, 1, longest, asked), calls=20)
             gbs = kv_bytes / us / 1e3
-            print(f"{'':>21}{asked or 'auto':>6} {plan['partition_size']:>9} "
-                  f"{','.join(map(str, plan['grid'])):>15} {us:10.1f} {gbs:7.0f} {gbs / copy_gbs:7.0%}")
+            print(f"{asked or 'auto':>8} {plan['partition_size']:>9} {','.join(map(str, plan['grid'])):>15} "
+                  f"{us:10.1f} {gbs:7.0f} {gbs / copy_gbs:7.0%}")
+        return 0
     except Exception as e:
         print(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
-        status = 1
-    return status
+        return 1
+    finally:
+        q = k_cache = v_cache = tables = None
+        torch.cuda.empty_cache()
 
 
 # -----------------------------------------------------------------------------
