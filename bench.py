@@ -192,24 +192,30 @@ def bench_engine(args):
     print(f"workload: {len(prompts)} requests, {n_prompt} prompt + {n_out} output tokens, "
           f"{llm.config.num_hidden_layers}-layer model in {llm.dtype}, {torch.get_num_threads()} threads")
     print(llm.describe_kv_cache())
-    runs, hf_walls = [], []
+    runs, walls, hf_walls = [], [], []
     for run in range(args.runs):
         llm = llm if run == 0 else fresh_engine()
+        start = time.perf_counter()
         llm.generate(prompts, params, progress=True)
+        walls.append(time.perf_counter() - start)
         runs.append(llm.stats)
-        print(f"run {run + 1}: nanopaged {llm.stats.elapsed:.1f} s", end="")
+        print(f"run {run + 1}: nanopaged {walls[-1]:.1f} s", end="")
         if args.hf:
             hf_walls.append(hf_generate(args.model, llm.dtype, prompts, params))
-            print(f", transformers {hf_walls[-1]:.1f} s" if hf_walls[-1] else "", end="")
+            if hf_walls[-1]:
+                print(f", transformers {hf_walls[-1]:.1f} s: {hf_walls[-1] / walls[-1]:.2f}x", end="")
         print()
-    stats = sorted(runs, key=lambda s: s.elapsed)[len(runs) // 2]  # the median run
-    print(f"nanopaged, the median of {len(runs)} run{'s' * (len(runs) > 1)}:")
+    median = sorted(range(len(runs)), key=walls.__getitem__)[len(runs) // 2]
+    stats, wall = runs[median], walls[median]
+    print(f"nanopaged, the median of {len(runs)} run{'s' * (len(runs) > 1)}: {wall:.1f} s, "
+          f"{n_out / wall:.1f} output tok/s")
     print(stats.summary(llm.pool.num_blocks))
-    if hf_walls and hf_walls[0]:
+    if hf_walls and all(hf_walls):
         hf = statistics.median(hf_walls)
+        ratio = statistics.median(h / w for h, w in zip(hf_walls, walls))   # each run's pair, side by side
         print(f"transformers batched generate, median of {len(hf_walls)}: {hf:.1f} s, {n_out / hf:.1f} output tok/s "
               f"(counting the tokens requested; as one static batch it computes {len(prompts)} x "
-              f"{max(p.max_tokens for p in params)}). nanopaged is {hf / stats.elapsed:.2f}x faster")
+              f"{max(p.max_tokens for p in params)}). nanopaged is {ratio:.2f}x faster (median of the runs' ratios)")
     # Memory: at its peak the engine held peak_running requests in peak_blocks_used blocks.
     # A contiguous cache reserves each request's maximum length up front; in the same memory
     # it holds far fewer requests, depending on what "maximum" it can know.

@@ -278,6 +278,7 @@ class Tokenizer:
         # takes the default system prompt from the model's template when it has a literal
         # one (SmolLM2: "You are a helpful AI assistant named SmolLM, ..."). Rendering
         # arbitrary Jinja templates is a different book.
+        self.chat_template = chat_template
         self.has_chat_template = "<|im_start|>" in (chat_template or "")
         default_system = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}]*?)<\|im_end\|>",
                                    chat_template or "")
@@ -755,7 +756,8 @@ def resolve_model_dir(model=None) -> Path:
             raise ModelError(f"{path}: GGUF file not found")
         return convert_gguf(path)
     if not path.is_dir():
-        raise ModelError(f"{path}: model directory not found")
+        raise ModelError(f"{path}: no such directory (a model is a local Hugging Face layout directory "
+                         f"or a .gguf file: nanopaged downloads nothing)")
     if not (path / "config.json").is_file():
         raise ModelError(f"{path}: no config.json (expected a Hugging Face model directory)")
     return path
@@ -897,7 +899,6 @@ def convert_gguf(gguf_path: Path) -> Path:
     out = cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if out.is_dir():
         return out
-    print(f"nanopaged: converting {gguf_path.name} into {out} (first use only)", file=sys.stderr)
     # Written into a temporary directory then renamed: the rename is atomic, so an
     # interrupted conversion never leaves a half-written model behind.
     try:
@@ -907,7 +908,7 @@ def convert_gguf(gguf_path: Path) -> Path:
         raise ModelError(f"{out.parent}: cannot write the model cache there ({e.strerror}); "
                          f"set NANOPAGED_CACHE to a writable directory") from None
     try:
-        _write_hf_dir(gguf_path, tmp)
+        _write_hf_dir(gguf_path, tmp, f"nanopaged: converting {gguf_path.name} into {out} (first use only)")
         try:
             tmp.rename(out)
         except OSError:
@@ -947,8 +948,9 @@ def _gguf_name(hf_name: str) -> str:
     return (f"blk.{layer[1]}.{HF_TO_GGUF[layer[2]]}" if layer else HF_TO_GGUF[base]) + "." + kind
 
 
-def _write_hf_dir(gguf_path: Path, out: Path) -> None:
-    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json."""
+def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
+    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json; print
+    `notice` once the file has passed its checks, before the slow part."""
     try:
         import gguf  # llama.cpp's own reader; only conversion needs it
     except ImportError:
@@ -1011,6 +1013,11 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
                                  f"vocab ({len(tokens)} tokens)")
             tokenizer_config[f"{role}_token"] = tokens[i]
 
+    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise ModelError(f"{gguf_path}: tokenizer.ggml.token_type has {len(types)} entries for "
+                         f"{len(tokens)} tokens")
+
     # Every tensor's name and shape checked before the slow part, dequantizing.
     shapes = Llama.checkpoint_shapes(c)
     hf_name = {_gguf_name(name): name for name in shapes}
@@ -1028,6 +1035,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     missing = [name for name in hf_name if name not in tensors]
     if missing:
         raise ModelError(f"{gguf_path}: tensor {missing[0]!r} is missing")
+    print(notice, file=sys.stderr)
     weights = {}
     for t in reader.tensors:
         name = hf_name[t.name]
@@ -1037,10 +1045,6 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
             w = _unpermute(w, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         weights[name] = w
 
-    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    if len(types) != len(tokens):
-        raise ModelError(f"{gguf_path}: tokenizer.ggml.token_type has {len(types)} entries for "
-                         f"{len(tokens)} tokens")
     tokenizer = {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": i, "content": tok, "single_word": False, "lstrip": False,

@@ -481,7 +481,7 @@ class CompletionOutput:
     index: int                 # which of the request's n samples
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "aborted", "error" (non-finite logits)
+    finish_reason: str | None  # "stop", "length", "abort", "error" (non-finite logits): vLLM's words
 
 
 @dataclass
@@ -538,11 +538,11 @@ class StopStringScan:
 
 @dataclass
 class Stats:
-    """What --stats prints; LLM.generate resets it, LLM.step adds to it."""
+    """What --stats prints; LLM.generate and LLM.stream reset it, every step adds to it."""
     steps: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
-    elapsed: float = 0.0
+    elapsed: float = 0.0       # seconds spent in steps
     ttfts: list = field(default_factory=list)
     tpots: list = field(default_factory=list)
     peak_blocks_used: int = 0
@@ -615,7 +615,8 @@ class LLM:
             num_blocks = kv_cache_memory // self.bytes_per_block
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory = {kv_cache_memory} bytes holds no block of "
-                                 f"{self.bytes_per_block} bytes")
+                                 f"{self.bytes_per_block} bytes ({block_size} tokens): use a smaller "
+                                 f"block_size or give more memory")
         self.pool = BlockPool(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
                               cfg.head_dim, dtype, device)
         # The token budget of a step. On the CPU, 1024 measured best on the benchmark workload
@@ -629,6 +630,7 @@ class LLM:
         self.stats = Stats()
         self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
         self._next_id = 0
+        self._open_stream = None   # the request id of a stream() being read
         self.trace = None  # a callable(str): the block trace
 
     def get_tokenizer(self):
@@ -648,6 +650,7 @@ class LLM:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
         """Queue one prompt (text, or a list of token ids). Bad input raises ValueError and
         leaves the engine as it was."""
+        self._check_no_stream("add_request()")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -690,8 +693,13 @@ class LLM:
     # --- one step ---
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests that finished in it (none when idle)."""
+        self._check_no_stream("step()")
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if not self.has_unfinished_requests():
             return []
+        start = time.perf_counter()
         if self.trace:
             self.trace(f"--- step {self.stats.steps + 1} ---")
         out = self.scheduler.schedule()
@@ -721,12 +729,13 @@ class LLM:
             self._requests[child.request_id]["seqs"].append(child)
         self._check_stop_strings([*sampled, *forked])
         self.stats.output_tokens += sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())
+        self.stats.elapsed += time.perf_counter() - start
         return self._collect_finished(out, forked)
 
     def _prepare(self, out):
-        """The flat batch of this step (DESIGN.md): token ids, positions and slots of every
-        scheduled token, back to back; per sequence its query range, context length and
-        block table; and which rows' logits to sample."""
+        """The flat batch of this step (the inputs listed in section 2): token ids, positions
+        and slots of every scheduled token, back to back; per sequence its query range,
+        context length and block table; and which rows' logits to sample."""
         input_ids, positions, slot_mapping, seq_lens, qsl, logits_indices = [], [], [], [], [0], []
         for i, (seq, n, slots) in enumerate(zip(out.seqs, out.num_tokens, out.slots)):
             start = seq.num_computed_tokens
@@ -874,11 +883,10 @@ class LLM:
                     ids.append(self.add_request(prompt, p))
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
-            results, start = {}, time.perf_counter()
+            results = {}
             while self.has_unfinished_requests():
                 for r in self.step():
                     results[r.request_id] = r
-                self.stats.elapsed = time.perf_counter() - start
                 if progress:
                     _progress(len(results), len(ids), self.stats)
         except BaseException:
@@ -891,9 +899,18 @@ class LLM:
     def _check_alone(self, caller: str):
         """generate() and stream() run the engine until their own requests finish: requests
         queued with add_request would run too, and their outputs would be lost."""
+        self._check_no_stream(caller)
         if self.has_unfinished_requests():
             raise ValueError(f"{caller} cannot run while {len(self._requests)} request(s) queued with "
                              "add_request() are unfinished: step() them to the end, or abort() them")
+
+    def _check_no_stream(self, caller: str):
+        """While a stream is open, its generator owns the engine: a step taken elsewhere would
+        finish its request behind its back, and a request added beside it would be run by
+        its steps, its output lost."""
+        if self._open_stream is not None:
+            raise ValueError(f"{caller} cannot run while a stream() is being read: read it to the end, "
+                             "or close() it")
 
     def _drop(self, request_ids):
         """Abort these requests, where unfinished, and forget them."""
@@ -924,15 +941,14 @@ class LLM:
 
     def _stream(self, prompt, params):
         rid = self.add_request(prompt, params)
-        seq, start = self._requests[rid]["seqs"][0], time.perf_counter()
+        seq, self._open_stream = self._requests[rid]["seqs"][0], rid
         detokenizer, shown, held = IncrementalDetokenizer(self.tokenizer), 0, ""
         # hold back text that could be the start of a stop string, until we know
         hold = max((len(s) for s in params.stop or ()), default=1) - 1
         try:
             yield ""   # where stream() leaves us, primed
             while rid in self.scheduler.requests:   # until it finishes, or someone aborts it
-                finished = [r for r in self.step() if r.request_id == rid]
-                self.stats.elapsed = time.perf_counter() - start
+                finished = [r for r in self._step() if r.request_id == rid]
                 if finished:
                     out = finished[0].outputs[0]
                     yield out.text[shown:]
@@ -946,6 +962,7 @@ class LLM:
                     yield held[:cut]
                     shown, held = shown + cut, held[cut:]
         finally:
+            self._open_stream = None
             self._drop([rid])   # the caller stopped reading early, or a step raised: free its blocks
 
     def enable_trace(self, emit=print):
@@ -964,10 +981,16 @@ class LLM:
             table, cells = seq.block_table, []
             for i, block in enumerate(table.block_ids):
                 filled = min(bs, table.num_tokens - i * bs)
-                words = "|".join(self.tokenizer.decode([t]) for t in seq.token_ids[i * bs:i * bs + filled])
+                words = "|".join(self.tokenizer.decode([t]).translate(_VISIBLE_WHITESPACE)
+                                 for t in seq.token_ids[i * bs:i * bs + filled])
                 cells.append(f"{i}->{block} [{words}] {filled}/{bs} ref={pool.ref_count[block]}")
             self.trace(f"  {seq}: " + "  ".join(cells))
         self.trace(f"  blocks: {pool.num_free} free, {pool.num_cached} cached, {pool.num_used} used")
+
+
+# A token's text in the block trace: newlines and tabs written out, so that each table
+# stays on its line (a chat template puts newlines in the prompt).
+_VISIBLE_WHITESPACE = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})
 
 
 def sampling_probs(logits, p: SamplingParams):
@@ -1068,7 +1091,8 @@ EXAMPLES = """examples:
   python nanopaged.py --prompt "Once upon a time," --raw --max-tokens 40 --stats
   python nanopaged.py --prompt "Tell me a joke." --temperature 0.8 --top-p 0.9 --seed 1 --n 3
   python nanopaged.py --prompt "Hi!" --prompt "Name three colors." --stats
-  python nanopaged.py --prompt "Four score and seven years ago our" --raw --block-size 4 --max-tokens 3 --trace
+  python nanopaged.py --prompt "Four score and seven years ago our" --raw --block-size 4 --num-blocks 64 --max-tokens 3 --trace
+  python nanopaged.py --prompt "List three colors." --stop "3." --max-tokens 64
   python nanopaged.py --model path/to/hf_dir_or_file.gguf --prompt "..."
 """
 
@@ -1084,20 +1108,26 @@ def build_parser() -> argparse.ArgumentParser:
         description="A minimal PagedAttention inference engine. Without --model it runs the "
                     "embedded SmolLM2-135M-Instruct, offline.")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
-    ap.add_argument("--model", help="a Hugging Face layout directory or a .gguf file (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    ap.add_argument("--top-k", type=int, default=-1)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--n", type=int, default=1, help="samples per prompt (prefilled once, then forked)")
+    ap.add_argument("--model", help="a local Hugging Face layout directory or a .gguf file "
+                                    "(default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate, at most (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 is greedy (default); --top-k, --top-p, --seed and distinct --n samples need > 0")
+    ap.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens (default: -1, all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s, off)")
+    ap.add_argument("--seed", type=int, help="makes sampling reproducible (default: none)")
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt, prefilled once then forked (default: 1)")
+    ap.add_argument("--stop", action="append", help="a stop string, which ends the output before it (repeatable)")
+    ap.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     ap.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
     ap.add_argument("--dtype", help="float32 (CPU default), bfloat16 (GPU default), float16")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    ap.add_argument("--num-blocks", type=int, help="KV blocks in the pool (default: a memory budget)")
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--attn-backend", default="auto", choices=["auto", "torch", "cuda"])
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    ap.add_argument("--num-blocks", type=int, help="KV blocks in the pool (default: as many as 2 GiB hold on "
+                                                   "the CPU, 40%% of free memory on a GPU)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
+    ap.add_argument("--attn-backend", default="auto", choices=["auto", "torch", "cuda"],
+                    help="auto (default): the CUDA kernel on a GPU where it builds, else the torch path")
     ap.add_argument("--stats", action="store_true", help="print latency, throughput and KV-cache use")
     ap.add_argument("--trace", action="store_true", help="print every step's block tables and events")
     return ap
@@ -1105,20 +1135,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    line_open = False   # streamed text waits on its line: an error message starts a new one
     try:
         if not args.prompt:
             raise ValueError("give at least one --prompt")
         if any(not p.strip() for p in args.prompt):
             raise ValueError("a --prompt is empty")
-        params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                max_tokens=args.max_tokens, seed=args.seed)
-        if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 1):
-            raise ValueError("--block-size and --num-blocks must be >= 1")
+        try:
+            params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                    max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                                    seed=args.seed)
+        except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
+            field = str(e).split()[0]
+            raise ValueError(f"--{field.replace('_', '-')}{str(e)[len(field):]}") from None
+        for flag, value in (("--block-size", args.block_size), ("--num-blocks", args.num_blocks)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
         llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
                   attn_backend=args.attn_backend)
         tok = llm.get_tokenizer()
         chat = tok.has_chat_template and not args.raw
+        if tok.chat_template and not tok.has_chat_template and not args.raw:
+            print("nanopaged: the model's chat template is not ChatML, the one format nanopaged renders: "
+                  "prompts go in as raw text (as with --raw)", file=sys.stderr)
         prompts = [tok.apply_chat_template(p) for p in args.prompt] if chat else args.prompt
         if args.trace:
             print(llm.describe_kv_cache())
@@ -1128,7 +1168,9 @@ def main(argv=None) -> int:
         if len(prompts) == 1 and args.n == 1 and not args.trace:   # stream, unless the trace is talking
             for piece in llm.stream(prompts[0], params):
                 print(piece, end="", flush=True)
+                line_open = line_open or bool(piece)
             print()
+            line_open = False
         else:
             failed = False
             for i, r in enumerate(llm.generate(prompts, params)):
@@ -1145,10 +1187,10 @@ def main(argv=None) -> int:
         print(f"nanopaged: error: {e}", file=sys.stderr)
         return 2
     except GenerationError as e:  # the model failed (broken weights): one line, status 1
-        print(f"\nnanopaged: error: {e}", file=sys.stderr)
+        print("\n" * line_open + f"nanopaged: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's usual status
-        print("\nnanopaged: interrupted", file=sys.stderr)
+        print("\n" * line_open + "nanopaged: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:    # `| head`: the reader has gone; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (Python would flush into it at exit)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import numbers
 import time
 from array import array
 from collections import deque
@@ -41,7 +42,8 @@ class SamplingParams:
         # in the middle of an engine step, would fail the whole batch.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        integer = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
+        # (numpy's and torch's integers and floats are welcome; bools are not numbers here)
+        integer = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool)  # noqa: E731
         checks = [
             (integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (_finite_number(self.temperature) and self.temperature >= 0,
@@ -59,16 +61,22 @@ class SamplingParams:
              f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"),
             (self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**63),
              f"seed must be an integer in [0, 2**63), got {self.seed!r}"),
+            (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+        # plain Python numbers from here on
+        self.n, self.top_k, self.max_tokens = int(self.n), int(self.top_k), int(self.max_tokens)
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.seed = None if self.seed is None else int(self.seed)
+        self.stop_token_ids = None if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
 
 
 def _finite_number(x) -> bool:
-    """An int or float (not a bool) that a float can hold: 10**400 is finite but unusable."""
+    """A real number (not a bool) that a float can hold: 10**400 is finite but unusable."""
     try:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
     except OverflowError:
         return False
 
@@ -93,7 +101,7 @@ class Sequence:
         self.params = params
         self.arrival = arrival                  # arrival order: the FCFS key (forks share it)
         self.status = Status.WAITING
-        self.finish_reason: str | None = None   # "stop", "length" or "aborted"
+        self.finish_reason: str | None = None   # "stop", "length", "abort" or "error"
         self.num_computed_tokens = 0            # tokens whose K/V are in the cache
         self.num_cached_tokens = 0              # prompt tokens found in the prefix cache at admission
         self.num_preemptions = 0                # times its blocks were dropped, to be recomputed
@@ -216,7 +224,7 @@ class Scheduler:
         if request_id not in self.requests:
             raise ValueError(f"unknown request id {request_id!r}")
         for seq in list(self.requests[request_id]):
-            self.finish(seq, "aborted")
+            self.finish(seq, "abort")
 
     def finish(self, seq: Sequence, reason: str):
         if seq.status is Status.WAITING:

@@ -16,6 +16,8 @@ import importlib.util
 import json
 import math
 import random
+import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -567,7 +569,7 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache):
 # --- bad input: a clear ModelError naming the problem ---
 
 def test_missing_directory_and_files(tmp_path):
-    with pytest.raises(ModelError, match="model directory not found"):
+    with pytest.raises(ModelError, match="no such directory .* nanopaged downloads nothing"):
         load_model(tmp_path / "nope")
     with pytest.raises(ModelError, match="no config.json"):
         load_model(tmp_path)
@@ -889,11 +891,12 @@ def test_tiny_gguf_loads(tmp_path, own_cache):
                                                       "which the gguf package cannot dequantize"),
     ({"dtypes": {"output_norm.weight": np.int32}}, "tensor 'output_norm.weight' is stored as I32"),
 ])
-def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, kwargs, message):
+def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, capsys, kwargs, message):
     path = write_gguf(tmp_path / "bad.gguf", **kwargs)
     with pytest.raises(ModelError, match=message) as e:
         load_model(path)
     assert str(e.value).startswith(f"{path}: ")
+    assert capsys.readouterr().err == ""   # no "converting ..." notice for a file that is refused
     assert not list(own_cache.iterdir())  # nothing converted, no temporary directory left
 
 
@@ -1444,7 +1447,7 @@ def test_scheduler_bad_input_is_refused_and_nothing_leaks():
         sched.add(4, [3], SamplingParams())
     run_step(sched)
     sched.abort(4)                                        # abort mid-flight: blocks return at once
-    assert ok.finish_reason == "aborted" and sched.pool.num_used == 0 and not sched.has_unfinished()
+    assert ok.finish_reason == "abort" and sched.pool.num_used == 0 and not sched.has_unfinished()
 
 
 # =============================================================================
@@ -1585,9 +1588,15 @@ def test_sampling_bounds(llm):
                 dict(temperature=10**400), dict(top_p=0),
                 dict(top_p=1.5), dict(top_p="1"), dict(top_k=0), dict(top_k=2.5), dict(top_k=True), dict(n=0),
                 dict(stop=5), dict(stop=[5]), dict(stop=[""]), dict(stop_token_ids=5),
-                dict(stop_token_ids="ab"), dict(seed=1.5), dict(seed=2**64), dict(seed="x")):
+                dict(stop_token_ids="ab"), dict(seed=1.5), dict(seed=2**64), dict(seed="x"),
+                dict(ignore_eos="no"), dict(max_tokens=np.float64(3))):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+    # numpy's numbers are numbers, and become Python's
+    p = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), top_k=np.int32(5), top_p=np.float64(0.9),
+                       max_tokens=np.int64(5), stop_token_ids=[np.int64(7), 8], seed=np.uint32(3))
+    assert p == SamplingParams(n=2, temperature=0.5, top_k=5, top_p=0.9, max_tokens=5, stop_token_ids=[7, 8], seed=3)
+    assert type(p.max_tokens) is int and type(p.temperature) is float and type(p.stop_token_ids[0]) is int
 
 
 def test_abort_and_a_failing_request_leave_the_others_intact(llm, monkeypatch):
@@ -1596,7 +1605,7 @@ def test_abort_and_a_failing_request_leave_the_others_intact(llm, monkeypatch):
     llm.step()
     llm.step()
     aborted = llm.abort(ids[1])
-    assert aborted.outputs[0].finish_reason == "aborted" and len(aborted.outputs[0].token_ids) == 2
+    assert aborted.outputs[0].finish_reason == "abort" and len(aborted.outputs[0].token_ids) == 2
     done = {}
     while llm.has_unfinished_requests():
         done.update({r.request_id: r for r in llm.step()})
@@ -1662,6 +1671,8 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
             LLM(smollm2_dir, **{name: value})
     with pytest.raises(ValueError, match="enable_prefix_caching must be True or False, got 'no'"):
         LLM(smollm2_dir, enable_prefix_caching="no")
+    with pytest.raises(ValueError, match=r"1000 bytes holds no block of .* use a smaller block_size"):
+        LLM(smollm2_dir, kv_cache_memory=1000)
 
 
 def interrupted_on_call(n, fn):
@@ -1737,7 +1748,8 @@ def test_non_finite_logits_fail_the_stream_and_the_cli(llm, smollm2_dir, monkeyp
     assert_nothing_leaked(llm)
     for extra in ([], ["--n", "2", "--temperature", "1"]):   # the stream, and the batch
         code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "hi", *extra)
-        assert code == 1 and "not finite" in err and "Traceback" not in err
+        assert code == 1 and err.startswith("nanopaged: error: ") and len(err.splitlines()) == 1
+        assert "not finite" in err
 
 
 def test_prompt_beyond_the_models_vocab_and_a_pool_too_big(tmp_path):
@@ -1770,8 +1782,8 @@ def test_requests_by_hand_and_the_whole_loop_do_not_mix(llm):
     assert mine == rid + 1 and auto not in (rid, mine)
     # n samples that end before their first token are still n outputs
     n3 = llm.add_request("Water boils at", SamplingParams(n=3, max_tokens=4))
-    assert [(c.index, c.finish_reason) for c in llm.abort(n3).outputs] == [(0, "aborted"), (1, "aborted"),
-                                                                          (2, "aborted")]
+    assert [(c.index, c.finish_reason) for c in llm.abort(n3).outputs] == [(0, "abort"), (1, "abort"),
+                                                                          (2, "abort")]
     for r in (rid, mine, auto):
         llm.abort(r)
     assert_nothing_leaked(llm)
@@ -1787,6 +1799,15 @@ def test_requests_by_hand_and_the_whole_loop_do_not_mix(llm):
     llm.stream("Once upon a time,", greedy(20)).close()
     assert_nothing_leaked(llm)
     llm.stream("Once upon a time,", greedy(20))   # dropped unread
+    assert_nothing_leaked(llm)
+    # while a stream is being read it owns the engine: nothing else may add or step
+    alone = llm.generate("Once upon a time,", greedy(8, ignore_eos=True))[0].outputs[0].text
+    stream = llm.stream("Once upon a time,", greedy(8, ignore_eos=True))
+    for call in (lambda: llm.add_request("hi", greedy(2)), llm.step, lambda: llm.generate("hi", greedy(2)),
+                 lambda: llm.stream("hi", greedy(2))):
+        with pytest.raises(ValueError, match=r"cannot run while a stream\(\) is being read"):
+            call()
+    assert "".join(stream) == alone
     assert_nothing_leaked(llm)
 
 
@@ -1848,6 +1869,16 @@ def test_stop_strings_and_streams_decode_each_token_once(llm, monkeypatch):
     assert sum(decoded) <= 4 * 48
 
 
+def test_stats_of_requests_stepped_by_hand(llm):
+    llm.reset_stats()
+    llm.add_request("Water boils at", greedy(4, ignore_eos=True))
+    while llm.has_unfinished_requests():
+        llm.step()
+    s = llm.stats
+    assert s.output_tokens == 4 and s.steps == 4 and s.elapsed > 0
+    assert "nan" not in s.summary(llm.pool.num_blocks)
+
+
 def test_stats_and_kv_waste(llm):
     llm.generate(PROMPTS16, greedy(16, ignore_eos=True))
     s = llm.stats
@@ -1879,15 +1910,16 @@ def test_cli_help_shows_examples(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--prompt", ""], "prompt is empty"),
-    (["--prompt", "hi", "--max-tokens", "-1"], "max_tokens"),
+    (["--prompt", "hi", "--max-tokens", "-1"], "--max-tokens must be an integer >= 1, got -1"),
     (["--prompt", "hi", "--model", "/no/such/model"], "/no/such/model"),
     ([], "give at least one --prompt"),
-    (["--prompt", "hi", "--top-p", "2"], "top_p"),
+    (["--prompt", "hi", "--top-p", "2"], "--top-p must be a number in (0, 1], got 2.0"),
+    (["--prompt", "hi", "--stop", ""], "--stop must be a non-empty string"),
     (["--prompt", "hi", "--dtype", "float8"], "unknown dtype"),
     (["--prompt", "hi", "--device", "gpu"], "unknown device"),
     (["--prompt", "hi", "--block-size", "0"], "--block-size"),
     (["--prompt", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'"),      # argparse's own
-    (["--prompt", "hi", "--seed", "99999999999999999999"], "seed must be an integer in [0, 2**63)"),
+    (["--prompt", "hi", "--seed", "99999999999999999999"], "--seed must be an integer in [0, 2**63)"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
@@ -1903,6 +1935,48 @@ def test_cli_streams_and_batches(capsys, smollm2_dir):
                              "--prompt", GOLDEN[0]["user_text"], "--max-tokens", "64")
     assert code == 0 and out.splitlines() == [f"[prompt 0] {GOLDEN[1]['greedy_text']}  (stop)",
                                               f"[prompt 1] {GOLDEN[0]['greedy_text']}  (stop)"]
+    # --stop ends the text before the stop string; --ignore-eos runs on to --max-tokens
+    text = GOLDEN[0]["greedy_text"]
+    stop = text.split()[3]
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", GOLDEN[0]["user_text"],
+                             "--max-tokens", "64", "--stop", "never seen", "--stop", stop)
+    assert code == 0 and out == text[:text.index(stop)] + "\n"
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", GOLDEN[0]["user_text"],
+                             "--prompt", "Hi", "--max-tokens", "8", "--ignore-eos", "--stats")
+    assert code == 0 and "(length)" in out and "(stop)" not in out and "16 + " in err   # 2 x 8 output tokens
+
+
+def test_cli_says_when_it_cannot_render_a_chat_template(tmp_path, capsys):
+    vocab, _ = byte_vocab()
+    path = write_tokenizer_json(tmp_path / "m", {"type": "ByteLevel"}, vocab, [])
+    config = llama_config(vocab_size=256)
+    write_checkpoint(path, config, llama_tensors(config))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}<|start_header_id|>{{ m.content }}{% endfor %}"}))
+    for raw, note in (([], True), (["--raw"], False)):
+        code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "2", *raw)
+        assert code == 0 and ("chat template is not ChatML" in err) == note and err.count("\n") == note
+
+
+def readme_transcripts():
+    """The README's `$ python nanopaged.py ...` blocks: (arguments, output lines); a block
+    that ends in "..." shows the first lines of the output only."""
+    blocks = re.findall(r"```\n\$ python nanopaged.py (.*?)\n(.*?)```", (HERE / "README.md").read_text(), re.S)
+    return [(shlex.split(command), output.splitlines()) for command, output in blocks]
+
+
+def test_readme_transcripts_reproduce_exactly(capsys, smollm2_dir):
+    assert len(readme_transcripts()) == 2
+    for argv, shown in readme_transcripts():
+        code, out, err = run_cli(capsys, "--model", str(smollm2_dir), *argv)
+        lines = out.splitlines()
+        if shown[-1] == "...":
+            shown, lines = shown[:-1], lines[:len(shown) - 1]
+        assert code == 0 and lines == shown, argv
+    # with a chat template the prompt holds newlines: each table still stays on one line
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "1", "--trace")
+    tables = [line for line in out.splitlines() if line.startswith("  seq 0:")]
+    assert code == 0 and len(tables) == 1 and "|system|\\n|You|" in tables[0]
 
 
 def test_cli_trace_tells_the_chapter_walk_through(capsys, smollm2_dir):
