@@ -30,15 +30,19 @@ from nanopaged import AttentionPlan, BlockPool, paged_attention, paged_attention
 from scheduler import SamplingParams, Scheduler
 
 
-def median_time(fn, repeats=5, warmup=1):
-    for _ in range(warmup):
-        fn()
-    times = []
+def median_times(fns, repeats=5, warmup=1):
+    """The median time of each fn, timed in turns (fn 1, fn 2, ..., fn 1, fn 2, ...): the
+    machine's drift during the run then weighs on all of them alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
 
 
 # -----------------------------------------------------------------------------
@@ -107,15 +111,16 @@ def bench_attention(args):
 
     torch.testing.assert_close(contiguous_sdpa().reshape(B, H, D),
                                paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale))
-    rows = [
-        ("contiguous SDPA (no paging, padded)", median_time(contiguous_sdpa, args.repeats)),
-        ("paged fast path (plan per call)", median_time(
-            lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale), args.repeats)),
-        ("paged fast path (plan + workspace shared)", median_time(
-            lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, plan=plan), args.repeats)),
-        ("paged reference (online softmax, loops)", median_time(
-            lambda: paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale), 1, 0)),
+    variants = [
+        ("contiguous SDPA (no paging, padded)", contiguous_sdpa),
+        ("paged fast path (plan per call)",
+         lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale)),
+        ("paged fast path (plan + workspace shared)",
+         lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, plan=plan)),
     ]
+    rows = list(zip([name for name, _ in variants], median_times([fn for _, fn in variants], args.repeats)))
+    rows.append(("paged reference (online softmax, loops)", median_times(
+        [lambda: paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale)], 1, 0)[0]))
     base = rows[0][1]
     print(f"decode batch: {B} sequences, context {min(lens)}..{max(lens)} (sum {sum(lens)}), "
           f"H={H} KVH={KVH} D={D} fp32, block size {bs}, {torch.get_num_threads()} threads; median of {args.repeats}")
