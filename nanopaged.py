@@ -524,13 +524,15 @@ class StopStringScan:
         self.detokenizer, self.stops = IncrementalDetokenizer(tokenizer), stops
         self.keep = max(map(len, stops)) - 1
         self.tail, self.tail_start = "", 0   # the text's last `keep` characters, and where they begin
+        self.found: int | None = None        # where the first stop string begins, once one has appeared
 
     def find(self, token_ids: list[int]) -> int | None:
-        """Where in the text the first stop string begins, once one has appeared."""
+        """Scan the text that token_ids add; return (and keep) where the first stop string begins."""
         window = self.tail + self.detokenizer.new_text(token_ids)
         hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
         if hits:
-            return self.tail_start + min(hits)
+            self.found = self.tail_start + min(hits)
+            return self.found
         cut = max(len(window) - self.keep, 0)
         self.tail, self.tail_start = window[cut:], self.tail_start + cut
         return None
@@ -678,8 +680,8 @@ class LLM:
             except TypeError:
                 raise ValueError(f"a request id must be hashable, got {type(request_id).__name__}") from None
         seq = self.scheduler.add(request_id, ids, params)
-        self._requests[request_id] = {"prompt": text, "params": params, "seqs": [seq], "stop_at": {},
-                                      "stop_scans": {}}
+        self._requests[request_id] = {"prompt": text, "params": params, "seqs": [seq],
+                                      "stop_scans": {}}   # sample index -> its StopStringScan
         return request_id
 
     def abort(self, request_id) -> RequestOutput:
@@ -804,9 +806,7 @@ class LLM:
             scan = req["stop_scans"].get(seq.sample_index)
             if scan is None:
                 scan = req["stop_scans"][seq.sample_index] = StopStringScan(self.tokenizer, seq.params.stop)
-            at = scan.find(seq.output_token_ids)
-            if at is not None:
-                req["stop_at"][seq.sample_index] = at
+            if scan.find(seq.output_token_ids) is not None:
                 if seq.status is Status.RUNNING:
                     self.scheduler.finish(seq, "stop")
                 else:
@@ -849,8 +849,9 @@ class LLM:
                                                      or ids[-1] in (q.params.stop_token_ids or ())):
                 shown = ids[:-1]  # the stop token ends the text but is not part of it
             text = self.tokenizer.decode(shown)
-            if q.sample_index in req["stop_at"]:
-                text = text[:req["stop_at"][q.sample_index]]
+            scan = req["stop_scans"].get(q.sample_index)
+            if scan and scan.found is not None:
+                text = text[:scan.found]   # the text ends before the stop string
             outputs.append(CompletionOutput(q.sample_index, text, ids, q.finish_reason))
             if q.first_token_time and q.num_output_tokens > 1:
                 self.stats.tpots.append((q.finish_time - q.first_token_time) / (q.num_output_tokens - 1))
