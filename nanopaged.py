@@ -593,6 +593,9 @@ class LLM:
                 continue
             raise ValueError(f"{name} must be an integer >= 1{' (or None for the default)' if optional else ''}, "
                              f"got {value!r}")
+        # plain Python ints from here on (a numpy uint8 block_size would overflow in the arithmetic)
+        block_size, max_num_seqs, num_blocks, kv_cache_memory, max_num_batched_tokens, max_model_len = (
+            None if value is None else int(value) for value in sizes.values())
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if attn_backend not in ("auto", "torch", "cuda"):
@@ -982,16 +985,17 @@ class LLM:
             table, cells = seq.block_table, []
             for i, block in enumerate(table.block_ids):
                 filled = min(bs, table.num_tokens - i * bs)
-                words = "|".join(self.tokenizer.decode([t]).translate(_VISIBLE_WHITESPACE)
-                                 for t in seq.token_ids[i * bs:i * bs + filled])
+                words = "|".join(_visible(self.tokenizer.decode([t])) for t in seq.token_ids[i * bs:i * bs + filled])
                 cells.append(f"{i}->{block} [{words}] {filled}/{bs} ref={pool.ref_count[block]}")
             self.trace(f"  {seq}: " + "  ".join(cells))
         self.trace(f"  blocks: {pool.num_free} free, {pool.num_cached} cached, {pool.num_used} used")
 
 
-# A token's text in the block trace: newlines and tabs written out, so that each table
-# stays on its line (a chat template puts newlines in the prompt).
-_VISIBLE_WHITESPACE = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})
+def _visible(text: str) -> str:
+    """A token's text in the block trace: newlines, tabs and other control characters written
+    out as escapes, so that each table stays on its line (a chat template puts newlines in
+    the prompt)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def sampling_probs(logits, p: SamplingParams):
@@ -1169,7 +1173,8 @@ def main(argv=None) -> int:
         if len(prompts) == 1 and args.n == 1 and not args.trace:   # stream, unless the trace is talking
             for piece in llm.stream(prompts[0], params):
                 print(piece, end="", flush=True)
-                line_open = line_open or bool(piece)
+                if piece:
+                    line_open = not piece.endswith("\n")
             print()
             line_open = False
         else:

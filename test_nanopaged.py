@@ -1762,6 +1762,10 @@ def test_prompt_beyond_the_models_vocab_and_a_pool_too_big(tmp_path):
     assert_nothing_leaked(llm)
     with pytest.raises(ValueError, match="cannot allocate a KV cache of 1099511627776 blocks"):
         BlockPool(2**40, 16, 1, 8, 128)
+    # sizes given as numpy integers are numbers like any other (a uint8 one used to overflow)
+    llm = LLM(model_dir, load_format="dummy", block_size=np.uint8(16), num_blocks=np.uint8(64))
+    assert type(llm.pool.block_size) is int and llm.bytes_per_block > 0
+    assert len(llm.generate([1, 2, 3], greedy(4, ignore_eos=True))[0].outputs[0].token_ids) == 4
 
 
 def test_cli_output_into_a_closed_pipe_is_quiet(smollm2_dir):
@@ -1946,6 +1950,19 @@ def test_cli_streams_and_batches(capsys, smollm2_dir):
     assert code == 0 and "(length)" in out and "(stop)" not in out and "16 + " in err   # 2 x 8 output tokens
 
 
+def test_cli_interrupt_starts_its_own_line(capsys, smollm2_dir, monkeypatch):
+    """Ctrl-C in the middle of a streamed line: the message starts a new line; after a
+    line that ended, no blank line comes before it."""
+    for pieces, err_expected in ((["Hello", " world"], "\nnanopaged: interrupted\n"),
+                                 (["Hello\n"], "nanopaged: interrupted\n")):
+        def interrupted_stream(self, prompt, params, pieces=pieces):
+            yield from pieces
+            raise KeyboardInterrupt
+        monkeypatch.setattr(LLM, "stream", interrupted_stream)
+        code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi")
+        assert code == 130 and out == "".join(pieces) and err == err_expected
+
+
 def test_cli_says_when_it_cannot_render_a_chat_template(tmp_path, capsys):
     vocab, _ = byte_vocab()
     path = write_tokenizer_json(tmp_path / "m", {"type": "ByteLevel"}, vocab, [])
@@ -1973,10 +1990,12 @@ def test_readme_transcripts_reproduce_exactly(capsys, smollm2_dir):
         if shown[-1] == "...":
             shown, lines = shown[:-1], lines[:len(shown) - 1]
         assert code == 0 and lines == shown, argv
-    # with a chat template the prompt holds newlines: each table still stays on one line
-    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "1", "--trace")
+    # with a chat template the prompt holds newlines (and this one a form feed): each table
+    # still stays on one line
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi\x0cthere", "--max-tokens", "1",
+                             "--trace")
     tables = [line for line in out.splitlines() if line.startswith("  seq 0:")]
-    assert code == 0 and len(tables) == 1 and "|system|\\n|You|" in tables[0]
+    assert code == 0 and len(tables) == 1 and "|system|\\n|You|" in tables[0] and "\\x0c" in tables[0]
 
 
 def test_cli_trace_tells_the_chapter_walk_through(capsys, smollm2_dir):
