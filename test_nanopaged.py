@@ -1463,6 +1463,14 @@ def greedy(max_tokens, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
 
 
+def step_to_the_end(llm) -> dict:
+    """Step the engine until every request has finished: request id -> RequestOutput."""
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({r.request_id: r for r in llm.step()})
+    return done
+
+
 def assert_nothing_leaked(llm):
     pool = llm.pool
     assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_blocks
@@ -1606,9 +1614,7 @@ def test_abort_and_a_failing_request_leave_the_others_intact(llm, monkeypatch):
     llm.step()
     aborted = llm.abort(ids[1])
     assert aborted.outputs[0].finish_reason == "abort" and len(aborted.outputs[0].token_ids) == 2
-    done = {}
-    while llm.has_unfinished_requests():
-        done.update({r.request_id: r for r in llm.step()})
+    done = step_to_the_end(llm)
     assert done[ids[0]].outputs[0].token_ids == alone[0] and done[ids[2]].outputs[0].token_ids == alone[2]
     assert_nothing_leaked(llm)
     # a request whose logits turn non-finite fails alone; its neighbours finish as usual
@@ -1706,9 +1712,7 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     with pytest.raises(RuntimeError, match="boom"):
         llm.step()
     monkeypatch.undo()
-    done = {}
-    while llm.has_unfinished_requests():
-        done.update({r.request_id: r for r in llm.step()})
+    done = step_to_the_end(llm)
     assert [done[i].outputs[0].token_ids for i in ids] == alone
     assert llm.step() == []                             # idle: nothing to do, no error
     # an interrupt inside generate(): it leaves nothing behind, and what comes next is right
@@ -1731,9 +1735,7 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         llm.step()
     monkeypatch.undo()
-    done = {}
-    while llm.has_unfinished_requests():
-        done.update({r.request_id: r for r in llm.step()})
+    done = step_to_the_end(llm)
     assert [done[i].outputs[0].token_ids for i in ids] == clean
     assert_nothing_leaked(llm)
 
