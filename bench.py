@@ -16,6 +16,7 @@ from outside, as a user would, and compare it with other ways of doing the same 
 """
 
 import argparse
+import itertools
 import math
 import random
 import statistics
@@ -353,9 +354,10 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / us / 1e3
 
 
-def decode_batch(contexts: list[int], gen: torch.Generator):
-    """A shuffled paged pool holding `copies` independent decode batches, one sequence of
-    each context length in each."""
+def paged_batch(pairs: list[tuple[int, int]], gen: torch.Generator, heads: int = HEADS):
+    """A shuffled paged pool holding `copies` independent batches of the (query tokens,
+    context tokens) pairs; decode: (1, context) each."""
+    contexts = [context for _, context in pairs]
     blocks = [-(-n // BLOCK_SIZE) for n in contexts]
     kv_bytes = sum(contexts) * KV_HEADS * HEAD_DIM * DTYPE.itemsize * 2
     copies = max(1, math.ceil(POOL_BYTES / kv_bytes))
@@ -367,9 +369,10 @@ def decode_batch(contexts: list[int], gen: torch.Generator):
     tables = torch.zeros(copies, len(contexts), max(blocks), dtype=torch.int32, device="cuda")
     owned = torch.arange(max(blocks), device="cuda")[None, :] < torch.tensor(blocks, device="cuda")[:, None]
     tables[:, owned] = perm.view(copies, -1)                 # (copies, B, max blocks), padded with 0
-    q = torch.randn(len(contexts), HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+    q_lens = [n for n, _ in pairs]
+    q = torch.randn(sum(q_lens), heads, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
     seq_lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
-    query_start_loc = torch.arange(len(contexts) + 1, dtype=torch.int32, device="cuda")
+    query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device="cuda")
     return q, k_cache, v_cache, tables, seq_lens, query_start_loc, kv_bytes
 
 
@@ -385,6 +388,51 @@ def torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale):
     except Exception as e:  # the comparison is optional: an OOM or API change must not end the run
         torch.cuda.empty_cache()
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+
+
+def against_torch_path(call, kernel_us, q, k_cache, v_cache, tables, seq_lens, qsl, scale):
+    """The torch path's columns of a table row: its time, the kernel's speedup over it, and
+    the largest difference of their outputs (marked MISMATCH past the bf16 tolerance)."""
+    torch_us, torch_out = torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
+    if torch_us is None:
+        return "n/a", "", f"({torch_out})"
+    max_diff = (call(0).float() - torch_out.float()).abs().max().item()
+    mismatch = "" if max_diff < 2e-2 else "  MISMATCH"
+    return f"{torch_us:10.1f}", f"{torch_us / kernel_us:7.1f}x", f"{max_diff:10.2e}{mismatch}"
+
+
+# Beyond decode: attn_backend="auto" runs every step on the kernel, prefill too. A prefill
+# has many query rows per key, where the torch path's SDPA (tensor cores) may win; a GQA
+# group of 8 takes the kernel's 8-row variant, which keeps fewer loads in flight.
+OTHER_STEPS = [("prefill 1 x 8192", [(8192, 8192)], HEADS),
+               ("chunk 2048 of 8192 + 63 decodes x 4096", [(2048, 8192)] + [(1, 4096)] * 63, HEADS),
+               ("decode 64 x 4096, 64 q heads (G=8)", [(1, 4096)] * 64, 64)]
+
+
+def other_steps(ops, copy_gbs, gen) -> int:
+    print(f"\n{'other steps':>40} {'kernel us':>10} {'GB/s':>7} {'of copy':>8} {'torch us':>10} "
+          f"{'speedup':>8} {'max|diff|':>10}")
+    status, scale = 0, HEAD_DIM ** -0.5
+    for label, pairs, heads in OTHER_STEPS:
+        try:
+            q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = paged_batch(pairs, gen, heads)
+            max_q, longest = max(n for n, _ in pairs), max(n for _, n in pairs)
+            call = lambda i: ops.paged_attention(q, k_cache, v_cache, tables[i % len(tables)], seq_lens,  # noqa: E731
+                                                 qsl, scale, max_q, longest)
+            kernel_us = cuda_time_us(call, calls=5)
+            gbs = kv_bytes / kernel_us / 1e3
+            torch_col, speedup, diff = against_torch_path(call, kernel_us, q, k_cache, v_cache, tables,
+                                                          seq_lens, qsl, scale)
+            status |= diff.endswith("MISMATCH")
+            print(f"{label:>40} {kernel_us:10.1f} {gbs:7.0f} {gbs / copy_gbs:7.0%} {torch_col:>10} "
+                  f"{speedup:>8} {diff:>10}")
+        except Exception as e:  # report the step and go on with the next one
+            print(f"{label:>40}  failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+            status = 1
+        finally:
+            q = k_cache = v_cache = tables = None
+            torch.cuda.empty_cache()
+    return status
 
 
 def bench_kernel(args) -> int:
@@ -414,7 +462,7 @@ def bench_kernel(args) -> int:
     for num_seqs, context in BATCHES:
         label = f"{num_seqs} x {context}"
         try:
-            q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = decode_batch([context] * num_seqs, gen)
+            q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = paged_batch([(1, context)] * num_seqs, gen)
             call = lambda i: ops.paged_attention(q, k_cache, v_cache, tables[i % len(tables)], seq_lens,
                                                  qsl, scale, 1, context)
             kernel_us = cuda_time_us(call, calls=20)
@@ -422,15 +470,9 @@ def bench_kernel(args) -> int:
             achieved[(num_seqs, context)] = gbs / copy_gbs
             plan = ops.describe_plan(num_seqs, num_seqs, HEADS, KV_HEADS, 1, context)
             grid = ",".join(map(str, plan["grid"]))
-            torch_us, torch_out = torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
-            if torch_us is None:
-                torch_col, speedup, diff = "n/a", "", f"({torch_out})"
-            else:
-                max_diff = (call(0).float() - torch_out.float()).abs().max().item()
-                torch_col, speedup, diff = f"{torch_us:10.1f}", f"{torch_us / kernel_us:7.1f}x", f"{max_diff:10.2e}"
-                if not max_diff < 2e-2:
-                    diff += "  MISMATCH"
-                    status = 1
+            torch_col, speedup, diff = against_torch_path(call, kernel_us, q, k_cache, v_cache, tables,
+                                                          seq_lens, qsl, scale)
+            status |= diff.endswith("MISMATCH")
             print(f"{label:>16} {kv_bytes / 1e6:7.0f}MB {grid:>15} {kernel_us:10.1f} {gbs:7.0f} "
                   f"{gbs / copy_gbs:7.0%} {torch_col:>10} {speedup:>8} {diff:>10}")
         except Exception as e:  # report the batch and go on with the next one
@@ -453,7 +495,7 @@ def bench_kernel(args) -> int:
               ("1 x 32768 + 255 x 1024", [32768] + [1024] * 255, (0, 1024, 2048, 4096))]
     for label, contexts, sizes in sweeps:
         status |= partition_sweep(ops, label, contexts, sizes, copy_gbs, gen)
-    return status
+    return status | other_steps(ops, copy_gbs, gen)
 
 
 def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
@@ -461,7 +503,7 @@ def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
     print(f"\nsplit-K, {label}:")
     print(f"{'asked':>8} {'keys/CTA':>9} {'grid (x,y,z)':>15} {'kernel us':>10} {'GB/s':>7} {'of copy':>8}")
     try:
-        q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = decode_batch(contexts, gen)
+        q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = paged_batch([(1, n) for n in contexts], gen)
         scale, B, longest = HEAD_DIM ** -0.5, len(contexts), max(contexts)
         for asked in sizes:
             plan = ops.describe_plan(B, B, HEADS, KV_HEADS, 1, longest, asked)

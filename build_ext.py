@@ -10,6 +10,9 @@
 kernels.cu is plain CUDA (raw pointers, no torch headers). The small C++ binding
 below checks every tensor — device, dtype, shape, contiguity, alignment — with a
 message that names it, then calls the kernels on torch's current CUDA stream.
+Values on the GPU it does not read (that would cost a sync per call): seq_lens and
+query_start_loc that contradict the tensors are made harmless in the kernel, but block
+ids are trusted to lie in [0, num_blocks), as the engine's BlockPool hands them out.
 torch.utils.cpp_extension.load() compiles both with nvcc and ninja and caches the
 result under ~/.cache/nanopaged/kernels (or $NANOPAGED_CACHE/kernels); it
 rebuilds only when a source or flag changes.
@@ -653,12 +656,13 @@ def _build(emulate: bool):
         options = dict(name="nanopaged_kernels_emulated", extra_include_paths=[str(HERE), f"{home}/include"],
                        extra_cflags=["-O2", "-DNANOPAGED_EMULATE"], extra_ldflags=["-Wl,-Bsymbolic"])
     else:
-        # Compile for this GPU only (unset, torch picks every visible GPU's arch).
-        major, minor = torch.cuda.get_device_capability()
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+        # Compile for this GPU only. An arch flag of our own makes torch add none of its own,
+        # whatever TORCH_CUDA_ARCH_LIST the machine sets (a list of five archs builds five
+        # times; one this nvcc dropped fails).
+        arch = "".join(map(str, torch.cuda.get_device_capability()))
         kernels = KERNELS
         options = dict(name="nanopaged_kernels", extra_include_paths=[str(HERE)], extra_cflags=["-O3"],
-                       extra_cuda_cflags=["-O3"])
+                       extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
     try:
         return cpp_extension.load(sources=[str(binding), str(kernels)], build_directory=str(out),
                                   verbose=False, **options)

@@ -10,16 +10,24 @@
 # command for at most 600 s), so the verdict line always gets printed; a step that finds
 # the budget spent is reported as skipped. The script goes on after a failed step and
 # exits non-zero if any failed. With $OUT set, the output also goes to $OUT/gpu_check.log.
+#
+# To rerun part of it after a fix (the build always runs: it is cached when nothing changed):
+#
+#     GPU_CHECK_STEPS="tests benchmark" bash gpu_check.sh     # of: tests benchmark sanitizer
 set -u -o pipefail
 
 TEST_FILE=test_nanopaged.py
 TEST_FILTER="cuda and not nvcc_check"       # the GPU tests (kernel and engine); --check is CI's job
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET:-540}
+STEPS=" ${GPU_CHECK_STEPS:-tests benchmark sanitizer} "
 
 cd "$(dirname "$0")"
 # The nvcc on PATH may be a wrapper script; torch finds the toolkit through CUDA_HOME.
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+# torch finds ninja on PATH: the one next to this python, in a virtual environment too.
+PATH="$(dirname "$(command -v "$PYTHON")"):$PATH"
+KERNEL_CACHE="${NANOPAGED_CACHE:-$HOME/.cache/nanopaged}/kernels"
 
 failed=()
 step() {  # step NAME TIME_LIMIT_S COMMAND...
@@ -65,24 +73,16 @@ check() {
     "$PYTHON" -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__,
                                          "| CUDA", torch.version.cuda, "| ninja:", __import__("shutil").which("ninja"))'
     step "build" 300 "$PYTHON" build_ext.py --build
-    step "tests" 240 "$PYTHON" -m pytest -q -rs --tb=short "$TEST_FILE" -k "$TEST_FILTER"   # every failure, not the first
-    step "benchmark" 120 "$PYTHON" bench.py kernel
-
-    local sanitizer
-    sanitizer=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
-    echo
-    # Some sandboxes (gVisor) refuse the sanitizer any GPU: that is no finding about the kernels.
-    if [ ! -x "$sanitizer" ]; then
-        echo "compute-sanitizer not found: racecheck and memcheck skipped"
-    elif ! timeout -k 10 60 "$sanitizer" --error-exitcode 1 "$PYTHON" -c \
-            'import torch; torch.zeros(1, device="cuda"); torch.cuda.synchronize()' >/dev/null 2>&1; then
-        echo "compute-sanitizer cannot run a trivial CUDA program here: racecheck and memcheck skipped"
-    else
-        for tool in racecheck memcheck; do
-            step "$tool" 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-                "$sanitizer" --tool "$tool" --error-exitcode 1 "$PYTHON" -c "$SANITIZED"
-        done
+    if [[ " ${failed[*]} " == *" build "* ]] && [ -f "$KERNEL_CACHE/build.log" ]; then
+        tail -n 80 "$KERNEL_CACHE/build.log"   # the whole compiler output: this machine is gone after
     fi
+    # A build killed by its time limit leaves torch's lock file behind, and every later
+    # build would wait on it for good.
+    rm -f "$KERNEL_CACHE/lock"
+    [[ $STEPS == *" tests "* ]] &&
+        step "tests" 240 "$PYTHON" -m pytest -q -rs --tb=short "$TEST_FILE" -k "$TEST_FILTER"   # every failure, not the first
+    [[ $STEPS == *" benchmark "* ]] && step "benchmark" 120 "$PYTHON" bench.py kernel
+    [[ $STEPS == *" sanitizer "* ]] && sanitize
 
     echo
     if [ ${#failed[@]} -eq 0 ]; then
@@ -90,6 +90,28 @@ check() {
     else
         echo "gpu_check: FAILED: ${failed[*]} ($SECONDS s)"
         return 1
+    fi
+}
+
+sanitize() {
+    local sanitizer probe
+    sanitizer=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
+    echo
+    # Some sandboxes (gVisor) refuse the sanitizer any GPU. That is no finding about the
+    # kernels, but the checks did not run: the verdict says so.
+    if [ ! -x "$sanitizer" ]; then
+        echo "compute-sanitizer not found: racecheck and memcheck skipped"
+        failed+=("sanitizer (not found)")
+    elif ! probe=$(timeout -k 10 120 "$sanitizer" --error-exitcode 1 "$PYTHON" -c \
+            'import torch; torch.zeros(1, device="cuda"); torch.cuda.synchronize()' 2>&1); then
+        echo "compute-sanitizer cannot run a trivial CUDA program here: racecheck and memcheck skipped"
+        echo "$probe" | tail -n 5
+        failed+=("sanitizer (cannot run here)")
+    else
+        for tool in racecheck memcheck; do
+            step "$tool" 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+                "$sanitizer" --tool "$tool" --error-exitcode 1 "$PYTHON" -c "$SANITIZED"
+        done
     fi
 }
 
