@@ -390,15 +390,30 @@ def torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
 
 
-def against_torch_path(call, kernel_us, q, k_cache, v_cache, tables, seq_lens, qsl, scale):
-    """The torch path's columns of a table row: its time, the kernel's speedup over it, and
-    the largest difference of their outputs (marked MISMATCH past the bf16 tolerance)."""
-    torch_us, torch_out = torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
-    if torch_us is None:
-        return "n/a", "", f"({torch_out})"
-    max_diff = (call(0).float() - torch_out.float()).abs().max().item()
-    mismatch = "" if max_diff < 2e-2 else "  MISMATCH"
-    return f"{torch_us:10.1f}", f"{torch_us / kernel_us:7.1f}x", f"{max_diff:10.2e}{mismatch}"
+def kernel_vs_torch(ops, pairs, heads, gen, calls):
+    """One step's batch of (query tokens, context) pairs, on the kernel and on the torch
+    path: the kernel's time, the K/V bytes it reads, and the torch path's columns of a table
+    row (its time, the kernel's speedup, their largest difference: MISMATCH past bf16's
+    tolerance)."""
+    q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = paged_batch(pairs, gen, heads)
+    try:
+        scale, max_q, longest = HEAD_DIM ** -0.5, max(n for n, _ in pairs), max(n for _, n in pairs)
+        call = lambda i: ops.paged_attention(q, k_cache, v_cache, tables[i % len(tables)], seq_lens,  # noqa: E731
+                                             qsl, scale, max_q, longest)
+        kernel_us = cuda_time_us(call, calls=calls)
+        torch_us, torch_out = torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
+        if torch_us is None:
+            return kernel_us, kv_bytes, ("n/a", "", f"({torch_out})")
+        max_diff = (call(0).float() - torch_out.float()).abs().max().item()
+        mismatch = "" if max_diff < 2e-2 else "  MISMATCH"
+        return kernel_us, kv_bytes, (f"{torch_us:10.1f}", f"{torch_us / kernel_us:7.1f}x", f"{max_diff:10.2e}{mismatch}")
+    finally:
+        q = k_cache = v_cache = tables = None
+        torch.cuda.empty_cache()
+
+
+def failed(e: Exception) -> str:
+    return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
 
 
 # Beyond decode: attn_backend="auto" runs every step on the kernel, prefill too. A prefill
@@ -412,26 +427,17 @@ OTHER_STEPS = [("prefill 1 x 8192", [(8192, 8192)], HEADS),
 def other_steps(ops, copy_gbs, gen) -> int:
     print(f"\n{'other steps':>40} {'kernel us':>10} {'GB/s':>7} {'of copy':>8} {'torch us':>10} "
           f"{'speedup':>8} {'max|diff|':>10}")
-    status, scale = 0, HEAD_DIM ** -0.5
+    status = 0
     for label, pairs, heads in OTHER_STEPS:
         try:
-            q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = paged_batch(pairs, gen, heads)
-            max_q, longest = max(n for n, _ in pairs), max(n for _, n in pairs)
-            call = lambda i: ops.paged_attention(q, k_cache, v_cache, tables[i % len(tables)], seq_lens,  # noqa: E731
-                                                 qsl, scale, max_q, longest)
-            kernel_us = cuda_time_us(call, calls=5)
-            gbs = kv_bytes / kernel_us / 1e3
-            torch_col, speedup, diff = against_torch_path(call, kernel_us, q, k_cache, v_cache, tables,
-                                                          seq_lens, qsl, scale)
-            status |= diff.endswith("MISMATCH")
-            print(f"{label:>40} {kernel_us:10.1f} {gbs:7.0f} {gbs / copy_gbs:7.0%} {torch_col:>10} "
-                  f"{speedup:>8} {diff:>10}")
+            kernel_us, kv_bytes, (torch_col, speedup, diff) = kernel_vs_torch(ops, pairs, heads, gen, calls=5)
         except Exception as e:  # report the step and go on with the next one
-            print(f"{label:>40}  failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+            print(f"{label:>40}  {failed(e)}")
             status = 1
-        finally:
-            q = k_cache = v_cache = tables = None
-            torch.cuda.empty_cache()
+            continue
+        gbs = kv_bytes / kernel_us / 1e3
+        status |= diff.endswith("MISMATCH")
+        print(f"{label:>40} {kernel_us:10.1f} {gbs:7.0f} {gbs / copy_gbs:7.0%} {torch_col:>10} {speedup:>8} {diff:>10}")
     return status
 
 
@@ -457,30 +463,22 @@ def bench_kernel(args) -> int:
 
     status = 0
     gen = torch.Generator(device="cuda").manual_seed(0)
-    scale = HEAD_DIM ** -0.5
     achieved = {}
     for num_seqs, context in BATCHES:
         label = f"{num_seqs} x {context}"
         try:
-            q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = paged_batch([(1, context)] * num_seqs, gen)
-            call = lambda i: ops.paged_attention(q, k_cache, v_cache, tables[i % len(tables)], seq_lens,
-                                                 qsl, scale, 1, context)
-            kernel_us = cuda_time_us(call, calls=20)
-            gbs = kv_bytes / kernel_us / 1e3
-            achieved[(num_seqs, context)] = gbs / copy_gbs
-            plan = ops.describe_plan(num_seqs, num_seqs, HEADS, KV_HEADS, 1, context)
-            grid = ",".join(map(str, plan["grid"]))
-            torch_col, speedup, diff = against_torch_path(call, kernel_us, q, k_cache, v_cache, tables,
-                                                          seq_lens, qsl, scale)
-            status |= diff.endswith("MISMATCH")
-            print(f"{label:>16} {kv_bytes / 1e6:7.0f}MB {grid:>15} {kernel_us:10.1f} {gbs:7.0f} "
-                  f"{gbs / copy_gbs:7.0%} {torch_col:>10} {speedup:>8} {diff:>10}")
+            kernel_us, kv_bytes, (torch_col, speedup, diff) = kernel_vs_torch(
+                ops, [(1, context)] * num_seqs, HEADS, gen, calls=20)
         except Exception as e:  # report the batch and go on with the next one
-            print(f"{label:>16}  failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+            print(f"{label:>16}  {failed(e)}")
             status = 1
-        finally:
-            q = k_cache = v_cache = tables = None
-            torch.cuda.empty_cache()
+            continue
+        gbs = kv_bytes / kernel_us / 1e3
+        achieved[(num_seqs, context)] = gbs / copy_gbs
+        grid = ",".join(map(str, ops.describe_plan(num_seqs, num_seqs, HEADS, KV_HEADS, 1, context)["grid"]))
+        status |= diff.endswith("MISMATCH")
+        print(f"{label:>16} {kv_bytes / 1e6:7.0f}MB {grid:>15} {kernel_us:10.1f} {gbs:7.0f} "
+              f"{gbs / copy_gbs:7.0%} {torch_col:>10} {speedup:>8} {diff:>10}")
 
     seqs, ctx, goal = GOAL
     if (seqs, ctx) in achieved:
@@ -514,7 +512,7 @@ def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
                   f"{us:10.1f} {gbs:7.0f} {gbs / copy_gbs:7.0%}")
         return 0
     except Exception as e:
-        print(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+        print(f"  {failed(e)}")
         return 1
     finally:
         q = k_cache = v_cache = tables = None
