@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import math
 import numbers
 import os
 import reprlib
+import signal
 import sys
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -511,8 +514,9 @@ class IncrementalDetokenizer:
 
     def new_text(self, token_ids: list[int]) -> str:
         """The text that token_ids[self.num_tokens:] add."""
-        new, self.num_tokens = token_ids[self.num_tokens:], len(token_ids)
-        return self.utf8.decode(self.tokenizer.decode_bytes(new))
+        new = self.tokenizer.decode_bytes(token_ids[self.num_tokens:])
+        self.num_tokens = len(token_ids)   # (after decoding: a decode that fails skips nothing)
+        return self.utf8.decode(new)
 
 
 class StopStringScan:
@@ -571,6 +575,25 @@ class Stats:
             f"prefix-cache hit rate {hit:9.1f} % of prompt tokens",
             f"preemptions           {self.preemptions:9d}",
         ])
+
+
+@contextlib.contextmanager
+def defer_ctrl_c():
+    """Hold a Ctrl-C that arrives inside the block until the block's end. Python raises
+    KeyboardInterrupt between any two bytecodes; in the middle of moving a sequence between
+    queues or a block between owners, it would leave a sequence in no queue or a block
+    owned by nobody. (Signals reach the main thread only: elsewhere nothing to hold.)"""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield   # (None: a handler installed outside Python, which we could not put back)
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)   # now: the usual handler raises KeyboardInterrupt
 
 
 class LLM:
@@ -636,7 +659,7 @@ class LLM:
         self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
         self._next_id = 0
         self._open_stream = None   # the request id of a stream() being read
-        self.trace = None  # a callable(str): the block trace
+        self.trace = None  # collects the block trace's lines (see enable_trace), or None
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -682,18 +705,31 @@ class LLM:
                 hash(request_id)
             except TypeError:
                 raise ValueError(f"a request id must be hashable, got {type(request_id).__name__}") from None
-        seq = self.scheduler.add(request_id, ids, params)
-        self._requests[request_id] = {"prompt": text, "params": params, "seqs": [seq],
-                                      "stop_scans": {}}   # sample index -> its StopStringScan
+        seq = None
+        try:
+            with defer_ctrl_c():   # queued in the scheduler means known here
+                seq = self.scheduler.add(request_id, ids, params)
+                self._requests[request_id] = {"prompt": text, "params": params, "seqs": [seq],
+                                              "stop_scans": {}}   # sample index -> its StopStringScan
+        except KeyboardInterrupt:   # held until the request was queued: the caller never got its id
+            if seq is not None:
+                self.scheduler.abort(request_id)
+                del self._requests[request_id]
+            raise
         return request_id
 
     def abort(self, request_id) -> RequestOutput:
         """Stop a request now; its blocks return to the pool at once. Returns what it had."""
-        self.scheduler.abort(request_id)
+        if request_id not in self.scheduler.requests and request_id in self._requests:
+            return self._request_output(request_id)   # it finished, and no step() reported it yet
+        with defer_ctrl_c():
+            self.scheduler.abort(request_id)
+        self._flush_trace()
         return self._request_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether some request added has not been reported finished yet (by step() or abort())."""
+        return bool(self._requests)
 
     # --- one step ---
     def step(self) -> list[RequestOutput]:
@@ -702,29 +738,46 @@ class LLM:
         return self._step()
 
     def _step(self) -> list[RequestOutput]:
-        if not self.has_unfinished_requests():
-            return []
-        start = time.perf_counter()
-        if self.trace:
-            self.trace(f"--- step {self.stats.steps + 1} ---")
-        out = self.scheduler.schedule()
-        if not out.seqs:
-            raise RuntimeError("the scheduler found nothing to run")  # cannot happen: add() checks fit
-        self._record_usage()
-        if self.trace:
-            self._trace_step(out)
+        if not self.scheduler.has_unfinished():
+            return self._collect_finished()   # what an interrupted step finished, if anything
+        start, out, done = time.perf_counter(), None, False
         try:
+            # The bookkeeping (queues, block tables, ref counts) must not stop halfway, so a
+            # Ctrl-C waits for the end of it. The forward pass and sampling may stop anywhere:
+            # then the step did not happen, and is rolled back.
+            with defer_ctrl_c():
+                if self.trace:
+                    self.trace(f"--- step {self.stats.steps + 1} ---")
+                out = self.scheduler.schedule()
+                if not out.seqs:
+                    raise RuntimeError("the scheduler found nothing to run")  # cannot happen: add() checks fit
+                self._record_usage()
+                if self.trace:
+                    self._trace_step(out)
             input_ids, positions, logits_indices = self._prepare(out)
             self.attn.copy_blocks(out.copies)
             with torch.inference_mode():
                 logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S, vocab)
-            sampled = self._sample(out, logits)
+            sampled, broken = self._sample(out, logits)
+            with defer_ctrl_c():
+                self._commit(out, sampled, broken, start)
+                done = True   # the step happened: a Ctrl-C held until here has nothing to undo
         except BaseException:
             # Out of memory, a KeyboardInterrupt...: the step did not happen. Its slots were
             # reserved (and maybe written): its sequences are preempted and will be recomputed,
             # so that nothing they write later lands one step off.
-            self.scheduler.rollback(out)
+            if out is not None and not done:
+                with defer_ctrl_c():
+                    self.scheduler.rollback(out)
+            self._flush_trace()
             raise
+        self._flush_trace()
+        return self._collect_finished()
+
+    def _commit(self, out, sampled: dict, broken: list, start: float):
+        """Record a step that ran: its sampled tokens, the forks, the requests it finished."""
+        for seq in broken:   # a broken row must not take the batch down: fail its request
+            self.scheduler.finish(seq, "error")
         if self.trace:
             words = {seq: [self.tokenizer.decode([x]) for x in (t if isinstance(t, list) else [t])]
                      for seq, t in sampled.items()}   # a list: the first tokens of a fork's samples
@@ -735,7 +788,6 @@ class LLM:
         self._check_stop_strings([*sampled, *forked])
         self.stats.output_tokens += sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())
         self.stats.elapsed += time.perf_counter() - start
-        return self._collect_finished(out, forked)
 
     def _prepare(self, out):
         """The flat batch of this step (the inputs listed in section 2): token ids, positions
@@ -766,18 +818,19 @@ class LLM:
                 torch.tensor(logits_indices, dtype=torch.int64, device=dev))
 
     # --- sampling ---
-    def _sample(self, out, logits) -> dict:
+    def _sample(self, out, logits) -> tuple[dict, list]:
         """Pick the next token of every sequence that reached its end. Greedy rows share one
         argmax; the others are sampled one by one, each with its own generator, so a seeded
-        request gives the same tokens whatever else is in the batch."""
+        request gives the same tokens whatever else is in the batch. Also returns the
+        sequences whose logits are broken (NaN or inf)."""
         logits = logits.float()
         due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]
         finite = logits.sum(dim=-1).isfinite().tolist()   # any NaN or inf makes its row's sum one
         greedy = logits.argmax(dim=-1).tolist()
-        sampled = {}
+        sampled, broken = {}, []
         for row, seq in enumerate(due):
-            if not finite[row]:   # a broken row must not take the batch down: fail this request
-                self.scheduler.finish(seq, "error")
+            if not finite[row]:
+                broken.append(seq)
                 continue
             p, k = seq.params, seq.pending_samples
             if p.temperature == 0:
@@ -787,7 +840,7 @@ class LLM:
                 tokens = [torch.multinomial(probs, 1, generator=self._generator(seq, seq.sample_index + j)).item()
                           for j in range(k)]
             sampled[seq] = tokens if k > 1 else tokens[0]
-        return sampled
+        return sampled, broken
 
     def _generator(self, seq, sample_index):
         """The generator of one draw of a seeded request, seeded by a hash of (seed, sample,
@@ -829,17 +882,14 @@ class LLM:
         s.preemptions, s.prefix_hit_tokens, s.prefix_query_tokens = (
             sched.num_preemptions, sched.prefix_hit_tokens, sched.prefix_query_tokens)
 
-    def _collect_finished(self, out, forked) -> list[RequestOutput]:
-        done = []
-        for seq in (*out.seqs, *forked):
-            req = self._requests.get(seq.request_id)
-            if req is None or seq.request_id in self.scheduler.requests:
-                continue  # not finished yet (or already reported)
-            done.append(self._request_output(seq.request_id))
-        return done
+    def _collect_finished(self) -> list[RequestOutput]:
+        """The outputs of the requests that finished and were not reported yet: this step's,
+        and those of a step that was interrupted after it finished them."""
+        done = [rid for rid in self._requests if rid not in self.scheduler.requests]
+        return [self._request_output(rid) for rid in done]
 
     def _request_output(self, request_id) -> RequestOutput:
-        req = self._requests.pop(request_id)
+        req = self._requests[request_id]   # (forgotten at the end: a decode that fails loses nothing)
         seqs = sorted(req["seqs"], key=lambda q: q.sample_index)
         first = seqs[0]
         first_token = min((q.first_token_time for q in seqs if q.first_token_time), default=first.finish_time)
@@ -856,15 +906,17 @@ class LLM:
             if scan and scan.found is not None:
                 text = text[:scan.found]   # the text ends before the stop string
             outputs.append(CompletionOutput(q.sample_index, text, ids, q.finish_reason))
-            if q.first_token_time and q.num_output_tokens > 1:
-                self.stats.tpots.append((q.finish_time - q.first_token_time) / (q.num_output_tokens - 1))
         # A request that ended before its first token (aborted, or its logits broke) never
         # forked: its n samples all ended there, empty.
         outputs += [CompletionOutput(j, "", [], first.finish_reason) for j in range(len(seqs), first.params.n)]
         self.stats.ttfts.append(ttft)
+        self.stats.tpots += [(q.finish_time - q.first_token_time) / (q.num_output_tokens - 1)
+                             for q in seqs if q.first_token_time and q.num_output_tokens > 1]
         self.stats.prompt_tokens += first.num_prompt_tokens
-        return RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
-                             first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time)
+        output = RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
+                               first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time)
+        del self._requests[request_id]
+        return output
 
     # --- the whole loop ---
     def generate(self, prompts, sampling_params=None, progress: bool = False) -> list[RequestOutput]:
@@ -894,7 +946,7 @@ class LLM:
                 if progress:
                     _progress(len(results), len(ids), self.stats)
         except BaseException:
-            self._drop(ids)   # a refused prompt, an interrupt...: leave nothing behind
+            self._drop_all()   # a refused prompt, an interrupt...: leave nothing behind
             raise
         if progress:
             print(file=sys.stderr)
@@ -906,7 +958,7 @@ class LLM:
         self._check_no_stream(caller)
         if self.has_unfinished_requests():
             raise ValueError(f"{caller} cannot run while {len(self._requests)} request(s) queued with "
-                             "add_request() are unfinished: step() them to the end, or abort() them")
+                             "add_request() are not reported finished: step() them to the end, or abort() them")
 
     def _check_no_stream(self, caller: str):
         """While a stream is open, its generator owns the engine: a step taken elsewhere would
@@ -916,12 +968,16 @@ class LLM:
             raise ValueError(f"{caller} cannot run while a stream() is being read: read it to the end, "
                              "or close() it")
 
-    def _drop(self, request_ids):
-        """Abort these requests, where unfinished, and forget them."""
-        for rid in request_ids:
-            if rid in self.scheduler.requests:
-                self.scheduler.abort(rid)
-            self._requests.pop(rid, None)
+    def _drop_all(self):
+        """Abort every request, where unfinished, and forget them all (generate() and
+        stream() run alone: every request is theirs, even one whose id an interrupt kept
+        from them)."""
+        with defer_ctrl_c():
+            for rid in list(self._requests):
+                if rid in self.scheduler.requests:
+                    self.scheduler.abort(rid)
+                del self._requests[rid]
+        self._flush_trace()
 
     def reset_stats(self):
         self.stats = Stats()
@@ -944,12 +1000,12 @@ class LLM:
         return pieces
 
     def _stream(self, prompt, params):
-        rid = self.add_request(prompt, params)
-        seq, self._open_stream = self._requests[rid]["seqs"][0], rid
-        detokenizer, shown, held = IncrementalDetokenizer(self.tokenizer), 0, ""
-        # hold back text that could be the start of a stop string, until we know
-        hold = max((len(s) for s in params.stop or ()), default=1) - 1
         try:
+            rid = self.add_request(prompt, params)
+            seq, self._open_stream = self._requests[rid]["seqs"][0], rid
+            detokenizer, shown, held = IncrementalDetokenizer(self.tokenizer), 0, ""
+            # hold back text that could be the start of a stop string, until we know
+            hold = max((len(s) for s in params.stop or ()), default=1) - 1
             yield ""   # where stream() leaves us, primed
             while rid in self.scheduler.requests:   # until it finishes, or someone aborts it
                 finished = [r for r in self._step() if r.request_id == rid]
@@ -965,14 +1021,25 @@ class LLM:
                 if cut:
                     yield held[:cut]
                     shown, held = shown + cut, held[cut:]
-        finally:
-            self._open_stream = None
-            self._drop([rid])   # the caller stopped reading early, or a step raised: free its blocks
+        finally:   # the caller stopped reading early, or a step raised: free its blocks
+            with defer_ctrl_c():
+                self._open_stream = None
+                self._drop_all()
 
     def enable_trace(self, emit=print):
-        """Narrate every step: the chapter's figures, live."""
-        self.trace = emit
-        self.pool.trace = lambda msg: emit("  " + msg)   # pool and scheduler events, as they happen
+        """Narrate every step: the chapter's figures, live. The lines are collected while
+        the scheduler moves blocks and emitted once it is done, so that an emitter that
+        fails (a closed pipe) cannot stop it halfway."""
+        self._trace_lines, self._emit = [], emit
+        self.trace = self._trace_lines.append
+        self.pool.trace = lambda msg: self.trace("  " + msg)   # pool and scheduler events, as they happen
+
+    def _flush_trace(self):
+        if self.trace:
+            lines = self._trace_lines.copy()
+            self._trace_lines.clear()
+            for line in lines:
+                self._emit(line)
 
     def _trace_step(self, out):
         """After scheduling: what runs, and every running sequence's block table as

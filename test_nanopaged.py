@@ -18,6 +18,7 @@ import math
 import random
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -1741,6 +1742,22 @@ def test_abort_and_a_failing_request_leave_the_others_intact(llm, monkeypatch):
     assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == []
     assert [o.outputs[0].token_ids for o in outs[1:]] == alone[1:]
     assert_nothing_leaked(llm)
+    # the same, when that step then fails in the sampler: it is redone, and fails request 0 again
+    calls.clear()
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    clean = llm.generate(PROMPTS16[1], seeded)[0].outputs[0].token_ids
+    ids = [llm.add_request(PROMPTS16[0], greedy(12, ignore_eos=True)), llm.add_request(PROMPTS16[1], seeded)]
+    monkeypatch.setattr(llm.model, "forward", poisoned)
+    monkeypatch.setattr(torch, "multinomial", interrupted_on_call(1, torch.multinomial))
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    monkeypatch.undo()
+    calls.clear()
+    monkeypatch.setattr(llm.model, "forward", poisoned)
+    done = step_to_the_end(llm)
+    monkeypatch.undo()
+    assert done[ids[0]].outputs[0].finish_reason == "error" and done[ids[1]].outputs[0].token_ids == clean
+    assert_nothing_leaked(llm)
 
 
 def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
@@ -1845,6 +1862,65 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     monkeypatch.undo()
     done = step_to_the_end(llm)
     assert [done[i].outputs[0].token_ids for i in ids] == clean
+    assert_nothing_leaked(llm)
+
+
+def ctrl_c_on_call(n, fn):
+    """fn, but a real Ctrl-C (SIGINT) arrives during its n-th call."""
+    calls = []
+
+    def wrapper(*args, **kw):
+        calls.append(1)
+        if len(calls) == n:
+            signal.raise_signal(signal.SIGINT)
+        return fn(*args, **kw)
+    return wrapper
+
+
+def test_ctrl_c_in_the_bookkeeping_waits_for_its_end(llm, monkeypatch):
+    """A Ctrl-C while the scheduler moves blocks between owners (here: as the first request
+    to finish releases its blocks, and as a request is queued) is held until that is done:
+    no block is lost, and what finished is reported by the next step()."""
+    prompts = [SYSTEM + q for q in ("What is 2+2?", "Name a fruit.", "Say hi.")]
+    params = [greedy(n, ignore_eos=True) for n in (3, 6, 9)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    monkeypatch.setattr(llm.pool, "free", ctrl_c_on_call(1, llm.pool.free))
+    with pytest.raises(KeyboardInterrupt):
+        step_to_the_end(llm)
+    monkeypatch.undo()
+    done = step_to_the_end(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == alone
+    assert_nothing_leaked(llm)
+    # in add_request: the request is queued whole and the Ctrl-C comes after, or not at all
+    monkeypatch.setattr(llm.scheduler, "add", ctrl_c_on_call(1, llm.scheduler.add))
+    with pytest.raises(KeyboardInterrupt):
+        llm.add_request(prompts[0], params[0])
+    monkeypatch.undo()
+    assert_nothing_leaked(llm)   # the caller never got its id: it is not queued
+
+
+def test_a_failing_trace_emitter_stops_no_step_halfway(llm):
+    """The trace's lines are emitted after each step's bookkeeping: an emitter that fails
+    (a closed pipe) fails the call, and the engine serves on, nothing lost."""
+    prompts = [SYSTEM + q for q in ("What is 2+2?", "Name a fruit.")]
+    params = [greedy(n, ignore_eos=True) for n in (3, 6)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    failed = []
+
+    def emit(line):
+        if "finished (length): releases blocks" in line and not failed:
+            failed.append(line)
+            raise BrokenPipeError
+    try:
+        llm.enable_trace(emit)
+        ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+        with pytest.raises(BrokenPipeError):
+            step_to_the_end(llm)
+        done = step_to_the_end(llm)   # the request that finished in the failed call comes now
+    finally:
+        llm.trace = llm.pool.trace = None
+    assert [done[i].outputs[0].token_ids for i in ids] == alone
     assert_nothing_leaked(llm)
 
 
@@ -1965,6 +2041,15 @@ def test_incremental_text_matches_decoding_the_whole_output():
             found = scan.find(ids[:n])
             hits = [text.find(s) for s in stops if s in text]
             assert found == (min(hits) if hits else None), (trial, ids[:n], stops)
+    # a decode that fails (an interrupt) skips no token: the next call decodes them
+    detok, decode_bytes = IncrementalDetokenizer(tok), tok.decode_bytes
+    tok.decode_bytes = interrupted_on_call(1, decode_bytes)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            detok.new_text(tok.encode("Hello"))
+        assert detok.new_text(tok.encode("Hello world")) == "Hello world"
+    finally:
+        tok.decode_bytes = decode_bytes
 
 
 def test_stop_strings_and_streams_decode_each_token_once(llm, monkeypatch):
