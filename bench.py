@@ -146,7 +146,7 @@ def bench_scheduler(args):
 
     def step():
         out = sched.schedule()
-        sampled = {seq: 7 for i, seq in enumerate(out.seqs) if out.samples[i]}
+        sampled = {seq: [7] for i, seq in enumerate(out.seqs) if out.samples[i]}
         sched.update(out, sampled)
         return out
 

@@ -9,7 +9,8 @@ layer hands its q, k, v to the `attn` object it was given,
 
     out = attn(layer_idx, q, k, v)      q (T, H, D), k and v (T, KVH, D) -> out (T, H, D)
 
-and that object (a dense reference, the paged torch path or the CUDA kernel) writes k, v
+and that object (nanopaged's PagedAttention, on the torch path or the CUDA kernel; the
+tests pass a dense reference) writes k, v
 into the KV cache and attends. The model knows nothing about pages.
 
 Chapters: config, tokenizers, layers, Llama, GPT-2, loading, GGUF conversion.
@@ -98,7 +99,7 @@ class ModelConfig:
     rope_theta: float = 10000.0       # llama only
     rope_scaling: dict | None = None  # llama only: None, or the llama3 parameters
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
-    bos_token_id: int | None = None
+    bos_token_id: int | None = None   # as config.json says; a prompt's BOS comes from Tokenizer.prefix_ids
     eos_token_id: list[int] = field(default_factory=list)  # always a list
 
     @classmethod
@@ -269,7 +270,7 @@ class Tokenizer:
                  prefix_ids: list[int] = (), suffix_ids: list[int] = (),
                  template_tokens: dict | None = None):
         self.encoding = encoding
-        self.eos_token_id = eos_token_id
+        self.eos_token_id = eos_token_id  # for get_tokenizer() users; the engine stops on config.eos_token_id
         self.dropped_from = dropped_from  # ids >= this stand for bytes the vocab lacks
         if dropped_from is not None:      # for _encode_dropping (pattern: the pre-tokenizer's)
             self._dropped = {encoding.decode_single_token_bytes(i)[0]

@@ -6,7 +6,8 @@ This file is the chapter on KV-cache management, top to bottom:
      index) and BlockTable (one per sequence: logical block -> physical block, copy-on-write)
   2. paged attention: the KV write, the block copy, the readable online-softmax reference
      and the fast torch path, and PagedAttention, the object the model calls
-  3. the engine: LLM.generate's step loop (schedule -> batch -> forward -> sample -> update)
+  3. the engine: LLM._step (schedule -> batch -> copies -> forward -> sample -> commit),
+     driven by generate, stream or step()
   4. the command line
 
 The scheduler (who runs next) lives in scheduler.py, the model in model.py, the CUDA
@@ -60,7 +61,8 @@ class BlockPool:
               valid and a later request with the same prefix can revive it; evicted in
               least-recently-used order, and only when no plain free block is left
       free    ref_count == 0, on the free list
-    so that free + cached + used == num_blocks at all times.
+    (num_used is counted as num_blocks - free - cached; the tests check that it equals the
+    number of blocks with ref_count > 0.)
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
@@ -207,7 +209,8 @@ class BlockTable:
         if n <= 0:
             return 0
         total = -(-(self.num_tokens + n) // self.pool.block_size)  # ceil division
-        return total - len(self.block_ids) + self._last_block_is_shared_and_partial()
+        cow = 1 if self._last_block_is_shared_and_partial() else 0   # copy-on-write takes a fresh block
+        return total - len(self.block_ids) + cow
 
     def slots_for(self, n: int) -> list[int]:
         """Reserve slots for n new tokens and return their physical slot ids. Allocates blocks
@@ -216,7 +219,7 @@ class BlockTable:
         new_blocks = self.pool.allocate(self.blocks_needed(n))
         if n > 0 and self._last_block_is_shared_and_partial():
             # Copy-on-write: the block we are about to append into is also someone else's.
-            # Copy its filled slots into a fresh block, point *our* table at the copy, and
+            # Copy the block into a fresh one (only its filled slots matter), point *our* table at the copy, and
             # leave the original to its other holders. Full shared blocks are never copied:
             # nobody writes into a full block.
             src, dst = self.block_ids[-1], new_blocks.pop(0)
@@ -260,6 +263,8 @@ class BlockTable:
 # Inputs of one step, over a flat batch of T query tokens from B sequences (no padding):
 #   q               (T, H, D)    queries, RoPE applied
 #   k_cache/v_cache (num_blocks, block_size, KVH, D)   one layer's cache
+#   slot_mapping    (T,) int64   the cache slot of each query token's k, v (write_kv):
+#                                block * block_size + offset
 #   block_tables    (B, max_blocks) int32   padded entries are never read
 #   seq_lens        (B,) int32   context length of each sequence, this step's tokens included
 #   query_start_loc (B+1,) int32 sequence b owns rows query_start_loc[b]:query_start_loc[b+1]
@@ -332,7 +337,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
 
 class AttentionPlan:
     """What the fast torch path derives from a step's metadata, once per step rather than
-    once per layer (the 30 layers of a step share it).
+    once per layer (every layer of the step shares it). Not the kernel's AttentionPlan in
+    kernels.cu, which cuts one call into CTAs.
 
     The fast path gathers each sequence's context from its blocks into a dense tensor and
     runs scaled_dot_product_attention on it. Decode sequences (one query each) are sorted
@@ -473,10 +479,13 @@ class PagedAttention:
 # -----------------------------------------------------------------------------
 # 3. The engine
 #
-# One step: Scheduler.schedule() picks the work and allocates its blocks -> we build one
-# flat batch (no padding) -> copy-on-write copies run -> the model's forward pass, whose
-# attention layers write K/V through slot_mapping and read them through block_tables ->
-# the logits of every sequence that reached its last token are sampled -> update().
+# One step (LLM._step): Scheduler.schedule() picks the work and allocates its blocks ->
+# _prepare builds one flat batch (no padding) -> copy-on-write copies run -> the model's
+# forward pass, whose attention layers write K/V through slot_mapping and read them
+# through block_tables -> the logits of every sequence that reached its last token are
+# sampled -> _commit records the step (Scheduler.update). The bookkeeping at both ends runs
+# under defer_ctrl_c; a step that raises in between is undone by Scheduler.rollback. The
+# block trace's lines are collected during the step and written at its end (_flush_trace).
 
 
 @dataclass
@@ -544,7 +553,8 @@ class StopStringScan:
 
 @dataclass
 class Stats:
-    """What --stats prints; LLM.generate and LLM.stream reset it, every step adds to it."""
+    """What --stats prints. generate() and stream() reset it; each step adds its counts and
+    peaks (_record_usage, _commit), each reported request its TTFT, TPOTs and prompt tokens."""
     steps: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -721,11 +731,11 @@ class LLM:
     def abort(self, request_id) -> RequestOutput:
         """Stop a request now; its blocks return to the pool at once. Returns what it had."""
         if request_id not in self.scheduler.requests and request_id in self._requests:
-            return self._request_output(request_id)   # it finished, and no step() reported it yet
+            return self._pop_request_output(request_id)   # it finished, and no step() reported it yet
         with defer_ctrl_c():
             self.scheduler.abort(request_id)
         self._flush_trace()
-        return self._request_output(request_id)
+        return self._pop_request_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Whether some request added has not been reported finished yet (by step() or abort())."""
@@ -733,7 +743,8 @@ class LLM:
 
     # --- one step ---
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that finished in it (none when idle)."""
+        """Run one engine step; return the requests finished in it, or by an earlier step that
+        raised after finishing them (none when idle)."""
         self._check_no_stream("step()")
         return self._step()
 
@@ -775,18 +786,20 @@ class LLM:
         return self._collect_finished()
 
     def _commit(self, out, sampled: dict, broken: list, start: float):
-        """Record a step that ran: its sampled tokens, the forks, the requests it finished."""
+        """Record a step that ran, all of it (the caller holds Ctrl-C): fail the rows whose
+        logits broke, hand the tokens to Scheduler.update (appends, forks, EOS and length
+        finishes), check stop strings, add the step's stats."""
         for seq in broken:   # a broken row must not take the batch down: fail its request
             self.scheduler.finish(seq, "error")
         if self.trace:
-            words = {seq: [self.tokenizer.decode([x]) for x in (t if isinstance(t, list) else [t])]
-                     for seq, t in sampled.items()}   # a list: the first tokens of a fork's samples
+            words = {seq: [self.tokenizer.decode([x]) for x in tokens]   # several: a fork's first tokens
+                     for seq, tokens in sampled.items()}
             self.trace("  sampled: " + ", ".join(f"{seq} -> {' | '.join(map(repr, w))}" for seq, w in words.items()))
         forked = self.scheduler.update(out, sampled)
         for child in forked:
             self._requests[child.request_id]["seqs"].append(child)
         self._check_stop_strings([*sampled, *forked])
-        self.stats.output_tokens += sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())
+        self.stats.output_tokens += sum(map(len, sampled.values()))
         self.stats.elapsed += time.perf_counter() - start
 
     def _prepare(self, out):
@@ -821,8 +834,8 @@ class LLM:
     def _sample(self, out, logits) -> tuple[dict, list]:
         """Pick the next token of every sequence that reached its end. Greedy rows share one
         argmax; the others are sampled one by one, each with its own generator, so a seeded
-        request gives the same tokens whatever else is in the batch. Also returns the
-        sequences whose logits are broken (NaN or inf)."""
+        request gives the same tokens whatever else is in the batch. Returns {seq: its tokens
+        (one, or n where it forks)} and the sequences whose logits are broken (NaN or inf)."""
         logits = logits.float()
         due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]
         finite = logits.sum(dim=-1).isfinite().tolist()   # any NaN or inf makes its row's sum one
@@ -839,7 +852,7 @@ class LLM:
                 probs = sampling_probs(logits[row], p)
                 tokens = [torch.multinomial(probs, 1, generator=self._generator(seq, seq.sample_index + j)).item()
                           for j in range(k)]
-            sampled[seq] = tokens if k > 1 else tokens[0]
+            sampled[seq] = tokens
         return sampled, broken
 
     def _generator(self, seq, sample_index):
@@ -849,6 +862,7 @@ class LLM:
         no sample, where seed + i would share n - 1.)"""
         if seq.params.seed is None:
             return None
+        # hash_block as a seed mixer: the seed in the parent's place, (sample, position) as tokens
         seed = hash_block(seq.params.seed, [sample_index, seq.num_output_tokens])
         return torch.Generator(self.device).manual_seed(seed)
 
@@ -886,10 +900,12 @@ class LLM:
         """The outputs of the requests that finished and were not reported yet: this step's,
         and those of a step that was interrupted after it finished them."""
         done = [rid for rid in self._requests if rid not in self.scheduler.requests]
-        return [self._request_output(rid) for rid in done]
+        return [self._pop_request_output(rid) for rid in done]
 
-    def _request_output(self, request_id) -> RequestOutput:
-        req = self._requests[request_id]   # (forgotten at the end: a decode that fails loses nothing)
+    def _pop_request_output(self, request_id) -> RequestOutput:
+        """Build a finished request's RequestOutput, add it to the stats, and forget the
+        request (once per request)."""
+        req = self._requests[request_id]   # deleted only at the end: if decoding raises, it is reported later
         seqs = sorted(req["seqs"], key=lambda q: q.sample_index)
         first = seqs[0]
         first_token = min((q.first_token_time for q in seqs if q.first_token_time), default=first.finish_time)
@@ -1027,14 +1043,16 @@ class LLM:
                 self._drop_all()
 
     def enable_trace(self, emit=print):
-        """Narrate every step: the chapter's figures, live. The lines are collected while
-        the scheduler moves blocks and emitted once it is done, so that an emitter that
-        fails (a closed pipe) cannot stop it halfway."""
+        """Narrate every step: the chapter's figures, live. The lines are collected during
+        the step and written at its end by _flush_trace (also when it raises), so that an
+        emitter that fails (a closed pipe) cannot stop the bookkeeping halfway."""
         self._trace_lines, self._emit = [], emit
         self.trace = self._trace_lines.append
-        self.pool.trace = lambda msg: self.trace("  " + msg)   # pool and scheduler events, as they happen
+        self.pool.trace = lambda msg: self.trace("  " + msg)   # pool and scheduler events, in order
 
     def _flush_trace(self):
+        """Write the lines collected since the last flush. The buffer is emptied first: if
+        the emitter raises, the rest of these lines are dropped, not written twice."""
         if self.trace:
             lines = self._trace_lines.copy()
             self._trace_lines.clear()
@@ -1044,7 +1062,7 @@ class LLM:
     def _trace_step(self, out):
         """After scheduling: what runs, and every running sequence's block table as
         logical block -> physical block [its tokens] filled/size ref_count."""
-        ran = ", ".join(f"{seq} {'prefill' if seq.num_computed_tokens < seq.num_prompt_tokens else 'decode'} "
+        ran = ", ".join(f"{seq} {'prefill' if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens else 'decode'} "
                         f"{n} token{'s' * (n > 1)}" for seq, n in zip(out.seqs, out.num_tokens))
         self.trace(f"  ran: {ran}")
         bs, pool = self.pool.block_size, self.pool
@@ -1218,8 +1236,8 @@ def main(argv=None) -> int:
                                     max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
                                     seed=args.seed)
         except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
-            field = str(e).split()[0]
-            raise ValueError(f"--{field.replace('_', '-')}{str(e)[len(field):]}") from None
+            name = str(e).split()[0]   # SamplingParams' messages start with the field's name
+            raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
         for flag, value in (("--block-size", args.block_size), ("--num-blocks", args.num_blocks)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")

@@ -6,9 +6,12 @@ is tight.
   Scheduler       FCFS continuous batching under a token budget, chunked prefill,
                   recompute preemption, prefix caching, forks for parallel sampling
 
-The scheduler is handed the BlockPool (nanopaged.py) as an object and only calls its
-methods: new_table, num_available, lookup, register, ref_count, say. It never imports the
-engine, so it can be read - and tested - without a model.
+The scheduler is handed the BlockPool (nanopaged.py) as an object and uses only its
+block_size, num_blocks, num_available, ref_count, new_table, lookup, register, say, and
+pending_copies (the copy-on-write copies its allocations recorded, which schedule() moves
+into SchedulerOutput.copies for the engine to run); of each BlockTable, slots_for,
+blocks_needed, append_cached, fork, release and block_ids. It never imports the engine, so
+it can be read - and tested - without a model.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ ROOT_HASH = 0
 
 
 def hash_block(parent_hash: int, token_ids) -> int:
+    """A block's prefix hash: sha256 of (its parent's hash, its token ids), cut to 64 bits."""
     data = parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes()
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
@@ -378,25 +382,24 @@ class Scheduler:
 
     # --- after the step ---
     def update(self, out: SchedulerOutput, sampled: dict):
-        """Record the step: the scheduled tokens are now in the cache, and sampled[seq] is
-        the token picked for each sequence that reached its end (a list of n tokens for a
-        request's first sampling with n > 1: the sequence forks). Returns the forked sequences."""
+        """Record the step: the scheduled tokens are now in the cache, and sampled[seq] lists
+        the tokens picked for each sequence that reached its end: one, or n for a request's
+        first sampling with n > 1, where the sequence forks. Returns the forked sequences."""
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.status is Status.RUNNING:
                 seq.num_computed_tokens += n
                 if self.enable_prefix_caching:
                     self._register_full_blocks(seq)
         forked = []
-        for seq, token in sampled.items():
+        for seq, tokens in sampled.items():
             if seq.status is not Status.RUNNING:
                 continue  # aborted during the step
-            if isinstance(token, list):
-                children = self.fork(seq, len(token) - 1)
-                for child, t in zip(children, token[1:]):
+            if len(tokens) > 1:
+                children = self.fork(seq, len(tokens) - 1)
+                for child, t in zip(children, tokens[1:]):
                     self._append(child, t)
                 forked += children
-                token = token[0]
-            self._append(seq, token)
+            self._append(seq, tokens[0])
         return forked
 
     def fork(self, seq: Sequence, k: int) -> list[Sequence]:

@@ -1331,7 +1331,7 @@ def run_step(sched, check=True, token=fake_token):
     for i, seq in enumerate(out.seqs):
         if out.samples[i]:
             k = seq.pending_samples
-            sampled[seq] = [token(seq)] * k if k > 1 else token(seq)
+            sampled[seq] = [token(seq)] * k
     sched.update(out, sampled)
     if check:
         tables = [s.block_table for s in (*sched.running, *sched.waiting)]
