@@ -155,6 +155,11 @@ class ModelConfig:
             if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
                 raise ModelError(f"activation_function {d['activation_function']!r} is not "
                                  f"supported (only the tanh GELU: 'gelu_new')")
+            # GPT-2 variants that change the math: refused, rather than run differently
+            for key, plain in (("tie_word_embeddings", True), ("scale_attn_weights", True),
+                               ("scale_attn_by_inverse_layer_idx", False)):
+                if d.get(key, plain) != plain:
+                    raise ModelError(f"{key} = {d[key]!r} is not supported for gpt2 (only {plain!r})")
             hidden, heads = _positive(d, "n_embd"), _positive(d, "n_head")
             if hidden % heads:
                 raise ModelError(f"n_embd {hidden} is not a multiple of n_head {heads}")

@@ -686,6 +686,10 @@ def test_llama_config_values_are_checked(change, message):
     ({"n_positions": 64.0}, "'n_positions' is 64.0"),
     ({"layer_norm_epsilon": -1e-5}, "'layer_norm_epsilon' is -1e-05"),
     ({"eos_token_id": "50256"}, "'eos_token_id' is '50256'"),
+    # variants whose math nanopaged's GPT2 does not do (HF's logits differ by up to 7)
+    ({"tie_word_embeddings": False}, "tie_word_embeddings = False is not supported for gpt2"),
+    ({"scale_attn_weights": False}, "scale_attn_weights = False is not supported"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx = True is not supported"),
 ])
 def test_gpt2_config_values_are_checked(change, message):
     with pytest.raises(ModelError, match=message):
