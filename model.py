@@ -273,7 +273,7 @@ class Tokenizer:
                  chat_template: str | None = None, dropped_from: int | None = None,
                  pattern: str | None = None, nfc: bool = False,
                  prefix_ids: list[int] = (), suffix_ids: list[int] = (),
-                 template_tokens: dict | None = None):
+                 template_tokens: dict | None = None, added_tokens: list[dict] | None = None):
         self.encoding = encoding
         self.eos_token_id = eos_token_id  # for get_tokenizer() users; the engine stops on config.eos_token_id
         self.dropped_from = dropped_from  # ids >= this stand for bytes the vocab lacks
@@ -281,8 +281,19 @@ class Tokenizer:
             self._dropped = {encoding.decode_single_token_bytes(i)[0]
                              for i in range(dropped_from, encoding.n_vocab)}
             self._pieces = regex.compile(pattern)
-            specials = sorted(encoding.special_tokens_set, key=len, reverse=True)  # longest wins
-            self._specials = regex.compile("(" + ("|".join(map(regex.escape, specials)) or "(?!)") + ")")
+        # Added tokens (<|im_start|>, ...; HF's added_tokens entries, else tiktoken's special
+        # tokens) are found in the text before BPE, as HF finds them: the longest one at the
+        # leftmost place; a single_word one only as a whole word. Then an lstrip (rstrip)
+        # one drops the whitespace on its left (right), up to the next match.
+        if added_tokens is None:
+            added_tokens = [{"content": t, "id": encoding.encode_single_token(t)}
+                            for t in encoding.special_tokens_set]
+        added_tokens = sorted(added_tokens, key=lambda t: len(t["content"]), reverse=True)
+        patterns = [rf"(?<!\w)({regex.escape(t['content'])})(?!\w)" if t.get("single_word")
+                    else f"({regex.escape(t['content'])})" for t in added_tokens]   # one group each
+        self._added = regex.compile("|".join(patterns) or "(?!)")
+        self._added_tokens = [(t["id"], bool(t.get("lstrip")), bool(t.get("rstrip")))
+                              for t in added_tokens]   # group i + 1 -> (id, lstrip, rstrip)
         self.nfc = nfc                    # Unicode NFC-normalize text first (Qwen 2)
         # What HF's post-processor puts around every encoded text: Llama 3 starts each
         # prompt with <|begin_of_text|> (its BOS), GPT-2, SmolLM2 and Qwen 2 add nothing.
@@ -293,36 +304,46 @@ class Tokenizer:
         self.template_tokens = template_tokens or {}
         self._compiled_template = None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the post-processor's tokens around them (Llama 3's BOS);
-        special tokens written in the text (<|im_start|>) count. A text that already starts
-        with the BOS (a rendered chat template writes its own) does not get a second one."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; added tokens written in the text (<|im_start|>) count. With
+        add_special_tokens, the post-processor's tokens go around them (Llama 3's BOS first),
+        but a text that already starts with the BOS gets no second one. A rendered chat
+        template is encoded without (HF and vLLM do so): the template wrote what it wants."""
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
-        ids = self.encoding.encode(text, allowed_special="all")
+        ids, start, strip_left = [], 0, False
+        for m in self._added.finditer(text):
+            token, lstrip, rstrip = self._added_tokens[m.lastindex - 1]
+            gap = text[start:m.start()]
+            gap = gap.lstrip() if strip_left else gap   # after an rstrip token
+            ids += self._encode_ordinary(gap.rstrip() if lstrip else gap)
+            ids.append(token)
+            start, strip_left = m.end(), rstrip
+        tail = text[start:]
+        ids += self._encode_ordinary(tail.lstrip() if strip_left else tail)
+        if add_special_tokens:
+            if ids[:len(self.prefix_ids)] != self.prefix_ids:
+                ids = self.prefix_ids + ids
+            ids += self.suffix_ids
+        return ids
+
+    def _encode_ordinary(self, text: str) -> list[int]:
+        """BPE of text that holds no added token."""
+        ids = self.encoding.encode_ordinary(text)
         if self.dropped_from is not None and any(i >= self.dropped_from for i in ids):
             ids = self._encode_dropping(text)  # rare: text with a byte the vocab lacks
-        before, after = self.prefix_ids, self.suffix_ids
-        if before and ids[:len(before)] != before:
-            ids = before + ids
-        if after and ids[-len(after):] != after:
-            ids = ids + after
         return ids
 
     def _encode_dropping(self, text: str) -> list[int]:
         """HF's byte-level BPE drops a byte its vocab lacks *before* merging, so the bytes on
         either side, in the same pre-token, may merge ("!\x04!" is one token, "!!"). tiktoken
-        would keep it as a symbol between them. So, slowly: split off the special tokens,
-        pre-tokenize, drop the bytes, and merge each piece."""
+        would keep it as a symbol between them. So, slowly: pre-tokenize, drop the bytes, and
+        merge each piece."""
         ids = []
-        for n, part in enumerate(self._specials.split(text)):
-            if n % 2:  # the split's captured separators are the special tokens
-                ids.append(self.encoding.encode_single_token(part))
-                continue
-            for piece in self._pieces.finditer(part):
-                kept = bytes(b for b in piece.group().encode("utf-8", "surrogatepass") if b not in self._dropped)
-                if kept:
-                    ids += self.encoding._encode_single_piece(kept)
+        for piece in self._pieces.finditer(text):
+            kept = bytes(b for b in piece.group().encode("utf-8", "surrogatepass") if b not in self._dropped)
+            if kept:
+                ids += self.encoding._encode_single_piece(kept)
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -360,7 +381,7 @@ class Tokenizer:
         messages = [{"role": "user", "content": user_text}]
         try:
             return self._compiled_template.render(messages=messages, add_generation_prompt=True,
-                                                  **self.template_tokens)
+                                                  tools=None, documents=None, **self.template_tokens)
         except Exception as e:   # the template is the model's code: any error is its own
             raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
 
@@ -462,12 +483,13 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
 
     # Added tokens (<|im_start|>, ...) are matched in the text before BPE runs: in tiktoken
     # terms, special tokens. Everything else in the vocab is a byte string with its rank.
-    special = {}
+    special, added = {}, []
     for t in tj.get("added_tokens") or []:
         if not (isinstance(t, dict) and isinstance(t.get("content"), str) and _is_id(t.get("id"))):
             raise ModelError(f"{path}: added token {t!r} lacks a string 'content' or a token 'id'")
         if t["content"]:  # HF skips an empty one (tiktoken would match it forever)
             special[t["content"]] = t["id"]
+            added.append(t)
     added_ids = set(special.values())
     vocab = bpe.get("vocab")
     if not isinstance(vocab, dict):
@@ -508,7 +530,7 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     template, template_tokens = _chat_template(model_dir)
     return bpe_tokenizer(model_dir.name, pattern, ranks, special, nfc=normalizer == "NFC",
                          eos_token_id=config.eos_token_id[0] if config.eos_token_id else None,
-                         prefix_ids=prefix_ids, suffix_ids=suffix_ids,
+                         prefix_ids=prefix_ids, suffix_ids=suffix_ids, added_tokens=added,
                          chat_template=template, template_tokens=template_tokens)
 
 

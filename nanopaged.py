@@ -1245,7 +1245,8 @@ def main(argv=None) -> int:
                   num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
                   attn_backend=args.attn_backend)
         tok = llm.get_tokenizer()
-        prompts = args.prompt if args.raw else [tok.apply_chat_template(p) for p in args.prompt]
+        prompts = args.prompt if args.raw else [tok.encode(tok.apply_chat_template(p), add_special_tokens=False)
+                                                for p in args.prompt]
         if args.trace:
             print(llm.describe_kv_cache())
             llm.enable_trace()

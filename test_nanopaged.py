@@ -799,6 +799,22 @@ def test_chat_template_not_a_string(tmp_path, template):
         load_tokenizer(path)
 
 
+def test_added_tokens_are_matched_as_hf_matches_them(tmp_path):
+    """The longest added token at the leftmost place (GPT-NeoX-style whitespace runs, one
+    token the prefix of another), single_word, lstrip and rstrip. The expected ids are HF
+    tokenizers' (0.23) for the same vocab and added tokens."""
+    added = [{"content": "<|x|>", "id": 257}, {"content": "<a>", "id": 258}, {"content": "<a><b>", "id": 259},
+             {"content": "  ", "id": 260}, {"content": "   ", "id": 261},
+             {"content": "<m>", "id": 262, "lstrip": True}, {"content": "<s>", "id": 263, "rstrip": True},
+             {"content": "cat", "id": 264, "single_word": True}]
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path, added_tokens=added))
+    x, y, z, h, i = map(ord, "xyzhi")
+    cases = {"x<a><b>y<a>": [x, 259, y, 258], "x   y  z": [x, 261, y, 260, z], "hi <m>": [h, i, 262],
+             "hi  <m>x": [h, i, 260, 262, x], "x<s>  y": [x, 263, 260, y], " cat ": [32, 264, 32],
+             "concatenate": [99, 111, 110, 99, 97, 116, 101, 110, 97, 116, 101], "a_cat": [97, 95, 99, 97, 116]}
+    assert {text: tok.encode(text) for text in cases} == cases
+
+
 BOS_FIRST = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|x|>", "type_id": 0}},
                                                       {"Sequence": {"id": "A", "type_id": 0}}],
              "special_tokens": {"<|x|>": {"id": "<|x|>", "ids": [257], "tokens": ["<|x|>"]}}}
@@ -806,15 +822,20 @@ BOS_FIRST = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<
 
 def test_post_processor_tokens_are_added_once(tmp_path):
     """Llama 3's tokenizer.json starts every text with its BOS (a TemplateProcessing
-    post-processor); a text that already starts with it (a rendered chat template) gets no
-    second one. (HF's tokenizers gives [257, 256] for "ab" with each of these.)"""
+    post-processor); a text that already starts with it gets no second one. (HF's
+    tokenizers gives [257, 256] for "ab" with each of these.)"""
     eos_last = BOS_FIRST | {"single": BOS_FIRST["single"][::-1]}
     byte_level = {"type": "ByteLevel", "trim_offsets": False}
     for n, (post_processor, ab) in enumerate([
             (None, [256]), (byte_level, [256]), (BOS_FIRST, [257, 256]), (eos_last, [256, 257]),
             ({"type": "Sequence", "processors": [byte_level, BOS_FIRST]}, [257, 256])]):
         tok = load_tokenizer(tiny_tokenizer_dir(tmp_path / str(n), post_processor=post_processor))
-        assert tok.encode("ab") == ab and tok.encode(tok.decode(ab)) == ab, post_processor
+        assert tok.encode("ab") == ab and tok.encode("ab", add_special_tokens=False) == [256], post_processor
+        if ab[0] == 257:
+            assert tok.encode(tok.decode(ab)) == ab   # no second BOS
+    assert tok.encode("<|x|>ab") == [257, 256]
+    tok = load_tokenizer(tmp_path / "3")    # EOS last: added even after one, as HF does
+    assert tok.encode("ab<|x|>") == [256, 257, 257]
 
 
 @pytest.mark.parametrize("post_processor, message", [
@@ -2176,6 +2197,11 @@ def test_cli_renders_the_models_chat_template(tmp_path, capsys):
                                  "--trace", *raw)
         table = next(line for line in out.splitlines() if line.startswith("  seq 0:"))
         assert code == 0 and err == "" and f"0->0 [{tokens}]" in table
+    # a template that writes no BOS gets none: a rendered chat is encoded as it is (as HF does)
+    (path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--trace")
+    table = next(line for line in out.splitlines() if line.startswith("  seq 0:"))
+    assert code == 0 and "0->0 [[|u|s|e|r|]|H|i" in table
     (path / "chat_template.jinja").write_text("{{ raise_exception('no system turn') }}")
     code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi")
     assert code == 2 and err == "nanopaged: error: the model's chat template failed: TemplateError: no system turn\n"
