@@ -213,7 +213,7 @@ class Scheduler:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the model's context of {self.max_model_len} tokens")
-        blocks = -(-total // self.block_size)
+        blocks = -(-total // self.block_size)  # ceil division
         if blocks > self.pool.num_blocks:
             raise ValueError(f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks, but the "
                              f"whole pool has {self.pool.num_blocks}")
@@ -278,7 +278,7 @@ class Scheduler:
             hits, hashes = self._cached_prefix(seq)
             n_cached = len(hits) * self.block_size
             n = min(seq.num_tokens - n_cached, budget)
-            need = -(-(n_cached + n) // self.block_size) - len(hits)
+            need = -(-(n_cached + n) // self.block_size) - len(hits)  # ceil division
             revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
             if need > self.pool.num_available - revived:
                 break
