@@ -667,9 +667,10 @@ class LLM:
                                    _pick_kernels(attn_backend, device, cfg, block_size, dtype))
         self.stats = Stats()
         self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
+        self._to_report: dict = {}   # ids of requests run or aborted since the last report (an ordered set)
         self._next_id = 0
         self._open_stream = None   # the request id of a stream() being read
-        self.trace = None  # collects the block trace's lines (see enable_trace), or None
+        self._trace: list[str] | None = None   # the block trace's lines of this step; None: off
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -730,12 +731,14 @@ class LLM:
 
     def abort(self, request_id) -> RequestOutput:
         """Stop a request now; its blocks return to the pool at once. Returns what it had."""
-        if request_id not in self.scheduler.requests and request_id in self._requests:
-            return self._pop_request_output(request_id)   # it finished, and no step() reported it yet
-        with defer_ctrl_c():
-            self.scheduler.abort(request_id)
-        self._flush_trace()
-        return self._pop_request_output(request_id)
+        if request_id in self.scheduler.requests or request_id not in self._requests:
+            with defer_ctrl_c():   # (else it finished, and no step() reported it yet)
+                self.scheduler.abort(request_id)
+                self._to_report[request_id] = None
+            self._flush_trace()
+        output = self._request_output(request_id)
+        self._forget(output)
+        return output
 
     def has_unfinished_requests(self) -> bool:
         """Whether some request added has not been reported finished yet (by step() or abort())."""
@@ -757,13 +760,13 @@ class LLM:
             # Ctrl-C waits for the end of it. The forward pass and sampling may stop anywhere:
             # then the step did not happen, and is rolled back.
             with defer_ctrl_c():
-                if self.trace:
-                    self.trace(f"--- step {self.stats.steps + 1} ---")
+                if self._trace is not None:
+                    self._trace.append(f"--- step {self.stats.steps + 1} ---")
                 out = self.scheduler.schedule()
                 if not out.seqs:
                     raise RuntimeError("the scheduler found nothing to run")  # cannot happen: add() checks fit
                 self._record_usage()
-                if self.trace:
+                if self._trace is not None:
                     self._trace_step(out)
             input_ids, positions, logits_indices = self._prepare(out)
             self.attn.copy_blocks(out.copies)
@@ -791,16 +794,17 @@ class LLM:
         finishes), check stop strings, add the step's stats."""
         for seq in broken:   # a broken row must not take the batch down: fail its request
             self.scheduler.finish(seq, "error")
-        if self.trace:
+        if self._trace is not None:
             words = {seq: [self.tokenizer.decode([x]) for x in tokens]   # several: a fork's first tokens
                      for seq, tokens in sampled.items()}
-            self.trace("  sampled: " + ", ".join(f"{seq} -> {' | '.join(map(repr, w))}" for seq, w in words.items()))
+            self._trace.append("  sampled: " + ", ".join(f"{seq} -> {' | '.join(map(repr, w))}" for seq, w in words.items()))
         forked = self.scheduler.update(out, sampled)
         for child in forked:
             self._requests[child.request_id]["seqs"].append(child)
         self._check_stop_strings([*sampled, *forked])
         self.stats.output_tokens += sum(map(len, sampled.values()))
         self.stats.elapsed += time.perf_counter() - start
+        self._to_report |= dict.fromkeys(seq.request_id for seq in out.seqs)   # forks share their ids
 
     def _prepare(self, out):
         """The flat batch of this step (the inputs listed in section 2): token ids, positions
@@ -899,13 +903,16 @@ class LLM:
     def _collect_finished(self) -> list[RequestOutput]:
         """The outputs of the requests that finished and were not reported yet: this step's,
         and those of a step that was interrupted after it finished them."""
-        done = [rid for rid in self._requests if rid not in self.scheduler.requests]
-        return [self._pop_request_output(rid) for rid in done]
+        done = [rid for rid in self._to_report if rid in self._requests and rid not in self.scheduler.requests]
+        outputs = [self._request_output(rid) for rid in done]   # all built first: an interrupt here loses none
+        for output in outputs:
+            self._forget(output)
+        self._to_report.clear()
+        return outputs
 
-    def _pop_request_output(self, request_id) -> RequestOutput:
-        """Build a finished request's RequestOutput, add it to the stats, and forget the
-        request (once per request)."""
-        req = self._requests[request_id]   # deleted only at the end: if decoding raises, it is reported later
+    def _request_output(self, request_id) -> RequestOutput:
+        """A finished request's RequestOutput (changes nothing)."""
+        req = self._requests[request_id]
         seqs = sorted(req["seqs"], key=lambda q: q.sample_index)
         first = seqs[0]
         first_token = min((q.first_token_time for q in seqs if q.first_token_time), default=first.finish_time)
@@ -925,14 +932,16 @@ class LLM:
         # A request that ended before its first token (aborted, or its logits broke) never
         # forked: its n samples all ended there, empty.
         outputs += [CompletionOutput(j, "", [], first.finish_reason) for j in range(len(seqs), first.params.n)]
-        self.stats.ttfts.append(ttft)
+        return RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
+                             first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time)
+
+    def _forget(self, output: RequestOutput):
+        """A reported request: counted in the stats, and forgotten (once per request)."""
+        seqs = self._requests.pop(output.request_id)["seqs"]
+        self.stats.ttfts.append(output.ttft)
         self.stats.tpots += [(q.finish_time - q.first_token_time) / (q.num_output_tokens - 1)
                              for q in seqs if q.first_token_time and q.num_output_tokens > 1]
-        self.stats.prompt_tokens += first.num_prompt_tokens
-        output = RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
-                               first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time)
-        del self._requests[request_id]
-        return output
+        self.stats.prompt_tokens += len(output.prompt_token_ids)
 
     # --- the whole loop ---
     def generate(self, prompts, sampling_params=None, progress: bool = False) -> list[RequestOutput]:
@@ -993,6 +1002,7 @@ class LLM:
                 if rid in self.scheduler.requests:
                     self.scheduler.abort(rid)
                 del self._requests[rid]
+            self._to_report.clear()
         self._flush_trace()
 
     def reset_stats(self):
@@ -1046,16 +1056,20 @@ class LLM:
         """Narrate every step: the chapter's figures, live. The lines are collected during
         the step and written at its end by _flush_trace (also when it raises), so that an
         emitter that fails (a closed pipe) cannot stop the bookkeeping halfway."""
-        self._trace_lines, self._emit = [], emit
-        self.trace = self._trace_lines.append
-        self.pool.trace = lambda msg: self.trace("  " + msg)   # pool and scheduler events, in order
+        lines = self._trace = []
+        self._emit = emit
+        self.pool.trace = lambda msg: lines.append("  " + msg)   # pool and scheduler events, in order
+
+    def disable_trace(self):
+        self._flush_trace()
+        self._trace = self.pool.trace = None
 
     def _flush_trace(self):
         """Write the lines collected since the last flush. The buffer is emptied first: if
         the emitter raises, the rest of these lines are dropped, not written twice."""
-        if self.trace:
-            lines = self._trace_lines.copy()
-            self._trace_lines.clear()
+        if self._trace:
+            lines = self._trace.copy()
+            self._trace.clear()
             for line in lines:
                 self._emit(line)
 
@@ -1064,7 +1078,7 @@ class LLM:
         logical block -> physical block [its tokens] filled/size ref_count."""
         ran = ", ".join(f"{seq} {'prefill' if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens else 'decode'} "
                         f"{n} token{'s' * (n > 1)}" for seq, n in zip(out.seqs, out.num_tokens))
-        self.trace(f"  ran: {ran}")
+        self._trace.append(f"  ran: {ran}")
         bs, pool = self.pool.block_size, self.pool
         for seq in self.scheduler.running:
             table, cells = seq.block_table, []
@@ -1072,8 +1086,8 @@ class LLM:
                 filled = min(bs, table.num_tokens - i * bs)
                 words = "|".join(_visible(self.tokenizer.decode([t])) for t in seq.token_ids[i * bs:i * bs + filled])
                 cells.append(f"{i}->{block} [{words}] {filled}/{bs} ref={pool.ref_count[block]}")
-            self.trace(f"  {seq}: " + "  ".join(cells))
-        self.trace(f"  blocks: {pool.num_free} free, {pool.num_cached} cached, {pool.num_used} used")
+            self._trace.append(f"  {seq}: " + "  ".join(cells))
+        self._trace.append(f"  blocks: {pool.num_free} free, {pool.num_cached} cached, {pool.num_used} used")
 
 
 def _visible(text: str) -> str:
@@ -1245,8 +1259,9 @@ def main(argv=None) -> int:
                   num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
                   attn_backend=args.attn_backend)
         tok = llm.get_tokenizer()
-        prompts = args.prompt if args.raw else [tok.encode(tok.apply_chat_template(p), add_special_tokens=False)
-                                                for p in args.prompt]
+        chat = tok.chat_template is not None and not args.raw
+        prompts = ([tok.encode(tok.apply_chat_template(p), add_special_tokens=False) for p in args.prompt]
+                   if chat else args.prompt)
         if args.trace:
             print(llm.describe_kv_cache())
             llm.enable_trace()

@@ -1923,6 +1923,15 @@ def test_ctrl_c_in_the_bookkeeping_waits_for_its_end(llm, monkeypatch):
         llm.add_request(prompts[0], params[0])
     monkeypatch.undo()
     assert_nothing_leaked(llm)   # the caller never got its id: it is not queued
+    # while the outputs of two requests that finished together are decoded: both come next
+    ids = [llm.add_request(p, params[0]) for p in prompts[:2]]
+    monkeypatch.setattr(llm.tokenizer, "decode", ctrl_c_on_call(2, llm.tokenizer.decode))
+    with pytest.raises(KeyboardInterrupt):
+        step_to_the_end(llm)
+    monkeypatch.undo()
+    done = step_to_the_end(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == [alone[0], alone[1][:3]]   # greedy: a prefix
+    assert_nothing_leaked(llm)
 
 
 def test_a_failing_trace_emitter_stops_no_step_halfway(llm):
@@ -1943,10 +1952,14 @@ def test_a_failing_trace_emitter_stops_no_step_halfway(llm):
         with pytest.raises(BrokenPipeError):
             step_to_the_end(llm)
         done = step_to_the_end(llm)   # the request that finished in the failed call comes now
+        ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+        llm.step()
     finally:
-        llm.trace = llm.pool.trace = None
+        llm.disable_trace()
+    done |= step_to_the_end(llm)   # the trace turned off halfway: the engine goes on
     assert [done[i].outputs[0].token_ids for i in ids] == alone
     assert_nothing_leaked(llm)
+    assert failed and llm._trace is None and llm.pool.trace is None
 
 
 def test_non_finite_logits_fail_the_stream_and_the_cli(llm, smollm2_dir, monkeypatch, capsys):
@@ -2202,6 +2215,12 @@ def test_cli_renders_the_models_chat_template(tmp_path, capsys):
     code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--trace")
     table = next(line for line in out.splitlines() if line.startswith("  seq 0:"))
     assert code == 0 and "0->0 [[|u|s|e|r|]|H|i" in table
+    # a base model (no template): the prompt as --raw gives it, BOS and all
+    (path / "chat_template.jinja").unlink()
+    (path / "tokenizer_config.json").unlink()
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--trace")
+    table = next(line for line in out.splitlines() if line.startswith("  seq 0:"))
+    assert code == 0 and "0->0 [<|x|>|H|i]" in table
     (path / "chat_template.jinja").write_text("{{ raise_exception('no system turn') }}")
     code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi")
     assert code == 2 and err == "nanopaged: error: the model's chat template failed: TemplateError: no system turn\n"
