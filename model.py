@@ -32,6 +32,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2.ext
 import jinja2.sandbox
 import numpy as np
 import regex  # tiktoken's own dependency: \p{L} and friends, as its patterns use
@@ -266,6 +267,32 @@ LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N
                   r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
+# What HF strips for an lstrip/rstrip added token: Unicode's White_Space (str.strip() would
+# also take the separators \x1c-\x1f).
+WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+
+
+def _longest_first(added_tokens: list[dict]) -> str:
+    """A regex that finds any of the added tokens, the longest at a place first, built as
+    a trie: each character narrows the candidates, so that a text full of "<" costs the
+    same with 256 tokens "<|reserved_special_token_i|>" as with one. A single_word token
+    must not touch a word character on either side."""
+    trie = {}
+    for t in added_tokens:
+        node = trie
+        for c in t["content"]:
+            node = node.setdefault(c, {})
+        node[""] = t   # a token ends here
+
+    def alternatives(node) -> str:
+        branches = [regex.escape(c) + alternatives(child) for c, child in node.items() if c]
+        if "" in node:   # tried last: a longer token through this node wins
+            token = node[""]
+            branches.append(rf"(?<!\w{regex.escape(token['content'])})(?!\w)" if token.get("single_word") else "")
+        return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+    return alternatives(trie) if trie else "(?!)"
+
+
 class Tokenizer:
     """Text <-> token ids: a tiktoken Encoding plus what the engine needs around it."""
 
@@ -288,12 +315,9 @@ class Tokenizer:
         if added_tokens is None:
             added_tokens = [{"content": t, "id": encoding.encode_single_token(t)}
                             for t in encoding.special_tokens_set]
-        added_tokens = sorted(added_tokens, key=lambda t: len(t["content"]), reverse=True)
-        patterns = [rf"(?<!\w)({regex.escape(t['content'])})(?!\w)" if t.get("single_word")
-                    else f"({regex.escape(t['content'])})" for t in added_tokens]   # one group each
-        self._added = regex.compile("|".join(patterns) or "(?!)")
-        self._added_tokens = [(t["id"], bool(t.get("lstrip")), bool(t.get("rstrip")))
-                              for t in added_tokens]   # group i + 1 -> (id, lstrip, rstrip)
+        self._added = regex.compile(_longest_first(added_tokens))
+        self._added_tokens = {t["content"]: (t["id"], bool(t.get("lstrip")), bool(t.get("rstrip")))
+                              for t in added_tokens}   # content -> (id, lstrip, rstrip)
         self.nfc = nfc                    # Unicode NFC-normalize text first (Qwen 2)
         # What HF's post-processor puts around every encoded text: Llama 3 starts each
         # prompt with <|begin_of_text|> (its BOS), GPT-2, SmolLM2 and Qwen 2 add nothing.
@@ -313,14 +337,14 @@ class Tokenizer:
             text = unicodedata.normalize("NFC", text)
         ids, start, strip_left = [], 0, False
         for m in self._added.finditer(text):
-            token, lstrip, rstrip = self._added_tokens[m.lastindex - 1]
+            token, lstrip, rstrip = self._added_tokens[m.group()]
             gap = text[start:m.start()]
-            gap = gap.lstrip() if strip_left else gap   # after an rstrip token
-            ids += self._encode_ordinary(gap.rstrip() if lstrip else gap)
+            gap = gap.lstrip(WHITE_SPACE) if strip_left else gap   # after an rstrip token
+            ids += self._encode_ordinary(gap.rstrip(WHITE_SPACE) if lstrip else gap)
             ids.append(token)
             start, strip_left = m.end(), rstrip
         tail = text[start:]
-        ids += self._encode_ordinary(tail.lstrip() if strip_left else tail)
+        ids += self._encode_ordinary(tail.lstrip(WHITE_SPACE) if strip_left else tail)
         if add_special_tokens:
             if ids[:len(self.prefix_ids)] != self.prefix_ids:
                 ids = self.prefix_ids + ids
@@ -386,10 +410,21 @@ class Tokenizer:
             raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %}: transformers marks the assistant's text with it
+    (for training masks); rendering passes the text through."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _compile_chat_template(template: str):
     """A chat template compiled as transformers compiles it (so that it renders the same
     text): Jinja in a sandbox, blocks trimmed, {% break %} and {% continue %} allowed, and
-    the helpers templates call: raise_exception(), strftime_now(), an unescaped tojson."""
+    the helpers templates call: raise_exception(), strftime_now(), an unescaped tojson, and
+    the {% generation %} tag."""
     def raise_exception(message):
         raise jinja2.TemplateError(message)
 
@@ -397,7 +432,7 @@ def _compile_chat_template(template: str):
         return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=["jinja2.ext.loopcontrols"])
+                                                       extensions=["jinja2.ext.loopcontrols", _GenerationTag])
     env.filters["tojson"] = tojson
     env.globals |= {"raise_exception": raise_exception,
                     "strftime_now": lambda fmt: datetime.datetime.now().strftime(fmt)}

@@ -811,7 +811,8 @@ def test_added_tokens_are_matched_as_hf_matches_them(tmp_path):
     x, y, z, h, i = map(ord, "xyzhi")
     cases = {"x<a><b>y<a>": [x, 259, y, 258], "x   y  z": [x, 261, y, 260, z], "hi <m>": [h, i, 262],
              "hi  <m>x": [h, i, 260, 262, x], "x<s>  y": [x, 263, 260, y], " cat ": [32, 264, 32],
-             "concatenate": [99, 111, 110, 99, 97, 116, 101, 110, 97, 116, 101], "a_cat": [97, 95, 99, 97, 116]}
+             "concatenate": [99, 111, 110, 99, 97, 116, 101, 110, 97, 116, 101], "a_cat": [97, 95, 99, 97, 116],
+             "a\x1c<m>\x1fb": [97, 28, 262, 31, 98]}   # \x1c, \x1f: no White_Space, so not stripped
     assert {text: tok.encode(text) for text in cases} == cases
 
 
@@ -891,8 +892,9 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path):
                     '\n\nHi <b><|eot_id|>\n{"meta": "<&>", "n": 1}\n<|start_header_id|>assistant'
                     "<|end_header_id|>\n\n")
     assert tok.encode(text).count(257) == 1   # the template's BOS, not a second one
-    # chat_template.jinja (newer transformers) wins over tokenizer_config.json's
-    (path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    # chat_template.jinja (newer transformers) wins over tokenizer_config.json's; transformers'
+    # {% generation %} tag renders its text
+    (path / "chat_template.jinja").write_text("{% generation %}{{ messages[0]['content'] }}{% endgeneration %}!")
     assert load_tokenizer(path).apply_chat_template("Hi") == "Hi!"
 
 
