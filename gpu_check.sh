@@ -21,12 +21,20 @@ TEST_FILTER="cuda and not nvcc_check"       # the GPU tests (kernel and engine);
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET:-540}
 STEPS=" ${GPU_CHECK_STEPS:-tests benchmark sanitizer} "
+for name in $STEPS; do
+    case $name in tests|benchmark|sanitizer) ;;
+        *) echo "gpu_check: unknown step '$name' in GPU_CHECK_STEPS (steps: tests benchmark sanitizer)"; exit 2 ;;
+    esac
+done
 
+# PYTHON as an absolute path, before the cd below (and torch runs ninja, found on PATH next
+# to this python, from its build directory)
+found=$(command -v "$PYTHON") || { echo "gpu_check: no python at PYTHON=$PYTHON"; exit 2; }
+PYTHON="$(cd "$(dirname "$found")" && pwd)/$(basename "$found")"
+PATH="$(dirname "$PYTHON"):$PATH"
 cd "$(dirname "$0")"
 # The nvcc on PATH may be a wrapper script; torch finds the toolkit through CUDA_HOME.
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-# torch finds ninja on PATH: the one next to this python, in a virtual environment too.
-PATH="$(dirname "$(command -v "$PYTHON")"):$PATH"
 KERNEL_CACHE="${NANOPAGED_CACHE:-$HOME/.cache/nanopaged}/kernels"
 
 failed=()
@@ -72,6 +80,7 @@ check() {
     "$CUDA_HOME/bin/nvcc" --version | tail -n 2
     "$PYTHON" -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__,
                                          "| CUDA", torch.version.cuda, "| ninja:", __import__("shutil").which("ninja"))'
+    rm -f "$KERNEL_CACHE/lock"   # (see below)
     step "build" 300 "$PYTHON" build_ext.py --build
     if [[ " ${failed[*]} " == *" build "* ]] && [ -f "$KERNEL_CACHE/build.log" ]; then
         tail -n 80 "$KERNEL_CACHE/build.log"   # the whole compiler output: this machine is gone after
