@@ -518,13 +518,12 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
 
     # Added tokens (<|im_start|>, ...) are matched in the text before BPE runs: in tiktoken
     # terms, special tokens. Everything else in the vocab is a byte string with its rank.
-    special, added = {}, []
-    for t in tj.get("added_tokens") or []:
+    added = tj.get("added_tokens") or []
+    for t in added:
         if not (isinstance(t, dict) and isinstance(t.get("content"), str) and _is_id(t.get("id"))):
             raise ModelError(f"{path}: added token {t!r} lacks a string 'content' or a token 'id'")
-        if t["content"]:  # HF skips an empty one (tiktoken would match it forever)
-            special[t["content"]] = t["id"]
-            added.append(t)
+    added = [t for t in added if t["content"]]   # HF skips an empty one (tiktoken would match it forever)
+    special = {t["content"]: t["id"] for t in added}
     added_ids = set(special.values())
     vocab = bpe.get("vocab")
     if not isinstance(vocab, dict):
