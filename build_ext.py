@@ -18,8 +18,11 @@ result under ~/.cache/nanopaged/kernels (or $NANOPAGED_CACHE/kernels); it
 rebuilds only when a source or flag changes.
 
     python build_ext.py --check   # nvcc-only compile for sm_80 and sm_90, warnings
-                                  # as errors, a registers/smem/spills table; works
-                                  # without a GPU or a CUDA torch (CI runs it)
+                                  # as errors, a registers/smem/spills table; then the
+                                  # binding: under a CUDA build of torch the real
+                                  # extension is built, linked and imported, else the
+                                  # binding is syntax-checked. No GPU needed (CI runs
+                                  # it under both torch builds)
     python build_ext.py --build   # build and load the extension, timed
 
 load_kernels(emulate=True) builds the same kernels.cu and binding for the CPU
@@ -617,21 +620,30 @@ def first_error(log: str) -> str:
     return (lines[-1] if lines else "no output")[:300]
 
 
+def gencode_flags(archs) -> list[str]:
+    """nvcc flags that compile machine code for exactly these archs ("80", "90", ...)."""
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+
+
 def write_if_changed(path: Path, text: str) -> None:
     """Rewrite a generated source only when it changed (the build cache goes by it)."""
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
 
 
-def _build(emulate: bool):
-    """Compile and import the extension; raise KernelsUnavailable with the reason."""
+def _build(emulate: bool, archs: tuple[str, ...] | None = None, out: Path | None = None):
+    """Compile and import the extension; raise KernelsUnavailable with the reason.
+
+    archs: compile the real extension for these GPU archs instead of the visible GPU's,
+    which then need not exist (--check does, under a CUDA build of torch); out: the
+    build directory, instead of the cache."""
     try:
         import torch
     except ImportError:
         raise KernelsUnavailable("torch is not installed") from None
     if not emulate and torch.version.cuda is None:
         raise KernelsUnavailable(f"torch {torch.__version__} was built without CUDA")
-    if not emulate and not torch.cuda.is_available():
+    if not emulate and archs is None and not torch.cuda.is_available():
         raise KernelsUnavailable("no CUDA GPU is visible to torch")
     home = find_cuda_home()  # the emulator needs only its headers (cuda_fp16.h, ...)
     if home is None:
@@ -644,7 +656,7 @@ def _build(emulate: bool):
     if not cpp_extension.is_ninja_available():
         raise KernelsUnavailable("ninja is not installed (pip install ninja): torch needs it to build")
 
-    out = build_dir() / "emulated" if emulate else build_dir()
+    out = out or (build_dir() / "emulated" if emulate else build_dir())
     out.mkdir(parents=True, exist_ok=True)
     binding = out / "binding.cpp"
     write_if_changed(binding, BINDING)
@@ -659,10 +671,10 @@ def _build(emulate: bool):
         # Compile for this GPU only. An arch flag of our own makes torch add none of its own,
         # whatever TORCH_CUDA_ARCH_LIST the machine sets (a list of five archs builds five
         # times; one this nvcc dropped fails).
-        arch = "".join(map(str, torch.cuda.get_device_capability()))
+        archs = archs or ("".join(map(str, torch.cuda.get_device_capability())),)
         kernels = KERNELS
         options = dict(name="nanopaged_kernels", extra_include_paths=[str(HERE)], extra_cflags=["-O3"],
-                       extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
+                       extra_cuda_cflags=["-O3", *gencode_flags(archs)])
     try:
         return cpp_extension.load(sources=[str(binding), str(kernels)], build_directory=str(out),
                                   verbose=False, **options)
@@ -760,16 +772,38 @@ def check_binding_syntax(nvcc_home: str) -> str:
     return "ok (g++ -fsyntax-only against torch's headers)"
 
 
+def check_binding(nvcc_home: str, archs=CHECK_ARCHS) -> str:
+    """Under a CUDA build of torch, build and link the real extension (no GPU needed) and
+    import it; otherwise only the syntax check."""
+    try:
+        import torch
+    except ImportError:
+        return "skipped (torch not importable)"
+    if torch.version.cuda is None:
+        return check_binding_syntax(nvcc_home)
+    start = time.perf_counter()
+    ops = _build(False, archs=archs, out=build_dir() / "check")
+    # Its ops are registered and the binding's checks run: a CPU tensor is refused by name.
+    try:
+        ops.copy_blocks(torch.zeros(2, 4), torch.zeros(1, 2, dtype=torch.int64))
+    except ValueError as e:
+        if "must be a CUDA tensor" not in str(e):
+            raise KernelsUnavailable(f"the built extension refused a CPU tensor with: {e}") from None
+    else:
+        raise KernelsUnavailable("the built extension accepted a CPU tensor")
+    return (f"built and linked against torch {torch.__version__} for {'/'.join(f'sm_{a}' for a in archs)} "
+            f"in {time.perf_counter() - start:.0f} s, imported, refuses a CPU tensor")
+
+
 def check(archs=CHECK_ARCHS) -> int:
     home = find_cuda_home()
     if home is None:
         print("build_ext --check: nvcc not found (set CUDA_HOME)", file=sys.stderr)
         return 1
     nvcc = str(Path(home) / "bin" / "nvcc")
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [nvcc, "-c", str(KERNELS), "-o", str(Path(tmp) / "kernels.o"), "-std=c++17", "-O3",
-               *gencode, *TORCH_NVCC_DEFINES, "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra",
+               *gencode_flags(archs), *TORCH_NVCC_DEFINES, "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra",
                "-Xptxas", "-v"]
         start = time.perf_counter()
         run = subprocess.run(cmd, capture_output=True, text=True)
@@ -804,7 +838,7 @@ def check(archs=CHECK_ARCHS) -> int:
         print(f"build_ext --check: register spills in {', '.join(spilled)}", file=sys.stderr)
         return 1
     try:
-        print(f"C++ binding: {check_binding_syntax(home)}")
+        print(f"C++ binding: {check_binding(home, archs)}")
     except KernelsUnavailable as e:
         print(f"build_ext --check: {e}", file=sys.stderr)
         return 1
