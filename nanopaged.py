@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import copy
 import math
 import numbers
 import os
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -593,13 +594,13 @@ def defer_ctrl_c():
     KeyboardInterrupt between any two bytecodes; in the middle of moving a sequence between
     queues or a block between owners, it would leave a sequence in no queue or a block
     owned by nobody. (Signals reach the main thread only: elsewhere nothing to hold.)"""
+    held = []   # what the block sees (`as held`): non-empty once a Ctrl-C is being held
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield   # (None: a handler installed outside Python, which we could not put back)
+        yield held   # (None: a handler installed outside Python, which we could not put back)
         return
-    held = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
-        yield
+        yield held
     finally:
         signal.signal(signal.SIGINT, previous)
         if held:
@@ -667,7 +668,7 @@ class LLM:
                                    _pick_kernels(attn_backend, device, cfg, block_size, dtype))
         self.stats = Stats()
         self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
-        self._to_report: dict = {}   # ids of requests run or aborted since the last report (an ordered set)
+        self._to_report: dict = {}   # ids of requests run or aborted and not reported yet (an ordered set)
         self._next_id = 0
         self._open_stream = None   # the request id of a stream() being read
         self._trace: list[str] | None = None   # the block trace's lines of this step; None: off
@@ -693,6 +694,9 @@ class LLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        # The request's own copy, checked again: the caller may change its object after this
+        # (or did since making it), and may reuse it for the next request (vLLM copies too).
+        params = replace(copy.deepcopy(params))
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -716,6 +720,8 @@ class LLM:
                 hash(request_id)
             except TypeError:
                 raise ValueError(f"a request id must be hashable, got {type(request_id).__name__}") from None
+            if request_id in self._requests:   # (the scheduler knows only the unfinished ones)
+                raise ValueError(f"request id {request_id!r} is already in use (by a request not reported yet)")
         seq = None
         try:
             with defer_ctrl_c():   # queued in the scheduler means known here
@@ -737,7 +743,7 @@ class LLM:
                 self._to_report[request_id] = None
             self._flush_trace()
         output = self._request_output(request_id)
-        self._forget(output)
+        self._hand_back([output])
         return output
 
     def has_unfinished_requests(self) -> bool:
@@ -903,11 +909,9 @@ class LLM:
     def _collect_finished(self) -> list[RequestOutput]:
         """The outputs of the requests that finished and were not reported yet: this step's,
         and those of a step that was interrupted after it finished them."""
-        done = [rid for rid in self._to_report if rid in self._requests and rid not in self.scheduler.requests]
+        done = [rid for rid in self._to_report if rid not in self.scheduler.requests]
         outputs = [self._request_output(rid) for rid in done]   # all built first: an interrupt here loses none
-        for output in outputs:
-            self._forget(output)
-        self._to_report.clear()
+        self._hand_back(outputs)
         return outputs
 
     def _request_output(self, request_id) -> RequestOutput:
@@ -935,13 +939,27 @@ class LLM:
         return RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
                              first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time)
 
-    def _forget(self, output: RequestOutput):
-        """A reported request: counted in the stats, and forgotten (once per request)."""
-        seqs = self._requests.pop(output.request_id)["seqs"]
-        self.stats.ttfts.append(output.ttft)
-        self.stats.tpots += [(q.finish_time - q.first_token_time) / (q.num_output_tokens - 1)
-                             for q in seqs if q.first_token_time and q.num_output_tokens > 1]
-        self.stats.prompt_tokens += len(output.prompt_token_ids)
+    def _hand_back(self, outputs: list[RequestOutput]):
+        """Requests about to be returned: counted in the stats and forgotten, all or none. A
+        Ctrl-C halfway would lose the forgotten ones' outputs, which the caller never gets:
+        so it is held, everything is put back, and the next step() returns them. (One in the
+        few bytecodes between this and the caller's hands can still lose them.)"""
+        s = self.stats
+        with defer_ctrl_c() as held:
+            before = len(s.ttfts), len(s.tpots), s.prompt_tokens
+            forgotten = {}
+            for output in outputs:
+                forgotten[output.request_id] = req = self._requests.pop(output.request_id)
+                del self._to_report[output.request_id]
+                s.ttfts.append(output.ttft)
+                s.tpots += [(q.finish_time - q.first_token_time) / (q.num_output_tokens - 1)
+                            for q in req["seqs"] if q.first_token_time and q.num_output_tokens > 1]
+                s.prompt_tokens += len(output.prompt_token_ids)
+            if held:
+                self._requests |= forgotten
+                self._to_report |= dict.fromkeys(forgotten)
+                del s.ttfts[before[0]:], s.tpots[before[1]:]
+                s.prompt_tokens = before[2]
 
     # --- the whole loop ---
     def generate(self, prompts, sampling_params=None, progress: bool = False) -> list[RequestOutput]:

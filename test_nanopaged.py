@@ -1934,6 +1934,36 @@ def test_ctrl_c_in_the_bookkeeping_waits_for_its_end(llm, monkeypatch):
     done = step_to_the_end(llm)
     assert [done[i].outputs[0].token_ids for i in ids] == [alone[0], alone[1][:3]]   # greedy: a prefix
     assert_nothing_leaked(llm)
+    # ... and while they are handed back, after the first was counted and forgotten: both
+    # are put back, come next, and are counted once
+    ids = [llm.add_request(p, params[0]) for p in prompts[:2]]
+    llm.reset_stats()
+    llm.stats.ttfts = type("Ttfts", (list,), {"append": ctrl_c_on_call(2, list.append)})()
+    with pytest.raises(KeyboardInterrupt):
+        step_to_the_end(llm)
+    done = step_to_the_end(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == [alone[0], alone[1][:3]]
+    assert len(llm.stats.ttfts) == 2
+    assert llm.stats.prompt_tokens == sum(len(done[i].prompt_token_ids) for i in ids)
+    assert_nothing_leaked(llm)
+
+
+def test_a_request_keeps_its_own_copy_of_the_sampling_params(llm):
+    """The caller may change or reuse its SamplingParams once a request is added (the
+    request keeps a copy, as in vLLM); a value made bad since construction is refused."""
+    first_token = llm.generate(SYSTEM + "Say hi.", greedy(1))[0].outputs[0].token_ids[0]
+    params = greedy(3, ignore_eos=True, stop_token_ids=[])
+    first = llm.add_request(SYSTEM + "Say hi.", params)
+    params.max_tokens = 5
+    params.stop_token_ids.append(first_token)
+    second = llm.add_request(SYSTEM + "Say hi.", params)
+    done = step_to_the_end(llm)
+    assert len(done[first].outputs[0].token_ids) == 3 and done[first].outputs[0].finish_reason == "length"
+    assert len(done[second].outputs[0].token_ids) == 1 and done[second].outputs[0].finish_reason == "stop"
+    params.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        llm.add_request(SYSTEM + "Say hi.", params)
+    assert_nothing_leaked(llm)
 
 
 def test_a_failing_trace_emitter_stops_no_step_halfway(llm):
@@ -1953,6 +1983,8 @@ def test_a_failing_trace_emitter_stops_no_step_halfway(llm):
         ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
         with pytest.raises(BrokenPipeError):
             step_to_the_end(llm)
+        with pytest.raises(ValueError, match="already in use"):   # it finished, but was not reported
+            llm.add_request(prompts[1], params[1], request_id=ids[0])
         done = step_to_the_end(llm)   # the request that finished in the failed call comes now
         ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
         llm.step()
