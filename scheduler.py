@@ -196,7 +196,6 @@ class Scheduler:
         self.next_arrival = 0
         # counters for the engine's metrics
         self.num_preemptions = 0
-        self.prefix_hit_blocks = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -247,7 +246,7 @@ class Scheduler:
             del self.requests[seq.request_id]
 
     def reset_counters(self):
-        self.num_preemptions = self.prefix_hit_blocks = self.prefix_hit_tokens = self.prefix_query_tokens = 0
+        self.num_preemptions = self.prefix_hit_tokens = self.prefix_query_tokens = 0
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -353,7 +352,6 @@ class Scheduler:
         if self.enable_prefix_caching and seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.prefix_query_tokens += seq.num_tokens
-            self.prefix_hit_blocks += len(hits)
             self.prefix_hit_tokens += seq.num_cached_tokens
         if hits:
             self.pool.say(f"prefix-cache hit for {seq}: blocks {hits} "

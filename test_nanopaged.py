@@ -1408,7 +1408,7 @@ def test_scheduler_randomized_workloads_keep_every_invariant():
                 run_step(sched)
             steps += 1
             assert steps < 20_000
-        assert sched.num_preemptions > 0 and sched.prefix_hit_blocks > 0   # the workload bit
+        assert sched.num_preemptions > 0 and sched.prefix_hit_tokens > 0   # the workload bit
         assert sched.pool.num_used == 0 and sched.pool.pending_copies == []
         assert not sched.requests
 
@@ -1489,20 +1489,20 @@ def test_prefix_cache_hits_and_block_ids():
     sched.add("first", shared + [30, 31], SamplingParams(max_tokens=1, ignore_eos=True))
     run_all(sched)
     first_blocks = sched.pool.cached_blocks.copy()
-    assert sched.prefix_hit_blocks == 0 and len(first_blocks) == 3     # 14 prompt tokens: 3 full blocks
+    assert sched.prefix_hit_tokens == 0 and len(first_blocks) == 3     # 14 prompt tokens: 3 full blocks
     assert sched.pool.num_cached == 3
     second = sched.add("second", shared + [40, 41, 42], SamplingParams(max_tokens=2, ignore_eos=True))
     out = run_step(sched)
     assert second.block_table.block_ids[:3] == list(first_blocks.values())
     assert out.num_tokens == [3] and second.num_cached_tokens == 12      # only the new part computed
-    assert sched.prefix_hit_blocks == 3 and sched.prefix_hit_tokens == 12
+    assert sched.prefix_hit_tokens == 12
     run_all(sched)
     # a prompt that is entirely cached still computes its last token (and so has logits):
     # its last full block is recomputed rather than reused
     again = sched.add("again", shared, SamplingParams(max_tokens=1, ignore_eos=True))
     out = run_step(sched)
     assert out.num_tokens == [4] and again.num_cached_tokens == 8 and again.num_output_tokens == 1
-    assert sched.prefix_hit_blocks == 5
+    assert sched.prefix_hit_tokens == 12 + 8
 
 
 def test_prefix_cache_eviction_is_lru_and_collisions_are_caught(monkeypatch):
@@ -1525,7 +1525,7 @@ def test_prefix_cache_eviction_is_lru_and_collisions_are_caught(monkeypatch):
     assert sched2.pool.num_cached == 1                     # x's full block [5, 6], "hash 42"
     y = sched2.add("y", [8, 9, 7], SamplingParams(max_tokens=1, ignore_eos=True))
     run_step(sched2)
-    assert sched2.prefix_hit_blocks == 0 and y.num_cached_tokens == 0
+    assert sched2.prefix_hit_tokens == 0 and y.num_cached_tokens == 0
 
 
 def test_prefix_caching_off_registers_nothing():
@@ -1533,7 +1533,7 @@ def test_prefix_caching_off_registers_nothing():
     for i in range(2):
         sched.add(i, list(range(2, 20)), SamplingParams(max_tokens=2, ignore_eos=True))
         run_all(sched)
-    assert sched.prefix_hit_blocks == 0 and sched.pool.num_cached == 0 and sched.pool.num_free == 16
+    assert sched.prefix_hit_tokens == 0 and sched.pool.num_cached == 0 and sched.pool.num_free == 16
 
 
 def test_fork_shares_the_prompt_then_diverges_by_copy_on_write():
