@@ -333,6 +333,12 @@ class Tokenizer:
         add_special_tokens, the post-processor's tokens go around them (Llama 3's BOS first),
         but a text that already starts with the BOS gets no second one. A rendered chat
         template is encoded without (HF and vLLM do so): the template wrote what it wants."""
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:   # surrogates, which no UTF-8 holds (HF refuses them):
+                # a pair becomes its character, a lone one U+FFFD, everywhere, as tiktoken does
+                text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
         ids, start, strip_left = [], 0, False
@@ -365,7 +371,7 @@ class Tokenizer:
         merge each piece."""
         ids = []
         for piece in self._pieces.finditer(text):
-            kept = bytes(b for b in piece.group().encode("utf-8", "surrogatepass") if b not in self._dropped)
+            kept = bytes(b for b in piece.group().encode("utf-8") if b not in self._dropped)
             if kept:
                 ids += self.encoding._encode_single_piece(kept)
         return ids

@@ -78,7 +78,8 @@ class BlockPool:
         try:
             self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        except RuntimeError as e:   # out of memory (torch.OutOfMemoryError is a RuntimeError)
+        except (RuntimeError, TypeError) as e:   # out of memory (torch.OutOfMemoryError is a
+            # RuntimeError), or a size past int64 (torch says TypeError: "Overflow when unpacking")
             size = 2 * num_layers * math.prod(shape) * dtype.itemsize
             raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks ({size / 2**30:.1f} GiB) "
                              f"on {device}: {str(e).splitlines()[0]}") from None
@@ -1065,6 +1066,10 @@ class LLM:
                 if cut:
                     yield held[:cut]
                     shown, held = shown + cut, held[cut:]
+            # aborted (between two pieces): no stop string came, so what it held back is the
+            # rest of its text, and a character cut short shows as U+FFFD, as in abort()'s output
+            if rest := held + detokenizer.utf8.decode(b"", final=True):
+                yield rest
         finally:   # the caller stopped reading early, or a step raised: free its blocks
             with defer_ctrl_c():
                 self._open_stream = None
@@ -1147,13 +1152,14 @@ def _parse_device(device) -> torch.device:
 
 
 def _parse_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
-    return names[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in names.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in names:
+        return names[dtype]
+    raise ValueError(f"unsupported dtype {dtype!r}: use one of {', '.join(names)}, or torch.float32, "
+                     "torch.bfloat16, torch.float16")
 
 
 def _default_kv_cache_memory(device) -> int:

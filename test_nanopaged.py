@@ -363,6 +363,11 @@ DROPPED_BYTE_CASES = {
 def test_smollm2_drops_missing_bytes_before_merging(smollm2_tokenizer):
     got = {text: smollm2_tokenizer.encode(text) for text in DROPPED_BYTE_CASES}
     assert got == DROPPED_BYTE_CASES
+    # surrogates (HF refuses them): a lone one is U+FFFD, a pair its character, with or
+    # without a dropped byte beside them
+    encode = smollm2_tokenizer.encode
+    assert encode("a\ud800b") == encode("a\x16\ud800b") == encode("a\ufffdb")
+    assert encode("\ud83d\ude00") == encode("\x16\ud83d\ude00") == encode("\U0001f600")
 
 
 def test_gpt2_tokenizer_cases(tmp_path):
@@ -1831,6 +1836,11 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
         LLM(smollm2_dir, enable_prefix_caching="no")
     with pytest.raises(ValueError, match=r"1000 bytes holds no block of .* use a smaller block_size"):
         LLM(smollm2_dir, kv_cache_memory=1000)
+    for dtype in (torch.float64, torch.int8, "float64", ["bf16"]):   # (a float64 model ran, an int8 one crashed)
+        with pytest.raises(ValueError, match=f"unsupported dtype {re.escape(repr(dtype))}: use one of float32"):
+            LLM(smollm2_dir, dtype=dtype)
+    with pytest.raises(ValueError, match="cannot allocate a KV cache of 2 blocks"):   # past int64
+        LLM(smollm2_dir, num_blocks=2, block_size=2**62)
 
 
 def interrupted_on_call(n, fn):
@@ -2091,6 +2101,14 @@ def test_stop_strings_and_stop_token_ids(llm):
     last = next(k for k in range(1, 41) if "metropolis" in tok.decode(full.token_ids[:k]))
     out = llm.generate(GOLDEN[2]["prompt_ids"], greedy(last, stop="metropolis"))[0].outputs[0]
     assert out.finish_reason == "stop" and out.text == full.text[:full.text.index("metropolis")]
+    # the stream's own request aborted between two pieces: the text held back comes out too
+    pieces = []
+    for piece in llm.stream(GOLDEN[2]["prompt_ids"], greedy(40, stop="not in this text")):
+        pieces.append(piece)
+        if len(pieces) == 3:
+            aborted = llm.abort(llm._open_stream).outputs[0]
+    assert aborted.finish_reason == "abort" and "".join(pieces) == aborted.text
+    assert_nothing_leaked(llm)
 
 
 def test_incremental_text_matches_decoding_the_whole_output():
@@ -2186,7 +2204,7 @@ def test_cli_help_shows_examples(capsys):
     ([], "give at least one --prompt"),
     (["--prompt", "hi", "--top-p", "2"], "--top-p must be a number in (0, 1], got 2.0"),
     (["--prompt", "hi", "--stop", ""], "--stop must be a non-empty string"),
-    (["--prompt", "hi", "--dtype", "float8"], "unknown dtype"),
+    (["--prompt", "hi", "--dtype", "float8"], "unsupported dtype 'float8'"),
     (["--prompt", "hi", "--device", "gpu"], "unknown device"),
     (["--prompt", "hi", "--block-size", "0"], "--block-size"),
     (["--prompt", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'"),      # argparse's own
