@@ -956,7 +956,7 @@ class LLM:
                 s.tpots += [(q.finish_time - q.first_token_time) / (q.num_output_tokens - 1)
                             for q in req["seqs"] if q.first_token_time and q.num_output_tokens > 1]
                 s.prompt_tokens += len(output.prompt_token_ids)
-            if held:
+            if held:   # the caller will not get them: all back, for the next step() to return
                 self._requests |= forgotten
                 self._to_report |= dict.fromkeys(forgotten)
                 del s.ttfts[before[0]:], s.tpots[before[1]:]
