@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -697,7 +697,8 @@ class LLM:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         # The request's own copy, checked again: the caller may change its object after this
         # (or did since making it), and may reuse it for the next request (vLLM copies too).
-        params = replace(copy.deepcopy(params))
+        params = copy.deepcopy(params)
+        params.__post_init__()
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -799,6 +800,8 @@ class LLM:
         """Record a step that ran, all of it (the caller holds Ctrl-C): fail the rows whose
         logits broke, hand the tokens to Scheduler.update (appends, forks, EOS and length
         finishes), check stop strings, add the step's stats."""
+        # first: should a line below raise (a bug), what the step finished is still reported
+        self._to_report |= dict.fromkeys(seq.request_id for seq in out.seqs)   # forks share their ids
         for seq in broken:   # a broken row must not take the batch down: fail its request
             self.scheduler.finish(seq, "error")
         if self._trace is not None:
@@ -811,7 +814,6 @@ class LLM:
         self._check_stop_strings([*sampled, *forked])
         self.stats.output_tokens += sum(map(len, sampled.values()))
         self.stats.elapsed += time.perf_counter() - start
-        self._to_report |= dict.fromkeys(seq.request_id for seq in out.seqs)   # forks share their ids
 
     def _prepare(self, out):
         """The flat batch of this step (the inputs listed in section 2): token ids, positions
@@ -945,13 +947,15 @@ class LLM:
         Ctrl-C halfway would lose the forgotten ones' outputs, which the caller never gets:
         so it is held, everything is put back, and the next step() returns them. (One in the
         few bytecodes between this and the caller's hands can still lose them.)"""
+        if not outputs:
+            return   # (most decode steps finish nothing)
         s = self.stats
         with defer_ctrl_c() as held:
             before = len(s.ttfts), len(s.tpots), s.prompt_tokens
             forgotten = {}
             for output in outputs:
                 forgotten[output.request_id] = req = self._requests.pop(output.request_id)
-                del self._to_report[output.request_id]
+                self._to_report.pop(output.request_id, None)
                 s.ttfts.append(output.ttft)
                 s.tpots += [(q.finish_time - q.first_token_time) / (q.num_output_tokens - 1)
                             for q in req["seqs"] if q.first_token_time and q.num_output_tokens > 1]

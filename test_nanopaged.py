@@ -1900,6 +1900,18 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     done = step_to_the_end(llm)
     assert [done[i].outputs[0].token_ids for i in ids] == clean
     assert_nothing_leaked(llm)
+    # a step that raises in its bookkeeping after it finished a request (a bug, say): the
+    # request is still reported, by the next step()
+
+    def bug(*args):
+        raise RuntimeError("a bug in the bookkeeping")
+    rid = llm.add_request(prompts[2], greedy(1))
+    monkeypatch.setattr(llm, "_check_stop_strings", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        llm.step()
+    monkeypatch.undo()
+    assert [o.request_id for o in llm.step()] == [rid]
+    assert_nothing_leaked(llm)
 
 
 def ctrl_c_on_call(n, fn):
@@ -1974,6 +1986,11 @@ def test_a_request_keeps_its_own_copy_of_the_sampling_params(llm):
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
         llm.add_request(SYSTEM + "Say hi.", params)
     assert_nothing_leaked(llm)
+
+    class Greedy(SamplingParams):   # a subclass with an __init__ of its own is copied as it is
+        def __init__(self, max_tokens):
+            super().__init__(temperature=0, max_tokens=max_tokens)
+    assert len(llm.generate(SYSTEM + "Say hi.", Greedy(2))[0].outputs[0].token_ids) <= 2
 
 
 def test_a_failing_trace_emitter_stops_no_step_halfway(llm):
