@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import reprlib
 import shutil
 import sys
 import tempfile
@@ -400,20 +401,39 @@ class Tokenizer:
         except KeyError:
             return b""
 
-    def apply_chat_template(self, user_text: str) -> str:
-        """The prompt an instruct model expects for one user turn: its chat template rendered
-        with that one message and the assistant's turn opened; `user_text` unchanged for a
-        model without a chat template. A template that fails raises ValueError."""
-        if self.chat_template is None:
-            return user_text
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> str:
+        """The prompt an instruct model expects: its chat template rendered with the
+        conversation and, by default, the assistant's turn opened. `conversation` is one user
+        turn (a string) or, as in HF, a list of messages such as {"role": "system", "content":
+        "..."}, for a system prompt or earlier turns. A string comes back unchanged from a
+        model without a chat template. Bad input, or a template that fails, raises ValueError."""
+        if isinstance(conversation, str):
+            if self.chat_template is None:
+                return conversation
+            messages = [{"role": "user", "content": conversation}]
+        else:
+            messages = _check_messages(conversation)
+            if self.chat_template is None:
+                raise ValueError("this model has no chat template to render messages with: give it a plain prompt")
         if self._compiled_template is None:
             self._compiled_template = _compile_chat_template(self.chat_template)
-        messages = [{"role": "user", "content": user_text}]
         try:
-            return self._compiled_template.render(messages=messages, add_generation_prompt=True,
+            return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                   tools=None, documents=None, **self.template_tokens)
         except Exception as e:   # the template is the model's code: any error is its own
             raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
+
+
+def _check_messages(conversation) -> list[dict]:
+    """A conversation as chat templates read it: a list of dicts, each with a string role and
+    content (other keys pass through)."""
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ValueError(f"a conversation is a user turn (a string) or a non-empty list of messages, "
+                         f"got {reprlib.repr(conversation)}")
+    for i, m in enumerate(conversation):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f'message {i} must be a dict with a string "role" and "content", got {reprlib.repr(m)}')
+    return list(conversation)
 
 
 class _GenerationTag(jinja2.ext.Extension):

@@ -1252,6 +1252,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop", action="append", help="a stop string, which ends the output before it (repeatable)")
     ap.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     ap.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
+    ap.add_argument("--system", help="a system prompt, rendered by the chat template before each prompt")
     ap.add_argument("--dtype", help="float32 (CPU default), bfloat16 (GPU default), float16")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
@@ -1288,7 +1289,12 @@ def main(argv=None) -> int:
                   attn_backend=args.attn_backend)
         tok = llm.get_tokenizer()
         chat = tok.chat_template is not None and not args.raw
-        prompts = ([tok.encode(tok.apply_chat_template(p), add_special_tokens=False) for p in args.prompt]
+        if args.system is not None and not chat:
+            raise ValueError("--system needs the model's chat template (" +
+                             ("--raw skips it)" if args.raw else "this model has none)"))
+        system = [] if args.system is None else [{"role": "system", "content": args.system}]
+        prompts = ([tok.encode(tok.apply_chat_template([*system, {"role": "user", "content": p}]),
+                               add_special_tokens=False) for p in args.prompt]
                    if chat else args.prompt)
         if args.trace:
             print(llm.describe_kv_cache())

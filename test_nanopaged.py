@@ -482,6 +482,19 @@ def test_smollm2_chat_template(smollm2_tokenizer):
                   else case["user_text"])
         assert prompt == case["prompt_text"]
         assert smollm2_tokenizer.encode(prompt) == case["prompt_ids"]
+    # a conversation, as in HF: the expected text is transformers 5.24's rendering
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
+    turns = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+             "<|im_start|>assistant\nHello!<|im_end|>\n")
+    assert smollm2_tokenizer.apply_chat_template(conversation) == (
+        turns + "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert smollm2_tokenizer.apply_chat_template(conversation[:3], add_generation_prompt=False) == turns
+    for bad, message in [([], "non-empty list of messages"), (None, "a user turn"),
+                         ([{"role": "user"}], 'message 0 must be a dict with a string "role" and "content"'),
+                         ([conversation[0], ("user", "Hi")], "message 1 must be")]:
+        with pytest.raises(ValueError, match=message):
+            smollm2_tokenizer.apply_chat_template(bad)
 
 
 def test_smollm2_greedy(smollm2_dir, smollm2_tokenizer):
@@ -901,6 +914,12 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path):
     # {% generation %} tag renders its text
     (path / "chat_template.jinja").write_text("{% generation %}{{ messages[0]['content'] }}{% endgeneration %}!")
     assert load_tokenizer(path).apply_chat_template("Hi") == "Hi!"
+    # without a template, a user turn is the prompt as it is; messages have nothing to render them
+    (path / "chat_template.jinja").unlink()
+    (path / "tokenizer_config.json").unlink()
+    assert load_tokenizer(path).apply_chat_template("Hi") == "Hi"
+    with pytest.raises(ValueError, match="no chat template to render messages"):
+        load_tokenizer(path).apply_chat_template([{"role": "user", "content": "Hi"}])
 
 
 @pytest.mark.parametrize("template, message", [
@@ -2279,6 +2298,13 @@ def test_cli_renders_the_models_chat_template(tmp_path, capsys):
                                  "--trace", *raw)
         table = next(line for line in out.splitlines() if line.startswith("  seq 0:"))
         assert code == 0 and err == "" and f"0->0 [{tokens}]" in table
+    # a system prompt comes first
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--trace",
+                             "--system", "S")
+    table = next(line for line in out.splitlines() if line.startswith("  seq 0:"))
+    assert code == 0 and "0->0 [<|x|>|[|s|y|s|t|e|m|]|S|[|u|s|e|r|]] 16/16 ref=1  1->1 [H|i]" in table
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--raw", "--system", "S")
+    assert code == 2 and err == "nanopaged: error: --system needs the model's chat template (--raw skips it)\n"
     # a template that writes no BOS gets none: a rendered chat is encoded as it is (as HF does)
     (path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
     code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--trace")
