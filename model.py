@@ -314,11 +314,13 @@ class Tokenizer:
         # leftmost place; a single_word one only as a whole word. Then an lstrip (rstrip)
         # one drops the whitespace on its left (right), up to the next match.
         if added_tokens is None:
-            added_tokens = [{"content": t, "id": encoding.encode_single_token(t)}
+            added_tokens = [{"content": t, "id": encoding.encode_single_token(t), "special": True}
                             for t in encoding.special_tokens_set]
         self._added = regex.compile(_longest_first(added_tokens))
         self._added_tokens = {t["content"]: (t["id"], bool(t.get("lstrip")), bool(t.get("rstrip")))
                               for t in added_tokens}   # content -> (id, lstrip, rstrip)
+        # the control tokens (<|im_end|>, <|endoftext|>...), which output text leaves out by default
+        self.special_ids = frozenset(t["id"] for t in added_tokens if t.get("special"))
         self.nfc = nfc                    # Unicode NFC-normalize text first (Qwen 2)
         # What HF's post-processor puts around every encoded text: Llama 3 starts each
         # prompt with <|begin_of_text|> (its BOS), GPT-2, SmolLM2 and Qwen 2 add nothing.
@@ -377,13 +379,16 @@ class Tokenizer:
                 ids += self.encoding._encode_single_piece(kept)
         return ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; bytes that are no UTF-8 show as U+FFFD."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
 
-    def decode_bytes(self, ids: list[int]) -> bytes:
-        """The bytes of `ids`, skipping (as HF does) ids that are no token: embedding matrices
-        are often padded past the tokenizer's vocab, and the sampler can pick the padding."""
+    def decode_bytes(self, ids: list[int], skip_special_tokens: bool = False) -> bytes:
+        """The bytes of `ids`, without the special tokens' if asked, and skipping (as HF does)
+        ids that are no token: embedding matrices are often padded past the tokenizer's
+        vocab, and the sampler can pick the padding."""
+        if skip_special_tokens and self.special_ids:
+            ids = [i for i in ids if i not in self.special_ids]
         if self.dropped_from is None or max(ids, default=0) < self.dropped_from:
             try:
                 return self.encoding.decode_bytes(ids)

@@ -519,13 +519,13 @@ class IncrementalDetokenizer:
     would cost time quadratic in its length. A character whose UTF-8 bytes are split
     across tokens (an emoji, often) comes out once its last byte has arrived."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.num_tokens = tokenizer, 0
+    def __init__(self, tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer, self.num_tokens, self.skip_special_tokens = tokenizer, 0, skip_special_tokens
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def new_text(self, token_ids: list[int]) -> str:
         """The text that token_ids[self.num_tokens:] add."""
-        new = self.tokenizer.decode_bytes(token_ids[self.num_tokens:])
+        new = self.tokenizer.decode_bytes(token_ids[self.num_tokens:], self.skip_special_tokens)
         self.num_tokens = len(token_ids)   # (after decoding: a decode that fails skips nothing)
         return self.utf8.decode(new)
 
@@ -535,8 +535,8 @@ class StopStringScan:
     appears now ends in the new text, so it began at most len(longest stop) - 1
     characters before it: only that tail and the new text are searched."""
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.detokenizer, self.stops = IncrementalDetokenizer(tokenizer), stops
+    def __init__(self, tokenizer, stops: list[str], skip_special_tokens: bool = False):
+        self.detokenizer, self.stops = IncrementalDetokenizer(tokenizer, skip_special_tokens), stops
         self.keep = max(map(len, stops)) - 1
         self.tail, self.tail_start = "", 0   # the text's last `keep` characters, and where they begin
         self.found: int | None = None        # where the first stop string begins, once one has appeared
@@ -888,7 +888,8 @@ class LLM:
             req = self._requests[seq.request_id]
             scan = req["stop_scans"].get(seq.sample_index)
             if scan is None:
-                scan = req["stop_scans"][seq.sample_index] = StopStringScan(self.tokenizer, seq.params.stop)
+                scan = StopStringScan(self.tokenizer, seq.params.stop, seq.params.skip_special_tokens)
+                req["stop_scans"][seq.sample_index] = scan
             if scan.find(seq.output_token_ids) is not None:
                 if seq.status is Status.RUNNING:
                     self.scheduler.finish(seq, "stop")
@@ -931,7 +932,7 @@ class LLM:
             if q.finish_reason == "stop" and ids and (ids[-1] in self.scheduler.eos_token_ids
                                                      or ids[-1] in (q.params.stop_token_ids or ())):
                 shown = ids[:-1]  # the stop token ends the text but is not part of it
-            text = self.tokenizer.decode(shown)
+            text = self.tokenizer.decode(shown, q.params.skip_special_tokens)
             scan = req["stop_scans"].get(q.sample_index)
             if scan and scan.found is not None:
                 text = text[:scan.found]   # the text ends before the stop string
@@ -1052,7 +1053,7 @@ class LLM:
         try:
             rid = self.add_request(prompt, params)
             seq, self._open_stream = self._requests[rid]["seqs"][0], rid
-            detokenizer, shown, held = IncrementalDetokenizer(self.tokenizer), 0, ""
+            detokenizer, shown, held = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens), 0, ""
             # hold back text that could be the start of a stop string, until we know
             hold = max((len(s) for s in params.stop or ()), default=1) - 1
             yield ""   # where stream() leaves us, primed

@@ -39,6 +39,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    skip_special_tokens: bool = True    # the text leaves out special tokens (<|im_end|>...); the ids keep them
 
     def __post_init__(self):
         # Every value is checked here, when the request is made: a bad one found later,
@@ -65,6 +66,8 @@ class SamplingParams:
             (self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**63),
              f"seed must be an integer in [0, 2**63), got {self.seed!r}"),
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
+            (isinstance(self.skip_special_tokens, bool),
+             f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -1757,7 +1757,7 @@ def test_sampling_bounds(llm):
                 dict(top_p=1.5), dict(top_p="1"), dict(top_k=0), dict(top_k=2.5), dict(top_k=True), dict(n=0),
                 dict(stop=5), dict(stop=[5]), dict(stop=[""]), dict(stop_token_ids=5),
                 dict(stop_token_ids="ab"), dict(seed=1.5), dict(seed=2**64), dict(seed="x"),
-                dict(ignore_eos="no"), dict(max_tokens=np.float64(3))):
+                dict(ignore_eos="no"), dict(max_tokens=np.float64(3)), dict(skip_special_tokens=1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     # numpy's numbers are numbers, and become Python's
@@ -2147,6 +2147,25 @@ def test_stop_strings_and_stop_token_ids(llm):
     assert_nothing_leaked(llm)
 
 
+def test_output_text_leaves_out_special_tokens(llm):
+    """As in vLLM (skip_special_tokens=True): the ids keep <|im_end|> and its kind; the text,
+    the stream and the stop strings do without them. False shows them."""
+    tok = llm.get_tokenizer()
+    prompt = tok.encode(tok.apply_chat_template("Say hi."), add_special_tokens=False)
+    out = llm.generate(prompt, greedy(30, ignore_eos=True))[0].outputs[0]
+    special = [i for i in out.token_ids if i in tok.special_ids]
+    assert special   # past its EOS the chat model ends its turn and opens another
+    assert out.text == tok.decode([i for i in out.token_ids if i not in tok.special_ids])
+    shown = llm.generate(prompt, greedy(30, ignore_eos=True, skip_special_tokens=False))[0].outputs[0]
+    assert shown.token_ids == out.token_ids and shown.text == tok.decode(out.token_ids) and "<|im_end|>" in shown.text
+    assert "".join(llm.stream(prompt, greedy(30, ignore_eos=True))) == out.text
+    # a stop string across the place of the special tokens is found in the text without them
+    before = tok.decode(out.token_ids[:out.token_ids.index(special[0])])
+    stop = before[-2:] + out.text[len(before):len(before) + 3]
+    cut = llm.generate(prompt, greedy(30, ignore_eos=True, stop=stop))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == before[:-2]
+
+
 def test_incremental_text_matches_decoding_the_whole_output():
     """Random outputs, fed a few tokens at a time, with single-byte tokens that split
     characters: the incremental text and the stop-string scan agree with decoding and
@@ -2183,7 +2202,7 @@ def test_stop_strings_and_streams_decode_each_token_once(llm, monkeypatch):
     tok = llm.get_tokenizer()
     decoded = []
     decode_bytes = tok.decode_bytes
-    monkeypatch.setattr(tok, "decode_bytes", lambda ids: decoded.append(len(ids)) or decode_bytes(ids))
+    monkeypatch.setattr(tok, "decode_bytes", lambda ids, *skip: decoded.append(len(ids)) or decode_bytes(ids, *skip))
     params = greedy(48, ignore_eos=True, stop=["never appears in the output"])
     text = "".join(llm.stream(GOLDEN[2]["prompt_ids"], params))
     full = llm.generate(GOLDEN[2]["prompt_ids"], greedy(48, ignore_eos=True))[0].outputs[0].text
