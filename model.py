@@ -384,7 +384,7 @@ class Tokenizer:
         return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
 
     def decode_bytes(self, ids: list[int], skip_special_tokens: bool = False) -> bytes:
-        """The bytes of `ids`, without the special tokens' if asked, and skipping (as HF does)
+        """The bytes of `ids`, leaving out special tokens if asked, and skipping (as HF does)
         ids that are no token: embedding matrices are often padded past the tokenizer's
         vocab, and the sampler can pick the padding."""
         if skip_special_tokens and self.special_ids:
