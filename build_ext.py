@@ -3,7 +3,9 @@
     ops = load_kernels()            # the compiled module, or None
     if ops is None: print(unavailable_reason())
     out = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                              query_start_loc, scale, max_query_len, max_seq_len)
+                              query_start_loc, scale, max_query_len, max_seq_len,
+                              partition_size=0)   # 0: the planner picks the split-K cut
+    ops.describe_plan(...)          # how a call would be cut into CTAs (tests, bench)
     ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
     ops.copy_blocks(cache, src_dst)
 

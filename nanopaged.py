@@ -491,11 +491,22 @@ class PagedAttention:
 
 
 @dataclass
+class Logprob:
+    logprob: float             # natural log of the token's probability
+    rank: int                  # 1 + the number of tokens more likely than it
+    decoded_token: str
+
+
+@dataclass
 class CompletionOutput:
     index: int                 # which of the request's n samples
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", "error" (non-finite logits): vLLM's words
+    # with SamplingParams.logprobs = k: one {token id: Logprob} per token id, the token's first,
+    # then the k most likely (k + 1 entries, or k when it is among them); and their sum
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -507,6 +518,8 @@ class RequestOutput:
     num_cached_tokens: int     # prompt tokens found in the prefix cache
     ttft: float                # seconds from arrival to first token
     latency: float             # seconds from arrival to the last sample's finish
+    # with SamplingParams.prompt_logprobs = k: the same per prompt token, None for the first
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class GenerationError(RuntimeError):
@@ -728,8 +741,11 @@ class LLM:
         try:
             with defer_ctrl_c():   # queued in the scheduler means known here
                 seq = self.scheduler.add(request_id, ids, params)
-                self._requests[request_id] = {"prompt": text, "params": params, "seqs": [seq],
-                                              "stop_scans": {}}   # sample index -> its StopStringScan
+                self._requests[request_id] = {
+                    "prompt": text, "params": params, "seqs": [seq],
+                    "stop_scans": {},   # sample index -> its StopStringScan
+                    "logprobs": {},     # sample index -> one {token id: Logprob} per output token
+                    "prompt_logprobs": [None] * len(ids)}   # by position, filled as the prompt runs
         except KeyboardInterrupt:   # held until the request was queued: the caller never got its id
             if seq is not None:
                 self.scheduler.abort(request_id)
@@ -776,13 +792,15 @@ class LLM:
                 self._record_usage()
                 if self._trace is not None:
                     self._trace_step(out)
-            input_ids, positions, logits_indices = self._prepare(out)
+            input_ids, positions, logits_indices, prompt_rows = self._prepare(out)
             self.attn.copy_blocks(out.copies)
             with torch.inference_mode():
-                logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S, vocab)
-            sampled, broken = self._sample(out, logits)
+                logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S + R, vocab)
+            num_sampled = sum(out.samples)   # rows past these score prompt tokens (prompt_logprobs)
+            sampled, broken = self._sample(out, logits[:num_sampled])
+            logprobs = self._logprobs(out, logits, sampled, prompt_rows)
             with defer_ctrl_c():
-                self._commit(out, sampled, broken, start)
+                self._commit(out, sampled, broken, start, logprobs)
                 done = True   # the step happened: a Ctrl-C held until here has nothing to undo
         except BaseException:
             # Out of memory, a KeyboardInterrupt...: the step did not happen. Its slots were
@@ -796,10 +814,10 @@ class LLM:
         self._flush_trace()
         return self._collect_finished()
 
-    def _commit(self, out, sampled: dict, broken: list, start: float):
+    def _commit(self, out, sampled: dict, broken: list, start: float, logprobs: tuple[dict, list]):
         """Record a step that ran, all of it (the caller holds Ctrl-C): fail the rows whose
         logits broke, hand the tokens to Scheduler.update (appends, forks, EOS and length
-        finishes), check stop strings, add the step's stats."""
+        finishes), keep their logprobs, check stop strings, add the step's stats."""
         # first: should a line below raise (a bug), what the step finished is still reported
         self._to_report |= dict.fromkeys(seq.request_id for seq in out.seqs)   # forks share their ids
         for seq in broken:   # a broken row must not take the batch down: fail its request
@@ -808,9 +826,16 @@ class LLM:
             words = {seq: [self.tokenizer.decode([x]) for x in tokens]   # several: a fork's first tokens
                      for seq, tokens in sampled.items()}
             self._trace.append("  sampled: " + ", ".join(f"{seq} -> {' | '.join(map(repr, w))}" for seq, w in words.items()))
+        appended = [seq for seq in sampled if seq.status is Status.RUNNING]   # update() skips the rest
         forked = self.scheduler.update(out, sampled)
         for child in forked:
             self._requests[child.request_id]["seqs"].append(child)
+        token_logprobs, prompt_logprobs = logprobs
+        for seq in appended:   # sample j of a fork's tokens went to the sequence sample_index + j
+            for j, entry in enumerate(token_logprobs.get(seq, ())):
+                self._requests[seq.request_id]["logprobs"].setdefault(seq.sample_index + j, []).append(entry)
+        for seq, first, entries in prompt_logprobs:   # by position: a recompute overwrites its own
+            self._requests[seq.request_id]["prompt_logprobs"][first:first + len(entries)] = entries
         self._check_stop_strings([*sampled, *forked])
         self.stats.output_tokens += sum(map(len, sampled.values()))
         self.stats.elapsed += time.perf_counter() - start
@@ -818,8 +843,10 @@ class LLM:
     def _prepare(self, out):
         """The flat batch of this step (the inputs listed in section 2): token ids, positions
         and slots of every scheduled token, back to back; per sequence its query range,
-        context length and block table; and which rows' logits to sample."""
+        context length and block table; which rows' logits to sample; and, after those, the
+        rows that score prompt tokens for prompt_logprobs: (seq, first position scored, count)."""
         input_ids, positions, slot_mapping, seq_lens, qsl, logits_indices = [], [], [], [], [0], []
+        prompt_indices, prompt_rows = [], []
         for i, (seq, n, slots) in enumerate(zip(out.seqs, out.num_tokens, out.slots)):
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start:start + n]
@@ -829,6 +856,12 @@ class LLM:
             qsl.append(qsl[-1] + n)
             if out.samples[i]:
                 logits_indices.append(qsl[-1] - 1)   # the last token of the sequence
+            # The logits at position t score prompt token t + 1. (A recomputed sequence that
+            # has sampled scored its whole prompt the first time.)
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0 and start < end:
+                prompt_indices += range(qsl[-2], qsl[-2] + end - start)
+                prompt_rows.append((seq, start + 1, end - start))
         max_blocks = max(len(s.block_table.block_ids) for s in out.seqs)
         # padded entries (past a sequence's blocks) are never read
         tables = [s.block_table.block_ids + [0] * (max_blocks - len(s.block_table.block_ids)) for s in out.seqs]
@@ -841,7 +874,8 @@ class LLM:
             max_query_len=max(out.num_tokens), max_seq_len=max(seq_lens))
         return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev),
-                torch.tensor(logits_indices, dtype=torch.int64, device=dev))
+                torch.tensor(logits_indices + prompt_indices, dtype=torch.int64, device=dev),
+                prompt_rows)
 
     # --- sampling ---
     def _sample(self, out, logits) -> tuple[dict, list]:
@@ -867,6 +901,31 @@ class LLM:
                           for j in range(k)]
             sampled[seq] = tokens
         return sampled, broken
+
+    def _logprobs(self, out, logits, sampled: dict, prompt_rows: list) -> tuple[dict, list]:
+        """vLLM's logprobs of this step: {seq: one {token id: Logprob} per token it sampled}
+        for the sequences that ask for them, and (seq, first position, [one per prompt token])
+        for those that score their prompt. One batched log_softmax for all of them."""
+        due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]
+        rows, targets, ks = [], [], []
+        for row, seq in enumerate(due):
+            if seq in sampled and seq.params.logprobs is not None:
+                rows += [row] * len(sampled[seq])
+                targets += sampled[seq]
+                ks += [seq.params.logprobs] * len(sampled[seq])
+        row = len(due)
+        for seq, first, count in prompt_rows:
+            rows += range(row, row + count)
+            targets += seq.token_ids[first:first + count]
+            ks += [seq.params.prompt_logprobs] * count
+            row += count
+        if not rows:
+            return {}, []
+        entries = iter(logprob_dicts(logits[rows], targets, ks, self.tokenizer))
+        token_logprobs = {seq: [next(entries) for _ in sampled[seq]] for seq in due
+                          if seq in sampled and seq.params.logprobs is not None}
+        prompt_logprobs = [(seq, first, [next(entries) for _ in range(count)]) for seq, first, count in prompt_rows]
+        return token_logprobs, prompt_logprobs
 
     def _generator(self, seq, sample_index):
         """The generator of one draw of a seeded request, seeded by a hash of (seed, sample,
@@ -940,8 +999,14 @@ class LLM:
         # A request that ended before its first token (aborted, or its logits broke) never
         # forked: its n samples all ended there, empty.
         outputs += [CompletionOutput(j, "", [], first.finish_reason) for j in range(len(seqs), first.params.n)]
+        p = first.params
+        if p.logprobs is not None:
+            for o in outputs:
+                o.logprobs = req["logprobs"].get(o.index, [])
+                o.cumulative_logprob = sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids))
         return RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
-                             first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time)
+                             first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time,
+                             req["prompt_logprobs"] if p.prompt_logprobs is not None else None)
 
     def _hand_back(self, outputs: list[RequestOutput]):
         """Requests about to be returned: counted in the stats and forgotten, all or none. A
@@ -1142,6 +1207,36 @@ def sampling_probs(logits, p: SamplingParams):
     return probs.to(logits.dtype)
 
 
+def logprob_dicts(logits, targets: list[int], ks: list[int], tokenizer) -> list[dict[int, Logprob]]:
+    """For each row of logits (M, V): {token id: Logprob} of its target token, then of its k
+    most likely tokens. These are the model's own probabilities, before temperature, top-k
+    and top-p (vLLM's default), in float32."""
+    lp = torch.log_softmax(logits.float(), dim=-1)                       # (M, V)
+    target_lp = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])   # (M, 1)
+    ranks = ((lp > target_lp).sum(dim=-1) + 1).tolist()                  # (M,)
+    top_lp, top_ids = lp.topk(max(ks), dim=-1)                           # (M, max k), most likely first
+    result = []
+    for target, t_lp, rank, k, row_lp, row_ids in zip(targets, target_lp[:, 0].tolist(), ranks, ks,
+                                                      top_lp.tolist(), top_ids.tolist()):
+        d = {target: Logprob(t_lp, rank, tokenizer.decode([target]))}
+        for r, (x, t) in enumerate(zip(row_lp[:k], row_ids[:k]), start=1):
+            d.setdefault(t, Logprob(x, r, tokenizer.decode([t])))
+        result.append(d)
+    return result
+
+
+def logprob_table(c: CompletionOutput, k: int) -> str:
+    """The CLI's view of a sample's logprobs: one line per token, its log-probability and
+    rank, then the k likeliest tokens at that position."""
+    lines = []
+    for d in c.logprobs:
+        chosen = next(iter(d.values()))
+        top = sorted(d.values(), key=lambda e: e.rank)[:k]
+        lines.append((f"  {_visible(repr(chosen.decoded_token)):>16} {chosen.logprob:8.3f}  rank {chosen.rank:<6}" +
+                      "  ".join(f"{_visible(repr(e.decoded_token))} {e.logprob:.2f}" for e in top)).rstrip())
+    return "\n".join(lines + [f"  cumulative logprob {c.cumulative_logprob:.3f}"])
+
+
 def _parse_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -1226,6 +1321,7 @@ EXAMPLES = """examples:
   python nanopaged.py --prompt "Hi!" --prompt "Name three colors." --stats
   python nanopaged.py --prompt "Four score and seven years ago our" --raw --block-size 4 --num-blocks 64 --max-tokens 3 --trace
   python nanopaged.py --prompt "List three colors." --stop "3." --max-tokens 64
+  python nanopaged.py --prompt "The capital of France is" --raw --max-tokens 4 --logprobs 3
   python nanopaged.py --model path/to/hf_dir_or_file.gguf --prompt "..."
 """
 
@@ -1252,6 +1348,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--n", type=int, default=1, help="samples per prompt, prefilled once then forked (default: 1)")
     ap.add_argument("--stop", action="append", help="a stop string, which ends the output before it (repeatable)")
     ap.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    ap.add_argument("--logprobs", type=int, metavar="K",
+                    help="after the text, each token's log-probability and the K likeliest others (0 to 20)")
     ap.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
     ap.add_argument("--system", help="a system prompt, rendered by the chat template before each prompt")
     ap.add_argument("--dtype", help="float32 (CPU default), bfloat16 (GPU default), float16")
@@ -1278,7 +1376,7 @@ def main(argv=None) -> int:
         try:
             params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                     max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-                                    seed=args.seed)
+                                    seed=args.seed, logprobs=args.logprobs)
         except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
             name = str(e).split()[0]   # SamplingParams' messages start with the field's name
             raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
@@ -1302,7 +1400,7 @@ def main(argv=None) -> int:
             llm.enable_trace()
         elif args.stats:
             print(llm.describe_kv_cache(), file=sys.stderr)
-        if len(prompts) == 1 and args.n == 1 and not args.trace:   # stream, unless the trace is talking
+        if len(prompts) == 1 and args.n == 1 and not args.trace and args.logprobs is None:   # stream
             for piece in llm.stream(prompts[0], params):
                 print(piece, end="", flush=True)
                 if piece:
@@ -1315,6 +1413,8 @@ def main(argv=None) -> int:
                 for c in r.outputs:
                     label = f"[prompt {i}" + (f", sample {c.index}]" if args.n > 1 else "]")
                     print(f"{label} {c.text}  ({c.finish_reason})")
+                    if c.logprobs is not None:
+                        print(logprob_table(c, args.logprobs))
                     failed |= c.finish_reason == "error"
             if failed:
                 raise GenerationError("the model's logits are not finite (NaN or inf) for the "

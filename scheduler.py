@@ -2,9 +2,12 @@
 scheduler.py: who runs in each engine step, and how the block pool is shared when memory
 is tight.
 
+  SamplingParams  how a request picks its tokens (vLLM's names), checked when made
   Sequence        one request's state (a request with n > 1 samples becomes n sequences)
+  hash_block      the prefix hash of a full block
   Scheduler       FCFS continuous batching under a token budget, chunked prefill,
-                  recompute preemption, prefix caching, forks for parallel sampling
+                  recompute preemption, prefix caching, forks for parallel sampling;
+                  schedule() returns a SchedulerOutput, one step's work
 
 The scheduler is handed the BlockPool (nanopaged.py) as an object and uses only its
 block_size, num_blocks, num_available, ref_count, new_table, lookup, register, say, and
@@ -27,6 +30,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
+MAX_LOGPROBS = 20   # top tokens a request may ask for, per token (vLLM's default max_logprobs)
+
+
 @dataclass
 class SamplingParams:
     """How to pick a request's tokens (vLLM's names). temperature 0 is greedy."""
@@ -40,6 +46,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True    # the text leaves out special tokens (<|im_end|>...); the ids keep them
+    logprobs: int | None = None         # per output token: its log-probability and the top k others
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self):
         # Every value is checked here, when the request is made: a bad one found later,
@@ -68,6 +76,9 @@ class SamplingParams:
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
             (isinstance(self.skip_special_tokens, bool),
              f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}"),
+            *[(k is None or (integer(k) and 0 <= k <= MAX_LOGPROBS),
+               f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+              for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
         ]
         for ok, msg in checks:
             if not ok:
@@ -77,6 +88,8 @@ class SamplingParams:
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.seed = None if self.seed is None else int(self.seed)
         self.stop_token_ids = None if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
+        self.logprobs = None if self.logprobs is None else int(self.logprobs)
+        self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
 
 
 def _finite_number(x) -> bool:
@@ -332,9 +345,11 @@ class Scheduler:
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """The longest chain of cached blocks that starts seq, and their prefix hashes. Only
         blocks that end before the last token count, so at least one token is computed and
-        yields logits."""
+        yields logits. A request that asks for its prompt's logprobs takes none until it has
+        sampled: a cached token is never computed, so it would have no logits to score."""
         bs, hits, hashes = self.block_size, [], []
-        if self.enable_prefix_caching:
+        scores_prompt = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
+        if self.enable_prefix_caching and not scores_prompt:
             for i in range((seq.num_tokens - 1) // bs):
                 tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 h = hash_block(hashes[-1] if hashes else ROOT_HASH, tokens)
