@@ -554,11 +554,12 @@ class StopStringScan:
         self.tail, self.tail_start = "", 0   # the text's last `keep` characters, and where they begin
         self.found: int | None = None        # where the first stop string begins, once one has appeared
 
-    def find(self, token_ids: list[int]) -> int | None:
-        """Scan the text that token_ids add; return (and keep) where the first stop string begins."""
+    def find(self, token_ids: list[int], armed: bool = True) -> int | None:
+        """Scan the text that token_ids add; return (and keep) where the first stop string
+        begins. armed=False scans without stopping (SamplingParams.min_tokens)."""
         window = self.tail + self.detokenizer.new_text(token_ids)
         hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        if hits and armed:
             self.found = self.tail_start + min(hits)
             return self.found
         cut = max(len(window) - self.keep, 0)
@@ -725,6 +726,10 @@ class LLM:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}) (the model's "
                              f"vocab_size): got {bad[:5]}")
+        if params.min_tokens and len(stopping_tokens(params, self.scheduler.eos_token_ids,
+                                                     self.config.vocab_size)) == self.config.vocab_size:
+            raise ValueError("min_tokens > 0, but EOS and stop_token_ids are the whole vocabulary: "
+                             "no token is left to draw")
         if request_id is None:
             while self._next_id in self._requests:   # skip ids the caller chose
                 self._next_id += 1
@@ -798,9 +803,9 @@ class LLM:
                 logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S + R, vocab)
             num_sampled = sum(out.samples)   # rows past these score prompt tokens (prompt_logprobs)
             sampled, broken = self._sample(out, logits[:num_sampled])
-            logprobs = self._logprobs(out, logits, sampled, prompt_rows)
+            token_logprobs, prompt_logprobs, broken_prompts = self._logprobs(out, logits, sampled, prompt_rows)
             with defer_ctrl_c():
-                self._commit(out, sampled, broken, start, logprobs)
+                self._commit(out, sampled, broken + broken_prompts, start, (token_logprobs, prompt_logprobs))
                 done = True   # the step happened: a Ctrl-C held until here has nothing to undo
         except BaseException:
             # Out of memory, a KeyboardInterrupt...: the step did not happen. Its slots were
@@ -883,9 +888,14 @@ class LLM:
         argmax; the others are sampled one by one, each with its own generator, so a seeded
         request gives the same tokens whatever else is in the batch. Returns {seq: its tokens
         (one, or n where it forks)} and the sequences whose logits are broken (NaN or inf)."""
-        logits = logits.float()
         due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]
+        logits = logits.float()
         finite = logits.sum(dim=-1).isfinite().tolist()   # any NaN or inf makes its row's sum one
+        penalized = [row for row, seq in enumerate(due) if finite[row] and has_penalties(seq)]
+        if penalized:
+            logits = logits.clone()   # (S, vocab) the logprobs are the raw logits'
+            for row in penalized:
+                apply_penalties(logits[row], due[row], self.scheduler.eos_token_ids)
         greedy = logits.argmax(dim=-1).tolist()
         sampled, broken = {}, []
         for row, seq in enumerate(due):
@@ -902,10 +912,11 @@ class LLM:
             sampled[seq] = tokens
         return sampled, broken
 
-    def _logprobs(self, out, logits, sampled: dict, prompt_rows: list) -> tuple[dict, list]:
+    def _logprobs(self, out, logits, sampled: dict, prompt_rows: list) -> tuple[dict, list, list]:
         """vLLM's logprobs of this step: {seq: one {token id: Logprob} per token it sampled}
         for the sequences that ask for them, and (seq, first position, [one per prompt token])
-        for those that score their prompt. One batched log_softmax for all of them."""
+        for those that score their prompt, from one batched log_softmax. Also the sequences
+        whose prompt rows are broken (NaN or inf): they fail, as a broken sampled row does."""
         due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]
         rows, targets, ks = [], [], []
         for row, seq in enumerate(due):
@@ -913,19 +924,24 @@ class LLM:
                 rows += [row] * len(sampled[seq])
                 targets += sampled[seq]
                 ks += [seq.params.logprobs] * len(sampled[seq])
-        row = len(due)
+        scored, broken, r = [], [], 0   # r: the prompt rows' own index
+        finite = logits[len(due):].float().sum(dim=-1).isfinite().tolist() if prompt_rows else []   # (R,)
         for seq, first, count in prompt_rows:
-            rows += range(row, row + count)
-            targets += seq.token_ids[first:first + count]
-            ks += [seq.params.prompt_logprobs] * count
-            row += count
+            if all(finite[r:r + count]):
+                rows += range(len(due) + r, len(due) + r + count)
+                targets += seq.token_ids[first:first + count]
+                ks += [seq.params.prompt_logprobs] * count
+                scored.append((seq, first, count))
+            else:
+                broken.append(seq)
+            r += count
         if not rows:
-            return {}, []
+            return {}, [], broken
         entries = iter(logprob_dicts(logits[rows], targets, ks, self.tokenizer))
         token_logprobs = {seq: [next(entries) for _ in sampled[seq]] for seq in due
                           if seq in sampled and seq.params.logprobs is not None}
-        prompt_logprobs = [(seq, first, [next(entries) for _ in range(count)]) for seq, first, count in prompt_rows]
-        return token_logprobs, prompt_logprobs
+        prompt_logprobs = [(seq, first, [next(entries) for _ in range(count)]) for seq, first, count in scored]
+        return token_logprobs, prompt_logprobs, broken
 
     def _generator(self, seq, sample_index):
         """The generator of one draw of a seeded request, seeded by a hash of (seed, sample,
@@ -949,7 +965,8 @@ class LLM:
             if scan is None:
                 scan = StopStringScan(self.tokenizer, seq.params.stop, seq.params.skip_special_tokens)
                 req["stop_scans"][seq.sample_index] = scan
-            if scan.find(seq.output_token_ids) is not None:
+            # (before min_tokens the text is scanned, but a stop string in it does not count)
+            if scan.find(seq.output_token_ids, armed=seq.num_output_tokens >= seq.params.min_tokens) is not None:
                 if seq.status is Status.RUNNING:
                     self.scheduler.finish(seq, "stop")
                 else:
@@ -1190,6 +1207,38 @@ def _visible(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def has_penalties(seq) -> bool:
+    p = seq.params
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or seq.num_output_tokens < p.min_tokens)
+
+
+def apply_penalties(logits, seq, eos_token_ids):
+    """vLLM's penalties and min_tokens, in place on one row of logits (V,), before
+    temperature (for a sequence that has_penalties)."""
+    p, V = seq.params, logits.numel()
+    if p.repetition_penalty != 1.0:
+        # CTRL's rule, on every token of the prompt and the output so far: a positive logit
+        # divided by the penalty, a negative one multiplied, both less likely for a penalty > 1
+        seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
+        x = logits[seen]
+        big = torch.finfo(x.dtype).max   # (a huge or tiny penalty must not make a logit inf: no softmax survives that)
+        logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty).clamp(-big, big)
+    if p.presence_penalty or p.frequency_penalty:   # (OpenAI's: on the output's tokens only)
+        counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device),
+                                minlength=V)                                      # (V,)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    if seq.num_output_tokens < p.min_tokens:   # too early to stop: no token that would stop it
+        logits[stopping_tokens(p, eos_token_ids, V)] = float("-inf")
+
+
+def stopping_tokens(p: SamplingParams, eos_token_ids, vocab_size: int) -> list[int]:
+    """The ids in the vocabulary whose draw ends a request (EOS unless ignore_eos, and
+    stop_token_ids)."""
+    stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
+    return sorted(t for t in stops if 0 <= t < vocab_size)
+
+
 def sampling_probs(logits, p: SamplingParams):
     """Next-token probabilities (V,) after temperature, top-k and top-p (nucleus) filtering."""
     # Shift the top logit to 0 before dividing: a tiny temperature then sends the others
@@ -1348,6 +1397,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--n", type=int, default=1, help="samples per prompt, prefilled once then forked (default: 1)")
     ap.add_argument("--stop", action="append", help="a stop string, which ends the output before it (repeatable)")
     ap.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="> 1 makes tokens already in the prompt or output less likely (default: 1, off)")
     ap.add_argument("--logprobs", type=int, metavar="K",
                     help="after the text, each token's log-probability and the K likeliest others (0 to 20)")
     ap.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
@@ -1376,7 +1427,8 @@ def main(argv=None) -> int:
         try:
             params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                     max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-                                    seed=args.seed, logprobs=args.logprobs)
+                                    seed=args.seed, logprobs=args.logprobs,
+                                    repetition_penalty=args.repetition_penalty)
         except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
             name = str(e).split()[0]   # SamplingParams' messages start with the field's name
             raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None

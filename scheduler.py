@@ -48,6 +48,11 @@ class SamplingParams:
     skip_special_tokens: bool = True    # the text leaves out special tokens (<|im_end|>...); the ids keep them
     logprobs: int | None = None         # per output token: its log-probability and the top k others
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # Penalties, applied to the logits before temperature (see apply_penalties in nanopaged.py):
+    presence_penalty: float = 0.0       # > 0: less of any token the output already has
+    frequency_penalty: float = 0.0      # > 0: less of a token, the more the output has it
+    repetition_penalty: float = 1.0     # > 1: less of any token of the prompt or output
+    min_tokens: int = 0                 # no EOS, stop token or stop string before this many tokens
 
     def __post_init__(self):
         # Every value is checked here, when the request is made: a bad one found later,
@@ -76,6 +81,13 @@ class SamplingParams:
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
             (isinstance(self.skip_special_tokens, bool),
              f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}"),
+            *[(_finite_number(x) and -2 <= x <= 2, f"{name} must be a number in [-2, 2], got {x!r}")
+              for name, x in (("presence_penalty", self.presence_penalty),
+                              ("frequency_penalty", self.frequency_penalty))],
+            (_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"),
+            (integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens!r}], got {self.min_tokens!r}"),
             *[(k is None or (integer(k) and 0 <= k <= MAX_LOGPROBS),
                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
               for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
@@ -86,6 +98,8 @@ class SamplingParams:
         # plain Python numbers from here on
         self.n, self.top_k, self.max_tokens = int(self.n), int(self.top_k), int(self.max_tokens)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.presence_penalty, self.frequency_penalty = float(self.presence_penalty), float(self.frequency_penalty)
+        self.repetition_penalty, self.min_tokens = float(self.repetition_penalty), int(self.min_tokens)
         self.seed = None if self.seed is None else int(self.seed)
         self.stop_token_ids = None if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)

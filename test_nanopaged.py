@@ -1783,7 +1783,7 @@ def check_logprobs(entries, targets, dense_lp, k, tok):
         assert d[target].decoded_token == tok.decode([target])
 
 
-def test_logprobs_and_prompt_logprobs_are_the_models_own(smollm2_dir, llm):
+def test_logprobs_and_prompt_logprobs_are_the_models_own(smollm2_dir, llm, monkeypatch):
     """vLLM's logprobs (per output token) and prompt_logprobs (per prompt token), checked
     against a dense forward pass of the whole text: with a prefix cache to ignore, a
     chunked prefill, preemption and recompute, and n = 2 samples that fork."""
@@ -1819,9 +1819,87 @@ def test_logprobs_and_prompt_logprobs_are_the_models_own(smollm2_dir, llm):
     plain = llm.generate(prompts[2], greedy(4))[0]
     assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None
     assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
+    # a broken (NaN) row that scores a prompt fails its request, as a broken sampled row does
+    forward = llm.model.forward
+    def nan_in_the_last_row(*args, **kw):
+        logits = forward(*args, **kw).clone()   # (S + R, vocab): the last row scores a prompt token
+        logits[-1] = float("nan")
+        monkeypatch.setattr(llm.model, "forward", forward)
+        return logits
+    monkeypatch.setattr(llm.model, "forward", nan_in_the_last_row)
+    broken, fine = llm.generate(prompts[1:], [greedy(3, prompt_logprobs=1), greedy(3)])
+    assert broken.outputs[0].finish_reason == "error" and broken.outputs[0].token_ids == []
+    assert fine.outputs[0].token_ids == llm.generate(prompts[2], greedy(3))[0].outputs[0].token_ids
+    assert_nothing_leaked(llm)
     for bad in (dict(logprobs=-1), dict(logprobs=21), dict(prompt_logprobs=True), dict(prompt_logprobs=1.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+def reference_penalized_greedy(model, prompt, steps, rep=1.0, presence=0.0, frequency=0.0):
+    """Greedy decoding with vLLM's penalties, written out plainly over dense forward passes."""
+    ids, out = list(prompt), []
+    for _ in range(steps):
+        logits = forward_all(model, ids)[-1].float().clone()   # (V,) (a normal tensor: edited in place)
+        for t in set(ids):
+            logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
+        for t in set(out):
+            logits[t] -= presence + frequency * out.count(t)
+        out.append(int(logits.argmax()))
+        ids.append(out[-1])
+    return out
+
+
+def test_penalties_and_min_tokens(llm):
+    tok = llm.get_tokenizer()
+    looping, varied = (tok.encode(t) for t in ("The cat sat on the mat. The cat sat on the mat. The cat",
+                                               "My favourite recipe for pancakes is"))
+    cases = [(looping, dict(repetition_penalty=1.3)), (looping, dict(presence_penalty=2.0, frequency_penalty=2.0)),
+             (varied, dict(repetition_penalty=0.7)), (varied, dict(presence_penalty=-1.0))]   # more repetition
+    plain = [llm.generate(p, greedy(12, ignore_eos=True))[0].outputs[0].token_ids for p in (looping, varied)]
+    # in one batch with plain greedy and sampled requests: each row gets its own penalties
+    outs = llm.generate([p for p, _ in cases] + [looping, varied],
+                        [greedy(12, ignore_eos=True, logprobs=0, **c) for _, c in cases] +
+                        [greedy(12, ignore_eos=True), SamplingParams(n=2, seed=1, max_tokens=12, repetition_penalty=1.2)])
+    assert outs[4].outputs[0].token_ids == plain[0]
+    for (prompt, case), out in zip(cases, outs):
+        o = out.outputs[0]
+        want = reference_penalized_greedy(llm.model, prompt, 12, case.get("repetition_penalty", 1.0),
+                                          case.get("presence_penalty", 0.0), case.get("frequency_penalty", 0.0))
+        assert o.token_ids == want, case
+        assert want != plain[prompt is varied], case          # the penalty changed something
+        # logprobs are the model's own, before penalties
+        dense_lp = torch.log_softmax(forward_all(llm.model, prompt + want).float(), -1)
+        assert [d[t].logprob for d, t in zip(o.logprobs, o.token_ids)] == pytest.approx(
+            [dense_lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(want)], abs=2e-4)
+
+    chat = tok.encode(tok.apply_chat_template("Hi"), add_special_tokens=False)
+    short = llm.generate(chat, greedy(40))[0].outputs[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 15 and "!" in short.text
+    # min_tokens: EOS cannot come before it (so the answer runs on), nor a stop token
+    longer = llm.generate(chat, greedy(20, min_tokens=15))[0].outputs[0]
+    assert len(longer.token_ids) >= 15 and longer.token_ids[:len(short.token_ids) - 1] == short.token_ids[:-1]
+    assert not set(longer.token_ids[:15]) & llm.scheduler.eos_token_ids
+    second = short.token_ids[1]
+    held = llm.generate(chat, greedy(6, min_tokens=3, stop_token_ids=[second]))[0].outputs[0]
+    assert held.token_ids[:1] == short.token_ids[:1] and second not in held.token_ids[:3]
+    # ... nor a stop string that the first min_tokens tokens' text holds: the output goes on
+    n_first = next(i for i in range(1, 40) if "!" in tok.decode(short.token_ids[:i]))
+    stopped = llm.generate(chat, greedy(40, stop=["!"]))[0].outputs[0]
+    assert stopped.text == short.text[:short.text.index("!")]
+    late = llm.generate(chat, greedy(40, stop=["!"], min_tokens=n_first + 1))[0].outputs[0]
+    assert len(late.token_ids) > n_first + 1 and late.text.startswith(stopped.text + "!")
+    assert_nothing_leaked(llm)
+    for extreme in (1e-300, 1e300):   # logits pushed past float32 stay finite: sampling still works
+        out = llm.generate(varied, SamplingParams(seed=0, max_tokens=3, repetition_penalty=extreme))[0].outputs[0]
+        assert out.finish_reason == "length"
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")), dict(repetition_penalty=0),
+                dict(repetition_penalty=-1.0), dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=1.5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="no token is left to draw"):
+        llm.add_request("Hi", SamplingParams(min_tokens=1, stop_token_ids=list(range(llm.config.vocab_size))))
+    assert_nothing_leaked(llm)
 
 
 def test_abort_and_a_failing_request_leave_the_others_intact(llm, monkeypatch):
@@ -2322,6 +2400,7 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'"),      # argparse's own
     (["--prompt", "hi", "--seed", "99999999999999999999"], "--seed must be an integer in [0, 2**63)"),
     (["--prompt", "hi", "--logprobs", "21"], "--logprobs must be None or an integer in [0, 20]"),
+    (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be a finite number > 0"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
