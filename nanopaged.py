@@ -493,7 +493,7 @@ class PagedAttention:
 @dataclass
 class Logprob:
     logprob: float             # natural log of the token's probability
-    rank: int                  # 1 + the number of tokens more likely than it
+    rank: int                  # its place by probability, 1 the likeliest (ties count against it)
     decoded_token: str
 
 
@@ -558,7 +558,9 @@ class StopStringScan:
         """Scan the text that token_ids add; return (and keep) where the first stop string
         begins. armed=False scans without stopping (SamplingParams.min_tokens)."""
         window = self.tail + self.detokenizer.new_text(token_ids)
-        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
+        # only a stop string that ends in the new text (one that ends in the tail was seen
+        # before, and did not count then: armed=False)
+        hits = [i for i in (window.find(s, max(len(self.tail) - len(s) + 1, 0)) for s in self.stops) if i >= 0]
         if hits and armed:
             self.found = self.tail_start + min(hits)
             return self.found
@@ -750,7 +752,8 @@ class LLM:
                     "prompt": text, "params": params, "seqs": [seq],
                     "stop_scans": {},   # sample index -> its StopStringScan
                     "logprobs": {},     # sample index -> one {token id: Logprob} per output token
-                    "prompt_logprobs": [None] * len(ids)}   # by position, filled as the prompt runs
+                    # by position, filled as the prompt runs
+                    "prompt_logprobs": None if params.prompt_logprobs is None else [None] * len(ids)}
         except KeyboardInterrupt:   # held until the request was queued: the caller never got its id
             if seq is not None:
                 self.scheduler.abort(request_id)
@@ -801,11 +804,11 @@ class LLM:
             self.attn.copy_blocks(out.copies)
             with torch.inference_mode():
                 logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S + R, vocab)
-            num_sampled = sum(out.samples)   # rows past these score prompt tokens (prompt_logprobs)
-            sampled, broken = self._sample(out, logits[:num_sampled])
-            token_logprobs, prompt_logprobs, broken_prompts = self._logprobs(out, logits, sampled, prompt_rows)
+            due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]   # one row each
+            sampled, broken = self._sample(due, logits[:len(due)])   # (rows past these score prompts)
+            token_logprobs, prompt_logprobs, broken_prompts = self._logprobs(due, logits, sampled, prompt_rows)
             with defer_ctrl_c():
-                self._commit(out, sampled, broken + broken_prompts, start, (token_logprobs, prompt_logprobs))
+                self._commit(out, sampled, broken + broken_prompts, start, token_logprobs, prompt_logprobs)
                 done = True   # the step happened: a Ctrl-C held until here has nothing to undo
         except BaseException:
             # Out of memory, a KeyboardInterrupt...: the step did not happen. Its slots were
@@ -819,7 +822,7 @@ class LLM:
         self._flush_trace()
         return self._collect_finished()
 
-    def _commit(self, out, sampled: dict, broken: list, start: float, logprobs: tuple[dict, list]):
+    def _commit(self, out, sampled: dict, broken: list, start: float, token_logprobs: dict, prompt_logprobs: list):
         """Record a step that ran, all of it (the caller holds Ctrl-C): fail the rows whose
         logits broke, hand the tokens to Scheduler.update (appends, forks, EOS and length
         finishes), keep their logprobs, check stop strings, add the step's stats."""
@@ -827,6 +830,7 @@ class LLM:
         self._to_report |= dict.fromkeys(seq.request_id for seq in out.seqs)   # forks share their ids
         for seq in broken:   # a broken row must not take the batch down: fail its request
             self.scheduler.finish(seq, "error")
+            sampled.pop(seq, None)   # (a prompt row broke: what its last row drew is void)
         if self._trace is not None:
             words = {seq: [self.tokenizer.decode([x]) for x in tokens]   # several: a fork's first tokens
                      for seq, tokens in sampled.items()}
@@ -835,14 +839,13 @@ class LLM:
         forked = self.scheduler.update(out, sampled)
         for child in forked:
             self._requests[child.request_id]["seqs"].append(child)
-        token_logprobs, prompt_logprobs = logprobs
         for seq in appended:   # sample j of a fork's tokens went to the sequence sample_index + j
             for j, entry in enumerate(token_logprobs.get(seq, ())):
                 self._requests[seq.request_id]["logprobs"].setdefault(seq.sample_index + j, []).append(entry)
         for seq, first, entries in prompt_logprobs:   # by position: a recompute overwrites its own
             self._requests[seq.request_id]["prompt_logprobs"][first:first + len(entries)] = entries
         self._check_stop_strings([*sampled, *forked])
-        self.stats.output_tokens += sum(map(len, sampled.values()))
+        self.stats.output_tokens += sum(len(sampled[seq]) for seq in appended)
         self.stats.elapsed += time.perf_counter() - start
 
     def _prepare(self, out):
@@ -883,18 +886,18 @@ class LLM:
                 prompt_rows)
 
     # --- sampling ---
-    def _sample(self, out, logits) -> tuple[dict, list]:
-        """Pick the next token of every sequence that reached its end. Greedy rows share one
-        argmax; the others are sampled one by one, each with its own generator, so a seeded
-        request gives the same tokens whatever else is in the batch. Returns {seq: its tokens
-        (one, or n where it forks)} and the sequences whose logits are broken (NaN or inf)."""
-        due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]
+    def _sample(self, due: list, logits) -> tuple[dict, list]:
+        """Pick the next token of every sequence that reached its end (due; logits (S, vocab),
+        a row each). Greedy rows share one argmax; the others are sampled one by one, each
+        with its own generator, so a seeded request gives the same tokens whatever else is in
+        the batch. Returns {seq: its tokens (one, or n where it forks)} and the sequences
+        whose logits are broken (NaN or inf)."""
         logits = logits.float()
         finite = logits.sum(dim=-1).isfinite().tolist()   # any NaN or inf makes its row's sum one
-        penalized = [row for row, seq in enumerate(due) if finite[row] and has_penalties(seq)]
-        if penalized:
+        edited = [row for row, seq in enumerate(due) if finite[row] and edits_logits(seq)]
+        if edited:
             logits = logits.clone()   # (S, vocab) the logprobs are the raw logits'
-            for row in penalized:
+            for row in edited:
                 apply_penalties(logits[row], due[row], self.scheduler.eos_token_ids)
         greedy = logits.argmax(dim=-1).tolist()
         sampled, broken = {}, []
@@ -912,12 +915,12 @@ class LLM:
             sampled[seq] = tokens
         return sampled, broken
 
-    def _logprobs(self, out, logits, sampled: dict, prompt_rows: list) -> tuple[dict, list, list]:
+    def _logprobs(self, due: list, logits, sampled: dict, prompt_rows: list) -> tuple[dict, list, list]:
         """vLLM's logprobs of this step: {seq: one {token id: Logprob} per token it sampled}
         for the sequences that ask for them, and (seq, first position, [one per prompt token])
         for those that score their prompt, from one batched log_softmax. Also the sequences
-        whose prompt rows are broken (NaN or inf): they fail, as a broken sampled row does."""
-        due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]
+        whose prompt rows are broken (NaN or inf): they fail, as a broken sampled row does.
+        logits: (S + R, vocab), the S rows of due, then the R prompt rows."""
         rows, targets, ks = [], [], []
         for row, seq in enumerate(due):
             if seq in sampled and seq.params.logprobs is not None:
@@ -965,8 +968,9 @@ class LLM:
             if scan is None:
                 scan = StopStringScan(self.tokenizer, seq.params.stop, seq.params.skip_special_tokens)
                 req["stop_scans"][seq.sample_index] = scan
-            # (before min_tokens the text is scanned, but a stop string in it does not count)
-            if scan.find(seq.output_token_ids, armed=seq.num_output_tokens >= seq.params.min_tokens) is not None:
+            # A stop string that the first min_tokens tokens complete does not count (the text is
+            # scanned all the same): as vLLM, which looks once the output is longer.
+            if scan.find(seq.output_token_ids, armed=seq.num_output_tokens > seq.params.min_tokens) is not None:
                 if seq.status is Status.RUNNING:
                     self.scheduler.finish(seq, "stop")
                 else:
@@ -1016,14 +1020,13 @@ class LLM:
         # A request that ended before its first token (aborted, or its logits broke) never
         # forked: its n samples all ended there, empty.
         outputs += [CompletionOutput(j, "", [], first.finish_reason) for j in range(len(seqs), first.params.n)]
-        p = first.params
-        if p.logprobs is not None:
+        if first.params.logprobs is not None:
             for o in outputs:
                 o.logprobs = req["logprobs"].get(o.index, [])
                 o.cumulative_logprob = sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids))
         return RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
                              first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time,
-                             req["prompt_logprobs"] if p.prompt_logprobs is not None else None)
+                             req["prompt_logprobs"])
 
     def _hand_back(self, outputs: list[RequestOutput]):
         """Requests about to be returned: counted in the stats and forgotten, all or none. A
@@ -1207,7 +1210,8 @@ def _visible(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def has_penalties(seq) -> bool:
+def edits_logits(seq) -> bool:
+    """Whether apply_penalties has work for seq: a penalty, or min_tokens not reached yet."""
     p = seq.params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             or seq.num_output_tokens < p.min_tokens)
@@ -1215,7 +1219,7 @@ def has_penalties(seq) -> bool:
 
 def apply_penalties(logits, seq, eos_token_ids):
     """vLLM's penalties and min_tokens, in place on one row of logits (V,), before
-    temperature (for a sequence that has_penalties)."""
+    temperature (for a sequence whose params edits_logits)."""
     p, V = seq.params, logits.numel()
     if p.repetition_penalty != 1.0:
         # CTRL's rule, on every token of the prompt and the output so far: a positive logit
@@ -1225,8 +1229,9 @@ def apply_penalties(logits, seq, eos_token_ids):
         big = torch.finfo(x.dtype).max   # (a huge or tiny penalty must not make a logit inf: no softmax survives that)
         logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty).clamp(-big, big)
     if p.presence_penalty or p.frequency_penalty:   # (OpenAI's: on the output's tokens only)
-        counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device),
-                                minlength=V)                                      # (V,)
+        # (scatter_add_, not bincount: on a GPU bincount waits for the GPU to learn its size)
+        ids = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
+        counts = logits.new_zeros(V).scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))   # (V,)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     if seq.num_output_tokens < p.min_tokens:   # too early to stop: no token that would stop it
         logits[stopping_tokens(p, eos_token_ids, V)] = float("-inf")
@@ -1262,14 +1267,14 @@ def logprob_dicts(logits, targets: list[int], ks: list[int], tokenizer) -> list[
     and top-p (vLLM's default), in float32."""
     lp = torch.log_softmax(logits.float(), dim=-1)                       # (M, V)
     target_lp = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])   # (M, 1)
-    ranks = ((lp > target_lp).sum(dim=-1) + 1).tolist()                  # (M,)
+    ranks = (lp >= target_lp).sum(dim=-1).tolist()                       # (M,) ties count against it
     top_lp, top_ids = lp.topk(max(ks), dim=-1)                           # (M, max k), most likely first
     result = []
     for target, t_lp, rank, k, row_lp, row_ids in zip(targets, target_lp[:, 0].tolist(), ranks, ks,
                                                       top_lp.tolist(), top_ids.tolist()):
         d = {target: Logprob(t_lp, rank, tokenizer.decode([target]))}
         for r, (x, t) in enumerate(zip(row_lp[:k], row_ids[:k]), start=1):
-            d.setdefault(t, Logprob(x, r, tokenizer.decode([t])))
+            d[t] = Logprob(x, r, tokenizer.decode([t]))   # (the target among them keeps its place, first)
         result.append(d)
     return result
 

@@ -86,7 +86,8 @@ class SamplingParams:
                               ("frequency_penalty", self.frequency_penalty))],
             (_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"),
-            (integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            (integer(self.min_tokens) and self.min_tokens >= 0
+             and (not integer(self.max_tokens) or self.min_tokens <= self.max_tokens),   # (a bad max_tokens: its own message)
              f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens!r}], got {self.min_tokens!r}"),
             *[(k is None or (integer(k) and 0 <= k <= MAX_LOGPROBS),
                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")

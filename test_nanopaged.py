@@ -34,9 +34,9 @@ import build_ext
 import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
                    load_tokenizer, resolve_model_dir)
-from nanopaged import (LLM, BlockPool, GenerationError, IncrementalDetokenizer, OutOfBlocks, PagedAttention,
-                       StopStringScan, copy_blocks, main, paged_attention, paged_attention_ref, sampling_probs,
-                       write_kv)
+from nanopaged import (LLM, BlockPool, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks, PagedAttention,
+                       StopStringScan, copy_blocks, logprob_dicts, main, paged_attention, paged_attention_ref,
+                       sampling_probs, write_kv)
 from scheduler import SamplingParams, Scheduler, Status
 
 HERE = Path(__file__).resolve().parent
@@ -1776,11 +1776,28 @@ def check_logprobs(entries, targets, dense_lp, k, tok):
         assert ids[0] == target and len(d) in (k, k + 1)
         top = row.topk(k)
         assert ids[1:] == [t for t in top.indices.tolist() if t != target] or ids == top.indices.tolist()
+        assert [d[t].rank for t in top.indices.tolist()] == list(range(1, k + 1))   # the target's too
         for t, e in d.items():
             assert e.logprob == pytest.approx(row[t].item(), abs=2e-4)
             # (ranks within float noise of a near-tie may come out either way)
             assert (row > row[t] + 1e-3).sum() + 1 <= e.rank <= (row > row[t] - 1e-3).sum() + 1
         assert d[target].decoded_token == tok.decode([target])
+
+
+def test_logprob_ranks_with_ties_as_vllm():
+    class Names:   # a tokenizer whose tokens are their ids in brackets
+        def decode(self, ids):
+            return f"<{ids[0]}>"
+    logits = torch.tensor([[2.0, 2.0, 2.0, 0.0]])   # a three-way tie for the top
+    top = logits.topk(3).indices[0].tolist()       # (which of them comes first is topk's choice)
+    # a target among the top k takes its place there, first in the dict
+    (d,) = logprob_dicts(logits, [top[0]], [2], Names())
+    assert list(d) == top[:2] and [e.rank for e in d.values()] == [1, 2]
+    # one past them: every token at least as likely counts against it
+    (d,) = logprob_dicts(logits, [top[2]], [1], Names())
+    assert list(d) == [top[2], top[0]] and d[top[2]].rank == 3 and d[top[0]].rank == 1
+    (d,) = logprob_dicts(logits, [3], [0], Names())
+    assert d == {3: Logprob(pytest.approx(torch.log_softmax(logits, -1)[0, 3].item()), 4, "<3>")}
 
 
 def test_logprobs_and_prompt_logprobs_are_the_models_own(smollm2_dir, llm, monkeypatch):
@@ -1883,18 +1900,21 @@ def test_penalties_and_min_tokens(llm):
     second = short.token_ids[1]
     held = llm.generate(chat, greedy(6, min_tokens=3, stop_token_ids=[second]))[0].outputs[0]
     assert held.token_ids[:1] == short.token_ids[:1] and second not in held.token_ids[:3]
-    # ... nor a stop string that the first min_tokens tokens' text holds: the output goes on
+    # ... nor a stop string that the first min_tokens tokens complete: the output goes on
     n_first = next(i for i in range(1, 40) if "!" in tok.decode(short.token_ids[:i]))
     stopped = llm.generate(chat, greedy(40, stop=["!"]))[0].outputs[0]
     assert stopped.text == short.text[:short.text.index("!")]
-    late = llm.generate(chat, greedy(40, stop=["!"], min_tokens=n_first + 1))[0].outputs[0]
-    assert len(late.token_ids) > n_first + 1 and late.text.startswith(stopped.text + "!")
+    for stop in (["!"], ["!", "zzzzzzzz"]):   # (a longer stop string keeps more text to scan again)
+        for m in (n_first, n_first + 1):
+            late = llm.generate(chat, greedy(40, stop=stop, min_tokens=m))[0].outputs[0]
+            assert len(late.token_ids) > m and late.text.startswith(stopped.text + "!"), (stop, m)
     assert_nothing_leaked(llm)
     for extreme in (1e-300, 1e300):   # logits pushed past float32 stay finite: sampling still works
         out = llm.generate(varied, SamplingParams(seed=0, max_tokens=3, repetition_penalty=extreme))[0].outputs[0]
         assert out.finish_reason == "length"
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")), dict(repetition_penalty=0),
-                dict(repetition_penalty=-1.0), dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=1.5)):
+                dict(repetition_penalty=-1.0), dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=1.5),
+                dict(max_tokens=None, min_tokens=2)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="no token is left to draw"):
