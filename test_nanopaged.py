@@ -2981,15 +2981,21 @@ def tiny_llama_dir(tmp_path):
 
 def engine_tokens(llm, lengths, max_tokens):
     """Greedy tokens for prompts of these lengths, the last sharing a prefix with the third,
-    then n=3 samples of the second: prefill, decode, chunked prefill (when a prompt exceeds
-    the token budget), prefix hits and copy-on-write all go through the attention backend."""
+    then n=3 samples of the second, then penalties and logprobs of the first: prefill,
+    decode, chunked prefill (when a prompt exceeds the token budget), prefix hits and
+    copy-on-write all go through the attention backend, and the sampler's extras run on
+    its device. Returns the tokens and the logprobs."""
     prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate(lengths)]
     prompts.append(prompts[2][:lengths[2] * 2 // 3] + [9, 9, 9])
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     outs += llm.generate(prompts[1], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
     assert llm.stats.prefix_hit_tokens > 0
+    extras = llm.generate(prompts[0], SamplingParams(
+        temperature=0, max_tokens=6, min_tokens=3, repetition_penalty=1.3, presence_penalty=0.5,
+        frequency_penalty=0.5, logprobs=2, prompt_logprobs=2))[0]
     assert_nothing_leaked(llm)
-    return [[c.token_ids for c in o.outputs] for o in outs]
+    logprobs = [e.logprob for d in extras.outputs[0].logprobs + extras.prompt_logprobs[1:] for e in d.values()]
+    return [[c.token_ids for c in o.outputs] for o in outs + [extras]], logprobs
 
 
 @needs_cuda
@@ -3003,7 +3009,8 @@ def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
                   max_num_batched_tokens=256, num_blocks=400)
         assert llm.attn.backend == backend
         results[backend] = engine_tokens(llm, (5, 40, 300, 17, 1000), max_tokens=24)
-    assert results["cuda"] == results["torch"]
+    assert results["cuda"][0] == results["torch"][0]
+    assert results["cuda"][1] == pytest.approx(results["torch"][1], abs=1e-3)
 
 
 def test_emulated_kernels_drive_the_engine(tmp_path, emulated_ops):
@@ -3017,4 +3024,5 @@ def test_emulated_kernels_drive_the_engine(tmp_path, emulated_ops):
         if backend == "emulated":
             llm.attn = PagedAttention(llm.pool, llm.attn.scale, ops=emulated_ops)
         results[backend] = engine_tokens(llm, (5, 40, 90, 17), max_tokens=12)
-    assert results["emulated"] == results["torch"]
+    assert results["emulated"][0] == results["torch"][0]
+    assert results["emulated"][1] == pytest.approx(results["torch"][1], abs=1e-4)
