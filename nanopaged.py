@@ -1437,6 +1437,13 @@ def main(argv=None) -> int:
         except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
             name = str(e).split()[0]   # SamplingParams' messages start with the field's name
             raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
+        if args.temperature == 0:   # greedy: say so, rather than ignore what was asked
+            idle = [flag for flag, given in (("--top-k", args.top_k != -1), ("--top-p", args.top_p != 1.0),
+                                             ("--seed", args.seed is not None)) if given]
+            notes = [f"{', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect"] if idle else []
+            notes += [f"--n {args.n} gives {args.n} identical samples"] if args.n > 1 else []
+            if notes:
+                print(f"nanopaged: note: at --temperature 0 (greedy), {'; '.join(notes)}", file=sys.stderr)
         for flag, value in (("--block-size", args.block_size), ("--num-blocks", args.num_blocks)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")

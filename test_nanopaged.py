@@ -2447,6 +2447,16 @@ def test_cli_streams_and_batches(capsys, smollm2_dir):
     assert code == 0 and "(length)" in out and "(stop)" not in out and "16 + " in err   # 2 x 8 output tokens
 
 
+def test_cli_says_which_flags_greedy_ignores(capsys, smollm2_dir):
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "1",
+                             "--seed", "3", "--top-p", "0.5", "--n", "2")
+    assert code == 0 and err.startswith("nanopaged: note: at --temperature 0 (greedy), --top-p, --seed have no "
+                                        "effect; --n 2 gives 2 identical samples\n")
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "1",
+                             "--seed", "3", "--temperature", "0.5")
+    assert code == 0 and "note" not in err
+
+
 def test_cli_logprobs_table(capsys, smollm2_dir):
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "The capital of France is",
                              "--raw", "--max-tokens", "2", "--logprobs", "2")
