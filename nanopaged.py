@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 import build_ext
 from model import load_model, load_tokenizer
-from scheduler import SamplingParams, Scheduler, Status, hash_block
+from scheduler import SamplingParams, Scheduler, Status, hash_block, stop_token_set
 
 # -----------------------------------------------------------------------------
 # 1. The paged KV cache
@@ -728,8 +728,8 @@ class LLM:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}) (the model's "
                              f"vocab_size): got {bad[:5]}")
-        if params.min_tokens and len(stopping_tokens(params, self.scheduler.eos_token_ids,
-                                                     self.config.vocab_size)) == self.config.vocab_size:
+        if params.min_tokens and len(stop_tokens_in_vocab(params, self.scheduler.eos_token_ids,
+                                                          self.config.vocab_size)) == self.config.vocab_size:
             raise ValueError("min_tokens > 0, but EOS and stop_token_ids are the whole vocabulary: "
                              "no token is left to draw")
         if request_id is None:
@@ -1009,9 +1009,8 @@ class LLM:
         for q in seqs:
             ids = q.output_token_ids
             shown = ids
-            if q.finish_reason == "stop" and ids and (ids[-1] in self.scheduler.eos_token_ids
-                                                     or ids[-1] in (q.params.stop_token_ids or ())):
-                shown = ids[:-1]  # the stop token ends the text but is not part of it
+            if q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(q.params, self.scheduler.eos_token_ids):
+                shown = ids[:-1]  # the stop token ends the text but is not part of it (an ignored EOS is)
             text = self.tokenizer.decode(shown, q.params.skip_special_tokens)
             scan = req["stop_scans"].get(q.sample_index)
             if scan and scan.found is not None:
@@ -1234,14 +1233,12 @@ def apply_penalties(logits, seq, eos_token_ids):
         counts = logits.new_zeros(V).scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))   # (V,)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     if seq.num_output_tokens < p.min_tokens:   # too early to stop: no token that would stop it
-        logits[stopping_tokens(p, eos_token_ids, V)] = float("-inf")
+        logits[stop_tokens_in_vocab(p, eos_token_ids, V)] = float("-inf")
 
 
-def stopping_tokens(p: SamplingParams, eos_token_ids, vocab_size: int) -> list[int]:
-    """The ids in the vocabulary whose draw ends a request (EOS unless ignore_eos, and
-    stop_token_ids)."""
-    stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
-    return sorted(t for t in stops if 0 <= t < vocab_size)
+def stop_tokens_in_vocab(p: SamplingParams, eos_token_ids, vocab_size: int) -> list[int]:
+    """The stop_token_set that the model can draw: ids past the vocabulary never come."""
+    return sorted(t for t in stop_token_set(p, eos_token_ids) if 0 <= t < vocab_size)
 
 
 def sampling_probs(logits, p: SamplingParams):

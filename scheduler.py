@@ -115,6 +115,11 @@ def _finite_number(x) -> bool:
         return False
 
 
+def stop_token_set(p: SamplingParams, eos_token_ids) -> set[int]:
+    """The token ids whose draw ends a request: EOS (unless ignore_eos) and stop_token_ids."""
+    return set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
+
+
 # -----------------------------------------------------------------------------
 # Sequence: a request's state
 
@@ -455,7 +460,7 @@ class Scheduler:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         p = seq.params
-        if (not p.ignore_eos and token in self.eos_token_ids) or (p.stop_token_ids and token in p.stop_token_ids):
+        if token in stop_token_set(p, self.eos_token_ids):
             self.finish(seq, "stop")
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, "length")

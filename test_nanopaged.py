@@ -2319,6 +2319,11 @@ def test_output_text_leaves_out_special_tokens(llm):
     stop = before[-2:] + out.text[len(before):len(before) + 3]
     cut = llm.generate(prompt, greedy(30, ignore_eos=True, stop=stop))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.text == before[:-2]
+    # an ignored EOS is text like any other: a stop string inside <|im_end|> cuts it there
+    assert tok.decode([special[0]]) == "<|im_end|>"
+    cut = llm.generate(prompt, greedy(30, ignore_eos=True, skip_special_tokens=False, stop="im_end"))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == before + "<|"
+    assert "".join(llm.stream(prompt, greedy(30, ignore_eos=True, skip_special_tokens=False, stop="im_end"))) == cut.text
 
 
 def test_incremental_text_matches_decoding_the_whole_output():
