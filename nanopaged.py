@@ -503,6 +503,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", "error" (non-finite logits): vLLM's words
+    stop_reason: int | str | None = None   # the stop string or stop token id that ended it (EOS: None)
     # with SamplingParams.logprobs = k: one {token id: Logprob} per token id, the token's first,
     # then the k most likely (k + 1 entries, or k when it is among them); and their sum
     logprobs: list[dict[int, Logprob]] | None = None
@@ -553,6 +554,7 @@ class StopStringScan:
         self.keep = max(map(len, stops)) - 1
         self.tail, self.tail_start = "", 0   # the text's last `keep` characters, and where they begin
         self.found: int | None = None        # where the first stop string begins, once one has appeared
+        self.stop: str | None = None         # and which it is
 
     def find(self, token_ids: list[int], armed: bool = True) -> int | None:
         """Scan the text that token_ids add; return (and keep) where the first stop string
@@ -560,9 +562,10 @@ class StopStringScan:
         window = self.tail + self.detokenizer.new_text(token_ids)
         # only a stop string that ends in the new text (one that ends in the tail was seen
         # before, and did not count then: armed=False)
-        hits = [i for i in (window.find(s, max(len(self.tail) - len(s) + 1, 0)) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := window.find(s, max(len(self.tail) - len(s) + 1, 0))) >= 0]
         if hits and armed:
-            self.found = self.tail_start + min(hits)
+            i, self.stop = min(hits, key=lambda hit: hit[0])   # (two at one place: the first listed)
+            self.found = self.tail_start + i
             return self.found
         cut = max(len(window) - self.keep, 0)
         self.tail, self.tail_start = window[cut:], self.tail_start + cut
@@ -1007,15 +1010,17 @@ class LLM:
         ttft = first_token - first.arrival_time
         outputs = []
         for q in seqs:
-            ids = q.output_token_ids
-            shown = ids
-            if q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(q.params, self.scheduler.eos_token_ids):
-                shown = ids[:-1]  # the stop token ends the text but is not part of it (an ignored EOS is)
-            text = self.tokenizer.decode(shown, q.params.skip_special_tokens)
+            ids, p = q.output_token_ids, q.params
+            # a stop token ends the text but is not part of it (an ignored EOS is)
+            stop_token = q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(p, self.scheduler.eos_token_ids)
+            text = self.tokenizer.decode(ids[:-1] if stop_token else ids, p.skip_special_tokens)
+            # vLLM's stop_reason: the stop string or stop_token_ids' token that ended it (EOS: None)
+            stop_reason = ids[-1] if stop_token and ids[-1] in (p.stop_token_ids or ()) else None
             scan = req["stop_scans"].get(q.sample_index)
-            if scan and scan.found is not None:
-                text = text[:scan.found]   # the text ends before the stop string
-            outputs.append(CompletionOutput(q.sample_index, text, ids, q.finish_reason))
+            if scan and scan.found is not None:   # the text ends before the stop string, or after it
+                text = text[:scan.found + (len(scan.stop) if p.include_stop_str_in_output else 0)]
+                stop_reason = scan.stop
+            outputs.append(CompletionOutput(q.sample_index, text, ids, q.finish_reason, stop_reason))
         # A request that ended before its first token (aborted, or its logits broke) never
         # forked: its n samples all ended there, empty.
         outputs += [CompletionOutput(j, "", [], first.finish_reason) for j in range(len(seqs), first.params.n)]

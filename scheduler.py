@@ -46,6 +46,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True    # the text leaves out special tokens (<|im_end|>...); the ids keep them
+    include_stop_str_in_output: bool = False   # the text ends after the stop string, not before
     logprobs: int | None = None         # per output token: its log-probability and the top k others
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     # Penalties, applied to the logits before temperature (see apply_penalties in nanopaged.py):
@@ -78,9 +79,9 @@ class SamplingParams:
              f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"),
             (self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**63),
              f"seed must be an integer in [0, 2**63), got {self.seed!r}"),
-            (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
-            (isinstance(self.skip_special_tokens, bool),
-             f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}"),
+            *[(isinstance(x, bool), f"{name} must be True or False, got {x!r}")
+              for name, x in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
+                              ("include_stop_str_in_output", self.include_stop_str_in_output))],
             *[(_finite_number(x) and -2 <= x <= 2, f"{name} must be a number in [-2, 2], got {x!r}")
               for name, x in (("presence_penalty", self.presence_penalty),
                               ("frequency_penalty", self.frequency_penalty))],

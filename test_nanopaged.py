@@ -2326,6 +2326,30 @@ def test_output_text_leaves_out_special_tokens(llm):
     assert "".join(llm.stream(prompt, greedy(30, ignore_eos=True, skip_special_tokens=False, stop="im_end"))) == cut.text
 
 
+def test_stop_reason_and_include_stop_str_in_output(llm):
+    """vLLM's stop_reason names what ended a sample: a stop string, a stop token id, or None
+    (EOS, length); include_stop_str_in_output keeps the stop string in the text."""
+    tok = llm.get_tokenizer()
+    chat = tok.encode(tok.apply_chat_template("Hi"), add_special_tokens=False)
+    plain = llm.generate(chat, greedy(40))[0].outputs[0]
+    bang = tok.encode("!")[0]
+    assert plain.finish_reason == "stop" and plain.stop_reason is None and plain.token_ids[1] == bang
+    head = tok.decode(plain.token_ids[:1])
+    cases = [(dict(stop=["How", "!"]), head, "!"),   # the first in the text, not in the list
+             (dict(stop="!", include_stop_str_in_output=True), head + "!", "!"),
+             (dict(stop_token_ids=[bang]), head, bang),
+             (dict(stop_token_ids=[bang], include_stop_str_in_output=True), head, bang),   # (strings only)
+             (dict(max_tokens=1), head, None)]
+    for kw, text, reason in cases:
+        params = greedy(**{"max_tokens": 40, **kw})
+        out = llm.generate(chat, params)[0].outputs[0]
+        assert (out.text, out.stop_reason) == (text, reason), kw
+        assert "".join(llm.stream(chat, params)) == text
+    with pytest.raises(ValueError, match="include_stop_str_in_output must be True or False"):
+        SamplingParams(include_stop_str_in_output=1)
+    assert_nothing_leaked(llm)
+
+
 def test_incremental_text_matches_decoding_the_whole_output():
     """Random outputs, fed a few tokens at a time, with single-byte tokens that split
     characters: the incremental text and the stop-string scan agree with decoding and
@@ -2346,6 +2370,8 @@ def test_incremental_text_matches_decoding_the_whole_output():
             found = scan.find(ids[:n])
             hits = [text.find(s) for s in stops if s in text]
             assert found == (min(hits) if hits else None), (trial, ids[:n], stops)
+            # which stop string: the first listed of those that begin there
+            assert scan.stop == (next(s for s in stops if text.find(s) == found) if hits else None)
     # a decode that fails (an interrupt) skips no token: the next call decodes them
     detok, decode_bytes = IncrementalDetokenizer(tok), tok.decode_bytes
     tok.decode_bytes = interrupted_on_call(1, decode_bytes)
