@@ -557,16 +557,16 @@ class StopStringScan:
         self.stop: str | None = None         # and which it is
 
     def find(self, token_ids: list[int], armed: bool = True) -> int | None:
-        """Scan the text that token_ids add; return (and keep) where the first stop string
-        begins. armed=False scans without stopping (SamplingParams.min_tokens)."""
+        """Scan the text that token_ids add; return (and keep) where a stop string that it
+        completes begins. armed=False scans without stopping (SamplingParams.min_tokens)."""
         window = self.tail + self.detokenizer.new_text(token_ids)
         # only a stop string that ends in the new text (one that ends in the tail was seen
         # before, and did not count then: armed=False)
-        hits = [(i, s) for s in self.stops if (i := window.find(s, max(len(self.tail) - len(s) + 1, 0))) >= 0]
-        if hits and armed:
-            i, self.stop = min(hits, key=lambda hit: hit[0])   # (two at one place: the first listed)
-            self.found = self.tail_start + i
-            return self.found
+        for stop in self.stops if armed else ():   # (two at once: the first listed wins, as in vLLM)
+            i = window.find(stop, max(len(self.tail) - len(stop) + 1, 0))
+            if i >= 0:
+                self.found, self.stop = self.tail_start + i, stop
+                return self.found
         cut = max(len(window) - self.keep, 0)
         self.tail, self.tail_start = window[cut:], self.tail_start + cut
         return None
@@ -1010,12 +1010,15 @@ class LLM:
         ttft = first_token - first.arrival_time
         outputs = []
         for q in seqs:
-            ids, p = q.output_token_ids, q.params
-            # a stop token ends the text but is not part of it (an ignored EOS is)
-            stop_token = q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(p, self.scheduler.eos_token_ids)
-            text = self.tokenizer.decode(ids[:-1] if stop_token else ids, p.skip_special_tokens)
-            # vLLM's stop_reason: the stop string or stop_token_ids' token that ended it (EOS: None)
-            stop_reason = ids[-1] if stop_token and ids[-1] in (p.stop_token_ids or ()) else None
+            ids, p, eos = q.output_token_ids, q.params, self.scheduler.eos_token_ids
+            # a stop token ends the text but is not part of it (an ignored EOS is), unless
+            # include_stop_str_in_output
+            stop_token = q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(p, eos)
+            text = self.tokenizer.decode(ids[:-1] if stop_token and not p.include_stop_str_in_output else ids,
+                                         p.skip_special_tokens)
+            # vLLM's stop_reason: the stop string or stop token id that ended it; None for EOS
+            # (even one that stop_token_ids lists too), length, abort and error
+            stop_reason = ids[-1] if stop_token and (p.ignore_eos or ids[-1] not in eos) else None
             scan = req["stop_scans"].get(q.sample_index)
             if scan and scan.found is not None:   # the text ends before the stop string, or after it
                 text = text[:scan.found + (len(scan.stop) if p.include_stop_str_in_output else 0)]
@@ -1439,13 +1442,6 @@ def main(argv=None) -> int:
         except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
             name = str(e).split()[0]   # SamplingParams' messages start with the field's name
             raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
-        if args.temperature == 0:   # greedy: say so, rather than ignore what was asked
-            idle = [flag for flag, given in (("--top-k", args.top_k != -1), ("--top-p", args.top_p != 1.0),
-                                             ("--seed", args.seed is not None)) if given]
-            notes = [f"{', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect"] if idle else []
-            notes += [f"--n {args.n} gives {args.n} identical samples"] if args.n > 1 else []
-            if notes:
-                print(f"nanopaged: note: at --temperature 0 (greedy), {'; '.join(notes)}", file=sys.stderr)
         for flag, value in (("--block-size", args.block_size), ("--num-blocks", args.num_blocks)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -1461,6 +1457,13 @@ def main(argv=None) -> int:
         prompts = ([tok.encode(tok.apply_chat_template([*system, {"role": "user", "content": p}]),
                                add_special_tokens=False) for p in args.prompt]
                    if chat else args.prompt)
+        if args.temperature == 0:   # greedy: say so, rather than ignore what was asked
+            idle = [flag for flag, given in (("--top-k", args.top_k != -1), ("--top-p", args.top_p != 1.0),
+                                             ("--seed", args.seed is not None)) if given]
+            notes = [f"{', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect"] if idle else []
+            notes += [f"--n {args.n} gives {args.n} identical samples"] if args.n > 1 else []
+            if notes:
+                print(f"nanopaged: note: at --temperature 0 (greedy), {'; '.join(notes)}", file=sys.stderr)
         if args.trace:
             print(llm.describe_kv_cache())
             llm.enable_trace()

@@ -2335,10 +2335,15 @@ def test_stop_reason_and_include_stop_str_in_output(llm):
     bang = tok.encode("!")[0]
     assert plain.finish_reason == "stop" and plain.stop_reason is None and plain.token_ids[1] == bang
     head = tok.decode(plain.token_ids[:1])
-    cases = [(dict(stop=["How", "!"]), head, "!"),   # the first in the text, not in the list
+    eos = plain.token_ids[-1]
+    cases = [(dict(stop=["How", "!"]), head, "!"),
+             (dict(stop=["!", "o!"]), head, "!"),                # both end with "!": the first listed
+             (dict(stop=["o!", "!"]), head[:-1], "o!"),
              (dict(stop="!", include_stop_str_in_output=True), head + "!", "!"),
              (dict(stop_token_ids=[bang]), head, bang),
-             (dict(stop_token_ids=[bang], include_stop_str_in_output=True), head, bang),   # (strings only)
+             (dict(stop_token_ids=[bang], include_stop_str_in_output=True), head + "!", bang),
+             (dict(stop_token_ids=[eos]), plain.text, None),      # EOS is EOS, listed or not
+             (dict(stop_token_ids=[eos], ignore_eos=True), plain.text, eos),
              (dict(max_tokens=1), head, None)]
     for kw, text, reason in cases:
         params = greedy(**{"max_tokens": 40, **kw})
@@ -2368,10 +2373,9 @@ def test_incremental_text_matches_decoding_the_whole_output():
             whole = tok.decode(ids[:n])
             assert whole.startswith(text) and whole[len(text):] in ("", "\ufffd")   # a character pending
             found = scan.find(ids[:n])
-            hits = [text.find(s) for s in stops if s in text]
-            assert found == (min(hits) if hits else None), (trial, ids[:n], stops)
-            # which stop string: the first listed of those that begin there
-            assert scan.stop == (next(s for s in stops if text.find(s) == found) if hits else None)
+            # the first listed in the text (no earlier call found one, so all of it is new)
+            first = next((s for s in stops if s in text), None)
+            assert (found, scan.stop) == ((text.find(first), first) if first else (None, None)), (trial, ids[:n], stops)
     # a decode that fails (an interrupt) skips no token: the next call decodes them
     detok, decode_bytes = IncrementalDetokenizer(tok), tok.decode_bytes
     tok.decode_bytes = interrupted_on_call(1, decode_bytes)
@@ -2448,6 +2452,7 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--dtype", "float8"], "unsupported dtype 'float8'"),
     (["--prompt", "hi", "--device", "gpu"], "unknown device"),
     (["--prompt", "hi", "--block-size", "0"], "--block-size"),
+    (["--prompt", "hi", "--block-size", "0", "--seed", "3"], "--block-size"),   # (and no greedy note first)
     (["--prompt", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'"),      # argparse's own
     (["--prompt", "hi", "--seed", "99999999999999999999"], "--seed must be an integer in [0, 2**63)"),
     (["--prompt", "hi", "--logprobs", "21"], "--logprobs must be None or an integer in [0, 20]"),
