@@ -808,8 +808,9 @@ class LLM:
             with torch.inference_mode():
                 logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S + R, vocab)
             due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]   # one row each
-            sampled, broken = self._sample(due, logits[:len(due)])   # (rows past these score prompts)
-            token_logprobs, prompt_logprobs, broken_prompts = self._logprobs(due, logits, sampled, prompt_rows)
+            finite = logits.sum(dim=-1, dtype=torch.float32).isfinite().tolist()   # (S + R,) NaN or inf: not finite
+            sampled, broken = self._sample(due, logits[:len(due)], finite)   # (rows past these score prompts)
+            token_logprobs, prompt_logprobs, broken_prompts = self._logprobs(due, logits, finite, sampled, prompt_rows)
             with defer_ctrl_c():
                 self._commit(out, sampled, broken + broken_prompts, start, token_logprobs, prompt_logprobs)
                 done = True   # the step happened: a Ctrl-C held until here has nothing to undo
@@ -889,14 +890,13 @@ class LLM:
                 prompt_rows)
 
     # --- sampling ---
-    def _sample(self, due: list, logits) -> tuple[dict, list]:
+    def _sample(self, due: list, logits, finite: list) -> tuple[dict, list]:
         """Pick the next token of every sequence that reached its end (due; logits (S, vocab),
-        a row each). Greedy rows share one argmax; the others are sampled one by one, each
+        a row each; finite[row]: no NaN or inf in it). Greedy rows share one argmax; the others are sampled one by one, each
         with its own generator, so a seeded request gives the same tokens whatever else is in
         the batch. Returns {seq: its tokens (one, or n where it forks)} and the sequences
         whose logits are broken (NaN or inf)."""
         logits = logits.float()
-        finite = logits.sum(dim=-1).isfinite().tolist()   # any NaN or inf makes its row's sum one
         edited = [row for row, seq in enumerate(due) if finite[row] and edits_logits(seq)]
         if edited:
             logits = logits.clone()   # (S, vocab) the logprobs are the raw logits'
@@ -918,23 +918,22 @@ class LLM:
             sampled[seq] = tokens
         return sampled, broken
 
-    def _logprobs(self, due: list, logits, sampled: dict, prompt_rows: list) -> tuple[dict, list, list]:
+    def _logprobs(self, due: list, logits, finite: list, sampled: dict, prompt_rows: list) -> tuple[dict, list, list]:
         """vLLM's logprobs of this step: {seq: one {token id: Logprob} per token it sampled}
         for the sequences that ask for them, and (seq, first position, [one per prompt token])
         for those that score their prompt, from one batched log_softmax. Also the sequences
         whose prompt rows are broken (NaN or inf): they fail, as a broken sampled row does.
-        logits: (S + R, vocab), the S rows of due, then the R prompt rows."""
+        logits: (S + R, vocab), the S rows of due, then the R prompt rows; finite: per row."""
         rows, targets, ks = [], [], []
         for row, seq in enumerate(due):
             if seq in sampled and seq.params.logprobs is not None:
                 rows += [row] * len(sampled[seq])
                 targets += sampled[seq]
                 ks += [seq.params.logprobs] * len(sampled[seq])
-        scored, broken, r = [], [], 0   # r: the prompt rows' own index
-        finite = logits[len(due):].float().sum(dim=-1).isfinite().tolist() if prompt_rows else []   # (R,)
+        scored, broken, r = [], [], len(due)   # r: the next prompt row
         for seq, first, count in prompt_rows:
             if all(finite[r:r + count]):
-                rows += range(len(due) + r, len(due) + r + count)
+                rows += range(r, r + count)
                 targets += seq.token_ids[first:first + count]
                 ks += [seq.params.prompt_logprobs] * count
                 scored.append((seq, first, count))
