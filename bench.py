@@ -203,7 +203,7 @@ def bench_engine(args):
     for run in range(args.runs):
         llm = llm if run == 0 else fresh_engine()
         start = time.perf_counter()
-        llm.generate(prompts, params, progress=True)
+        llm.generate(prompts, params, use_tqdm=True)
         walls.append(time.perf_counter() - start)
         runs.append(llm.stats)
         print(f"run {run + 1}: nanopaged {walls[-1]:.1f} s", end="")

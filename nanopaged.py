@@ -502,7 +502,8 @@ class CompletionOutput:
     index: int                 # which of the request's n samples
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", "error" (non-finite logits): vLLM's words
+    finish_reason: str | None  # "stop", "length", "abort", "error" (non-finite logits, or no token
+                               # left to draw): vLLM's words
     stop_reason: int | str | None = None   # the stop string or stop token id that ended it (EOS: None)
     # with SamplingParams.logprobs = k: one {token id: Logprob} per token id, the token's first,
     # then the k most likely (k + 1 entries, or k when it is among them); and their sum
@@ -524,7 +525,8 @@ class RequestOutput:
 
 
 class GenerationError(RuntimeError):
-    """A request failed inside the engine: its model gave non-finite logits."""
+    """A request failed inside the engine: its model gave non-finite logits, or its
+    constraints (allowed_token_ids, bad_words) left it no token to draw."""
 
 
 class IncrementalDetokenizer:
@@ -708,9 +710,32 @@ class LLM:
 
     # --- requests ---
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
-        """Queue one prompt (text, or a list of token ids). Bad input raises ValueError and
-        leaves the engine as it was."""
+        """Queue one prompt: text, a list of token ids, or, as vLLM writes them, {"prompt":
+        text} or {"prompt_token_ids": ids}. Bad input raises ValueError and leaves the engine
+        as it was."""
         self._check_no_stream("add_request()")
+        text, ids = self._parse_prompt(prompt)
+        return self._add(text, ids, params, request_id)
+
+    def _parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt's text (None if given as ids) and token ids."""
+        if isinstance(prompt, dict):   # vLLM's TextPrompt and TokensPrompt
+            if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & prompt.keys():
+                raise ValueError('a prompt dict holds one key, "prompt" (text) or "prompt_token_ids" '
+                                 f"(nanopaged has no multimodal inputs), got keys {sorted(map(str, prompt))}")
+            (key, prompt), = prompt.items()
+            if not (isinstance(prompt, str) if key == "prompt" else _is_token_ids(prompt)):
+                raise ValueError(f"{key} must be {'a string' if key == 'prompt' else 'a list of token ids'}, "
+                                 f"got {_describe(prompt)}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if _is_token_ids(prompt):
+            return None, [int(t) for t in prompt]   # numpy and torch integers become ints
+        raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
+
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams | None, request_id=None):
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -718,23 +743,12 @@ class LLM:
         # (or did since making it), and may reuse it for the next request (vLLM copies too).
         params = copy.deepcopy(params)
         params.__post_init__()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif _is_token_ids(prompt):
-            text, ids = None, [int(t) for t in prompt]   # numpy and torch integers become ints
-        else:
-            raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
         # (a text prompt too: a tokenizer may know more tokens than config.json's vocab_size)
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}) (the model's "
                              f"vocab_size): got {bad[:5]}")
-        if params.min_tokens and len(stop_tokens_in_vocab(params, self.scheduler.eos_token_ids,
-                                                          self.config.vocab_size)) == self.config.vocab_size:
-            raise ValueError("min_tokens > 0, but EOS and stop_token_ids are the whole vocabulary: "
-                             "no token is left to draw")
+        self._check_constraints(params)
         if request_id is None:
             while self._next_id in self._requests:   # skip ids the caller chose
                 self._next_id += 1
@@ -763,6 +777,26 @@ class LLM:
                 del self._requests[request_id]
             raise
         return request_id
+
+    def _check_constraints(self, params: SamplingParams):
+        """The token ids a request names must be the model's, and its constraints must leave
+        some token to draw from its first step. Fills params.bad_words_token_ids."""
+        V = self.config.vocab_size
+        if params.bad_words is not None:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                          ("bad_words", sum(params.bad_words_token_ids or [], []))):
+            bad = sorted(t for t in ids or () if not 0 <= t < V)
+            if bad:
+                raise ValueError(f"{name} has token ids outside [0, {V}) (the model's vocab_size): {bad[:5]}")
+        banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}   # always
+        if params.min_tokens:   # at first
+            banned |= set(stop_tokens_in_vocab(params, self.scheduler.eos_token_ids, V))
+        allowed = params.allowed_token_ids
+        if (len(banned) == V) if allowed is None else set(allowed) <= banned:
+            raise ValueError("no token is left to draw: " + ", ".join(name for name, given in (
+                ("allowed_token_ids", params.allowed_token_ids), ("bad_words", params.bad_words),
+                ("min_tokens' stop tokens (EOS, stop_token_ids)", params.min_tokens)) if given) + " ban them all")
 
     def abort(self, request_id) -> RequestOutput:
         """Stop a request now; its blocks return to the pool at once. Returns what it had."""
@@ -892,20 +926,25 @@ class LLM:
     # --- sampling ---
     def _sample(self, due: list, logits, finite: list) -> tuple[dict, list]:
         """Pick the next token of every sequence that reached its end (due; logits (S, vocab),
-        a row each; finite[row]: no NaN or inf in it). Greedy rows share one argmax; the others are sampled one by one, each
-        with its own generator, so a seeded request gives the same tokens whatever else is in
-        the batch. Returns {seq: its tokens (one, or n where it forks)} and the sequences
-        whose logits are broken (NaN or inf)."""
-        logits = logits.float()
+        a row each; finite[row]: no NaN or inf in it). Greedy rows share one argmax; the others
+        are sampled one by one, each with its own generator, so a seeded request gives the same
+        tokens whatever else is in the batch. Returns {seq: its tokens (one, or n where it
+        forks)} and the sequences that cannot draw: logits broken (NaN or inf), or every token
+        banned by their constraints."""
+        logits, drawable = logits.float(), list(finite)
         edited = [row for row, seq in enumerate(due) if finite[row] and edits_logits(seq)]
         if edited:
             logits = logits.clone()   # (S, vocab) the logprobs are the raw logits'
             for row in edited:
-                apply_penalties(logits[row], due[row], self.scheduler.eos_token_ids)
+                process_logits(logits[row], due[row], self.scheduler.eos_token_ids)
+            # add_request refuses constraints that ban every token from the start, but the bad
+            # words an output begins may ban the last allowed ones later
+            for row, ok in zip(edited, logits[edited].amax(dim=-1).isfinite().tolist()):
+                drawable[row] = ok
         greedy = logits.argmax(dim=-1).tolist()
         sampled, broken = {}, []
         for row, seq in enumerate(due):
-            if not finite[row]:
+            if not drawable[row]:
                 broken.append(seq)
                 continue
             p, k = seq.params, seq.pending_samples
@@ -1059,36 +1098,65 @@ class LLM:
                 s.prompt_tokens = before[2]
 
     # --- the whole loop ---
-    def generate(self, prompts, sampling_params=None, progress: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts.
-        sampling_params: one SamplingParams for all prompts, or a list with one per prompt."""
-        if isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0):
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (each as add_request takes it); outputs come back in the
+        order of the prompts. sampling_params: one SamplingParams for all prompts, or a list
+        with one per prompt. use_tqdm: draw a progress line on stderr (vLLM's name; nanopaged
+        draws its own, and is quiet by default)."""
+        if isinstance(prompts, (str, dict)) or (_is_token_ids(prompts) and len(prompts) > 0):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
                              f"got {_describe(prompts)}")
+        parsed = []
+        for i, prompt in enumerate(prompts):
+            try:
+                parsed.append(self._parse_prompt(prompt))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return self._generate(parsed, sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's chat: one conversation (a list of messages such as {"role": "user",
+        "content": ...}) or a list of conversations, each rendered with the model's chat
+        template (render_chat) and generated for; one RequestOutput per conversation, whose
+        prompt is the rendered text."""
+        batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
+        parsed = []
+        for i, conversation in enumerate(messages if batch else [messages]):
+            try:
+                parsed.append(render_chat(self.tokenizer, conversation, add_generation_prompt))
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}" if batch else str(e)) from None
+        return self._generate(parsed, sampling_params, use_tqdm)
+
+    def _generate(self, prompts: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool):
+        """Run prompts (text, token ids) to the end, alone in the engine; outputs in their order."""
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if not isinstance(use_tqdm, bool):
+            raise ValueError(f"use_tqdm must be True or False, got {use_tqdm!r}")
         self._check_alone("generate()")
         self.reset_stats()
         ids = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
+            for i, ((text, token_ids), p) in enumerate(zip(prompts, params)):
                 try:
-                    ids.append(self.add_request(prompt, p))
+                    ids.append(self._add(text, token_ids, p))
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
             results = {}
             while self.has_unfinished_requests():
                 for r in self.step():
                     results[r.request_id] = r
-                if progress:
+                if use_tqdm:
                     _progress(len(results), len(ids), self.stats)
         except BaseException:
             self._drop_all()   # a refused prompt, an interrupt...: leave nothing behind
             raise
-        if progress:
+        if use_tqdm:
             print(file=sys.stderr)
         return [results[rid] for rid in ids]
 
@@ -1154,8 +1222,9 @@ class LLM:
                     out = finished[0].outputs[0]
                     yield out.text[shown:]
                     if out.finish_reason == "error":
-                        raise GenerationError("the model's logits are not finite (NaN or inf): "
-                                              "generation stopped")
+                        raise GenerationError("the model's logits are not finite (NaN or inf)" +
+                                              (", or bad_words left no token to draw" if params.bad_words else "") +
+                                              ": generation stopped")
                     return
                 held += detokenizer.new_text(seq.output_token_ids)
                 cut = max(len(held) - hold, 0)
@@ -1217,16 +1286,22 @@ def _visible(text: str) -> str:
 
 
 def edits_logits(seq) -> bool:
-    """Whether apply_penalties has work for seq: a penalty, or min_tokens not reached yet."""
+    """Whether process_logits has work for seq."""
     p = seq.params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or seq.num_output_tokens < p.min_tokens)
+            or seq.num_output_tokens < p.min_tokens or p.logit_bias is not None
+            or p.allowed_token_ids is not None or p.bad_words_token_ids is not None)
 
 
-def apply_penalties(logits, seq, eos_token_ids):
-    """vLLM's penalties and min_tokens, in place on one row of logits (V,), before
-    temperature (for a sequence whose params edits_logits)."""
+def process_logits(logits, seq, eos_token_ids):
+    """vLLM's logits processors, in place on one row of logits (V,) of a sequence whose params
+    edits_logits, before temperature: logit_bias, the penalties, then the bans. The bans come
+    last so that a banned token's -inf meets no arithmetic (a clamp below would make it finite);
+    vLLM bans first, with the same result, since no penalty moves a -inf."""
     p, V = seq.params, logits.numel()
+    if p.logit_bias is not None:
+        logits[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
+                                                   device=logits.device)
     if p.repetition_penalty != 1.0:
         # CTRL's rule, on every token of the prompt and the output so far: a positive logit
         # divided by the penalty, a negative one multiplied, both less likely for a penalty > 1
@@ -1239,8 +1314,31 @@ def apply_penalties(logits, seq, eos_token_ids):
         ids = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
         counts = logits.new_zeros(V).scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))   # (V,)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    if p.allowed_token_ids is not None:
+        outside = torch.ones(V, dtype=torch.bool, device=logits.device)
+        outside[p.allowed_token_ids] = False
+        logits.masked_fill_(outside, float("-inf"))
+    banned = []
+    if p.bad_words_token_ids is not None:
+        # A bad word's last token is banned where the output ends with the rest of the word
+        # (its first tokens; for a word of one token, always), so the word is never completed.
+        out = seq.output_token_ids
+        banned += [w[-1] for w in p.bad_words_token_ids if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1]]
     if seq.num_output_tokens < p.min_tokens:   # too early to stop: no token that would stop it
-        logits[stop_tokens_in_vocab(p, eos_token_ids, V)] = float("-inf")
+        banned += stop_tokens_in_vocab(p, eos_token_ids, V)
+    if banned:
+        logits[banned] = float("-inf")
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each of SamplingParams.bad_words as token ids, spelled as vLLM spells it: as the text
+    begins ("word") and, where a BPE tokenizer gives another first token for it after a space
+    (" word") in as many tokens, that way too."""
+    spellings = []
+    for word in words:
+        alone, spaced = (tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False) for prefix in ("", " "))
+        spellings += [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+    return spellings
 
 
 def stop_tokens_in_vocab(p: SamplingParams, eos_token_ids, vocab_size: int) -> list[int]:
@@ -1249,13 +1347,18 @@ def stop_tokens_in_vocab(p: SamplingParams, eos_token_ids, vocab_size: int) -> l
 
 
 def sampling_probs(logits, p: SamplingParams):
-    """Next-token probabilities (V,) after temperature, top-k and top-p (nucleus) filtering."""
+    """Next-token probabilities (V,) after temperature, top-k, min-p and top-p (nucleus)
+    filtering (vLLM's order: min-p before top-p, which renormalizes what is left)."""
     # Shift the top logit to 0 before dividing: a tiny temperature then sends the others
     # to -inf (probability 0: the greedy limit) instead of overflowing them all to inf.
     x = (logits.double() - logits.max()) / p.temperature   # float64: a temperature of 1e-46 is not 0
     if p.top_k > 0 and p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
+    if p.min_p > 0:
+        # min_p keeps the tokens at least min_p times as likely as the likeliest. The top logit
+        # is 0 here, weight e^0 = 1, so a token's weight e^x is its ratio to it: keep x >= ln(min_p).
+        x = x.masked_fill(x < math.log(p.min_p), float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if p.top_p < 1.0:
         # keep the smallest set of most likely tokens whose probability reaches top_p
@@ -1350,6 +1453,14 @@ def _pick_kernels(backend: str, device, cfg, block_size: int, dtype: torch.dtype
     return ops
 
 
+def render_chat(tokenizer, conversation, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """A conversation as an instruct model reads it: the text its chat template renders, and
+    that text's token ids, encoded without adding special tokens (the template wrote the ones
+    it wants, a BOS among them: adding one would make two), as HF and vLLM do."""
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
 def _is_token_ids(x) -> bool:
     """A list or tuple of integer token ids (a 1-D numpy array or tensor too; no bools)."""
     if getattr(x, "ndim", None) == 1 and hasattr(x, "tolist"):
@@ -1399,9 +1510,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate, at most (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0,
-                    help="0 is greedy (default); --top-k, --top-p, --seed and distinct --n samples need > 0")
+                    help="0 is greedy (default); --top-k, --top-p, --min-p, --seed and distinct --n samples need > 0")
     ap.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens (default: -1, all)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s, off)")
+    ap.add_argument("--min-p", type=float, default=0.0,
+                    help="drop tokens less than min-p times as likely as the likeliest (default: 0, off)")
     ap.add_argument("--seed", type=int, help="makes sampling reproducible (default: none)")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt, prefilled once then forked (default: 1)")
     ap.add_argument("--stop", action="append", help="a stop string, which ends the output before it (repeatable)")
@@ -1435,7 +1548,7 @@ def main(argv=None) -> int:
             raise ValueError("a --prompt is empty")
         try:
             params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                    max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                                    min_p=args.min_p, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
                                     seed=args.seed, logprobs=args.logprobs,
                                     repetition_penalty=args.repetition_penalty)
         except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
@@ -1453,12 +1566,12 @@ def main(argv=None) -> int:
             raise ValueError("--system needs the model's chat template (" +
                              ("--raw skips it)" if args.raw else "this model has none)"))
         system = [] if args.system is None else [{"role": "system", "content": args.system}]
-        prompts = ([tok.encode(tok.apply_chat_template([*system, {"role": "user", "content": p}]),
-                               add_special_tokens=False) for p in args.prompt]
+        prompts = ([render_chat(tok, [*system, {"role": "user", "content": p}])[1] for p in args.prompt]
                    if chat else args.prompt)
         if args.temperature == 0:   # greedy: say so, rather than ignore what was asked
-            idle = [flag for flag, given in (("--top-k", args.top_k != -1), ("--top-p", args.top_p != 1.0),
-                                             ("--seed", args.seed is not None)) if given]
+            idle = [flag for flag, given in (("--top-k", args.top_k not in (-1, 0)), ("--top-p", args.top_p != 1.0),
+                                             ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None))
+                    if given]
             notes = [f"{', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect"] if idle else []
             notes += [f"--n {args.n} gives {args.n} identical samples"] if args.n > 1 else []
             if notes:

@@ -38,8 +38,9 @@ class SamplingParams:
     """How to pick a request's tokens (vLLM's names). temperature 0 is greedy."""
     n: int = 1                          # parallel samples of one prompt (prefilled once, then forked)
     temperature: float = 1.0
-    top_k: int = -1                     # -1: all tokens
+    top_k: int = -1                     # -1 (or 0): all tokens
     top_p: float = 1.0
+    min_p: float = 0.0                  # keep the tokens at least min_p times as likely as the likeliest
     max_tokens: int = 16
     stop: list[str] | str | None = None  # stop strings (the engine checks the text)
     stop_token_ids: list[int] | None = None
@@ -49,26 +50,36 @@ class SamplingParams:
     include_stop_str_in_output: bool = False   # the text ends after the stop string, not before
     logprobs: int | None = None         # per output token: its log-probability and the top k others
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
-    # Penalties, applied to the logits before temperature (see apply_penalties in nanopaged.py):
+    # Penalties, applied to the logits before temperature (see process_logits in nanopaged.py):
     presence_penalty: float = 0.0       # > 0: less of any token the output already has
     frequency_penalty: float = 0.0      # > 0: less of a token, the more the output has it
     repetition_penalty: float = 1.0     # > 1: less of any token of the prompt or output
     min_tokens: int = 0                 # no EOS, stop token or stop string before this many tokens
+    # Constraints, also before temperature (so greedy decoding obeys them too):
+    logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None      # draw only these
+    bad_words: list[str] | None = None              # never complete one of these words
+    # bad_words as token ids, both spellings (LLM.add_request fills it in the request's copy,
+    # with the model's tokenizer, as vLLM does)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # Every value is checked here, when the request is made: a bad one found later,
         # in the middle of an engine step, would fail the whole batch.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         # (numpy's and torch's integers and floats are welcome; bools are not numbers here)
         integer = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool)  # noqa: E731
         checks = [
             (integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (_finite_number(self.temperature) and self.temperature >= 0,
              f"temperature must be a finite number >= 0, got {self.temperature!r}"),
-            (integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-             f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}"),
+            (integer(self.top_k) and self.top_k >= -1,
+             f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}"),
             (_finite_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be a number in (0, 1], got {self.top_p!r}"),
+            (_finite_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be a number in [0, 1], got {self.min_p!r}"),
             (integer(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
             (self.stop is None or (isinstance(self.stop, (list, tuple))
@@ -93,19 +104,36 @@ class SamplingParams:
             *[(k is None or (integer(k) and 0 <= k <= MAX_LOGPROBS),
                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
               for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
+            (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                (integer(t) or (isinstance(t, str) and t.strip().lstrip("-").isdecimal())) and _finite_number(b)
+                for t, b in self.logit_bias.items())),
+             f"logit_bias must be a dict of token id -> bias (a finite number), got {self.logit_bias!r}"),
+            (self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple, set))
+                                                and self.allowed_token_ids
+                                                and all(integer(t) for t in self.allowed_token_ids)),
+             f"allowed_token_ids must be a non-empty list of integers, got {self.allowed_token_ids!r}"),
+            (self.bad_words is None or (isinstance(self.bad_words, (list, tuple))
+                                        and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+             f"bad_words must be a list of words (strings that are not blank), got {self.bad_words!r}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
         # plain Python numbers from here on
         self.n, self.top_k, self.max_tokens = int(self.n), int(self.top_k), int(self.max_tokens)
-        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
         self.presence_penalty, self.frequency_penalty = float(self.presence_penalty), float(self.frequency_penalty)
         self.repetition_penalty, self.min_tokens = float(self.repetition_penalty), int(self.min_tokens)
         self.seed = None if self.seed is None else int(self.seed)
         self.stop_token_ids = None if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
         self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
+        if self.logit_bias is not None:   # (string ids, as in an OpenAI request's JSON; clamped as OpenAI does)
+            self.logit_bias = {int(t): min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
 
 
 def _finite_number(x) -> bool:

@@ -34,7 +34,7 @@ import build_ext
 import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
                    load_tokenizer, resolve_model_dir)
-from nanopaged import (LLM, BlockPool, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks, PagedAttention,
+from nanopaged import (LLM, BlockPool, GenerationError, bad_words_token_ids, IncrementalDetokenizer, Logprob, OutOfBlocks, PagedAttention,
                        StopStringScan, copy_blocks, logprob_dicts, main, paged_attention, paged_attention_ref,
                        sampling_probs, write_kv)
 from scheduler import SamplingParams, Scheduler, Status
@@ -1754,7 +1754,7 @@ def test_sampling_bounds(llm):
     # every value is checked when the params are made, not in the middle of a step
     for bad in (dict(temperature=-1), dict(temperature=float("inf")), dict(temperature="0.5"),
                 dict(temperature=10**400), dict(top_p=0),
-                dict(top_p=1.5), dict(top_p="1"), dict(top_k=0), dict(top_k=2.5), dict(top_k=True), dict(n=0),
+                dict(top_p=1.5), dict(top_p="1"), dict(top_k=2.5), dict(top_k=True), dict(n=0),
                 dict(stop=5), dict(stop=[5]), dict(stop=[""]), dict(stop_token_ids=5),
                 dict(stop_token_ids="ab"), dict(seed=1.5), dict(seed=2**64), dict(seed="x"),
                 dict(ignore_eos="no"), dict(max_tokens=np.float64(3)), dict(skip_special_tokens=1)):
@@ -1853,15 +1853,28 @@ def test_logprobs_and_prompt_logprobs_are_the_models_own(smollm2_dir, llm, monke
             SamplingParams(**bad)
 
 
-def reference_penalized_greedy(model, prompt, steps, rep=1.0, presence=0.0, frequency=0.0):
-    """Greedy decoding with vLLM's penalties, written out plainly over dense forward passes."""
+def reference_penalized_greedy(model, prompt, steps, rep=1.0, presence=0.0, frequency=0.0,
+                               logit_bias=None, allowed=None, bad_words_ids=()):
+    """Greedy decoding with vLLM's penalties and constraints, written out plainly over dense
+    forward passes, in vLLM's order: the bans first, then logit_bias, then the penalties.
+    Stops early, returning what it has, when every token is banned."""
     ids, out = list(prompt), []
     for _ in range(steps):
         logits = forward_all(model, ids)[-1].float().clone()   # (V,) (a normal tensor: edited in place)
+        for t in range(len(logits)):
+            if allowed is not None and t not in allowed:
+                logits[t] = float("-inf")
+        for word in bad_words_ids:
+            if len(out) >= len(word) - 1 and out[len(out) - (len(word) - 1):] == word[:-1]:
+                logits[word[-1]] = float("-inf")
+        for t, bias in (logit_bias or {}).items():
+            logits[t] += bias
         for t in set(ids):
             logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
         for t in set(out):
             logits[t] -= presence + frequency * out.count(t)
+        if logits.max() == float("-inf"):
+            return out
         out.append(int(logits.argmax()))
         ids.append(out[-1])
     return out
@@ -1919,6 +1932,104 @@ def test_penalties_and_min_tokens(llm):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="no token is left to draw"):
         llm.add_request("Hi", SamplingParams(min_tokens=1, stop_token_ids=list(range(llm.config.vocab_size))))
+    assert_nothing_leaked(llm)
+
+
+def test_min_p_logit_bias_allowed_token_ids_and_bad_words(llm):
+    tok = llm.get_tokenizer()
+    prompt = tok.encode("The capital of France is")
+    plain = llm.generate(prompt, greedy(10, ignore_eos=True))[0].outputs[0]
+    assert "Paris" in plain.text
+    # min_p: the tokens at least min_p times as likely as the likeliest, renormalized
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 3
+    for t, min_p in ((1.0, 0.1), (2.0, 0.02), (0.5, 0.3)):
+        full = torch.softmax(logits / t, -1)
+        probs = sampling_probs(logits, SamplingParams(temperature=t, min_p=min_p))
+        kept = full >= min_p * full.max()
+        assert 1 < kept.sum() < 1000 and torch.equal(probs > 0, kept)
+        assert torch.allclose(probs[kept], full[kept] / full[kept].sum())
+    # min_p = 1 keeps only the likeliest: sampling is then greedy
+    only_top = llm.generate(prompt, SamplingParams(min_p=1.0, seed=0, max_tokens=10, ignore_eos=True))[0]
+    assert only_top.outputs[0].token_ids == plain.token_ids
+    # each against the plain reference loop, in one batch (each row its own constraints), with a penalty too
+    words = ["Paris", " capital"]
+    spelled = bad_words_token_ids(tok, words)
+    assert spelled[0] == tok.encode("Paris", add_special_tokens=False) and tok.encode(" Paris") in spelled
+    allowed = sorted(set(tok.encode(" the city of Paris and Lyon, in France.")))
+    banana = tok.encode(" banana")[0]
+    cases = [dict(logit_bias={banana: 12.0}, repetition_penalty=1.5), dict(allowed_token_ids=allowed, presence_penalty=1.0),
+             dict(bad_words=words), dict(logit_bias={str(plain.token_ids[0]): -1000})]   # (clamped to -100)
+    outs = llm.generate([prompt] * len(cases), [greedy(10, ignore_eos=True, logprobs=0, **c) for c in cases])
+    for case, out in zip(cases, outs):
+        o = out.outputs[0]
+        bias = {int(t): max(b, -100) for t, b in case.get("logit_bias", {}).items()}
+        want = reference_penalized_greedy(llm.model, prompt, 10, case.get("repetition_penalty", 1.0),
+                                          case.get("presence_penalty", 0.0), logit_bias=bias,
+                                          allowed=case.get("allowed_token_ids"),
+                                          bad_words_ids=spelled if "bad_words" in case else ())
+        assert o.token_ids == want and want != plain.token_ids, case
+        # logprobs are the model's own, before the constraints
+        dense_lp = torch.log_softmax(forward_all(llm.model, prompt + want).float(), -1)
+        assert o.logprobs[0][want[0]].logprob == pytest.approx(dense_lp[len(prompt) - 1, want[0]].item(), abs=2e-4)
+    assert banana in outs[0].outputs[0].token_ids and set(outs[1].outputs[0].token_ids) <= set(allowed)
+    assert "Paris" not in outs[2].outputs[0].text and " capital" not in outs[2].outputs[0].text
+    assert outs[3].outputs[0].token_ids[0] != plain.token_ids[0]
+    # bad words that the output begins can ban every allowed token: that request fails, alone
+    a, b = tok.encode(" a")[0], tok.encode(" b")[0]
+    stuck = SamplingParams(max_tokens=10, seed=0, allowed_token_ids=[a, b], bad_words=["a b", "a a"], logit_bias={a: 100})
+    outs = llm.generate([prompt, prompt], [stuck, greedy(10, ignore_eos=True)])
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == [a]
+    assert outs[1].outputs[0].token_ids == plain.token_ids
+    assert_nothing_leaked(llm)
+    # bad values: when the params are made, or, for what needs the model, when the request is added
+    for bad in (dict(min_p=-0.1), dict(min_p=1.5), dict(min_p="0.1"), dict(top_k=-2), dict(logit_bias={1: float("inf")}),
+                dict(logit_bias=[1]), dict(logit_bias={True: 1.0}), dict(logit_bias={"x": 1.0}),
+                dict(allowed_token_ids=[]), dict(allowed_token_ids=[1.5]), dict(allowed_token_ids=5),
+                dict(bad_words=[""]), dict(bad_words=["  "]), dict(bad_words=[5])):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert SamplingParams(top_k=0, logit_bias={"7": 1000, 8: -2}).logit_bias == {7: 100.0, 8: -2.0}   # (top_k 0: off)
+    V = llm.config.vocab_size
+    for kw, message in ((dict(logit_bias={V: 1.0}), "logit_bias has token ids outside"),
+                        (dict(allowed_token_ids=[-1, 5]), r"allowed_token_ids has token ids outside \[0, 49152\)"),
+                        (dict(allowed_token_ids=[a], bad_words=["a"]), "no token is left to draw: allowed_token_ids, bad_words"),
+                        (dict(allowed_token_ids=sorted(llm.scheduler.eos_token_ids), min_tokens=1),
+                         "no token is left to draw: allowed_token_ids, min_tokens")):
+        with pytest.raises(ValueError, match=message):
+            llm.add_request(prompt, SamplingParams(**kw))
+    assert_nothing_leaked(llm)
+
+
+def test_chat_prompt_dicts_and_use_tqdm(llm, capsys):
+    tok = llm.get_tokenizer()
+    conversation = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hi"}]
+    rendered = tok.apply_chat_template(conversation)
+    ids = tok.encode(rendered, add_special_tokens=False)
+    want = llm.generate(ids, greedy(8))[0].outputs[0].token_ids
+    out = llm.chat(conversation, greedy(8))
+    assert len(out) == 1 and out[0].prompt == rendered and out[0].prompt_token_ids == ids
+    assert out[0].outputs[0].token_ids == want
+    other = [{"role": "user", "content": "Name a colour."}]
+    batch = llm.chat([conversation, other], [greedy(8), greedy(6)])
+    assert [r.outputs[0].token_ids for r in batch] == [want, llm.chat(other, greedy(6))[0].outputs[0].token_ids]
+    with pytest.raises(ValueError, match="conversation 1: message 0 must be a dict"):
+        llm.chat([conversation, [{"role": "user"}]], greedy(8))
+    # vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}
+    text = "The capital of France is"
+    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": tok.encode(text)}, text], greedy(4))
+    assert outs[0].prompt == text and outs[1].prompt is None
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    for bad, message in (({"prompt": text, "multi_modal_data": {}}, "prompt 1: a prompt dict holds one key"),
+                         ({"prompt": ids}, 'prompt 1: prompt must be a string'),
+                         ({"prompt_token_ids": text}, "prompt 1: prompt_token_ids must be a list of token ids")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate([text, bad], greedy(4))
+    # use_tqdm (vLLM's name): a progress line on stderr
+    capsys.readouterr()
+    llm.generate([text, text], greedy(3), use_tqdm=True)
+    assert "2/2 requests" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="use_tqdm must be True or False"):
+        llm.generate(text, greedy(3), use_tqdm="yes")
     assert_nothing_leaked(llm)
 
 
@@ -2457,6 +2568,7 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--seed", "99999999999999999999"], "--seed must be an integer in [0, 2**63)"),
     (["--prompt", "hi", "--logprobs", "21"], "--logprobs must be None or an integer in [0, 20]"),
     (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be a finite number > 0"),
+    (["--prompt", "hi", "--min-p", "2"], "--min-p must be a number in [0, 1], got 2.0"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
@@ -2485,9 +2597,9 @@ def test_cli_streams_and_batches(capsys, smollm2_dir):
 
 def test_cli_says_which_flags_greedy_ignores(capsys, smollm2_dir):
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "1",
-                             "--seed", "3", "--top-p", "0.5", "--n", "2")
-    assert code == 0 and err.startswith("nanopaged: note: at --temperature 0 (greedy), --top-p, --seed have no "
-                                        "effect; --n 2 gives 2 identical samples\n")
+                             "--seed", "3", "--top-p", "0.5", "--min-p", "0.1", "--n", "2")
+    assert code == 0 and err.startswith("nanopaged: note: at --temperature 0 (greedy), --top-p, --min-p, --seed have "
+                                        "no effect; --n 2 gives 2 identical samples\n")
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "1",
                              "--seed", "3", "--temperature", "0.5")
     assert code == 0 and "note" not in err
@@ -3027,18 +3139,20 @@ def tiny_llama_dir(tmp_path):
 
 def engine_tokens(llm, lengths, max_tokens):
     """Greedy tokens for prompts of these lengths, the last sharing a prefix with the third,
-    then n=3 samples of the second, then penalties and logprobs of the first: prefill,
+    then n=3 samples of the second, then penalties, constraints and logprobs of the first: prefill,
     decode, chunked prefill (when a prompt exceeds the token budget), prefix hits and
     copy-on-write all go through the attention backend, and the sampler's extras run on
     its device. Returns the tokens and the logprobs."""
     prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate(lengths)]
     prompts.append(prompts[2][:lengths[2] * 2 // 3] + [9, 9, 9])
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    outs += llm.generate(prompts[1], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
+    outs += llm.generate(prompts[1], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True,
+                                                    min_p=0.01))
     assert llm.stats.prefix_hit_tokens > 0
     extras = llm.generate(prompts[0], SamplingParams(
         temperature=0, max_tokens=6, min_tokens=3, repetition_penalty=1.3, presence_penalty=0.5,
-        frequency_penalty=0.5, logprobs=2, prompt_logprobs=2))[0]
+        frequency_penalty=0.5, logprobs=2, prompt_logprobs=2, logit_bias={5: 3.0, 6: -2.0},
+        allowed_token_ids=list(range(1, 200)), bad_words=["xy"]))[0]
     assert_nothing_leaked(llm)
     logprobs = [e.logprob for d in extras.outputs[0].logprobs + extras.prompt_logprobs[1:] for e in d.values()]
     return [[c.token_ids for c in o.outputs] for o in outs + [extras]], logprobs
