@@ -8,7 +8,7 @@ README quotes them with the command that produced them.
   python bench.py engine      the 64-request offline workload (+ transformers side by side), memory report
   python bench.py prefix      a ~1,000-token shared system prompt: TTFT with prefix caching on vs off
   python bench.py parallel    n = 4 parallel sampling: KV blocks with copy-on-write vs without sharing
-  python bench.py sampling    what logprobs, prompt logprobs and penalties cost, against plain greedy
+  python bench.py sampling    what logprobs, prompt logprobs, penalties and constraints cost, against plain greedy
   python bench.py kernel      (GPU) the CUDA kernel's bandwidth vs the card's copy bandwidth
   python bench.py all         every CPU benchmark above
 
@@ -318,13 +318,16 @@ def bench_sampling(args):
     base = dict(temperature=0, max_tokens=32, ignore_eos=True)
     variants = [("plain greedy", {}), ("logprobs=5", dict(logprobs=5)), ("prompt_logprobs=5", dict(prompt_logprobs=5)),
                 ("penalties (repetition 1.2, presence 0.5, frequency 0.5)",
-                 dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5))]
+                 dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5)),
+                ("constraints (logit_bias 100 ids, allowed_token_ids half the vocab, 2 bad_words)",
+                 dict(logit_bias={t: 1.0 for t in range(1000, 1100)}, allowed_token_ids=list(range(llm.config.vocab_size // 2)),
+                      bad_words=["hello world", "goodbye"]))]
     fns = [lambda extra=extra: llm.generate(prompts, SamplingParams(**base, **extra)) for _, extra in variants]
     times = median_times(fns, repeats=args.repeats, warmup=1)
     print(f"{len(prompts)} prompts of 100 tokens, 32 greedy output tokens each, one batch; "
           f"median of {args.repeats}, timed in turns:")
     for (label, _), t in zip(variants, times):
-        print(f"  {label:55s} {t:6.2f} s  {t / times[0]:.2f}x")
+        print(f"  {label:80s} {t:6.2f} s  {t / times[0]:.2f}x")
 
 #
 # Decode attention on the GPU: the CUDA kernel against the card's copy bandwidth.

@@ -529,6 +529,11 @@ class GenerationError(RuntimeError):
     constraints (allowed_token_ids, bad_words) left it no token to draw."""
 
 
+# why a sequence failed (Sequence.error), when it ends with finish_reason "error"
+NOT_FINITE = "the model's logits are not finite (NaN or inf)"
+NOTHING_TO_DRAW = "allowed_token_ids, bad_words and min_tokens left no token to draw"
+
+
 class IncrementalDetokenizer:
     """The text of a sample's growing output, decoded as tokens arrive: each call decodes
     only the tokens added since the last one, where decoding the whole output every step
@@ -743,6 +748,9 @@ class LLM:
         # (or did since making it), and may reuse it for the next request (vLLM copies too).
         params = copy.deepcopy(params)
         params.__post_init__()
+        if params.truncate_prompt_tokens is not None:   # (left truncation: the end of a prompt matters most)
+            keep = params.truncate_prompt_tokens
+            ids = ids[-(self.max_model_len if keep == -1 else keep):]
         # (a text prompt too: a tokenizer may know more tokens than config.json's vocab_size)
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
@@ -780,7 +788,8 @@ class LLM:
 
     def _check_constraints(self, params: SamplingParams):
         """The token ids a request names must be the model's, and its constraints must leave
-        some token to draw from its first step. Fills params.bad_words_token_ids."""
+        some token to draw from its first step. Fills params.bad_words_token_ids and
+        params.disallowed_mask."""
         V = self.config.vocab_size
         if params.bad_words is not None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
@@ -797,6 +806,9 @@ class LLM:
             raise ValueError("no token is left to draw: " + ", ".join(name for name, given in (
                 ("allowed_token_ids", params.allowed_token_ids), ("bad_words", params.bad_words),
                 ("min_tokens' stop tokens (EOS, stop_token_ids)", params.min_tokens)) if given) + " ban them all")
+        if allowed is not None:
+            params.disallowed_mask = torch.ones(V, dtype=torch.bool, device=self.device)
+            params.disallowed_mask[allowed] = False
 
     def abort(self, request_id) -> RequestOutput:
         """Stop a request now; its blocks return to the pool at once. Returns what it had."""
@@ -846,7 +858,7 @@ class LLM:
             sampled, broken = self._sample(due, logits[:len(due)], finite)   # (rows past these score prompts)
             token_logprobs, prompt_logprobs, broken_prompts = self._logprobs(due, logits, finite, sampled, prompt_rows)
             with defer_ctrl_c():
-                self._commit(out, sampled, broken + broken_prompts, start, token_logprobs, prompt_logprobs)
+                self._commit(out, sampled, broken | broken_prompts, start, token_logprobs, prompt_logprobs)
                 done = True   # the step happened: a Ctrl-C held until here has nothing to undo
         except BaseException:
             # Out of memory, a KeyboardInterrupt...: the step did not happen. Its slots were
@@ -860,13 +872,14 @@ class LLM:
         self._flush_trace()
         return self._collect_finished()
 
-    def _commit(self, out, sampled: dict, broken: list, start: float, token_logprobs: dict, prompt_logprobs: list):
+    def _commit(self, out, sampled: dict, broken: dict, start: float, token_logprobs: dict, prompt_logprobs: list):
         """Record a step that ran, all of it (the caller holds Ctrl-C): fail the rows whose
         logits broke, hand the tokens to Scheduler.update (appends, forks, EOS and length
         finishes), keep their logprobs, check stop strings, add the step's stats."""
         # first: should a line below raise (a bug), what the step finished is still reported
         self._to_report |= dict.fromkeys(seq.request_id for seq in out.seqs)   # forks share their ids
-        for seq in broken:   # a broken row must not take the batch down: fail its request
+        for seq, why in broken.items():   # a broken row must not take the batch down: fail its request
+            seq.error = why
             self.scheduler.finish(seq, "error")
             sampled.pop(seq, None)   # (a prompt row broke: what its last row drew is void)
         if self._trace is not None:
@@ -924,13 +937,13 @@ class LLM:
                 prompt_rows)
 
     # --- sampling ---
-    def _sample(self, due: list, logits, finite: list) -> tuple[dict, list]:
+    def _sample(self, due: list, logits, finite: list) -> tuple[dict, dict]:
         """Pick the next token of every sequence that reached its end (due; logits (S, vocab),
         a row each; finite[row]: no NaN or inf in it). Greedy rows share one argmax; the others
         are sampled one by one, each with its own generator, so a seeded request gives the same
         tokens whatever else is in the batch. Returns {seq: its tokens (one, or n where it
-        forks)} and the sequences that cannot draw: logits broken (NaN or inf), or every token
-        banned by their constraints."""
+        forks)} and {seq: why} for those that cannot draw: logits broken (NaN or inf), or
+        every token banned by their constraints."""
         logits, drawable = logits.float(), list(finite)
         edited = [row for row, seq in enumerate(due) if finite[row] and edits_logits(seq)]
         if edited:
@@ -942,10 +955,10 @@ class LLM:
             for row, ok in zip(edited, logits[edited].amax(dim=-1).isfinite().tolist()):
                 drawable[row] = ok
         greedy = logits.argmax(dim=-1).tolist()
-        sampled, broken = {}, []
+        sampled, broken = {}, {}
         for row, seq in enumerate(due):
             if not drawable[row]:
-                broken.append(seq)
+                broken[seq] = NOT_FINITE if not finite[row] else NOTHING_TO_DRAW
                 continue
             p, k = seq.params, seq.pending_samples
             if p.temperature == 0:
@@ -957,11 +970,11 @@ class LLM:
             sampled[seq] = tokens
         return sampled, broken
 
-    def _logprobs(self, due: list, logits, finite: list, sampled: dict, prompt_rows: list) -> tuple[dict, list, list]:
+    def _logprobs(self, due: list, logits, finite: list, sampled: dict, prompt_rows: list) -> tuple[dict, list, dict]:
         """vLLM's logprobs of this step: {seq: one {token id: Logprob} per token it sampled}
         for the sequences that ask for them, and (seq, first position, [one per prompt token])
-        for those that score their prompt, from one batched log_softmax. Also the sequences
-        whose prompt rows are broken (NaN or inf): they fail, as a broken sampled row does.
+        for those that score their prompt, from one batched log_softmax. Also {seq: NOT_FINITE}
+        for those whose prompt rows are broken (NaN or inf): they fail, as a broken sampled row does.
         logits: (S + R, vocab), the S rows of due, then the R prompt rows; finite: per row."""
         rows, targets, ks = [], [], []
         for row, seq in enumerate(due):
@@ -969,7 +982,7 @@ class LLM:
                 rows += [row] * len(sampled[seq])
                 targets += sampled[seq]
                 ks += [seq.params.logprobs] * len(sampled[seq])
-        scored, broken, r = [], [], len(due)   # r: the next prompt row
+        scored, broken, r = [], {}, len(due)   # r: the next prompt row
         for seq, first, count in prompt_rows:
             if all(finite[r:r + count]):
                 rows += range(r, r + count)
@@ -977,7 +990,7 @@ class LLM:
                 ks += [seq.params.prompt_logprobs] * count
                 scored.append((seq, first, count))
             else:
-                broken.append(seq)
+                broken[seq] = NOT_FINITE
             r += count
         if not rows:
             return {}, [], broken
@@ -1122,6 +1135,8 @@ class LLM:
         "content": ...}) or a list of conversations, each rendered with the model's chat
         template (render_chat) and generated for; one RequestOutput per conversation, whose
         prompt is the rendered text."""
+        if self.tokenizer.chat_template is None:   # (a string would pass through unrendered)
+            raise ValueError("this model has no chat template: give generate() a plain prompt")
         batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
         parsed = []
         for i, conversation in enumerate(messages if batch else [messages]):
@@ -1133,7 +1148,8 @@ class LLM:
 
     def _generate(self, prompts: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool):
         """Run prompts (text, token ids) to the end, alone in the engine; outputs in their order."""
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        one_each = isinstance(sampling_params, (list, tuple))
+        params = list(sampling_params) if one_each else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if not isinstance(use_tqdm, bool):
@@ -1222,9 +1238,7 @@ class LLM:
                     out = finished[0].outputs[0]
                     yield out.text[shown:]
                     if out.finish_reason == "error":
-                        raise GenerationError("the model's logits are not finite (NaN or inf)" +
-                                              (", or bad_words left no token to draw" if params.bad_words else "") +
-                                              ": generation stopped")
+                        raise GenerationError(f"{seq.error}: generation stopped")
                     return
                 held += detokenizer.new_text(seq.output_token_ids)
                 cut = max(len(held) - hold, 0)
@@ -1290,7 +1304,7 @@ def edits_logits(seq) -> bool:
     p = seq.params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             or seq.num_output_tokens < p.min_tokens or p.logit_bias is not None
-            or p.allowed_token_ids is not None or p.bad_words_token_ids is not None)
+            or p.disallowed_mask is not None or p.bad_words_token_ids is not None)
 
 
 def process_logits(logits, seq, eos_token_ids):
@@ -1314,16 +1328,15 @@ def process_logits(logits, seq, eos_token_ids):
         ids = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
         counts = logits.new_zeros(V).scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))   # (V,)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-    if p.allowed_token_ids is not None:
-        outside = torch.ones(V, dtype=torch.bool, device=logits.device)
-        outside[p.allowed_token_ids] = False
-        logits.masked_fill_(outside, float("-inf"))
+    if p.disallowed_mask is not None:   # (allowed_token_ids)
+        logits.masked_fill_(p.disallowed_mask, float("-inf"))
     banned = []
     if p.bad_words_token_ids is not None:
         # A bad word's last token is banned where the output ends with the rest of the word
         # (its first tokens; for a word of one token, always), so the word is never completed.
         out = seq.output_token_ids
-        banned += [w[-1] for w in p.bad_words_token_ids if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1]]
+        banned += [w[-1] for w in p.bad_words_token_ids
+                   if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1]]
     if seq.num_output_tokens < p.min_tokens:   # too early to stop: no token that would stop it
         banned += stop_tokens_in_vocab(p, eos_token_ids, V)
     if banned:

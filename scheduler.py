@@ -23,6 +23,7 @@ import bisect
 import hashlib
 import math
 import numbers
+import re
 import time
 from array import array
 from collections import deque
@@ -55,13 +56,17 @@ class SamplingParams:
     frequency_penalty: float = 0.0      # > 0: less of a token, the more the output has it
     repetition_penalty: float = 1.0     # > 1: less of any token of the prompt or output
     min_tokens: int = 0                 # no EOS, stop token or stop string before this many tokens
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (-1: the model's context)
     # Constraints, also before temperature (so greedy decoding obeys them too):
     logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None      # draw only these
     bad_words: list[str] | None = None              # never complete one of these words
-    # bad_words as token ids, both spellings (LLM.add_request fills it in the request's copy,
-    # with the model's tokenizer, as vLLM does)
+    # Filled by LLM.add_request in the request's copy: bad_words as token ids, both spellings
+    # (with the model's tokenizer, as vLLM does), and a (vocab,) bool tensor on the engine's
+    # device, True outside allowed_token_ids (made once: a list of ids to a tensor every step
+    # took 3 ms for half of a 49k vocabulary)
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+    disallowed_mask: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # Every value is checked here, when the request is made: a bad one found later,
@@ -79,7 +84,8 @@ class SamplingParams:
             (integer(self.top_k) and self.top_k >= -1,
              f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}"),
             (_finite_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be a number in (0, 1], got {self.top_p!r}"),
-            (_finite_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be a number in [0, 1], got {self.min_p!r}"),
+            (_finite_number(self.min_p) and 0 <= self.min_p <= 1,
+             f"min_p must be a number in [0, 1], got {self.min_p!r}"),
             (integer(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
             (self.stop is None or (isinstance(self.stop, (list, tuple))
@@ -98,6 +104,11 @@ class SamplingParams:
                               ("frequency_penalty", self.frequency_penalty))],
             (_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"),
+            (self.truncate_prompt_tokens is None or (integer(self.truncate_prompt_tokens)
+                                                     and (self.truncate_prompt_tokens >= 1
+                                                          or self.truncate_prompt_tokens == -1)),
+             f"truncate_prompt_tokens must be None, -1 (the model's context) or an integer >= 1, "
+             f"got {self.truncate_prompt_tokens!r}"),
             (integer(self.min_tokens) and self.min_tokens >= 0
              and (not integer(self.max_tokens) or self.min_tokens <= self.max_tokens),   # (a bad max_tokens: its own message)
              f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens!r}], got {self.min_tokens!r}"),
@@ -105,7 +116,7 @@ class SamplingParams:
                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
               for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-                (integer(t) or (isinstance(t, str) and t.strip().lstrip("-").isdecimal())) and _finite_number(b)
+                (integer(t) or (isinstance(t, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", t))) and _finite_number(b)
                 for t, b in self.logit_bias.items())),
              f"logit_bias must be a dict of token id -> bias (a finite number), got {self.logit_bias!r}"),
             (self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple, set))
@@ -128,6 +139,8 @@ class SamplingParams:
         self.stop_token_ids = None if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
         self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = int(self.truncate_prompt_tokens)
         if self.logit_bias is not None:   # (string ids, as in an OpenAI request's JSON; clamped as OpenAI does)
             self.logit_bias = {int(t): min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
@@ -170,6 +183,7 @@ class Sequence:
         self.arrival = arrival                  # arrival order: the FCFS key (forks share it)
         self.status = Status.WAITING
         self.finish_reason: str | None = None   # "stop", "length", "abort" or "error"
+        self.error: str | None = None           # with "error": why (the engine's words)
         self.num_computed_tokens = 0            # tokens whose K/V are in the cache
         self.num_cached_tokens = 0              # prompt tokens found in the prefix cache at admission
         self.num_preemptions = 0                # times its blocks were dropped, to be recomputed

@@ -34,9 +34,9 @@ import build_ext
 import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
                    load_tokenizer, resolve_model_dir)
-from nanopaged import (LLM, BlockPool, GenerationError, bad_words_token_ids, IncrementalDetokenizer, Logprob, OutOfBlocks, PagedAttention,
-                       StopStringScan, copy_blocks, logprob_dicts, main, paged_attention, paged_attention_ref,
-                       sampling_probs, write_kv)
+from nanopaged import (LLM, BlockPool, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks, PagedAttention,
+                       StopStringScan, bad_words_token_ids, copy_blocks, logprob_dicts, main, paged_attention,
+                       paged_attention_ref, sampling_probs, write_kv)
 from scheduler import SamplingParams, Scheduler, Status
 
 HERE = Path(__file__).resolve().parent
@@ -1980,6 +1980,8 @@ def test_min_p_logit_bias_allowed_token_ids_and_bad_words(llm):
     outs = llm.generate([prompt, prompt], [stuck, greedy(10, ignore_eos=True)])
     assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == [a]
     assert outs[1].outputs[0].token_ids == plain.token_ids
+    with pytest.raises(GenerationError, match="allowed_token_ids, bad_words and min_tokens left no token to draw"):
+        list(llm.stream(prompt, stuck))
     assert_nothing_leaked(llm)
     # bad values: when the params are made, or, for what needs the model, when the request is added
     for bad in (dict(min_p=-0.1), dict(min_p=1.5), dict(min_p="0.1"), dict(top_k=-2), dict(logit_bias={1: float("inf")}),
@@ -1988,6 +1990,9 @@ def test_min_p_logit_bias_allowed_token_ids_and_bad_words(llm):
                 dict(bad_words=[""]), dict(bad_words=["  "]), dict(bad_words=[5])):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+    for key in ("--5", "9" * 30, "\u0663", "5x"):   # (only what an OpenAI client writes: ASCII digits)
+        with pytest.raises(ValueError, match="logit_bias must be a dict of token id"):
+            SamplingParams(logit_bias={key: 1.0})
     assert SamplingParams(top_k=0, logit_bias={"7": 1000, 8: -2}).logit_bias == {7: 100.0, 8: -2.0}   # (top_k 0: off)
     V = llm.config.vocab_size
     for kw, message in ((dict(logit_bias={V: 1.0}), "logit_bias has token ids outside"),
@@ -2000,7 +2005,7 @@ def test_min_p_logit_bias_allowed_token_ids_and_bad_words(llm):
     assert_nothing_leaked(llm)
 
 
-def test_chat_prompt_dicts_and_use_tqdm(llm, capsys):
+def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     tok = llm.get_tokenizer()
     conversation = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hi"}]
     rendered = tok.apply_chat_template(conversation)
@@ -2010,10 +2015,16 @@ def test_chat_prompt_dicts_and_use_tqdm(llm, capsys):
     assert len(out) == 1 and out[0].prompt == rendered and out[0].prompt_token_ids == ids
     assert out[0].outputs[0].token_ids == want
     other = [{"role": "user", "content": "Name a colour."}]
-    batch = llm.chat([conversation, other], [greedy(8), greedy(6)])
+    batch = llm.chat([conversation, other], (greedy(8), greedy(6)))   # (a tuple of params too)
     assert [r.outputs[0].token_ids for r in batch] == [want, llm.chat(other, greedy(6))[0].outputs[0].token_ids]
     with pytest.raises(ValueError, match="conversation 1: message 0 must be a dict"):
         llm.chat([conversation, [{"role": "user"}]], greedy(8))
+    template, tok.chat_template = tok.chat_template, None
+    try:
+        with pytest.raises(ValueError, match="this model has no chat template"):
+            llm.chat("Hi", greedy(8))
+    finally:
+        tok.chat_template = template
     # vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}
     text = "The capital of France is"
     outs = llm.generate([{"prompt": text}, {"prompt_token_ids": tok.encode(text)}, text], greedy(4))
@@ -2024,6 +2035,14 @@ def test_chat_prompt_dicts_and_use_tqdm(llm, capsys):
                          ({"prompt_token_ids": text}, "prompt 1: prompt_token_ids must be a list of token ids")):
         with pytest.raises(ValueError, match=message):
             llm.generate([text, bad], greedy(4))
+    # truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the model's context holds)
+    long = tok.encode("one two three four five six seven eight")
+    cut = llm.generate([long, long], [greedy(4, truncate_prompt_tokens=3), greedy(4, truncate_prompt_tokens=-1)])
+    assert cut[0].prompt_token_ids == long[-3:] and cut[1].prompt_token_ids == long
+    assert cut[0].outputs[0].token_ids == llm.generate(long[-3:], greedy(4))[0].outputs[0].token_ids
+    for k in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be None, -1"):
+            SamplingParams(truncate_prompt_tokens=k)
     # use_tqdm (vLLM's name): a progress line on stderr
     capsys.readouterr()
     llm.generate([text, text], greedy(3), use_tqdm=True)
