@@ -103,6 +103,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
     bos_token_id: int | None = None   # as config.json says; a prompt's BOS comes from Tokenizer.prefix_ids
     eos_token_id: list[int] = field(default_factory=list)  # always a list
+    # generation_config.json's sampling values, named as SamplingParams names them: vLLM's LLM
+    # samples with these when a request brings no SamplingParams
+    sampling_defaults: dict = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, path) -> "ModelConfig":
@@ -117,6 +120,7 @@ class ModelConfig:
             with _in_file(gen):
                 config.eos_token_id += [i for i in _token_ids(d, "eos_token_id")
                                         if i not in config.eos_token_id]
+                config.sampling_defaults = _sampling_defaults(d)
         return config
 
     @classmethod
@@ -206,6 +210,28 @@ def _token_ids(d: dict, key: str, default=None, many=True) -> list[int]:
         raise ModelError(f"{key!r} is {value!r}, expected a token id"
                          + (", a list of them" if many else "") + " or null")
     return ids
+
+
+# generation_config.json's sampling keys: (SamplingParams' name, the value HF's GenerationConfig
+# has when the file does not say). As vLLM does, a value equal to HF's default is not the
+# model's choice and is left out: top_k 50 is HF's default, not a model's advice.
+GENERATION_KEYS = {"temperature": ("temperature", 1.0), "top_k": ("top_k", 50), "top_p": ("top_p", 1.0),
+                   "min_p": ("min_p", None), "repetition_penalty": ("repetition_penalty", 1.0),
+                   "max_new_tokens": ("max_tokens", None)}
+
+
+def _sampling_defaults(d: dict) -> dict:
+    """The sampling values a generation_config.json sets, under SamplingParams' names.
+    (do_sample is not read: vLLM does not read it either.)"""
+    defaults = {}
+    for key, (name, hf_default) in GENERATION_KEYS.items():
+        value = d.get(key)
+        if value is None or value == hf_default:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ModelError(f"{key!r} is {value!r}, expected a number")
+        defaults[name] = value
+    return defaults
 
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",

@@ -641,7 +641,7 @@ class LLM:
                  num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 attn_backend: str = "auto", load_format: str = "auto"):
+                 attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto"):
         device = _parse_device(device)
         dtype = _parse_dtype(dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         sizes = {"block_size": block_size, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
@@ -665,11 +665,20 @@ class LLM:
             raise ValueError("attn_backend='cuda' needs device='cuda'")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {load_format!r}: use auto, or dummy (random weights)")
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"unknown generation_config {generation_config!r}: use auto (the model's "
+                             "generation_config.json) or vllm (SamplingParams' own defaults)")
         self.device, self.dtype = device, dtype
         self.model = load_model(model, dtype=dtype, device=device, dummy=(load_format == "dummy"))
         self.tokenizer = load_tokenizer(model)
         cfg = self.model.config
         self.config = cfg
+        # What a request without SamplingParams samples with (vLLM's rule): the model's advice in
+        # generation_config.json, such as a temperature, where generation_config is "auto"
+        try:
+            self._default_params = SamplingParams(**cfg.sampling_defaults if generation_config == "auto" else {})
+        except ValueError as e:
+            raise ValueError(f"the model's generation_config.json: {e}") from None
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
         # The KV cache: sized by a block count, or by a memory budget in bytes.
@@ -702,6 +711,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate, chat, stream and add_request use when given no SamplingParams."""
+        return copy.deepcopy(self._default_params)
 
     def describe_kv_cache(self) -> str:
         c, pool = self.config, self.pool
@@ -741,7 +754,7 @@ class LLM:
         raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
 
     def _add(self, text: str | None, ids: list[int], params: SamplingParams | None, request_id=None):
-        params = SamplingParams() if params is None else params
+        params = self._default_params if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         # The request's own copy, checked again: the caller may change its object after this
@@ -1211,7 +1224,7 @@ class LLM:
     # --- streaming and the block trace ---
     def stream(self, prompt, params: SamplingParams | None = None):
         """Generate for one prompt, yielding its text piece by piece as tokens arrive."""
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params
         if isinstance(params, SamplingParams) and params.n != 1:
             raise ValueError("stream() generates one sample: use generate() for n > 1")
         self._check_alone("stream()")

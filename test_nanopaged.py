@@ -737,6 +737,7 @@ def test_config_file_errors_name_the_file_once(tmp_path):
 @pytest.mark.parametrize("generation_config, message", [
     ([{"eos_token_id": 4}], "generation_config.json: expected a JSON object, got list"),
     ({"eos_token_id": "4"}, "generation_config.json: 'eos_token_id' is '4'"),
+    ({"temperature": "hot"}, "generation_config.json: 'temperature' is 'hot', expected a number"),
 ])
 def test_bad_generation_config(tmp_path, generation_config, message):
     (tmp_path / "config.json").write_text(json.dumps(llama_config()))
@@ -2050,6 +2051,28 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     with pytest.raises(ValueError, match="use_tqdm must be True or False"):
         llm.generate(text, greedy(3), use_tqdm="yes")
     assert_nothing_leaked(llm)
+
+
+def test_generation_config_gives_the_default_sampling_params(tmp_path):
+    """vLLM's rule: a request without SamplingParams samples as the model's
+    generation_config.json advises (values equal to HF's defaults, such as top_k 50, are none)."""
+    model_dir = tiny_llama_dir(tmp_path)
+    gen = {"temperature": 0.0, "top_k": 50, "top_p": 0.9, "min_p": 0.05, "max_new_tokens": 5, "do_sample": True,
+           "eos_token_id": 0}
+    (model_dir / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(model_dir, load_format="dummy", num_blocks=64)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_p=0.9, min_p=0.05, max_tokens=5)
+    prompt = [5, 6, 7, 8]
+    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].token_ids
+    assert llm.generate(prompt)[0].outputs[0].token_ids == want
+    assert "".join(llm.stream(prompt)) == llm.get_tokenizer().decode(want)
+    assert LLM(model_dir, load_format="dummy", num_blocks=64,
+               generation_config="vllm").get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="unknown generation_config 'hf'"):
+        LLM(model_dir, load_format="dummy", num_blocks=64, generation_config="hf")
+    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="the model's generation_config.json: temperature must be a finite number >= 0"):
+        LLM(model_dir, load_format="dummy", num_blocks=64)
 
 
 def test_abort_and_a_failing_request_leave_the_others_intact(llm, monkeypatch):
