@@ -531,7 +531,6 @@ class GenerationError(RuntimeError):
 
 # why a sequence failed (Sequence.error), when it ends with finish_reason "error"
 NOT_FINITE = "the model's logits are not finite (NaN or inf)"
-NOTHING_TO_DRAW = "allowed_token_ids, bad_words and min_tokens left no token to draw"
 
 
 class IncrementalDetokenizer:
@@ -675,10 +674,12 @@ class LLM:
         self.config = cfg
         # What a request without SamplingParams samples with (vLLM's rule): the model's advice in
         # generation_config.json, such as a temperature, where generation_config is "auto"
+        advice = cfg.sampling_defaults if generation_config == "auto" else {}
         try:
-            self._default_params = SamplingParams(**cfg.sampling_defaults if generation_config == "auto" else {})
+            self._default_params = SamplingParams(**advice)
         except ValueError as e:
-            raise ValueError(f"the model's generation_config.json: {e}") from None
+            raise ValueError(f"the model's generation_config.json advises {advice} (in SamplingParams' names): "
+                             f"{e}; LLM(generation_config='vllm') ignores it") from None
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
         # The KV cache: sized by a block count, or by a memory budget in bytes.
@@ -754,7 +755,8 @@ class LLM:
         raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
 
     def _add(self, text: str | None, ids: list[int], params: SamplingParams | None, request_id=None):
-        params = self._default_params if params is None else params
+        advised = params is None
+        params = self._default_params if advised else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         # The request's own copy, checked again: the caller may change its object after this
@@ -763,7 +765,9 @@ class LLM:
         params.__post_init__()
         if params.truncate_prompt_tokens is not None:   # (left truncation: the end of a prompt matters most)
             keep = params.truncate_prompt_tokens
-            ids = ids[-(self.max_model_len if keep == -1 else keep):]
+            ids = ids[-(max(self.max_model_len - params.max_tokens, 1) if keep == -1 else keep):]
+        if advised:   # a max_tokens the caller never wrote (generation_config.json's) stops at the context
+            params.max_tokens = max(min(params.max_tokens, self.max_model_len - len(ids)), 1)
         # (a text prompt too: a tokenizer may know more tokens than config.json's vocab_size)
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
@@ -816,9 +820,7 @@ class LLM:
             banned |= set(stop_tokens_in_vocab(params, self.scheduler.eos_token_ids, V))
         allowed = params.allowed_token_ids
         if (len(banned) == V) if allowed is None else set(allowed) <= banned:
-            raise ValueError("no token is left to draw: " + ", ".join(name for name, given in (
-                ("allowed_token_ids", params.allowed_token_ids), ("bad_words", params.bad_words),
-                ("min_tokens' stop tokens (EOS, stop_token_ids)", params.min_tokens)) if given) + " ban them all")
+            raise ValueError(nothing_to_draw(params))
         if allowed is not None:
             params.disallowed_mask = torch.ones(V, dtype=torch.bool, device=self.device)
             params.disallowed_mask[allowed] = False
@@ -971,7 +973,7 @@ class LLM:
         sampled, broken = {}, {}
         for row, seq in enumerate(due):
             if not drawable[row]:
-                broken[seq] = NOT_FINITE if not finite[row] else NOTHING_TO_DRAW
+                broken[seq] = NOT_FINITE if not finite[row] else nothing_to_draw(seq.params)
                 continue
             p, k = seq.params, seq.pending_samples
             if p.temperature == 0:
@@ -1148,6 +1150,8 @@ class LLM:
         "content": ...}) or a list of conversations, each rendered with the model's chat
         template (render_chat) and generated for; one RequestOutput per conversation, whose
         prompt is the rendered text."""
+        if not isinstance(add_generation_prompt, bool):
+            raise ValueError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
         if self.tokenizer.chat_template is None:   # (a string would pass through unrendered)
             raise ValueError("this model has no chat template: give generate() a plain prompt")
         batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
@@ -1323,8 +1327,8 @@ def edits_logits(seq) -> bool:
 def process_logits(logits, seq, eos_token_ids):
     """vLLM's logits processors, in place on one row of logits (V,) of a sequence whose params
     edits_logits, before temperature: logit_bias, the penalties, then the bans. The bans come
-    last so that a banned token's -inf meets no arithmetic (a clamp below would make it finite);
-    vLLM bans first, with the same result, since no penalty moves a -inf."""
+    last so that a banned token's -inf meets no arithmetic (the repetition penalty's clamp would
+    make it finite); vLLM bans first, with the same result, since no penalty moves a -inf."""
     p, V = seq.params, logits.numel()
     if p.logit_bias is not None:
         logits[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
@@ -1356,6 +1360,14 @@ def process_logits(logits, seq, eos_token_ids):
         logits[banned] = float("-inf")
 
 
+def nothing_to_draw(p: SamplingParams) -> str:
+    """Why a request has no token to draw: the constraints it has that ban tokens."""
+    named = [name for name, given in (("allowed_token_ids", p.allowed_token_ids is not None),
+                                      ("bad_words", p.bad_words),
+                                      ("min_tokens' stop tokens (EOS, stop_token_ids)", p.min_tokens)) if given]
+    return f"no token is left to draw: {', '.join(named)} ban them all"
+
+
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """Each of SamplingParams.bad_words as token ids, spelled as vLLM spells it: as the text
     begins ("word") and, where a BPE tokenizer gives another first token for it after a space
@@ -1363,6 +1375,8 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     spellings = []
     for word in words:
         alone, spaced = (tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False) for prefix in ("", " "))
+        if not alone or not spaced:   # (a tokenizer that drops bytes its vocab lacks can spell nothing)
+            raise ValueError(f"bad_words: the tokenizer spells {word!r} with no token")
         spellings += [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
     return spellings
 
@@ -1537,7 +1551,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate, at most (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 is greedy (default); --top-k, --top-p, --min-p, --seed and distinct --n samples need > 0")
-    ap.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens (default: -1, all)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default: 0, all)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s, off)")
     ap.add_argument("--min-p", type=float, default=0.0,
                     help="drop tokens less than min-p times as likely as the likeliest (default: 0, off)")
@@ -1624,8 +1638,7 @@ def main(argv=None) -> int:
                         print(logprob_table(c, args.logprobs))
                     failed |= c.finish_reason == "error"
             if failed:
-                raise GenerationError("the model's logits are not finite (NaN or inf) for the "
-                                      "samples marked (error)")
+                raise GenerationError(f"{NOT_FINITE} for the samples marked (error)")
         if args.stats:
             print(llm.stats.summary(llm.pool.num_blocks), file=sys.stderr)
     except ValueError as e:   # bad input of any kind: one clear line, exit status 2

@@ -39,7 +39,7 @@ class SamplingParams:
     """How to pick a request's tokens (vLLM's names). temperature 0 is greedy."""
     n: int = 1                          # parallel samples of one prompt (prefilled once, then forked)
     temperature: float = 1.0
-    top_k: int = -1                     # -1 (or 0): all tokens
+    top_k: int = 0                      # 0 (or -1): all tokens
     top_p: float = 1.0
     min_p: float = 0.0                  # keep the tokens at least min_p times as likely as the likeliest
     max_tokens: int = 16
@@ -56,7 +56,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0      # > 0: less of a token, the more the output has it
     repetition_penalty: float = 1.0     # > 1: less of any token of the prompt or output
     min_tokens: int = 0                 # no EOS, stop token or stop string before this many tokens
-    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (-1: the model's context)
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (-1: all that fit)
     # Constraints, also before temperature (so greedy decoding obeys them too):
     logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None      # draw only these
@@ -107,7 +107,7 @@ class SamplingParams:
             (self.truncate_prompt_tokens is None or (integer(self.truncate_prompt_tokens)
                                                      and (self.truncate_prompt_tokens >= 1
                                                           or self.truncate_prompt_tokens == -1)),
-             f"truncate_prompt_tokens must be None, -1 (the model's context) or an integer >= 1, "
+             f"truncate_prompt_tokens must be None, -1 (all that fit) or an integer >= 1, "
              f"got {self.truncate_prompt_tokens!r}"),
             (integer(self.min_tokens) and self.min_tokens >= 0
              and (not integer(self.max_tokens) or self.min_tokens <= self.max_tokens),   # (a bad max_tokens: its own message)
@@ -116,9 +116,10 @@ class SamplingParams:
                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
               for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-                (integer(t) or (isinstance(t, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", t))) and _finite_number(b)
+                (integer(t) or (isinstance(t, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", t)))
+                and isinstance(b, numbers.Real) and not isinstance(b, bool) and b == b   # (NaN != NaN)
                 for t, b in self.logit_bias.items())),
-             f"logit_bias must be a dict of token id -> bias (a finite number), got {self.logit_bias!r}"),
+             f"logit_bias must be a dict of token id -> bias (a number), got {self.logit_bias!r}"),
             (self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple, set))
                                                 and self.allowed_token_ids
                                                 and all(integer(t) for t in self.allowed_token_ids)),
@@ -141,8 +142,9 @@ class SamplingParams:
         self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
         if self.truncate_prompt_tokens is not None:
             self.truncate_prompt_tokens = int(self.truncate_prompt_tokens)
-        if self.logit_bias is not None:   # (string ids, as in an OpenAI request's JSON; clamped as OpenAI does)
-            self.logit_bias = {int(t): min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
+        if self.logit_bias is not None:   # (string ids, as in an OpenAI request's JSON; clamped as OpenAI does,
+            # which also keeps an infinite bias from making the softmax NaN)
+            self.logit_bias = {int(t): float(min(max(b, -100), 100)) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
         if self.bad_words is not None:

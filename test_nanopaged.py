@@ -1981,11 +1981,11 @@ def test_min_p_logit_bias_allowed_token_ids_and_bad_words(llm):
     outs = llm.generate([prompt, prompt], [stuck, greedy(10, ignore_eos=True)])
     assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == [a]
     assert outs[1].outputs[0].token_ids == plain.token_ids
-    with pytest.raises(GenerationError, match="allowed_token_ids, bad_words and min_tokens left no token to draw"):
+    with pytest.raises(GenerationError, match="no token is left to draw: allowed_token_ids, bad_words ban them all"):
         list(llm.stream(prompt, stuck))
     assert_nothing_leaked(llm)
     # bad values: when the params are made, or, for what needs the model, when the request is added
-    for bad in (dict(min_p=-0.1), dict(min_p=1.5), dict(min_p="0.1"), dict(top_k=-2), dict(logit_bias={1: float("inf")}),
+    for bad in (dict(min_p=-0.1), dict(min_p=1.5), dict(min_p="0.1"), dict(top_k=-2), dict(logit_bias={1: float("nan")}),
                 dict(logit_bias=[1]), dict(logit_bias={True: 1.0}), dict(logit_bias={"x": 1.0}),
                 dict(allowed_token_ids=[]), dict(allowed_token_ids=[1.5]), dict(allowed_token_ids=5),
                 dict(bad_words=[""]), dict(bad_words=["  "]), dict(bad_words=[5])):
@@ -1994,6 +1994,13 @@ def test_min_p_logit_bias_allowed_token_ids_and_bad_words(llm):
     for key in ("--5", "9" * 30, "\u0663", "5x"):   # (only what an OpenAI client writes: ASCII digits)
         with pytest.raises(ValueError, match="logit_bias must be a dict of token id"):
             SamplingParams(logit_bias={key: 1.0})
+    assert SamplingParams(logit_bias={3: float("-inf"), 4: 10**400}).logit_bias == {3: -100.0, 4: 100.0}
+
+    class Mute:   # a tokenizer that spells a word with no token
+        def encode(self, text, add_special_tokens=True):
+            return []
+    with pytest.raises(ValueError, match="bad_words: the tokenizer spells 'x' with no token"):
+        bad_words_token_ids(Mute(), ["x"])
     assert SamplingParams(top_k=0, logit_bias={"7": 1000, 8: -2}).logit_bias == {7: 100.0, 8: -2.0}   # (top_k 0: off)
     V = llm.config.vocab_size
     for kw, message in ((dict(logit_bias={V: 1.0}), "logit_bias has token ids outside"),
@@ -2020,6 +2027,8 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     assert [r.outputs[0].token_ids for r in batch] == [want, llm.chat(other, greedy(6))[0].outputs[0].token_ids]
     with pytest.raises(ValueError, match="conversation 1: message 0 must be a dict"):
         llm.chat([conversation, [{"role": "user"}]], greedy(8))
+    with pytest.raises(ValueError, match="add_generation_prompt must be True or False"):
+        llm.chat(conversation, greedy(8), add_generation_prompt="no")
     template, tok.chat_template = tok.chat_template, None
     try:
         with pytest.raises(ValueError, match="this model has no chat template"):
@@ -2070,8 +2079,19 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
                generation_config="vllm").get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="unknown generation_config 'hf'"):
         LLM(model_dir, load_format="dummy", num_blocks=64, generation_config="hf")
+    # an advised max_new_tokens stops at the context; one given that overruns it is refused
+    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 0, "max_new_tokens": 100}))
+    small = LLM(model_dir, load_format="dummy", num_blocks=64, max_model_len=64)
+    out = small.generate([5] * 60)[0].outputs[0]
+    assert len(out.token_ids) <= 4 and (out.finish_reason == "length") == (len(out.token_ids) == 4)
+    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(100\) = 160 exceeds"):
+        small.generate([5] * 60, SamplingParams(max_tokens=100))
+    # truncate_prompt_tokens=-1 keeps what fits with max_tokens after it
+    cut = small.generate(list(range(1, 101)), SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))[0]
+    assert cut.prompt_token_ids == list(range(41, 101))
     (model_dir / "generation_config.json").write_text(json.dumps({"temperature": -1}))
-    with pytest.raises(ValueError, match="the model's generation_config.json: temperature must be a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"the model's generation_config.json advises \{'temperature': -1\} .*: "
+                                         r"temperature must be a finite number >= 0, got -1; LLM\(generation_config='vllm'\)"):
         LLM(model_dir, load_format="dummy", num_blocks=64)
 
 
