@@ -283,6 +283,24 @@ def bench_prefix(args):
     print(f"shared system prompt of {n_system} tokens, {len(questions)} requests one after another, "
           f"median time to first token: prefix caching on {1000 * row[True]:.0f} ms, "
           f"off {1000 * row[False]:.0f} ms: {row[False] / row[True]:.1f}x lower with caching")
+    # The same questions arriving together, after a shorter system prompt, so that all fit in
+    # a step's token budget: the first computes the prompt, the others share its blocks in
+    # that very step. Each call starts its prompts with a new session number: a cold cache.
+    system, sessions = system[:len(system) // 6], iter(range(10**6))
+    engines = {caching: LLM(args.model, dtype=args.dtype, enable_prefix_caching=caching) for caching in (True, False)}
+    hits = {}
+
+    def together(caching):
+        llm, session = engines[caching], next(sessions)
+        prompts = [f"Session {session}. {system}{q}" for q in questions]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
+        hits[caching] = (llm.stats.prefix_hit_tokens, llm.stats.prompt_tokens, llm.stats.steps)
+    on, off = median_times([lambda: together(True), lambda: together(False)], repeats=args.repeats)
+    n_system = len(engines[True].get_tokenizer().encode(f"Session 0. {system}"))
+    print(f"shared system prompt of {n_system} tokens, {len(questions)} requests together (1 output token each), "
+          f"median of {args.repeats}: prefix caching on {1000 * on:.0f} ms ({hits[True][0]} of {hits[True][1]} "
+          f"prompt tokens shared, {hits[True][2]} step(s)), off {1000 * off:.0f} ms ({hits[False][2]} step(s)): "
+          f"{off / on:.1f}x faster with caching")
 
 
 # -----------------------------------------------------------------------------

@@ -272,6 +272,10 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = set(eos_token_ids)
         self.waiting: deque[Sequence] = deque()  # in arrival order; preempted ones go back to the head
+        # During schedule(): the full blocks that this step's sequences will have computed by the
+        # time attention reads them, prefix hash -> (block, token ids), shared with sequences
+        # admitted later in the same step (see _place)
+        self.in_flight: dict[int, tuple[int, tuple]] = {}
         self.running: list[Sequence] = []        # in arrival order (the preemption victim is the last)
         self.requests: dict[object, list[Sequence]] = {}  # request id -> its unfinished sequences
         self.next_arrival = 0
@@ -336,6 +340,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.in_flight = {}
         # 1. Running sequences first, oldest first: a decode token, or the next prefill chunk.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -378,6 +383,13 @@ class Scheduler:
         out.num_tokens.append(n)
         out.slots.append(seq.block_table.slots_for(n))
         out.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+        if self.enable_prefix_caching:
+            # The blocks this step fills can serve a sequence admitted after seq in this same
+            # step: every attention layer writes the whole batch's K/V before it reads any, so
+            # they are there when that sequence's queries look. (They enter the prefix cache
+            # proper only in update(), once the step has happened.)
+            for i, h, tokens in self._unhashed_full_blocks(seq, seq.num_computed_tokens + n):
+                self.in_flight.setdefault(h, (seq.block_table.block_ids[i], tokens))
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until seq's n tokens fit. False if seq itself
@@ -419,6 +431,8 @@ class Scheduler:
                 tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 h = hash_block(hashes[-1] if hashes else ROOT_HASH, tokens)
                 block = self.pool.lookup(h, tokens)
+                if block is None and self.in_flight.get(h, (None, None))[1] == tokens:
+                    block = self.in_flight[h][0]   # computed in this very step, by a sequence before it
                 if block is None:
                     break
                 hits.append(block)
@@ -437,16 +451,23 @@ class Scheduler:
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += seq.num_cached_tokens
         if hits:
-            self.pool.say(f"prefix-cache hit for {seq}: blocks {hits} "
-                          f"({seq.num_computed_tokens} tokens not recomputed)")
+            in_step = [b for b in hits if b in {block for block, _ in self.in_flight.values()}]
+            self.pool.say(f"prefix-cache hit for {seq}: blocks {hits} ({seq.num_computed_tokens} tokens not "
+                          f"recomputed{f'; {in_step} are being computed in this step' if in_step else ''})")
+
+    def _unhashed_full_blocks(self, seq: Sequence, num_tokens: int):
+        """(index, prefix hash, token ids) of each of seq's blocks that its first num_tokens
+        tokens fill and that has no hash in seq.block_hashes yet."""
+        bs = self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        for i in range(len(seq.block_hashes), num_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block(parent, tokens)
+            yield i, parent, tokens
 
     def _register_full_blocks(self, seq: Sequence):
         """Enter every block that this step filled into the prefix cache."""
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
-            h = hash_block(parent, tokens)
+        for i, h, tokens in list(self._unhashed_full_blocks(seq, seq.num_computed_tokens)):
             self.pool.register(seq.block_table.block_ids[i], h, tokens)
             seq.block_hashes.append(h)
 

@@ -1530,6 +1530,35 @@ def test_prefix_cache_hits_and_block_ids():
     assert sched.prefix_hit_tokens == 12 + 8
 
 
+def test_blocks_a_step_computes_serve_sequences_admitted_after_them_in_that_step():
+    """Prompts that share a prefix and arrive together: the first computes the shared blocks,
+    the others, admitted in the same step, adopt them (attention writes every K/V of the batch
+    before reading any), and the tokens are those of a run without prefix caching."""
+    def submit(sched):
+        shared = list(range(10, 22))                                     # three full blocks
+        return [sched.add("a", shared + [30, 31], SamplingParams(max_tokens=3, ignore_eos=True)),
+                sched.add("b", shared + [40], SamplingParams(max_tokens=3, ignore_eos=True)),
+                sched.add("c", shared[:8] + [50, 51, 52, 53, 54], SamplingParams(max_tokens=3, ignore_eos=True))]
+    plain = make_sched(num_blocks=32, enable_prefix_caching=False)
+    plain_seqs = submit(plain)
+    assert run_step(plain).num_tokens == [14, 13, 13]                  # no sharing without the cache
+    run_all(plain)
+    sched = make_sched(num_blocks=32)
+    a, b, c = submit(sched)
+    out = sched.schedule()
+    sched.rollback(out)              # a step that failed: nothing it computed may be found later
+    assert sched.pool.num_cached == 0 and sched.pool.num_used == 0
+    out = run_step(sched)
+    assert out.num_tokens == [14, 1, 5]                                # b and c: only their own tokens
+    assert b.block_table.block_ids[:3] == a.block_table.block_ids[:3]
+    assert c.block_table.block_ids[:2] == a.block_table.block_ids[:2] != c.block_table.block_ids[:3]
+    assert [sched.pool.ref_count[x] for x in a.block_table.block_ids[:3]] == [3, 3, 2]
+    assert (b.num_cached_tokens, c.num_cached_tokens, sched.prefix_hit_tokens) == (12, 8, 20)
+    run_all(sched)
+    assert finished_outputs([a, b, c]) == finished_outputs(plain_seqs)
+    assert sched.pool.num_used == 0
+
+
 def test_prefix_cache_eviction_is_lru_and_collisions_are_caught(monkeypatch):
     sched = make_sched(num_blocks=4, block_size=2)
     sched.add("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=1, ignore_eos=True))
@@ -1704,6 +1733,13 @@ def test_prefix_caching_same_tokens_and_hits(smollm2_dir, llm):
     assert on_outs[1].num_cached_tokens == on_outs[2].num_cached_tokens == common // 16 * 16
     assert llm.stats.prefix_hit_tokens == common // 16 * 16 > 0
     assert_nothing_leaked(llm)
+    # all three together: admitted in one step, the second and third share what the first computes
+    fresh = LLM(smollm2_dir, num_blocks=512)
+    together = fresh.generate(prompts, greedy(10))
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in off_outs]
+    assert [o.num_cached_tokens for o in together] == [0, common // 16 * 16, common // 16 * 16]
+    assert fresh.stats.steps == 10
+    assert_nothing_leaked(fresh)
 
 
 def test_parallel_sampling_forks_and_is_reproducible(llm):
