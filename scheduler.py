@@ -272,9 +272,9 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = set(eos_token_ids)
         self.waiting: deque[Sequence] = deque()  # in arrival order; preempted ones go back to the head
-        # During schedule(): the full blocks that this step's sequences will have computed by the
-        # time attention reads them, prefix hash -> (block, token ids), shared with sequences
-        # admitted later in the same step (see _place)
+        # From schedule() to update() or rollback(): the full blocks that this step's sequences
+        # will have computed by the time attention reads them, prefix hash -> (block, token ids),
+        # shared with sequences admitted later in the same step (see _place)
         self.in_flight: dict[int, tuple[int, tuple]] = {}
         self.running: list[Sequence] = []        # in arrival order (the preemption victim is the last)
         self.requests: dict[object, list[Sequence]] = {}  # request id -> its unfinished sequences
@@ -481,6 +481,7 @@ class Scheduler:
         for seq in sorted(out.seqs, key=lambda s: s.order, reverse=True):
             if seq.status is Status.RUNNING:
                 self._preempt(seq)
+        self.in_flight = {}
 
     # --- after the step ---
     def update(self, out: SchedulerOutput, sampled: dict):
@@ -492,6 +493,12 @@ class Scheduler:
                 seq.num_computed_tokens += n
                 if self.enable_prefix_caching:
                     self._register_full_blocks(seq)
+        # A block computed in the step whose sequence then failed (its logits broke) was not
+        # registered above; if a sequence that adopted it holds it, its K/V are good: cache it.
+        for h, (block, tokens) in self.in_flight.items():
+            if self.pool.ref_count[block] > 0:
+                self.pool.register(block, h, tokens)   # (a no-op where registered above)
+        self.in_flight = {}
         forked = []
         for seq, tokens in sampled.items():
             if seq.status is not Status.RUNNING:

@@ -1557,6 +1557,16 @@ def test_blocks_a_step_computes_serve_sequences_admitted_after_them_in_that_step
     run_all(sched)
     assert finished_outputs([a, b, c]) == finished_outputs(plain_seqs)
     assert sched.pool.num_used == 0
+    # the sequence computing the shared blocks fails in its step (its logits broke): those who
+    # adopted them hold good K/V, and the blocks still enter the prefix cache
+    sched = make_sched(num_blocks=32)
+    a, b, c = submit(sched)
+    out = sched.schedule()
+    sched.finish(a, "error")                                           # as LLM._commit does
+    sched.update(out, {b: [fake_token(b)], c: [fake_token(c)]})
+    d = sched.add("d", a.prompt_token_ids[:12] + [60], SamplingParams(max_tokens=1, ignore_eos=True))
+    run_step(sched)
+    assert d.num_cached_tokens == 12
 
 
 def test_prefix_cache_eviction_is_lru_and_collisions_are_caught(monkeypatch):
