@@ -451,7 +451,8 @@ class Scheduler:
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += seq.num_cached_tokens
         if hits:
-            in_step = [b for b in hits if b in {block for block, _ in self.in_flight.values()}]
+            computing = {block for block, _ in self.in_flight.values()}
+            in_step = [b for b in hits if b in computing]
             self.pool.say(f"prefix-cache hit for {seq}: blocks {hits} ({seq.num_computed_tokens} tokens not "
                           f"recomputed{f'; {in_step} are being computed in this step' if in_step else ''})")
 
