@@ -1410,8 +1410,8 @@ def sampling_probs(logits, p: SamplingParams):
 
 def logprob_dicts(logits, targets: list[int], ks: list[int], tokenizer) -> list[dict[int, Logprob]]:
     """For each row of logits (M, V): {token id: Logprob} of its target token, then of its k
-    most likely tokens. These are the model's own probabilities, before the penalties,
-    temperature, top-k and top-p (vLLM's default), in float32."""
+    most likely tokens. These are the model's own probabilities, before the penalties, the
+    constraints, temperature, top-k, min-p and top-p (vLLM's default), in float32."""
     lp = torch.log_softmax(logits.float(), dim=-1)                       # (M, V)
     target_lp = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])   # (M, 1)
     ranks = (lp >= target_lp).sum(dim=-1).tolist()                       # (M,) ties count against it
