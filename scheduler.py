@@ -190,7 +190,7 @@ class Sequence:
         self.num_cached_tokens = 0              # prompt tokens found in the prefix cache at admission
         self.num_preemptions = 0                # times its blocks were dropped, to be recomputed
         self.block_table = block_table
-        self.block_hashes: list[int] = []       # prefix hash of each full, computed block
+        self.block_hashes: list[int] = []       # prefix hash of each full block, computed or in this step
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -387,9 +387,11 @@ class Scheduler:
             # The blocks this step fills can serve a sequence admitted after seq in this same
             # step: every attention layer writes the whole batch's K/V before it reads any, so
             # they are there when that sequence's queries look. (They enter the prefix cache
-            # proper only in update(), once the step has happened.)
+            # proper only in update(), once the step has happened; the hashes are taken here,
+            # once, and update() reads them from seq.block_hashes.)
             for i, h, tokens in self._unhashed_full_blocks(seq, seq.num_computed_tokens + n):
                 self.in_flight.setdefault(h, (seq.block_table.block_ids[i], tokens))
+                seq.block_hashes.append(h)
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until seq's n tokens fit. False if seq itself
@@ -456,21 +458,24 @@ class Scheduler:
             self.pool.say(f"prefix-cache hit for {seq}: blocks {hits} ({seq.num_computed_tokens} tokens not "
                           f"recomputed{f'; {in_step} are being computed in this step' if in_step else ''})")
 
-    def _unhashed_full_blocks(self, seq: Sequence, num_tokens: int):
+    def _unhashed_full_blocks(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int, tuple]]:
         """(index, prefix hash, token ids) of each of seq's blocks that its first num_tokens
         tokens fill and that has no hash in seq.block_hashes yet."""
-        bs = self.block_size
+        bs, blocks = self.block_size, []
         parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
         for i in range(len(seq.block_hashes), num_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             parent = hash_block(parent, tokens)
-            yield i, parent, tokens
+            blocks.append((i, parent, tokens))
+        return blocks
 
-    def _register_full_blocks(self, seq: Sequence):
-        """Enter every block that this step filled into the prefix cache."""
-        for i, h, tokens in list(self._unhashed_full_blocks(seq, seq.num_computed_tokens)):
-            self.pool.register(seq.block_table.block_ids[i], h, tokens)
-            seq.block_hashes.append(h)
+    def _register_full_blocks(self, seq: Sequence, first: int):
+        """Enter the blocks from index first on that this step filled into the prefix cache
+        (_place took their hashes)."""
+        bs = self.block_size
+        for i in range(first, seq.num_computed_tokens // bs):
+            self.pool.register(seq.block_table.block_ids[i], seq.block_hashes[i],
+                               tuple(seq.token_ids[i * bs:(i + 1) * bs]))
 
     def rollback(self, out: SchedulerOutput):
         """The step that out scheduled failed before update() (an exception in the model or
@@ -491,9 +496,10 @@ class Scheduler:
         first sampling with n > 1, where the sequence forks. Returns the forked sequences."""
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.status is Status.RUNNING:
+                first = seq.num_computed_tokens // self.block_size   # the block this step began in
                 seq.num_computed_tokens += n
                 if self.enable_prefix_caching:
-                    self._register_full_blocks(seq)
+                    self._register_full_blocks(seq, first)
         # A block computed in the step whose sequence then failed (its logits broke) was not
         # registered above; if a sequence that adopted it holds it, its K/V are good: cache it.
         for h, (block, tokens) in self.in_flight.items():
