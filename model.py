@@ -84,11 +84,16 @@ def _is_id(x) -> bool:
 # ----------------------------------------------------------------------------------------
 # config
 
+# model_types that run on the Llama module below, with the differences ModelConfig notes
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
 @dataclass
 class ModelConfig:
-    """One config for both architectures, field names as in HF's LlamaConfig; GPT-2's own
-    names (n_embd, n_layer, ...) are mapped onto them by from_dict."""
-    model_type: str                   # "llama" | "gpt2"
+    """One config for both architectures (GPT-2, and Llama with its family), field names as
+    in HF's LlamaConfig; GPT-2's own names (n_embd, n_layer, ...) are mapped onto them by
+    from_dict."""
+    model_type: str                   # "gpt2" or one of LLAMA_FAMILY
     vocab_size: int
     hidden_size: int                  # C
     num_hidden_layers: int
@@ -101,6 +106,10 @@ class ModelConfig:
     rope_theta: float = 10000.0       # llama only
     rope_scaling: dict | None = None  # llama only: None, or the llama3 parameters
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
+    qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
+    o_bias: bool = False              # o_proj has a bias (attention_bias)
+    qk_norm: bool = False             # RMSNorm over each head's q and k before RoPE (Qwen 3)
+    sliding_window: int | None = None  # the window that capped max_position_embeddings, if one did
     bos_token_id: int | None = None   # as config.json says; a prompt's BOS comes from Tokenizer.prefix_ids
     eos_token_id: list[int] = field(default_factory=list)  # always a list
     # generation_config.json's sampling values, named as SamplingParams names them: vLLM's LLM
@@ -130,32 +139,42 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise ModelError(f"expected a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
-        if model_type == "llama":
+        if model_type in LLAMA_FAMILY:
             if d.get("hidden_act", "silu") != "silu":
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-            if d.get("attention_bias") or d.get("mlp_bias"):
-                raise ModelError("attention_bias / mlp_bias are not supported")
+            if d.get("mlp_bias"):
+                raise ModelError("mlp_bias is not supported")
             heads, hidden = _positive(d, "num_attention_heads"), _positive(d, "hidden_size")
             kv_heads = _positive(d, "num_key_value_heads", default=heads)
             if heads % kv_heads:
                 raise ModelError(f"num_attention_heads {heads} is not a multiple of "
                                  f"num_key_value_heads {kv_heads}")
-            head_dim = _positive(d, "head_dim", default=hidden // heads)
+            # Qwen 3's config class has its own default; the others split hidden_size evenly.
+            head_dim = _positive(d, "head_dim", default=128 if model_type == "qwen3" else hidden // heads)
             if head_dim % 2:
                 raise ModelError(f"head_dim {head_dim} is odd, but RoPE rotates pairs" + (
                     "" if d.get("head_dim") else f" (head_dim = hidden_size {hidden} // "
                                                   f"num_attention_heads {heads})"))
             rope_theta, rope_scaling = _rope_config(d)
+            # The family's differences from Llama, as HF's modeling files hard-code them:
+            # Qwen 2 gives q, k and v a bias (not o); Llama's and Qwen 3's attention_bias gives
+            # all four one; Mistral has none. Qwen 3 normalizes each head's q and k.
+            attention_bias = model_type in ("llama", "qwen3") and _flag(d, "attention_bias")
+            max_position = _positive(d, "max_position_embeddings", default=2048)
+            window = _sliding_window(d, model_type)
+            if window and window >= max_position:
+                window = None  # a window as long as the context changes nothing
             fields = dict(
                 hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                 intermediate_size=_positive(d, "intermediate_size"),
-                max_position_embeddings=_positive(d, "max_position_embeddings", default=2048),
+                # Within its window, sliding-window attention *is* full attention: capping the
+                # context at the window keeps every number exact without a windowed kernel.
+                max_position_embeddings=window or max_position,
                 norm_eps=_positive(d, "rms_norm_eps", float, 1e-6), rope_theta=rope_theta,
-                rope_scaling=rope_scaling, tie_word_embeddings=d.get("tie_word_embeddings", False))
-            if not isinstance(fields["tie_word_embeddings"], bool):  # "false" would be true
-                raise ModelError(f"'tie_word_embeddings' is {d['tie_word_embeddings']!r}, expected "
-                                 f"true or false")
+                rope_scaling=rope_scaling, tie_word_embeddings=_flag(d, "tie_word_embeddings"),
+                qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
+                qk_norm=model_type == "qwen3", sliding_window=window)
             default_token_id = None
         elif model_type == "gpt2":
             if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -183,6 +202,30 @@ class ModelConfig:
         return cls(model_type=model_type, vocab_size=_positive(d, "vocab_size"), **fields,
                    bos_token_id=bos[0] if bos else None,
                    eos_token_id=_token_ids(d, "eos_token_id", default_token_id))
+
+
+def _flag(d: dict, key: str) -> bool:
+    """d[key] as a JSON boolean, false if absent or null (a string "false" would be true)."""
+    value = d.get(key) or False
+    if not isinstance(value, bool):
+        raise ModelError(f"{key!r} is {value!r}, expected true or false")
+    return value
+
+
+def _sliding_window(d: dict, model_type: str) -> int | None:
+    """How many past tokens each position attends to, if some layers see only a window.
+    Newer configs list each layer's kind; older ones say it with sliding_window (Mistral) or
+    use_sliding_window (Qwen, off by default). Llama has no window."""
+    if model_type == "llama":
+        return None
+    if d.get("layer_types") is not None:
+        if not isinstance(d["layer_types"], list):
+            raise ModelError(f"'layer_types' is {d['layer_types']!r}, expected a list")
+        windowed = "sliding_attention" in d["layer_types"]
+    else:
+        windowed = d.get("sliding_window") is not None and (
+            model_type == "mistral" or _flag(d, "use_sliding_window"))
+    return _positive(d, "sliding_window") if windowed else None
 
 
 def _positive(d: dict, key: str, kind: type = int, default=None):
@@ -743,14 +786,22 @@ class LlamaAttention(nn.Module):
         # q_proj, k_proj and v_proj all read the same input, so the loader stacks their
         # weights row-wise into one ((H + 2*KVH) * D, C) matrix: one big matmul instead of
         # three small ones, and the input is read once. The output splits back by columns.
-        self.qkv_proj = nn.Linear(config.hidden_size, (self.H + 2 * self.KVH) * self.D, bias=False)
-        self.o_proj = nn.Linear(self.H * self.D, config.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(config.hidden_size, (self.H + 2 * self.KVH) * self.D,
+                                  bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.H * self.D, config.hidden_size, bias=config.o_bias)
+        # Qwen 3 normalizes every head's q and k (one (D,) scale shared by all heads) before
+        # RoPE, which keeps the attention logits in range without a softcap.
+        self.q_norm = nn.RMSNorm(self.D, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.D, eps=config.norm_eps) if config.qk_norm else None
 
     def forward(self, x, cos, sin, attn):
         T, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
         q, k, v = self.qkv_proj(x).split([H * D, KVH * D, KVH * D], dim=-1)
-        q = apply_rope(q.view(T, H, D), cos, sin)      # (T, H, D)
-        k = apply_rope(k.view(T, KVH, D), cos, sin)    # (T, KVH, D)
+        q, k = q.view(T, H, D), k.view(T, KVH, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin)                    # (T, H, D)
+        k = apply_rope(k, cos, sin)                    # (T, KVH, D)
         v = v.view(T, KVH, D)                          # (T, KVH, D), a view into qkv: no copy
         out = attn(self.layer_idx, q, k, v)            # (T, H, D)
         return self.o_proj(out.reshape(T, H * D))      # (T, C)
@@ -827,24 +878,31 @@ class Llama(nn.Module):
                 p + "self_attn.v_proj.weight": (kv, C), p + "self_attn.o_proj.weight": (C, q),
                 p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
                 p + "mlp.down_proj.weight": (C, I)}
+            if config.qkv_bias:
+                shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)}
+            if config.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (C,)
+            if config.qk_norm:
+                D = config.head_dim
+                shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
         return shapes
 
     @staticmethod
     def from_checkpoint(hf: dict, config: ModelConfig) -> dict:
-        """HF tensors -> this module's state dict: drop the "model." prefix, fuse q/k/v and
-        gate/up. Consumes `hf` (pop) so each source tensor is freed once fused, keeping
-        peak memory near one copy of the model."""
-        state = {name.removeprefix("model."): hf.pop(name) for name in list(hf)
-                 if "_proj." not in name}
+        """HF tensors -> this module's state dict: fuse q/k/v (weights and any biases) and
+        gate/up, drop the "model." prefix. Consumes `hf` (pop) so each source tensor is freed
+        once fused, keeping peak memory near one copy of the model."""
+        state = {}
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            state[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-                [hf.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
+                state[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat(
+                    [hf.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
             state[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
                 [hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")])
-            state[f"layers.{i}.self_attn.o_proj.weight"] = hf.pop(p + "self_attn.o_proj.weight")
-            state[f"layers.{i}.mlp.down_proj.weight"] = hf.pop(p + "mlp.down_proj.weight")
-        return state
+        # the rest keep their names: norms, o_proj, down_proj, embeddings, lm_head
+        return state | {name.removeprefix("model."): hf.pop(name) for name in list(hf)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -936,7 +994,7 @@ class GPT2(nn.Module):
 # ----------------------------------------------------------------------------------------
 # loading: a Hugging Face layout directory (config.json + safetensors) -> a ready model
 
-ARCHITECTURES = {"llama": Llama, "gpt2": GPT2}
+ARCHITECTURES = {"gpt2": GPT2} | dict.fromkeys(LLAMA_FAMILY, Llama)
 
 
 def cache_dir() -> Path:

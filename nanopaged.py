@@ -681,6 +681,9 @@ class LLM:
             raise ValueError(f"the model's generation_config.json advises {advice} (in SamplingParams' names): "
                              f"{e}; LLM(generation_config='vllm') ignores it") from None
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if cfg.sliding_window:
+            print(f"nanopaged: note: {cfg.model_type}'s sliding window of {cfg.sliding_window} tokens caps its "
+                  f"context there (within its window, windowed attention is full attention)", file=sys.stderr)
 
         # The KV cache: sized by a block count, or by a memory budget in bytes.
         self.bytes_per_block = BlockPool.bytes_per_block(cfg.num_hidden_layers, block_size,

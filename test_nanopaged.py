@@ -126,7 +126,8 @@ def llama_config(kv_heads=2, tied=True, head_dim=None, **extra):
 
 
 def llama_tensors(c, seed=0):
-    """Random weights under HF LlamaForCausalLM names."""
+    """Random weights under HF LlamaForCausalLM names, and the extra tensors of the family's
+    other members as HF's Qwen2/Qwen3 modeling files name them."""
     g = torch.Generator().manual_seed(seed)
     C, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     D = c.get("head_dim") or C // c["num_attention_heads"]
@@ -141,7 +142,14 @@ def llama_tensors(c, seed=0):
                    p + "self_attn.v_proj.weight": (kv, C), p + "self_attn.o_proj.weight": (C, q),
                    p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
                    p + "mlp.down_proj.weight": (C, I)}
-    return {n: (1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1
+        if c["model_type"] == "qwen2" or c.get("attention_bias"):
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if c.get("attention_bias"):
+            shapes[p + "self_attn.o_proj.bias"] = (C,)
+        if c["model_type"] == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
+    return {n: (1 + 0.1 * torch.randn(s, generator=g)) if n.endswith("norm.weight")
             else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
@@ -263,6 +271,71 @@ def test_llama_matches_reference(tmp_path, kv_heads, tied, head_dim):
     model = load_model(write_checkpoint(tmp_path / "llama", c, w))
     torch.testing.assert_close(forward_all(model, IDS), reference_llama(c, w, IDS),
                                rtol=1e-4, atol=1e-4)
+
+
+# Llama's family, against Hugging Face transformers 5.24 itself: testdata/llama_family_logits.json
+# holds the logits of IDS that transformers computed from these very checkpoints
+# (testdata/make_llama_family_logits.py writes it; transformers is not needed to test).
+LLAMA_FAMILY_VARIANTS = {
+    # q/k/v biases; a sliding_window that use_sliding_window=false switches off
+    "qwen2": llama_config(model_type="qwen2", sliding_window=32, use_sliding_window=False),
+    "qwen3": llama_config(model_type="qwen3", tied=False, head_dim=16),   # per-head q/k RMSNorm
+    "qwen3_attention_bias": llama_config(model_type="qwen3", kv_heads=6, head_dim=8,
+                                         attention_bias=True),
+    "mistral": llama_config(model_type="mistral", tied=False, sliding_window=64),
+    "llama_attention_bias": llama_config(attention_bias=True),            # q/k/v and o biases
+}
+
+
+@pytest.mark.parametrize("variant", LLAMA_FAMILY_VARIANTS)
+def test_llama_family_matches_transformers(tmp_path, variant):
+    c = LLAMA_FAMILY_VARIANTS[variant]
+    expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())[variant]
+    assert expected["config"] == c   # the file was made from this config
+    model = load_model(write_checkpoint(tmp_path / variant, c, llama_tensors(c)))
+    torch.testing.assert_close(forward_all(model, IDS), torch.tensor(expected["logits"]),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("change, window", [
+    ({"model_type": "mistral", "sliding_window": 64}, 64),
+    ({"model_type": "mistral", "sliding_window": None}, None),          # Mistral 7B v0.2 on
+    ({"model_type": "mistral", "sliding_window": 128}, None),           # no shorter than the context
+    ({"model_type": "qwen2", "sliding_window": 64}, None),              # use_sliding_window is off by default
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, 64),
+    ({"model_type": "qwen3", "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]}, 64),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,   # the layer list decides
+      "layer_types": ["full_attention"] * 2}, None),
+    ({"model_type": "llama", "sliding_window": 64, "use_sliding_window": True}, None),   # Llama has none
+])
+def test_a_sliding_window_caps_the_context(change, window):
+    """Within its window, windowed attention is full attention: the context stops there."""
+    c = ModelConfig.from_dict(llama_config() | change)   # max_position_embeddings 128
+    assert (c.sliding_window, c.max_position_embeddings) == (window, window or 128)
+
+
+def test_llama_family_in_the_engine(tmp_path, capsys):
+    """Qwen 3 (q/k norms, biases) and a windowed Mistral through the paged engine: chunked
+    prefill, decode, prefix hits; the same greedy tokens as dense forward passes, and a
+    windowed model's context ends at its window, with a note saying why."""
+    vocab, _ = byte_vocab()
+    for variant in ("qwen3_attention_bias", "mistral"):
+        c = LLAMA_FAMILY_VARIANTS[variant] | {"vocab_size": 256, "eos_token_id": 0}
+        model_dir = write_tokenizer_json(tmp_path / variant, {"type": "ByteLevel"}, vocab, [])
+        write_checkpoint(model_dir, c, llama_tensors(c, seed=1))
+        llm = LLM(model_dir, block_size=4, max_num_batched_tokens=16, num_blocks=64)
+        prompts = [[(5 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 23, 40))]
+        prompts.append(prompts[2][:30] + [7, 8])   # shares 7 full blocks with the third
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == reference_penalized_greedy(llm.model, prompt, 12)
+        assert llm.stats.prefix_hit_tokens > 0
+        assert_nothing_leaked(llm)
+    # the Mistral's window of 64 tokens, shorter than its 128 positions
+    assert llm.max_model_len == 64
+    assert "mistral's sliding window of 64 tokens caps its context" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="exceeds the model's context of 64 tokens"):
+        llm.generate([1] * 60, SamplingParams(max_tokens=5))
 
 
 @pytest.mark.parametrize("prefix", ["transformer.", ""])  # GPT2LMHeadModel / GPT2Model saves
@@ -610,7 +683,7 @@ def test_bad_config(tmp_path):
     with pytest.raises(ModelError, match=r"config\.json: no 'hidden_size'"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "mamba"}))
-    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gpt2, llama\)"):
+    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gpt2, llama, mistral, qwen2, qwen3\)"):
         load_model(tmp_path)
     yarn = llama_config(rope_scaling={"rope_type": "yarn"})
     (tmp_path / "config.json").write_text(json.dumps(yarn))
@@ -688,6 +761,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"bos_token_id": "1"}, "'bos_token_id' is '1', expected a token id or null"),
     ({"bos_token_id": [1]}, "'bos_token_id' is \\[1\\]"),
     ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' is 'false', expected true or false"),
+    ({"attention_bias": "true"}, "'attention_bias' is 'true', expected true or false"),
+    ({"mlp_bias": True}, "mlp_bias is not supported"),
+    ({"model_type": "mistral", "sliding_window": 0}, "'sliding_window' is 0"),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": "yes"},
+     "'use_sliding_window' is 'yes', expected true or false"),
+    ({"model_type": "qwen2", "layer_types": "full_attention"}, "'layer_types' is 'full_attention', expected a list"),
     ({"head_dim": 7}, "head_dim 7 is odd, but RoPE rotates pairs$"),
     ({"hidden_size": 42}, r"head_dim 7 is odd.*\(head_dim = hidden_size 42 // "
                           r"num_attention_heads 6\)"),

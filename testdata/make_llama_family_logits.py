@@ -1,0 +1,33 @@
+"""Writes llama_family_logits.json: for each of the test suite's LLAMA_FAMILY_VARIANTS, the
+logits that Hugging Face transformers computes for the token ids IDS from the checkpoint the
+tests build (llama_tensors, seed 0). The tests compare nanopaged's logits with these, so
+transformers (an independent implementation of Qwen 2, Qwen 3, Mistral and Llama) is needed
+only to remake the file:
+
+    pip install transformers && python testdata/make_llama_family_logits.py
+"""
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from test_nanopaged import IDS, LLAMA_FAMILY_VARIANTS, llama_tensors, write_checkpoint  # noqa: E402
+
+out = {"transformers": transformers.__version__}
+for name, config in LLAMA_FAMILY_VARIANTS.items():
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = write_checkpoint(Path(d), config, llama_tensors(config))
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, output_loading_info=True)
+        # every tensor of the checkpoint used, none left random
+        assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
+        with torch.no_grad():
+            logits = model(torch.tensor([IDS])).logits[0]   # (T, V)
+    out[name] = {"config": config, "logits": [[round(x, 6) for x in row] for row in logits.tolist()]}
+(HERE / "llama_family_logits.json").write_text(json.dumps(out) + "\n")
+print(f"wrote {HERE / 'llama_family_logits.json'} with transformers {transformers.__version__}")
