@@ -19,6 +19,7 @@ Chapters: config, tokenizers, layers, Llama, GPT-2, loading, GGUF conversion.
 import base64
 import contextlib
 import datetime
+import functools
 import hashlib
 import importlib.util
 import json
@@ -398,7 +399,6 @@ class Tokenizer:
         # renders it; template_tokens are the special-token strings it may use (bos_token...).
         self.chat_template = chat_template
         self.template_tokens = template_tokens or {}
-        self._compiled_template = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; added tokens written in the text (<|im_start|>) count. With
@@ -475,37 +475,75 @@ class Tokenizer:
         except KeyError:
             return b""
 
-    def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            chat_template: str | None = None, **template_vars) -> str:
         """The prompt an instruct model expects: its chat template rendered with the
         conversation and, by default, the assistant's turn opened. `conversation` is one user
         turn (a string) or, as in HF, a list of messages such as {"role": "system", "content":
         "..."}, for a system prompt or earlier turns. A string comes back unchanged from a
-        model without a chat template. Bad input, or a template that fails, raises ValueError."""
+        model without a chat template. The rest as in HF: `continue_final_message` leaves the
+        last message open for the model to go on with (an answer begun for it); `tools` (JSON
+        schemas) are shown to the template; `chat_template` replaces the model's; other keyword
+        arguments are the template's own variables, such as Qwen 3's enable_thinking=False.
+        Bad input, or a template that fails, raises ValueError."""
+        if not isinstance(chat_template, str | None):
+            raise ValueError(f"chat_template must be a Jinja template (a string), got {reprlib.repr(chat_template)}")
+        template = self.chat_template if chat_template is None else chat_template
         if isinstance(conversation, str):
-            if self.chat_template is None:
+            if template is None:
                 return conversation
             messages = [{"role": "user", "content": conversation}]
         else:
             messages = _check_messages(conversation)
-            if self.chat_template is None:
+            if template is None:
                 raise ValueError("this model has no chat template to render messages with: give it a plain prompt")
-        if self._compiled_template is None:
-            self._compiled_template = _compile_chat_template(self.chat_template)
+        for name, value in (("add_generation_prompt", add_generation_prompt),
+                            ("continue_final_message", continue_final_message)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the first "
+                             "opens a new assistant turn, the second goes on with the last message")
+        if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"tools must be a list of JSON schemas (dicts), got {reprlib.repr(tools)}")
+        if taken := sorted(template_vars.keys() & {"messages", "tools", "documents", "add_generation_prompt"}):
+            raise ValueError(f"template variable {', '.join(taken)} is set by apply_chat_template itself")
+        if continue_final_message:
+            if not isinstance(messages[-1]["content"], str):
+                raise ValueError("continue_final_message needs a last message with text to go on with")
+            # HF's way: mark where the last message ends, render, and cut the text there (the
+            # template's own end-of-turn token, and all after it, fall away).
+            messages = [*messages[:-1], messages[-1] | {"content": messages[-1]["content"] + CONTINUE_MARK}]
         try:
-            return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                  tools=None, documents=None, **self.template_tokens)
+            text = _compile_chat_template(template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
+                **self.template_tokens | template_vars)
         except Exception as e:   # the template is the model's code: any error is its own
             raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
+        if continue_final_message:
+            end = text.rfind(CONTINUE_MARK.strip())
+            if end < 0:
+                raise ValueError("the chat template leaves out the end of the last message, so "
+                                 "continue_final_message cannot go on with it")
+            # a template that strips the message took the space after it too (HF's rule)
+            text = text[:end] if text.startswith(CONTINUE_MARK, end) else text[:end].rstrip()
+        return text
+
+
+CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "   # HF's own mark, so that a template treats it alike
 
 
 def _check_messages(conversation) -> list[dict]:
     """A conversation as chat templates read it: a list of dicts, each with a string role and
-    content (other keys pass through)."""
+    content (other keys pass through); an assistant's message that calls tools may have no
+    content (None), as in OpenAI's API."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"a conversation is a user turn (a string) or a non-empty list of messages, "
                          f"got {reprlib.repr(conversation)}")
     for i, m in enumerate(conversation):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and (
+                isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))):
             raise ValueError(f'message {i} must be a dict with a string "role" and "content", got {reprlib.repr(m)}')
     return list(conversation)
 
@@ -520,6 +558,7 @@ class _GenerationTag(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+@functools.lru_cache(maxsize=8)   # compiled once per template text
 def _compile_chat_template(template: str):
     """A chat template compiled as transformers compiles it (so that it renders the same
     text): Jinja in a sandbox, blocks trimmed, {% break %} and {% continue %} allowed, and

@@ -1147,21 +1147,26 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         return self._generate(parsed, sampling_params, use_tqdm)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's chat: one conversation (a list of messages such as {"role": "user",
         "content": ...}) or a list of conversations, each rendered with the model's chat
-        template (render_chat) and generated for; one RequestOutput per conversation, whose
-        prompt is the rendered text."""
-        if not isinstance(add_generation_prompt, bool):
-            raise ValueError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
-        if self.tokenizer.chat_template is None:   # (a string would pass through unrendered)
-            raise ValueError("this model has no chat template: give generate() a plain prompt")
+        template, or `chat_template`, (render_chat) and generated for; one RequestOutput per
+        conversation, whose prompt is the rendered text. continue_final_message, tools and
+        chat_template_kwargs (the template's own variables) go to apply_chat_template."""
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
+        if self.tokenizer.chat_template is None and chat_template is None:   # (a string would pass through unrendered)
+            raise ValueError("this model has no chat template: give chat() one (chat_template=...) "
+                             "or generate() a plain prompt")
+        options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, tools=tools, **chat_template_kwargs or {})
         batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
         parsed = []
         for i, conversation in enumerate(messages if batch else [messages]):
             try:
-                parsed.append(render_chat(self.tokenizer, conversation, add_generation_prompt))
+                parsed.append(render_chat(self.tokenizer, conversation, **options))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if batch else str(e)) from None
         return self._generate(parsed, sampling_params, use_tqdm)
@@ -1496,11 +1501,12 @@ def _pick_kernels(backend: str, device, cfg, block_size: int, dtype: torch.dtype
     return ops
 
 
-def render_chat(tokenizer, conversation, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-    """A conversation as an instruct model reads it: the text its chat template renders, and
-    that text's token ids, encoded without adding special tokens (the template wrote the ones
-    it wants, a BOS among them: adding one would make two), as HF and vLLM do."""
-    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+def render_chat(tokenizer, conversation, **options) -> tuple[str, list[int]]:
+    """A conversation as an instruct model reads it: the text its chat template renders (with
+    apply_chat_template's options), and that text's token ids, encoded without adding special
+    tokens (the template wrote the ones it wants, a BOS among them: adding one would make
+    two), as HF and vLLM do."""
+    text = tokenizer.apply_chat_template(conversation, **options)
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -12,6 +12,7 @@ Chapters, in the order the code is built:
                     with one (bash gpu_check.sh): the same on the GPU, the full matrix
 """
 
+import functools
 import importlib.util
 import json
 import math
@@ -1000,6 +1001,57 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path):
     assert load_tokenizer(path).apply_chat_template("Hi") == "Hi"
     with pytest.raises(ValueError, match="no chat template to render messages"):
         load_tokenizer(path).apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+QWEN_STYLE_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' }}{%- for tool in tools %}{{- tool | tojson }}"
+    "{{- '\\n' }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}{{- '<tool_call>' + call.function | tojson + '</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}")
+
+
+def test_chat_template_options_render_as_transformers_renders_them(tmp_path):
+    """tools, template variables (Qwen 3's enable_thinking), an assistant's tool call with no
+    content, continue_final_message, a chat_template given for the call: each expected text is
+    transformers 5.24's rendering of the same template and arguments."""
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path))   # a tokenizer with no template of its own
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"city": "<str> & é"}}}]
+    call = user + [{"role": "assistant", "content": None,
+                    "tool_calls": [{"function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+                   {"role": "tool", "content": "sunny"}]
+    begun = user + [{"role": "assistant", "content": "It is "}]
+    render = functools.partial(tok.apply_chat_template, chat_template=QWEN_STYLE_TEMPLATE)
+    assert render(user, tools=tools) == (
+        '<|im_start|>system\n# Tools\n{"type": "function", "function": {"name": "weather", "parameters": '
+        '{"city": "<str> & é"}}}\n<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n')
+    assert render(user, enable_thinking=False) == (
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert render(call) == (
+        '<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<tool_call>{"name": "weather", '
+        '"arguments": {"city": "Paris"}}</tool_call><|im_end|>\n<|im_start|>tool\nsunny<|im_end|>\n'
+        '<|im_start|>assistant\n')
+    # the answer begun for the model stays open: no end of turn, its trailing space kept...
+    assert render(begun, add_generation_prompt=False, continue_final_message=True) == (
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\nIt is ")
+    # ...unless the template trims the message, and the space goes with it
+    trim = "{%- for message in messages %}{{- '[' + message.role + '] ' + message.content | trim + '</s>' }}{%- endfor %}"
+    assert tok.apply_chat_template(begun, False, continue_final_message=True, chat_template=trim) == (
+        "[user] Weather in Paris?</s>[assistant] It is")
+    for kwargs, message in [
+            (dict(continue_final_message=True), "add_generation_prompt and continue_final_message cannot both"),
+            (dict(add_generation_prompt=False, continue_final_message=1), "continue_final_message must be True or False"),
+            (dict(tools={"name": "weather"}), "tools must be a list of JSON schemas"),
+            (dict(messages=[]), "template variable messages is set by apply_chat_template itself"),
+            (dict(chat_template=["{{ 1 }}"]), "chat_template must be a Jinja template")]:
+        with pytest.raises(ValueError, match=message):
+            render(begun, **kwargs) if "chat_template" not in kwargs else tok.apply_chat_template(begun, **kwargs)
+    with pytest.raises(ValueError, match="cannot go on with it"):   # a template that drops the last message
+        tok.apply_chat_template(begun, False, continue_final_message=True, chat_template="{{ messages[0].content }}")
 
 
 @pytest.mark.parametrize("template, message", [
@@ -2154,10 +2206,21 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
         llm.chat([conversation, [{"role": "user"}]], greedy(8))
     with pytest.raises(ValueError, match="add_generation_prompt must be True or False"):
         llm.chat(conversation, greedy(8), add_generation_prompt="no")
+    # an answer begun for the model, which goes on with it; template variables; a template of the call's
+    begun = other + [{"role": "assistant", "content": "My favourite colour is"}]
+    out = llm.chat(begun, greedy(4), add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == tok.apply_chat_template(begun, False, continue_final_message=True)
+    assert out.prompt.endswith("<|im_start|>assistant\nMy favourite colour is")
+    greeting = "{{ greeting }}, {{ messages[-1].content }}"
+    out = llm.chat(other, greedy(4), chat_template=greeting, chat_template_kwargs={"greeting": "Hello"})[0]
+    assert out.prompt == "Hello, Name a colour."
+    with pytest.raises(ValueError, match="chat_template_kwargs must be a dict"):
+        llm.chat(other, greedy(4), chat_template_kwargs=[("greeting", "Hello")])
     template, tok.chat_template = tok.chat_template, None
     try:
         with pytest.raises(ValueError, match="this model has no chat template"):
             llm.chat("Hi", greedy(8))
+        assert llm.chat("Hi", greedy(2), chat_template=greeting, chat_template_kwargs={"greeting": "Oh"})[0].prompt == "Oh, Hi"
     finally:
         tok.chat_template = template
     # vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}
