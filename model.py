@@ -405,6 +405,8 @@ class Tokenizer:
         add_special_tokens, the post-processor's tokens go around them (Llama 3's BOS first),
         but a text that already starts with the BOS gets no second one. A rendered chat
         template is encoded without (HF and vLLM do so): the template wrote what it wants."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode() takes a string, got {type(text).__name__}")
         if not text.isascii():
             try:
                 text.encode("utf-8")
@@ -456,6 +458,8 @@ class Tokenizer:
         """The bytes of `ids`, leaving out special tokens if asked, and skipping (as HF does)
         ids that are no token: embedding matrices are often padded past the tokenizer's
         vocab, and the sampler can pick the padding."""
+        if not (isinstance(ids, (list, tuple)) and all(_is_id(i) for i in ids)):
+            raise ValueError(f"decode() takes a list of token ids (ints in [0, 2^31)), got {reprlib.repr(ids)}")
         if skip_special_tokens and self.special_ids:
             ids = [i for i in ids if i not in self.special_ids]
         if self.dropped_from is None or max(ids, default=0) < self.dropped_from:
@@ -519,8 +523,9 @@ class Tokenizer:
             text = _compile_chat_template(template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
                 **self.template_tokens | template_vars)
-        except Exception as e:   # the template is the model's code: any error is its own
-            raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
+        except Exception as e:   # the template is code from elsewhere: any error is its own
+            whose = "the model's chat template" if chat_template is None else "the chat_template given"
+            raise ValueError(f"{whose} failed: {type(e).__name__}: {e}") from None
         if continue_final_message:
             end = text.rfind(CONTINUE_MARK.strip())
             if end < 0:
@@ -578,7 +583,7 @@ def _compile_chat_template(template: str):
     try:
         return env.from_string(template)
     except jinja2.TemplateError as e:
-        raise ValueError(f"the model's chat template is not valid Jinja: {e}") from None
+        raise ValueError(f"the chat template is not valid Jinja: {e}") from None
 
 
 def bpe_tokenizer(name: str, pattern: str, ranks: dict[bytes, int], special: dict[str, int],
@@ -1045,11 +1050,16 @@ def resolve_model_dir(model=None) -> Path:
     the embedded default SmolLM2, converted once into the cache (see GGUF below)."""
     if model is None:
         return convert_gguf(default_gguf())
+    if not isinstance(model, (str, os.PathLike)) or not str(model):
+        raise ModelError(f"model must be a path (a directory or a .gguf file), got {model!r}")
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelError(f"{path}: GGUF file not found")
         return convert_gguf(path)
+    if path.is_file():
+        raise ModelError(f"{path}: a file, not a model (a model is a local Hugging Face layout directory "
+                         f"or a .gguf file)")
     if not path.is_dir():
         raise ModelError(f"{path}: no such directory (a model is a local Hugging Face layout directory "
                          f"or a .gguf file: nanopaged downloads nothing)")

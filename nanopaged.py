@@ -642,7 +642,9 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto"):
         device = _parse_device(device)
-        dtype = _parse_dtype(dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        if dtype in (None, "auto"):   # (vLLM's "auto" reads the checkpoint's dtype; here: by device)
+            dtype = "bfloat16" if device.type == "cuda" else "float32"
+        dtype = _parse_dtype(dtype)
         sizes = {"block_size": block_size, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
                  "kv_cache_memory": kv_cache_memory, "max_num_batched_tokens": max_num_batched_tokens,
                  "max_model_len": max_model_len}
@@ -680,7 +682,11 @@ class LLM:
         except ValueError as e:
             raise ValueError(f"the model's generation_config.json advises {advice} (in SamplingParams' names): "
                              f"{e}; LLM(generation_config='vllm') ignores it") from None
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
+                             f"{cfg.max_position_embeddings} tokens (max_position_embeddings"
+                             + (", capped by its sliding window" if cfg.sliding_window else "") + ")")
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
         if cfg.sliding_window:
             print(f"nanopaged: note: {cfg.model_type}'s sliding window of {cfg.sliding_window} tokens caps its "
                   f"context there (within its window, windowed attention is full attention)", file=sys.stderr)
@@ -777,18 +783,13 @@ class LLM:
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}) (the model's "
                              f"vocab_size): got {bad[:5]}")
         self._check_constraints(params)
-        if request_id is None:
+        chosen = request_id is not None
+        if not chosen:
             while self._next_id in self._requests:   # skip ids the caller chose
                 self._next_id += 1
             request_id = self._next_id
-            self._next_id += 1   # an id is never handed out twice, even once its request finished
-        else:
-            try:
-                hash(request_id)
-            except TypeError:
-                raise ValueError(f"a request id must be hashable, got {type(request_id).__name__}") from None
-            if request_id in self._requests:   # (the scheduler knows only the unfinished ones)
-                raise ValueError(f"request id {request_id!r} is already in use (by a request not reported yet)")
+        elif _check_request_id(request_id) in self._requests:   # (the scheduler knows only the unfinished ones)
+            raise ValueError(f"request id {request_id!r} is already in use (by a request not reported yet)")
         seq = None
         try:
             with defer_ctrl_c():   # queued in the scheduler means known here
@@ -804,6 +805,8 @@ class LLM:
                 self.scheduler.abort(request_id)
                 del self._requests[request_id]
             raise
+        if not chosen:
+            self._next_id += 1   # an id is never handed out twice, even once its request finished
         return request_id
 
     def _check_constraints(self, params: SamplingParams):
@@ -830,7 +833,7 @@ class LLM:
 
     def abort(self, request_id) -> RequestOutput:
         """Stop a request now; its blocks return to the pool at once. Returns what it had."""
-        if request_id in self.scheduler.requests or request_id not in self._requests:
+        if _check_request_id(request_id) in self.scheduler.requests or request_id not in self._requests:
             with defer_ctrl_c():   # (else it finished, and no step() reported it yet)
                 self.scheduler.abort(request_id)
                 self._to_report[request_id] = None
@@ -1155,13 +1158,15 @@ class LLM:
         template, or `chat_template`, (render_chat) and generated for; one RequestOutput per
         conversation, whose prompt is the rendered text. continue_final_message, tools and
         chat_template_kwargs (the template's own variables) go to apply_chat_template."""
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
+        if chat_template_kwargs is not None and not (isinstance(chat_template_kwargs, dict)
+                                                     and all(isinstance(k, str) for k in chat_template_kwargs)):
+            raise ValueError(f"chat_template_kwargs must be a dict with string keys, got {chat_template_kwargs!r}")
         if self.tokenizer.chat_template is None and chat_template is None:   # (a string would pass through unrendered)
             raise ValueError("this model has no chat template: give chat() one (chat_template=...) "
                              "or generate() a plain prompt")
+        # as vLLM merges them: chat_template_kwargs may also set the named options
         options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message, tools=tools, **chat_template_kwargs or {})
+                       continue_final_message=continue_final_message, tools=tools) | (chat_template_kwargs or {})
         batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
         parsed = []
         for i, conversation in enumerate(messages if batch else [messages]):
@@ -1180,14 +1185,15 @@ class LLM:
         if not isinstance(use_tqdm, bool):
             raise ValueError(f"use_tqdm must be True or False, got {use_tqdm!r}")
         self._check_alone("generate()")
-        self.reset_stats()
-        ids = []
+        ids, first_id = [], self._next_id
         try:
             for i, ((text, token_ids), p) in enumerate(zip(prompts, params)):
                 try:
                     ids.append(self._add(text, token_ids, p))
                 except ValueError as e:
+                    self._next_id = first_id   # (the ids of the prompts before it: never seen by the caller)
                     raise ValueError(f"prompt {i}: {e}") from None
+            self.reset_stats()   # (once all were accepted: a refused batch leaves them as they were)
             results = {}
             while self.has_unfinished_requests():
                 for r in self.step():
@@ -1236,17 +1242,16 @@ class LLM:
     # --- streaming and the block trace ---
     def stream(self, prompt, params: SamplingParams | None = None):
         """Generate for one prompt, yielding its text piece by piece as tokens arrive."""
-        params = self.get_default_sampling_params() if params is None else params
-        if isinstance(params, SamplingParams) and params.n != 1:
+        if isinstance(params, SamplingParams) and params.n != 1:   # (None: the defaults, n = 1)
             raise ValueError("stream() generates one sample: use generate() for n > 1")
         self._check_alone("stream()")
-        self.reset_stats()
         pieces = self._stream(prompt, params)
         # Run the generator to its first yield, which comes right after it queued the request:
         # bad input raises here, at the call. From then on, closing the stream or dropping it
         # unread runs its `finally`, which frees the request. (A generator that never
         # started has no `finally` to run: its request would stay queued for good.)
         next(pieces)
+        self.reset_stats()   # (after the request was accepted: a refused one leaves them as they were)
         return pieces
 
     def _stream(self, prompt, params):
@@ -1254,8 +1259,9 @@ class LLM:
             rid = self.add_request(prompt, params)
             seq, self._open_stream = self._requests[rid]["seqs"][0], rid
             detokenizer, shown, held = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens), 0, ""
-            # hold back text that could be the start of a stop string, until we know
-            hold = max((len(s) for s in params.stop or ()), default=1) - 1
+            # hold back text that could be the start of a stop string, until we know (the
+            # request's own checked copy of the params: the caller's may have changed since)
+            hold = max((len(s) for s in seq.params.stop or ()), default=1) - 1
             yield ""   # where stream() leaves us, primed
             while rid in self.scheduler.requests:   # until it finishes, or someone aborts it
                 finished = [r for r in self._step() if r.request_id == rid]
@@ -1508,6 +1514,15 @@ def render_chat(tokenizer, conversation, **options) -> tuple[str, list[int]]:
     two), as HF and vLLM do."""
     text = tokenizer.apply_chat_template(conversation, **options)
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check_request_id(request_id):
+    """A request id is a dict key: anything hashable."""
+    try:
+        hash(request_id)
+    except TypeError:
+        raise ValueError(f"a request id must be hashable, got {type(request_id).__name__}") from None
+    return request_id
 
 
 def _is_token_ids(x) -> bool:

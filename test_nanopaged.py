@@ -2208,14 +2208,20 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
         llm.chat(conversation, greedy(8), add_generation_prompt="no")
     # an answer begun for the model, which goes on with it; template variables; a template of the call's
     begun = other + [{"role": "assistant", "content": "My favourite colour is"}]
-    out = llm.chat(begun, greedy(4), add_generation_prompt=False, continue_final_message=True)[0]
-    assert out.prompt == tok.apply_chat_template(begun, False, continue_final_message=True)
-    assert out.prompt.endswith("<|im_start|>assistant\nMy favourite colour is")
+    out_prompt = llm.chat(begun, greedy(4), add_generation_prompt=False, continue_final_message=True)[0].prompt
+    assert out_prompt == tok.apply_chat_template(begun, False, continue_final_message=True)
+    assert out_prompt.endswith("<|im_start|>assistant\nMy favourite colour is")
     greeting = "{{ greeting }}, {{ messages[-1].content }}"
     out = llm.chat(other, greedy(4), chat_template=greeting, chat_template_kwargs={"greeting": "Hello"})[0]
     assert out.prompt == "Hello, Name a colour."
-    with pytest.raises(ValueError, match="chat_template_kwargs must be a dict"):
-        llm.chat(other, greedy(4), chat_template_kwargs=[("greeting", "Hello")])
+    for kwargs in ([("greeting", "Hello")], {1: 2}):
+        with pytest.raises(ValueError, match="chat_template_kwargs must be a dict with string keys"):
+            llm.chat(other, greedy(4), chat_template_kwargs=kwargs)
+    # as in vLLM, chat_template_kwargs may set the named options too
+    assert llm.chat(begun, greedy(2), chat_template_kwargs={"add_generation_prompt": False,
+                                                           "continue_final_message": True})[0].prompt == out_prompt
+    with pytest.raises(ValueError, match="the chat_template given failed: ZeroDivisionError"):
+        llm.chat(other, greedy(4), chat_template="{{ 1 / 0 }}")
     template, tok.chat_template = tok.chat_template, None
     try:
         with pytest.raises(ValueError, match="this model has no chat template"):
@@ -2272,6 +2278,7 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
     small = LLM(model_dir, load_format="dummy", num_blocks=64, max_model_len=64)
     out = small.generate([5] * 60)[0].outputs[0]
     assert len(out.token_ids) <= 4 and (out.finish_reason == "length") == (len(out.token_ids) == 4)
+    assert "".join(small.stream([5] * 60)) == small.get_tokenizer().decode(out.token_ids)   # stream() too
     with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(100\) = 160 exceeds"):
         small.generate([5] * 60, SamplingParams(max_tokens=100))
     # truncate_prompt_tokens=-1 keeps what fits with max_tokens after it
@@ -2352,7 +2359,24 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
         llm.generate([5] * 8000, greedy(500))
     with pytest.raises(ValueError, match="unknown request id"):
         llm.abort("nope")
+    with pytest.raises(ValueError, match="request id must be hashable"):
+        llm.abort(["nope"])
     assert_nothing_leaked(llm)
+    # a refused request leaves the engine as it was: the last run's stats, the next request id
+    stats, next_id = llm.stats, llm.add_request("hi", greedy(1))
+    step_to_the_end(llm)
+    with pytest.raises(ValueError, match="prompt 1: .* exceeds the model's context"):
+        llm.generate(["hi", [5] * 8000], greedy(500))
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        llm.add_request([5] * 8000, greedy(500))
+    assert llm.stats is stats and llm.add_request("hi", greedy(1)) == next_id + 1
+    step_to_the_end(llm)
+    tok = llm.get_tokenizer()
+    for call, message in [(lambda: tok.encode(None), "encode\\(\\) takes a string, got NoneType"),
+                          (lambda: tok.decode([-1]), "decode\\(\\) takes a list of token ids"),
+                          (lambda: tok.decode("abc"), "decode\\(\\) takes a list of token ids")]:
+        with pytest.raises(ValueError, match=message):
+            call()
     assert llm.generate(GOLDEN[0]["prompt_ids"], greedy(64))[0].outputs[0].token_ids == GOLDEN[0]["greedy_ids"]
     small = LLM(smollm2_dir, num_blocks=8, block_size=16)
     with pytest.raises(ValueError, match="whole pool has 8"):
@@ -2360,6 +2384,13 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
     assert_nothing_leaked(small)
     with pytest.raises(ValueError, match="unknown attn_backend"):
         LLM(smollm2_dir, attn_backend="magic")
+    for model, message in [(5, "model must be a path .* got 5"), ("", "model must be a path .* got ''"),
+                           (smollm2_dir / "config.json", "config.json: a file, not a model")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(model)
+    with pytest.raises(ValueError, match="max_model_len = 10000 exceeds the model's context of 8192 tokens"):
+        LLM(smollm2_dir, max_model_len=10000)
+    assert LLM(smollm2_dir, dtype="auto", num_blocks=4).dtype == torch.float32   # vLLM's default spelling
     with pytest.raises(ValueError, match="needs device='cuda'"):
         LLM(smollm2_dir, attn_backend="cuda", device="cpu")
     for name, value in [("max_model_len", 0), ("max_num_batched_tokens", 2.5), ("block_size", 0),
@@ -2644,6 +2675,9 @@ def test_stop_strings_and_stop_token_ids(llm):
     assert out.token_ids == GOLDEN[2]["greedy_ids"][:6] and out.finish_reason == "stop"
     pieces = list(llm.stream(GOLDEN[2]["prompt_ids"], greedy(40, stop="metropolis")))
     assert len(pieces) > 5 and "".join(pieces) == full.text[:full.text.index("metropolis")]
+    params, stop = greedy(40), full.text[30:50]   # a stop string of several tokens
+    params.stop = stop   # set after construction, so still a string: the request's copy is checked
+    assert "".join(llm.stream(GOLDEN[2]["prompt_ids"], params)) == full.text[:full.text.index(stop)]
     # a stop string longer than the text so far: the stream holds all of it back
     stop = full.text[5:25]
     pieces = list(llm.stream(GOLDEN[2]["prompt_ids"], greedy(40, stop=stop)))
