@@ -85,8 +85,14 @@ def _is_id(x) -> bool:
 # ----------------------------------------------------------------------------------------
 # config
 
-# model_types that run on the Llama module below, with the differences ModelConfig notes
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+# model_types that run on the Llama module below (with the differences ModelConfig notes),
+# and the values their HF config classes take where a config.json leaves a key out
+LLAMA_FAMILY = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128},
+}
 
 
 @dataclass
@@ -140,7 +146,8 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise ModelError(f"expected a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
-        if model_type in LLAMA_FAMILY:
+        if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
+            d = LLAMA_FAMILY[model_type] | d
             if d.get("hidden_act", "silu") != "silu":
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
             if d.get("mlp_bias"):
@@ -150,8 +157,7 @@ class ModelConfig:
             if heads % kv_heads:
                 raise ModelError(f"num_attention_heads {heads} is not a multiple of "
                                  f"num_key_value_heads {kv_heads}")
-            # Qwen 3's config class has its own default; the others split hidden_size evenly.
-            head_dim = _positive(d, "head_dim", default=128 if model_type == "qwen3" else hidden // heads)
+            head_dim = _positive(d, "head_dim", default=hidden // heads)
             if head_dim % 2:
                 raise ModelError(f"head_dim {head_dim} is odd, but RoPE rotates pairs" + (
                     "" if d.get("head_dim") else f" (head_dim = hidden_size {hidden} // "
@@ -207,26 +213,34 @@ class ModelConfig:
 
 def _flag(d: dict, key: str) -> bool:
     """d[key] as a JSON boolean, false if absent or null (a string "false" would be true)."""
-    value = d.get(key) or False
-    if not isinstance(value, bool):
+    value = d.get(key)
+    if not isinstance(value, bool | None):
         raise ModelError(f"{key!r} is {value!r}, expected true or false")
-    return value
+    return bool(value)
 
 
 def _sliding_window(d: dict, model_type: str) -> int | None:
-    """How many past tokens each position attends to, if some layers see only a window.
-    Newer configs list each layer's kind; older ones say it with sliding_window (Mistral) or
-    use_sliding_window (Qwen, off by default). Llama has no window."""
-    if model_type == "llama":
+    """How many past tokens a position attends to, where some layers see only a window
+    (None: all see everything), read as HF's config classes read it. Mistral windows every
+    layer when sliding_window is set. Qwen windows only with use_sliding_window, and then
+    the layers layer_types names (by default, those from max_window_layers on). Llama has
+    no window."""
+    if model_type == "llama" or d.get("sliding_window") is None:
         return None
-    if d.get("layer_types") is not None:
-        if not isinstance(d["layer_types"], list):
-            raise ModelError(f"'layer_types' is {d['layer_types']!r}, expected a list")
-        windowed = "sliding_attention" in d["layer_types"]
-    else:
-        windowed = d.get("sliding_window") is not None and (
-            model_type == "mistral" or _flag(d, "use_sliding_window"))
-    return _positive(d, "sliding_window") if windowed else None
+    if model_type != "mistral":
+        if not _flag(d, "use_sliding_window"):
+            return None
+        kinds = d.get("layer_types")
+        if kinds is None:
+            first = d.get("max_window_layers")
+            if isinstance(first, bool) or not isinstance(first, int):
+                raise ModelError(f"'max_window_layers' is {first!r}, expected an integer")
+            kinds = ["sliding_attention"] * max(_positive(d, "num_hidden_layers") - first, 0)
+        elif not isinstance(kinds, list):
+            raise ModelError(f"'layer_types' is {kinds!r}, expected a list")
+        if "sliding_attention" not in kinds:
+            return None
+    return _positive(d, "sliding_window")
 
 
 def _positive(d: dict, key: str, kind: type = int, default=None):
@@ -371,7 +385,8 @@ class Tokenizer:
                  chat_template: str | None = None, dropped_from: int | None = None,
                  pattern: str | None = None, nfc: bool = False,
                  prefix_ids: list[int] = (), suffix_ids: list[int] = (),
-                 template_tokens: dict | None = None, added_tokens: list[dict] | None = None):
+                 template_tokens: dict | None = None, added_tokens: list[dict] | None = None,
+                 named_templates: dict[str, str] | None = None):
         self.encoding = encoding
         self.eos_token_id = eos_token_id  # for get_tokenizer() users; the engine stops on config.eos_token_id
         self.dropped_from = dropped_from  # ids >= this stand for bytes the vocab lacks
@@ -398,6 +413,7 @@ class Tokenizer:
         # The model's Jinja chat template (None: a base model), rendered as transformers
         # renders it; template_tokens are the special-token strings it may use (bos_token...).
         self.chat_template = chat_template
+        self.named_templates = named_templates or {}   # name -> template, where the model has several
         self.template_tokens = template_tokens or {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -458,7 +474,11 @@ class Tokenizer:
         """The bytes of `ids`, leaving out special tokens if asked, and skipping (as HF does)
         ids that are no token: embedding matrices are often padded past the tokenizer's
         vocab, and the sampler can pick the padding."""
-        if not (isinstance(ids, (list, tuple)) and all(_is_id(i) for i in ids)):
+        if hasattr(ids, "tolist"):   # a numpy array or a tensor
+            ids = ids.tolist()
+        if isinstance(ids, (list, tuple)):
+            ids = [i.item() if hasattr(i, "item") else i for i in ids]   # numpy or torch integers
+        if not (isinstance(ids, list) and all(_is_id(i) for i in ids)):
             raise ValueError(f"decode() takes a list of token ids (ints in [0, 2^31)), got {reprlib.repr(ids)}")
         if skip_special_tokens and self.special_ids:
             ids = [i for i in ids if i not in self.special_ids]
@@ -479,29 +499,28 @@ class Tokenizer:
         except KeyError:
             return b""
 
-    def apply_chat_template(self, conversation, add_generation_prompt: bool = True, *,
+    def apply_chat_template(self, conversation, /, add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, tools: list[dict] | None = None,
-                            chat_template: str | None = None, **template_vars) -> str:
+                            documents: list[dict] | None = None, chat_template: str | None = None,
+                            **template_vars) -> str:
         """The prompt an instruct model expects: its chat template rendered with the
         conversation and, by default, the assistant's turn opened. `conversation` is one user
         turn (a string) or, as in HF, a list of messages such as {"role": "system", "content":
         "..."}, for a system prompt or earlier turns. A string comes back unchanged from a
         model without a chat template. The rest as in HF: `continue_final_message` leaves the
         last message open for the model to go on with (an answer begun for it); `tools` (JSON
-        schemas) are shown to the template; `chat_template` replaces the model's; other keyword
+        schemas) and `documents` are shown to the template; `chat_template` replaces the
+        model's (a template, or the name of one of the model's named templates); other keyword
         arguments are the template's own variables, such as Qwen 3's enable_thinking=False.
         Bad input, or a template that fails, raises ValueError."""
-        if not isinstance(chat_template, str | None):
-            raise ValueError(f"chat_template must be a Jinja template (a string), got {reprlib.repr(chat_template)}")
-        template = self.chat_template if chat_template is None else chat_template
+        template = self._pick_template(chat_template, tools)
         if isinstance(conversation, str):
             if template is None:
                 return conversation
-            messages = [{"role": "user", "content": conversation}]
-        else:
-            messages = _check_messages(conversation)
-            if template is None:
-                raise ValueError("this model has no chat template to render messages with: give it a plain prompt")
+            conversation = [{"role": "user", "content": conversation}]
+        messages = _check_messages(conversation)
+        if template is None:
+            raise ValueError("this model has no chat template to render messages with: give it a plain prompt")
         for name, value in (("add_generation_prompt", add_generation_prompt),
                             ("continue_final_message", continue_final_message)):
             if not isinstance(value, bool):
@@ -509,48 +528,70 @@ class Tokenizer:
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the first "
                              "opens a new assistant turn, the second goes on with the last message")
-        if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
-            raise ValueError(f"tools must be a list of JSON schemas (dicts), got {reprlib.repr(tools)}")
-        if taken := sorted(template_vars.keys() & {"messages", "tools", "documents", "add_generation_prompt"}):
-            raise ValueError(f"template variable {', '.join(taken)} is set by apply_chat_template itself")
+        for name, value in (("tools", tools), ("documents", documents)):
+            if value is not None and not (isinstance(value, (list, tuple)) and all(isinstance(x, dict) for x in value)):
+                raise ValueError(f"{name} must be a list of dicts (JSON objects), got {reprlib.repr(value)}")
+        if "messages" in template_vars:
+            raise ValueError("template variable messages is set by apply_chat_template itself")
         if continue_final_message:
-            if not isinstance(messages[-1]["content"], str):
+            final = messages[-1].get("content")
+            if not isinstance(final, str):
                 raise ValueError("continue_final_message needs a last message with text to go on with")
             # HF's way: mark where the last message ends, render, and cut the text there (the
             # template's own end-of-turn token, and all after it, fall away).
-            messages = [*messages[:-1], messages[-1] | {"content": messages[-1]["content"] + CONTINUE_MARK}]
+            messages[-1] = messages[-1] | {"content": final + CONTINUE_MARK}
         try:
-            text = _compile_chat_template(template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
-                **self.template_tokens | template_vars)
+            text = _compile_chat_template(template).render(   # (one dict: a variable may be named "self")
+                self.template_tokens | template_vars | dict(messages=messages, tools=tools, documents=documents,
+                                                            add_generation_prompt=add_generation_prompt))
         except Exception as e:   # the template is code from elsewhere: any error is its own
-            whose = "the model's chat template" if chat_template is None else "the chat_template given"
+            whose = "the chat_template given" if template == chat_template else "the model's chat template"
             raise ValueError(f"{whose} failed: {type(e).__name__}: {e}") from None
         if continue_final_message:
             end = text.rfind(CONTINUE_MARK.strip())
-            if end < 0:
-                raise ValueError("the chat template leaves out the end of the last message, so "
+            if end < 0 or final.strip() not in text:
+                raise ValueError("the chat template changes or leaves out the last message, so "
                                  "continue_final_message cannot go on with it")
             # a template that strips the message took the space after it too (HF's rule)
             text = text[:end] if text.startswith(CONTINUE_MARK, end) else text[:end].rstrip()
         return text
 
+    def _pick_template(self, chat_template: str | None, tools) -> str | None:
+        """HF's choice: a template given, or the name of one of the model's named templates;
+        else the model's "tool_use" template when there are tools, else its default one."""
+        if not isinstance(chat_template, str | None):
+            raise ValueError(f"chat_template must be a Jinja template (a string), got {reprlib.repr(chat_template)}")
+        if chat_template is not None:
+            return self.named_templates.get(chat_template, chat_template)
+        if tools is not None and "tool_use" in self.named_templates:
+            return self.named_templates["tool_use"]
+        return self.chat_template
+
 
 CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "   # HF's own mark, so that a template treats it alike
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")   # one field, three names
 
 
 def _check_messages(conversation) -> list[dict]:
-    """A conversation as chat templates read it: a list of dicts, each with a string role and
-    content (other keys pass through); an assistant's message that calls tools may have no
-    content (None), as in OpenAI's API."""
+    """A conversation as chat templates read it, as transformers hands it over: a list of
+    dicts, each with a string role (and content, unless an assistant's message calls tools),
+    less the keys whose value is None (OpenAI's API sends content=None, tool_calls=None,
+    which templates test for with `is defined` or `in`), and an assistant's reasoning under
+    all three names templates read it by."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"a conversation is a user turn (a string) or a non-empty list of messages, "
                          f"got {reprlib.repr(conversation)}")
+    messages = []
     for i, m in enumerate(conversation):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and (
                 isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))):
             raise ValueError(f'message {i} must be a dict with a string "role" and "content", got {reprlib.repr(m)}')
-    return list(conversation)
+        m = {key: value for key, value in m.items() if value is not None}
+        reasoning = next((m[key] for key in REASONING_FIELDS if key in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        messages.append(m)
+    return messages
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -705,11 +746,12 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
                              f"merge order, so they cannot serve as tiktoken ranks")
         last = i
     prefix_ids, suffix_ids = _post_processor_ids(tj.get("post_processor"), path)
-    template, template_tokens = _chat_template(model_dir)
+    template, named_templates, template_tokens = _chat_template(model_dir)
     return bpe_tokenizer(model_dir.name, pattern, ranks, special, nfc=normalizer == "NFC",
                          eos_token_id=config.eos_token_id[0] if config.eos_token_id else None,
                          prefix_ids=prefix_ids, suffix_ids=suffix_ids, added_tokens=added,
-                         chat_template=template, template_tokens=template_tokens)
+                         chat_template=template, named_templates=named_templates,
+                         template_tokens=template_tokens)
 
 
 def _post_processor_ids(pp: dict | None, path: Path) -> tuple[list[int], list[int]]:
@@ -743,9 +785,10 @@ def _post_processor_ids(pp: dict | None, path: Path) -> tuple[list[int], list[in
     return before, after
 
 
-def _chat_template(model_dir: Path) -> tuple[str | None, dict]:
+def _chat_template(model_dir: Path) -> tuple[str | None, dict, dict]:
     """The chat template, from chat_template.jinja (newer transformers) or
-    tokenizer_config.json, and the special-token strings a template may use (bos_token...)."""
+    tokenizer_config.json; the named ones, where the latter lists several; and the
+    special-token strings a template may use (bos_token...)."""
     path = model_dir / "tokenizer_config.json"
     tokenizer_config = _read_json(path) if path.exists() else {}
     tokens = {}
@@ -755,14 +798,17 @@ def _chat_template(model_dir: Path) -> tuple[str | None, dict]:
         if isinstance(value, str):
             tokens[key] = value
     if (model_dir / "chat_template.jinja").exists():
-        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8"), tokens
+        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8"), {}, tokens
     template = tokenizer_config.get("chat_template")
-    if isinstance(template, list):  # several named templates: take the default one
-        template = next((t.get("template") for t in template
-                         if isinstance(t, dict) and t.get("name") == "default"), None)
+    if isinstance(template, list):  # several named templates: "default", "tool_use"...
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in template):
+            raise ModelError(f"{path}: 'chat_template' lists something that is no {{name, template}} object")
+        named = {t["name"]: t["template"] for t in template}
+        return named.get("default"), named, tokens
     if not isinstance(template, str | None):
         raise ModelError(f"{path}: 'chat_template' is neither a string nor a list of templates")
-    return template, tokens
+    return template, {}, tokens
 
 
 def load_tokenizer(model=None) -> Tokenizer:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import build_ext
-from model import load_model, load_tokenizer
+from model import ModelConfig, load_model, load_tokenizer, resolve_model_dir
 from scheduler import SamplingParams, Scheduler, Status, hash_block, stop_token_set
 
 # -----------------------------------------------------------------------------
@@ -670,10 +670,9 @@ class LLM:
             raise ValueError(f"unknown generation_config {generation_config!r}: use auto (the model's "
                              "generation_config.json) or vllm (SamplingParams' own defaults)")
         self.device, self.dtype = device, dtype
-        self.model = load_model(model, dtype=dtype, device=device, dummy=(load_format == "dummy"))
-        self.tokenizer = load_tokenizer(model)
-        cfg = self.model.config
-        self.config = cfg
+        # The config first, so that arguments the model cannot take are refused before its weights load
+        model_dir = resolve_model_dir(model)
+        cfg = ModelConfig.from_json(model_dir / "config.json")
         # What a request without SamplingParams samples with (vLLM's rule): the model's advice in
         # generation_config.json, such as a temperature, where generation_config is "auto"
         advice = cfg.sampling_defaults if generation_config == "auto" else {}
@@ -687,7 +686,10 @@ class LLM:
                              f"{cfg.max_position_embeddings} tokens (max_position_embeddings"
                              + (", capped by its sliding window" if cfg.sliding_window else "") + ")")
         self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if cfg.sliding_window:
+        self.model = load_model(model_dir, dtype=dtype, device=device, dummy=(load_format == "dummy"))
+        self.tokenizer = load_tokenizer(model_dir)
+        self.config = cfg = self.model.config
+        if cfg.sliding_window and max_model_len is None:
             print(f"nanopaged: note: {cfg.model_type}'s sliding window of {cfg.sliding_window} tokens caps its "
                   f"context there (within its window, windowed attention is full attention)", file=sys.stderr)
 
@@ -1161,12 +1163,12 @@ class LLM:
         if chat_template_kwargs is not None and not (isinstance(chat_template_kwargs, dict)
                                                      and all(isinstance(k, str) for k in chat_template_kwargs)):
             raise ValueError(f"chat_template_kwargs must be a dict with string keys, got {chat_template_kwargs!r}")
-        if self.tokenizer.chat_template is None and chat_template is None:   # (a string would pass through unrendered)
-            raise ValueError("this model has no chat template: give chat() one (chat_template=...) "
-                             "or generate() a plain prompt")
         # as vLLM merges them: chat_template_kwargs may also set the named options
         options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, tools=tools) | (chat_template_kwargs or {})
+        if self.tokenizer.chat_template is None and options["chat_template"] is None:   # (a string would pass
+            raise ValueError("this model has no chat template: give chat() one (chat_template=...) "   # unrendered)
+                             "or generate() a plain prompt")
         batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
         parsed = []
         for i, conversation in enumerate(messages if batch else [messages]):
@@ -1507,7 +1509,7 @@ def _pick_kernels(backend: str, device, cfg, block_size: int, dtype: torch.dtype
     return ops
 
 
-def render_chat(tokenizer, conversation, **options) -> tuple[str, list[int]]:
+def render_chat(tokenizer, conversation, /, **options) -> tuple[str, list[int]]:
     """A conversation as an instruct model reads it: the text its chat template renders (with
     apply_chat_template's options), and that text's token ids, encoded without adding special
     tokens (the template wrote the ones it wants, a BOS among them: adding one would make

@@ -300,19 +300,28 @@ def test_llama_family_matches_transformers(tmp_path, variant):
 
 @pytest.mark.parametrize("change, window", [
     ({"model_type": "mistral", "sliding_window": 64}, 64),
+    ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["full_attention"] * 2}, 64),  # HF ignores it
     ({"model_type": "mistral", "sliding_window": None}, None),          # Mistral 7B v0.2 on
     ({"model_type": "mistral", "sliding_window": 128}, None),           # no shorter than the context
+    ({"model_type": "mistral", "max_position_embeddings": 8192}, 4096),  # MistralConfig's default window
     ({"model_type": "qwen2", "sliding_window": 64}, None),              # use_sliding_window is off by default
-    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, 64),
-    ({"model_type": "qwen3", "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]}, 64),
-    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,   # the layer list decides
-      "layer_types": ["full_attention"] * 2}, None),
+    # on: the layers from max_window_layers (28 by default, of 2 here) on are windowed
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, None),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1}, 64),
+    ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,    # or the list of layers says
+      "layer_types": ["full_attention", "sliding_attention"]}, 64),
+    ({"model_type": "qwen3", "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]}, None),
     ({"model_type": "llama", "sliding_window": 64, "use_sliding_window": True}, None),   # Llama has none
 ])
 def test_a_sliding_window_caps_the_context(change, window):
-    """Within its window, windowed attention is full attention: the context stops there."""
+    """Within its window, windowed attention is full attention: the context stops there.
+    Windows are read as transformers' config classes read them."""
     c = ModelConfig.from_dict(llama_config() | change)   # max_position_embeddings 128
-    assert (c.sliding_window, c.max_position_embeddings) == (window, window or 128)
+    context = change.get("max_position_embeddings", 128)
+    assert (c.sliding_window, c.max_position_embeddings) == (window, window or context)
+    # the family's own defaults where config.json is silent
+    assert ModelConfig.from_dict({k: v for k, v in llama_config(model_type="qwen3").items()
+                                  if k != "max_position_embeddings"}).max_position_embeddings == 32768
 
 
 def test_llama_family_in_the_engine(tmp_path, capsys):
@@ -767,7 +776,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"model_type": "mistral", "sliding_window": 0}, "'sliding_window' is 0"),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": "yes"},
      "'use_sliding_window' is 'yes', expected true or false"),
-    ({"model_type": "qwen2", "layer_types": "full_attention"}, "'layer_types' is 'full_attention', expected a list"),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "layer_types": "full_attention"},
+     "'layer_types' is 'full_attention', expected a list"),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": "1"},
+     "'max_window_layers' is '1', expected an integer"),
+    ({"model_type": ["llama"]}, r"model_type \['llama'\] is not supported"),
+    ({"attention_bias": 0}, "'attention_bias' is 0, expected true or false"),
     ({"head_dim": 7}, "head_dim 7 is odd, but RoPE rotates pairs$"),
     ({"hidden_size": 42}, r"head_dim 7 is odd.*\(head_dim = hidden_size 42 // "
                           r"num_attention_heads 6\)"),
@@ -1045,13 +1059,37 @@ def test_chat_template_options_render_as_transformers_renders_them(tmp_path):
     for kwargs, message in [
             (dict(continue_final_message=True), "add_generation_prompt and continue_final_message cannot both"),
             (dict(add_generation_prompt=False, continue_final_message=1), "continue_final_message must be True or False"),
-            (dict(tools={"name": "weather"}), "tools must be a list of JSON schemas"),
+            (dict(tools={"name": "weather"}), "tools must be a list of dicts"),
+            (dict(documents="some text"), "documents must be a list of dicts"),
             (dict(messages=[]), "template variable messages is set by apply_chat_template itself"),
             (dict(chat_template=["{{ 1 }}"]), "chat_template must be a Jinja template")]:
         with pytest.raises(ValueError, match=message):
             render(begun, **kwargs) if "chat_template" not in kwargs else tok.apply_chat_template(begun, **kwargs)
-    with pytest.raises(ValueError, match="cannot go on with it"):   # a template that drops the last message
-        tok.apply_chat_template(begun, False, continue_final_message=True, chat_template="{{ messages[0].content }}")
+    for changes in ("{{ messages[0].content }}", "{{ messages[-1].content | upper }}"):   # drops, changes it
+        with pytest.raises(ValueError, match="cannot go on with it"):
+            tok.apply_chat_template(begun, False, continue_final_message=True, chat_template=changes)
+    # keys set to None are dropped, as transformers drops them (OpenAI's API sends tool_calls=None);
+    # an assistant's reasoning is under all of its names; documents reach the template
+    listing = ("{% for m in messages %}[{{ m.role }}]{% if 'tool_calls' in m %}calls {{ m.tool_calls | length }}"
+               "{% else %}{{ m.content }}{% endif %}{% if m.reasoning_content is defined %}<think>"
+               "{{ m.reasoning_content }}</think>{% endif %}{% if m.content is not defined %}(no content){% endif %}"
+               "{% endfor %}{% for d in documents or [] %}<doc>{{ d.title }}</doc>{% endfor %}")
+    conversation = [{"role": "user", "content": "Hi", "tool_calls": None},
+                    {"role": "assistant", "content": "A", "reasoning": "because", "tool_calls": None},
+                    {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]
+    assert tok.apply_chat_template(conversation, chat_template=listing, documents=[{"title": "T", "text": "x"}]) == (
+        "[user]Hi[assistant]A<think>because</think>[assistant]calls 1(no content)<doc>T</doc>")
+    assert conversation[0]["tool_calls"] is None   # (the caller's messages are left as they were)
+    # a model with named templates: "tool_use" when tools are given, any of them by name
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "TOOLS={{ tools | tojson }} {% for m in messages %}{{ m.content }}{% endfor %}"}]}))
+    named = load_tokenizer(tmp_path)
+    hi = [{"role": "user", "content": "Hi"}]
+    tool = [{"type": "function", "function": {"name": "f"}}]
+    assert named.apply_chat_template(hi, False, tools=tool) == 'TOOLS=[{"type": "function", "function": {"name": "f"}}] Hi'
+    assert named.apply_chat_template(hi, chat_template="tool_use") == "TOOLS=null Hi"
+    assert named.apply_chat_template(hi) == "Hi"
 
 
 @pytest.mark.parametrize("template, message", [
@@ -2214,6 +2252,8 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     greeting = "{{ greeting }}, {{ messages[-1].content }}"
     out = llm.chat(other, greedy(4), chat_template=greeting, chat_template_kwargs={"greeting": "Hello"})[0]
     assert out.prompt == "Hello, Name a colour."
+    assert llm.chat(other, greedy(2), chat_template=greeting,   # names apply_chat_template's own
+                    chat_template_kwargs={"greeting": "Hey", "conversation": 1, "self": 2})[0].prompt == "Hey, Name a colour."
     for kwargs in ([("greeting", "Hello")], {1: 2}):
         with pytest.raises(ValueError, match="chat_template_kwargs must be a dict with string keys"):
             llm.chat(other, greedy(4), chat_template_kwargs=kwargs)
