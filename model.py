@@ -378,6 +378,9 @@ def _longest_first(added_tokens: list[dict]) -> str:
     return alternatives(trie) if trie else "(?!)"
 
 
+MAX_WHITESPACE_RUN = 500_000   # characters; see Tokenizer.encode
+
+
 class Tokenizer:
     """Text <-> token ids: a tiktoken Encoding plus what the engine needs around it."""
 
@@ -406,7 +409,7 @@ class Tokenizer:
                               for t in added_tokens}   # content -> (id, lstrip, rstrip)
         # the control tokens (<|im_end|>, <|endoftext|>...), which output text leaves out by default
         self.special_ids = frozenset(t["id"] for t in added_tokens if t.get("special"))
-        self.nfc = nfc                    # Unicode NFC-normalize text first (Qwen 2)
+        self.nfc = nfc                    # Unicode NFC-normalize the text between added tokens (Qwen 2)
         # What HF's post-processor puts around every encoded text: Llama 3 starts each
         # prompt with <|begin_of_text|> (its BOS), GPT-2, SmolLM2 and Qwen 2 add nothing.
         self.prefix_ids, self.suffix_ids = list(prefix_ids), list(suffix_ids)
@@ -429,8 +432,11 @@ class Tokenizer:
             except UnicodeEncodeError:   # surrogates, which no UTF-8 holds (HF refuses them):
                 # a pair becomes its character, a lone one U+FFFD, everywhere, as tiktoken does
                 text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-        if self.nfc:
-            text = unicodedata.normalize("NFC", text)
+        # tiktoken's regex engine recurses along a whitespace run: at about 10^6 characters
+        # it overflows its stack and takes the process down with a Rust panic
+        if len(text) >= MAX_WHITESPACE_RUN and (run := regex.search(rf"\s{{{MAX_WHITESPACE_RUN},}}", text)):
+            raise ValueError(f"the text holds a run of {len(run.group()):,} whitespace characters: "
+                             f"tiktoken cannot split one of {MAX_WHITESPACE_RUN:,} or more")
         ids, start, strip_left = [], 0, False
         for m in self._added.finditer(text):
             token, lstrip, rstrip = self._added_tokens[m.group()]
@@ -448,7 +454,11 @@ class Tokenizer:
         return ids
 
     def _encode_ordinary(self, text: str) -> list[int]:
-        """BPE of text that holds no added token."""
+        """BPE of text that holds no added token. The normalizer acts here, between the added
+        tokens, as HF's does: NFC would otherwise join a token's last character with the
+        combining mark after it ("<think>" + U+0338 has no "<think>" left: ">" + U+0338 is "≯")."""
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
         ids = self.encoding.encode_ordinary(text)
         if self.dropped_from is not None and any(i >= self.dropped_from for i in ids):
             ids = self._encode_dropping(text)  # rare: text with a byte the vocab lacks

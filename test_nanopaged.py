@@ -861,6 +861,18 @@ def test_tiny_tokenizer_dir_loads(tmp_path):
     assert tok.encode("abc<|x|>") == [256, ord("c"), 257]
 
 
+def test_nfc_acts_between_added_tokens_and_long_whitespace_is_refused(tmp_path):
+    """As HF's tokenizers: added tokens are found in the raw text and the normalizer acts on
+    the text between them, so NFC cannot join a token's ">" with a combining U+0338 ("≯").
+    A whitespace run that would overflow tiktoken's regex stack is a clear ValueError."""
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path, normalizer={"type": "NFC"}))
+    assert tok.encode("<|x|>\u0338") == [257, 0xCC, 0xB8]   # U+0338 is the bytes CC B8
+    assert tok.encode("e\u0301<|x|>") == [0xC3, 0xA9, 257]   # e + U+0301 is é (C3 A9)
+    assert tok.encode("a" + " " * 499_999) == [ord("a")] + [ord(" ")] * 499_999
+    with pytest.raises(ValueError, match="a run of 500,000 whitespace characters"):
+        tok.encode("a" + " " * 500_000 + "b")
+
+
 @pytest.mark.parametrize("tokenizer, message", [
     ({"model": ["BPE"]}, "tokenizer.json: no 'model' object"),
     ({"model": {"type": "BPE", "merges": []}}, "tokenizer.json: no model.vocab object"),
