@@ -861,6 +861,18 @@ def test_tiny_tokenizer_dir_loads(tmp_path):
     assert tok.encode("abc<|x|>") == [256, ord("c"), 257]
 
 
+@pytest.mark.parametrize("name", ["qwen2", "llama3"])
+def test_qwen2_and_llama3_shaped_tokenizers_encode_as_hugging_face_does(name):
+    """Small BPEs set up as Qwen 2's (NFC, its Split regex, added tokens special or not) and
+    Llama 3's (its regex, a BOS from the post-processor, TikTokenConverter-style merges),
+    against the ids Hugging Face's tokenizers gave (testdata/make_bpe_tokenizer_cases.py)."""
+    tok = load_tokenizer(TESTDATA / f"{name}_tokenizer")
+    cases = [c for c in map(json.loads, (TESTDATA / "bpe_tokenizer_cases.jsonl").open()) if c["tokenizer"] == name]
+    assert len(cases) == 160
+    wrong = [c["text"] for c in cases if tok.encode(c["text"], c["add_special_tokens"]) != c["ids"]]
+    assert not wrong
+
+
 def test_nfc_acts_between_added_tokens_and_long_whitespace_is_refused(tmp_path):
     """As HF's tokenizers: added tokens are found in the raw text and the normalizer acts on
     the text between them, so NFC cannot join a token's ">" with a combining U+0338 ("≯").
