@@ -350,6 +350,8 @@ SMOLLM_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"""
 # Llama 3's (from tiktoken's cl100k): numbers in groups of up to three digits.
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
                   r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Qwen 2's (and 3's): Llama 3's, but every digit is its own piece.
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 # What HF strips for an lstrip/rstrip added token: Unicode's White_Space (str.strip() would
@@ -1205,7 +1207,7 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------
-# GGUF conversion: the embedded default model, and Llama-architecture GGUF files in general
+# GGUF conversion: the embedded default model, and Llama, Qwen 2 and Qwen 3 GGUF files in general
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
 # first load converts it once into an ordinary HF-layout directory in the cache: config.json,
@@ -1222,7 +1224,12 @@ HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# GGUF's architectures: config.json's architectures entry for each. llama.cpp rotates
+# Llama's RoPE pairs as neighbours, so its converter permuted Llama's Q and K rows (see
+# _unpermute); Qwen's it rotates as HF does ("NEOX"), and stores them as they are.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # GGUF's pre-tokenizer names, as the tokenizer.json pre_tokenizer each one stands for.
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
@@ -1234,7 +1241,11 @@ GGUF_PRE_TOKENIZERS = {
     "llama-bpe": {"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated",
          "invert": False}, _BYTE_LEVEL | {"use_regex": False}]},
+    "qwen2": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated",
+         "invert": False}, _BYTE_LEVEL | {"use_regex": False}]},
 }
+GGUF_NORMALIZERS = {"qwen2": {"type": "NFC"}}   # the rest have none
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # token types: added tokens, matched before BPE
 
 
@@ -1331,11 +1342,11 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         return float(str(np.float32(x)))
 
     arch = need("general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
-                         f"(supported: llama)")
-    if meta.get("llama.rope.scaling.type", "none") != "none":
-        raise ModelError(f"{gguf_path}: rope scaling {meta['llama.rope.scaling.type']!r} "
+                         f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    if meta.get(f"{arch}.rope.scaling.type", "none") != "none":
+        raise ModelError(f"{gguf_path}: rope scaling {meta[f'{arch}.rope.scaling.type']!r} "
                          f"is not supported")
     tokenizer_model, pre = need("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if tokenizer_model != "gpt2":
@@ -1347,17 +1358,19 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
 
     tokens = need("tokenizer.ggml.tokens")
     tensors = {t.name: t for t in reader.tensors}
+    # A GGUF writes no flag for tied embeddings (nor for biases): a missing tensor says it.
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": len(tokens), "hidden_size": need("llama.embedding_length"),
-        "intermediate_size": need("llama.feed_forward_length"),
-        "num_hidden_layers": need("llama.block_count"),
-        "num_attention_heads": need("llama.attention.head_count"),
-        "num_key_value_heads": meta.get("llama.attention.head_count_kv"),
-        "head_dim": meta.get("llama.attention.key_length"),
-        "max_position_embeddings": need("llama.context_length"),
-        "rms_norm_eps": need("llama.attention.layer_norm_rms_epsilon"),
-        "rope_theta": meta.get("llama.rope.freq_base"),
+        "architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch,
+        "vocab_size": len(tokens), "hidden_size": need(f"{arch}.embedding_length"),
+        "intermediate_size": need(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": need(f"{arch}.block_count"),
+        "num_attention_heads": need(f"{arch}.attention.head_count"),
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv"),
+        "head_dim": meta.get(f"{arch}.attention.key_length"),
+        "max_position_embeddings": need(f"{arch}.context_length"),
+        "rms_norm_eps": need(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.get(f"{arch}.rope.freq_base"),
+        "attention_bias": arch == "qwen3" and "blk.0.attn_output.bias" in tensors,
         "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
@@ -1404,7 +1417,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     hf_name = {_gguf_name(name): name for name in shapes}
     for t in reader.tensors:
         if t.name not in hf_name:
-            raise ModelError(f"{gguf_path}: unexpected tensor {t.name!r} (not in a Llama of "
+            raise ModelError(f"{gguf_path}: unexpected tensor {t.name!r} (not in a {arch} of "
                              f"this config)")
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
         if shape != shapes[hf_name[t.name]]:
@@ -1422,7 +1435,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         name = hf_name[t.name]
         w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name]),
                          dtype=torch.float32)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         weights[name] = w
 
@@ -1432,7 +1445,8 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
                           "rstrip": False, "normalized": False, "special": types[i] == GGUF_CONTROL}
                          for i, tok in enumerate(tokens)
                          if types[i] in (GGUF_CONTROL, GGUF_USER_DEFINED)],
-        "normalizer": None, "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre], "post_processor": post_processor,
+        "normalizer": GGUF_NORMALIZERS.get(pre), "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre],
+        "post_processor": post_processor,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
                     "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None,

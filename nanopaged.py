@@ -1573,7 +1573,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "embedded SmolLM2-135M-Instruct, offline.")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     ap.add_argument("--model", help="a local Hugging Face layout directory (Llama, Mistral, Qwen 2/2.5/3, GPT-2) "
-                                    "or a Llama .gguf file (default: SmolLM2-135M-Instruct)")
+                                    "or a Llama or Qwen .gguf file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate, at most (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 is greedy (default); --top-k, --top-p, --min-p, --seed and distinct --n samples need > 0")

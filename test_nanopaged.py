@@ -1212,6 +1212,25 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     return path
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_qwen_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
+    """GGUFs that llama.cpp's own converter wrote from two tiny Qwen models: the weights
+    (Qwen 2's q/k/v biases, unpermuted Q and K, its tied embeddings; Qwen 3's q/k norms and
+    head_dim) give the logits transformers computed before the conversion, to float16's
+    rounding; the tokenizer (NFC, Qwen 2's regex, added tokens) encodes as Hugging Face's does."""
+    path = TESTDATA / f"{name}-f16.gguf"
+    model = load_model(path)
+    c = model.config
+    assert (c.model_type, c.qkv_bias, c.qk_norm, c.tie_word_embeddings, c.head_dim) == {
+        "qwen2": ("qwen2", True, False, True, 8), "qwen3": ("qwen3", False, True, False, 16)}[name]
+    logits = forward_all(model, IDS)
+    for t, row in json.loads((TESTDATA / "qwen_gguf_logits.json").read_text())[name].items():
+        torch.testing.assert_close(logits[int(t)], torch.tensor(row), rtol=0, atol=2e-2)
+    tok = load_tokenizer(path)
+    cases = [c for c in map(json.loads, (TESTDATA / "bpe_tokenizer_cases.jsonl").open()) if c["tokenizer"] == "qwen2"]
+    assert [tok.encode(c["text"], c["add_special_tokens"]) for c in cases] == [c["ids"] for c in cases]
+
+
 def test_tiny_gguf_loads(tmp_path, own_cache):
     path = write_gguf(tmp_path / "ok.gguf", L=2)
     logits = load_model(path)(torch.tensor([1, 2, 3]), torch.arange(3), lambda i, q, k, v: q)

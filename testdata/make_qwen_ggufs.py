@@ -1,0 +1,56 @@
+"""Writes qwen2-f16.gguf, qwen3-f16.gguf and qwen_gguf_logits.json: two tiny random Qwen
+models (Qwen 2 with its q/k/v biases and tied embeddings, Qwen 3 with its q/k norms and a
+head_dim of its own), converted to GGUF by llama.cpp's own convert_hf_to_gguf.py, and the
+logits Hugging Face transformers computes for token ids IDS before the conversion (at three
+positions). The tests
+convert the GGUFs back and compare. transformers and llama.cpp are needed only to remake:
+
+    pip install transformers sentencepiece   # (llama.cpp's converter imports sentencepiece)
+    python testdata/make_qwen_ggufs.py path/to/llama.cpp
+
+llama.cpp identifies a tokenizer's pre-tokenizer by hashing its output on a test text; this
+tiny tokenizer (qwen2_tokenizer/) is unknown to it, so make its get_vocab_base_pre return
+"qwen2" where it would raise NotImplementedError. Made with llama.cpp 0c1e570 (2026-10-01).
+"""
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+HERE = Path(__file__).resolve().parent
+IDS = [5, 17, 99, 3, 42, 42, 0, 64, 7, 100, 23]
+CHAT = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+        "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+MODELS = {"qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+          "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=False, head_dim=16))}
+
+llama_cpp = Path(sys.argv[1])
+out = {"transformers": transformers.__version__}
+for seed, (name, (config_class, extra)) in enumerate(MODELS.items()):
+    config = config_class(vocab_size=763, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=4096,
+                          rms_norm_eps=1e-6, rope_theta=1e6, eos_token_id=758, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():   # random, non-trivial values: norms near 1, biases too
+        for n, p in model.named_parameters():
+            p.copy_((1 + 0.1 * torch.randn(p.shape, generator=g)) if "norm" in n
+                    else 0.2 * torch.randn(p.shape, generator=g))
+        logits = model(torch.tensor([IDS])).logits[0]   # (T, V)
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        shutil.copy(HERE / "qwen2_tokenizer" / "tokenizer.json", d)
+        tj = json.loads((HERE / "qwen2_tokenizer" / "tokenizer.json").read_text())
+        (Path(d) / "tokenizer_config.json").write_text(json.dumps({
+            "chat_template": CHAT, "eos_token": "<|im_end|>", "bos_token": None, "tokenizer_class": "Qwen2Tokenizer",
+            "added_tokens_decoder": {str(t["id"]): t for t in tj["added_tokens"]}}))
+        subprocess.run([sys.executable, llama_cpp / "convert_hf_to_gguf.py", d, "--outtype", "f16",
+                        "--outfile", HERE / f"{name}-f16.gguf"], check=True)
+    # three positions keep the file small: the last one has attended to every token
+    out[name] = {str(t): [round(x, 5) for x in logits[t].tolist()] for t in (0, 5, len(IDS) - 1)}
+(HERE / "qwen_gguf_logits.json").write_text(json.dumps(out) + "\n")
