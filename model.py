@@ -434,11 +434,12 @@ class Tokenizer:
             except UnicodeEncodeError:   # surrogates, which no UTF-8 holds (HF refuses them):
                 # a pair becomes its character, a lone one U+FFFD, everywhere, as tiktoken does
                 text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-        # tiktoken's regex engine recurses along a whitespace run: at about 10^6 characters
-        # it overflows its stack and takes the process down with a Rust panic
-        if len(text) >= MAX_WHITESPACE_RUN and (run := regex.search(rf"\s{{{MAX_WHITESPACE_RUN},}}", text)):
-            raise ValueError(f"the text holds a run of {len(run.group()):,} whitespace characters: "
-                             f"tiktoken cannot split one of {MAX_WHITESPACE_RUN:,} or more")
+        # tiktoken's regex engine backtracks along a whitespace run, and near 10^6 characters
+        # runs out of backtracking stack: a Rust panic, not an error. (The search looks only
+        # where a run starts: tried at every place, it would take time quadratic in the run.)
+        if len(text) >= MAX_WHITESPACE_RUN and regex.search(rf"(?<!\s)\s{{{MAX_WHITESPACE_RUN}}}", text):
+            raise ValueError(f"the text holds a run of {MAX_WHITESPACE_RUN:,} or more whitespace characters, "
+                             f"more than tiktoken can split")
         ids, start, strip_left = [], 0, False
         for m in self._added.finditer(text):
             token, lstrip, rstrip = self._added_tokens[m.group()]
@@ -1247,6 +1248,7 @@ GGUF_PRE_TOKENIZERS = {
 }
 GGUF_NORMALIZERS = {"qwen2": {"type": "NFC"}}   # the rest have none
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # token types: added tokens, matched before BPE
+GGUF_UNUSED = 5                         # padding of the embedding matrix past the vocab
 
 
 def default_gguf() -> Path:
@@ -1370,6 +1372,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         "max_position_embeddings": need(f"{arch}.context_length"),
         "rms_norm_eps": need(f"{arch}.attention.layer_norm_rms_epsilon"),
         "rope_theta": meta.get(f"{arch}.rope.freq_base"),
+        # (only Qwen 3's: llama.cpp permutes a Llama's q/k biases too, which _unpermute does not undo)
         "attention_bias": arch == "qwen3" and "blk.0.attn_output.bias" in tensors,
         "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -1452,7 +1455,9 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         "model": {"type": "BPE", "dropout": None, "unk_token": None,
                   "continuing_subword_prefix": None, "end_of_word_suffix": None,
                   "fuse_unk": False, "byte_fallback": False,
-                  "vocab": {tok: i for i, tok in enumerate(tokens)},
+                  # without the padding llama.cpp writes past the tokenizer's vocab ("[PAD151665]"...,
+                  # type UNUSED): ids that are no token, which decode skips
+                  "vocab": {tok: i for i, tok in enumerate(tokens) if types[i] != GGUF_UNUSED},
                   "merges": meta.get("tokenizer.ggml.merges", [])}}
 
     (out / "config.json").write_text(json.dumps(config, indent=2))

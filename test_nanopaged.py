@@ -881,8 +881,10 @@ def test_nfc_acts_between_added_tokens_and_long_whitespace_is_refused(tmp_path):
     assert tok.encode("<|x|>\u0338") == [257, 0xCC, 0xB8]   # U+0338 is the bytes CC B8
     assert tok.encode("e\u0301<|x|>") == [0xC3, 0xA9, 257]   # e + U+0301 is é (C3 A9)
     assert tok.encode("a" + " " * 499_999) == [ord("a")] + [ord(" ")] * 499_999
-    with pytest.raises(ValueError, match="a run of 500,000 whitespace characters"):
+    with pytest.raises(ValueError, match="a run of 500,000 or more whitespace characters"):
         tok.encode("a" + " " * 500_000 + "b")
+    long_text = (" " * 499_999 + "a") * 2   # runs each one short of it: no refusal, and no quadratic search
+    assert tok.encode(long_text) == ([ord(" ")] * 499_999 + [ord("a")]) * 2
 
 
 @pytest.mark.parametrize("tokenizer, message", [
@@ -1168,10 +1170,11 @@ def test_decode_skips_ids_that_are_no_token():
 # GGUF conversion
 
 def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None,
-               dtypes=None, pre="smollm", add_bos=None):
-    """A tiny Llama GGUF: the 256 byte tokens, random float32 weights (tied embeddings), less
-    the tensors named in `skip`, plus (or replaced by) those in `extra`; `dtypes` maps a
-    tensor's name to another numpy dtype to store it in."""
+               dtypes=None, pre="smollm", add_bos=None, pad=0):
+    """A tiny Llama GGUF: the 256 byte tokens (and `pad` padding ones after them, as llama.cpp
+    writes an embedding matrix longer than the vocab), random float32 weights (tied
+    embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
+    `dtypes` maps a tensor's name to another numpy dtype to store it in."""
     import gguf
     vocab, _ = byte_vocab()
     writer = gguf.GGUFWriter(path, "llama")
@@ -1184,9 +1187,9 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list(sorted(vocab, key=vocab.get))
-    if token_types is not None:
-        writer.add_token_types(token_types)
+    writer.add_token_list(sorted(vocab, key=vocab.get) + [f"[PAD{256 + i}]" for i in range(pad)])
+    if token_types is not None or pad:
+        writer.add_token_types((token_types or [1] * 256) + [5] * pad)   # 5: UNUSED
     writer.add_token_merges([])
     writer.add_eos_token_id(eos)
     if bos is not None:
@@ -1194,7 +1197,7 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
     D = C // max(H, 1)  # any D when H is 0
-    shapes = {"token_embd.weight": (256, C), "output_norm.weight": (C,)}
+    shapes = {"token_embd.weight": (256 + pad, C), "output_norm.weight": (C,)}
     for i in range(L):
         shapes |= {f"blk.{i}.attn_norm.weight": (C,), f"blk.{i}.ffn_norm.weight": (C,),
                    f"blk.{i}.attn_q.weight": (H * D, C), f"blk.{i}.attn_k.weight": (KVH * D, C),
@@ -1215,8 +1218,8 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
 def test_qwen_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     """GGUFs that llama.cpp's own converter wrote from two tiny Qwen models: the weights
-    (Qwen 2's q/k/v biases, unpermuted Q and K, its tied embeddings; Qwen 3's q/k norms and
-    head_dim) give the logits transformers computed before the conversion, to float16's
+    (Qwen 2's q/k/v biases, its Q and K rows as HF's, its tied embeddings; Qwen 3's q/k norms
+    and head_dim) give the logits transformers computed before the conversion, to float16's
     rounding; the tokenizer (NFC, Qwen 2's regex, added tokens) encodes as Hugging Face's does."""
     path = TESTDATA / f"{name}-f16.gguf"
     model = load_model(path)
@@ -1227,6 +1230,8 @@ def test_qwen_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     for t, row in json.loads((TESTDATA / "qwen_gguf_logits.json").read_text())[name].items():
         torch.testing.assert_close(logits[int(t)], torch.tensor(row), rtol=0, atol=2e-2)
     tok = load_tokenizer(path)
+    # (the tiny vocab has no token of two digits: Llama 3's digit groups would encode it alike)
+    assert tok.encoding._pat_str == load_tokenizer(TESTDATA / "qwen2_tokenizer").encoding._pat_str
     cases = [c for c in map(json.loads, (TESTDATA / "bpe_tokenizer_cases.jsonl").open()) if c["tokenizer"] == "qwen2"]
     assert [tok.encode(c["text"], c["add_special_tokens"]) for c in cases] == [c["ids"] for c in cases]
 
@@ -1235,6 +1240,11 @@ def test_tiny_gguf_loads(tmp_path, own_cache):
     path = write_gguf(tmp_path / "ok.gguf", L=2)
     logits = load_model(path)(torch.tensor([1, 2, 3]), torch.arange(3), lambda i, q, k, v: q)
     assert logits.shape == (3, 256) and load_tokenizer(path).encode("ab") == [97, 98]
+    # the padding llama.cpp writes past the vocab (Qwen's "[PAD151665]"...) is no token: decode skips it
+    padded = write_gguf(tmp_path / "padded.gguf", pad=4)
+    tok = load_tokenizer(padded)
+    assert load_model(padded).config.vocab_size == 260 and tok.decode([97, 257, 98]) == "ab"
+    assert 257 not in tok.encode("[PAD257]")
 
 
 @pytest.mark.parametrize("kwargs, first", [
