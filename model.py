@@ -1235,16 +1235,19 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
 # GGUF's pre-tokenizer names, as the tokenizer.json pre_tokenizer each one stands for.
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                "use_regex": True}
+def _split_then_bytes(pattern: str) -> dict:
+    """A pre-tokenizer that splits with a regex of its own, then maps the bytes."""
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+        _BYTE_LEVEL | {"use_regex": False}]}
+
+
 GGUF_PRE_TOKENIZERS = {
     "gpt-2": _BYTE_LEVEL,
     "smollm": {"type": "Sequence", "pretokenizers": [
         {"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
-    "llama-bpe": {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated",
-         "invert": False}, _BYTE_LEVEL | {"use_regex": False}]},
-    "qwen2": {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated",
-         "invert": False}, _BYTE_LEVEL | {"use_regex": False}]},
+    "llama-bpe": _split_then_bytes(LLAMA3_PATTERN),
+    "qwen2": _split_then_bytes(QWEN2_PATTERN),
 }
 GGUF_NORMALIZERS = {"qwen2": {"type": "NFC"}}   # the rest have none
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # token types: added tokens, matched before BPE
