@@ -406,7 +406,12 @@ class Tokenizer:
         if added_tokens is None:
             added_tokens = [{"content": t, "id": encoding.encode_single_token(t), "special": True}
                             for t in encoding.special_tokens_set]
-        self._added = regex.compile(_longest_first(added_tokens))
+        # HF finds the tokens marked normalized: false in the raw text, then normalizes the
+        # text between them, and finds the normalized: true ones in that. (Without a
+        # normalizer the two are one: a single search.)
+        late = [t for t in added_tokens if nfc and t.get("normalized")]
+        self._added = regex.compile(_longest_first([t for t in added_tokens if t not in late]))
+        self._added_normalized = regex.compile(_longest_first(late)) if late else None
         self._added_tokens = {t["content"]: (t["id"], bool(t.get("lstrip")), bool(t.get("rstrip")))
                               for t in added_tokens}   # content -> (id, lstrip, rstrip)
         # the control tokens (<|im_end|>, <|endoftext|>...), which output text leaves out by default
@@ -440,28 +445,40 @@ class Tokenizer:
         if len(text) >= MAX_WHITESPACE_RUN and regex.search(rf"(?<!\s)\s{{{MAX_WHITESPACE_RUN}}}", text):
             raise ValueError(f"the text holds a run of {MAX_WHITESPACE_RUN:,} or more whitespace characters, "
                              f"more than tiktoken can split")
-        ids, start, strip_left = [], 0, False
-        for m in self._added.finditer(text):
-            token, lstrip, rstrip = self._added_tokens[m.group()]
-            gap = text[start:m.start()]
-            gap = gap.lstrip(WHITE_SPACE) if strip_left else gap   # after an rstrip token
-            ids += self._encode_ordinary(gap.rstrip(WHITE_SPACE) if lstrip else gap)
-            ids.append(token)
-            start, strip_left = m.end(), rstrip
-        tail = text[start:]
-        ids += self._encode_ordinary(tail.lstrip(WHITE_SPACE) if strip_left else tail)
+        ids = self._split_added(text, self._added, self._encode_normalized)
         if add_special_tokens:
             if ids[:len(self.prefix_ids)] != self.prefix_ids:
                 ids = self.prefix_ids + ids
             ids += self.suffix_ids
         return ids
 
-    def _encode_ordinary(self, text: str) -> list[int]:
-        """BPE of text that holds no added token. The normalizer acts here, between the added
-        tokens, as HF's does: NFC would otherwise join a token's last character with the
-        combining mark after it ("<think>" + U+0338 has no "<think>" left: ">" + U+0338 is "≯")."""
+    def _split_added(self, text: str, added, encode_gap) -> list[int]:
+        """The added tokens that `added` finds in text, and encode_gap of the text between
+        them. An lstrip (rstrip) token drops the whitespace on its left (right)."""
+        ids, start, strip_left = [], 0, False
+        for m in added.finditer(text):
+            token, lstrip, rstrip = self._added_tokens[m.group()]
+            gap = text[start:m.start()]
+            gap = gap.lstrip(WHITE_SPACE) if strip_left else gap   # after an rstrip token
+            ids += encode_gap(gap.rstrip(WHITE_SPACE) if lstrip else gap)
+            ids.append(token)
+            start, strip_left = m.end(), rstrip
+        tail = text[start:]
+        return ids + encode_gap(tail.lstrip(WHITE_SPACE) if strip_left else tail)
+
+    def _encode_normalized(self, text: str) -> list[int]:
+        """Text between added tokens: normalized, as HF's normalizer acts here (NFC over the
+        whole text would join a token's last character with a combining mark after it:
+        "<think>" + U+0338 has no "<think>" left, as ">" + U+0338 is "≯"), then searched
+        for the added tokens that match normalized text."""
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
+        if self._added_normalized is None:
+            return self._encode_ordinary(text)
+        return self._split_added(text, self._added_normalized, self._encode_ordinary)
+
+    def _encode_ordinary(self, text: str) -> list[int]:
+        """BPE of text that holds no added token."""
         ids = self.encoding.encode_ordinary(text)
         if self.dropped_from is not None and any(i >= self.dropped_from for i in ids):
             ids = self._encode_dropping(text)  # rare: text with a byte the vocab lacks

@@ -873,6 +873,26 @@ def test_qwen2_and_llama3_shaped_tokenizers_encode_as_hugging_face_does(name):
     assert not wrong
 
 
+def test_added_tokens_marked_normalized_are_found_after_nfc(tmp_path):
+    """HF finds an added token marked normalized: true in the text NFC made, the others in
+    the raw text. The expected ids are Hugging Face tokenizers 0.23's, on the Qwen 2 shaped
+    tokenizer with <think> marked normalized and a normalized "<Å>" added."""
+    tj = json.loads((TESTDATA / "qwen2_tokenizer" / "tokenizer.json").read_text())
+    for t in tj["added_tokens"]:
+        t["normalized"] = t["content"] == "<think>"
+    tj["added_tokens"].append({"id": 763, "content": "<\u00c5>", "single_word": False, "lstrip": False,
+                               "rstrip": False, "normalized": True, "special": False})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    config = json.loads((TESTDATA / "qwen2_tokenizer" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"vocab_size": 764}))
+    tok = load_tokenizer(tmp_path)
+    for text, ids in [("<think>\u0338", [27, 277, 263, 74, 158, 231, 107]),   # NFC made "≯" first
+                      ("x<think>y", [87, 761, 88]),
+                      ("<A\u030a> and <\u00c5>", [763, 746, 220, 763]),      # "<Å>" only once composed
+                      ("<|im_end|>\u0338 <think><A\u030a>", [758, 136, 116, 220, 761, 763])]:
+        assert tok.encode(text, add_special_tokens=False) == ids, text
+
+
 def test_nfc_acts_between_added_tokens_and_long_whitespace_is_refused(tmp_path):
     """As HF's tokenizers: added tokens are found in the raw text and the normalizer acts on
     the text between them, so NFC cannot join a token's ">" with a combining U+0338 ("≯").
