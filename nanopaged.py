@@ -1557,6 +1557,7 @@ EXAMPLES = """examples:
   python nanopaged.py --prompt "Four score and seven years ago our" --raw --block-size 4 --num-blocks 64 --max-tokens 3 --trace
   python nanopaged.py --prompt "List three colors." --stop "3." --max-tokens 64
   python nanopaged.py --prompt "The capital of France is" --raw --max-tokens 4 --logprobs 3
+  python nanopaged.py --chat --stats
   python nanopaged.py --model path/to/hf_dir_or_file.gguf --prompt "..."
 """
 
@@ -1572,6 +1573,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="A minimal PagedAttention inference engine. Without --model it runs the "
                     "embedded SmolLM2-135M-Instruct, offline.")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    ap.add_argument("--chat", action="store_true",
+                    help="a conversation: each line typed (or read from stdin) is a turn, answered in a stream; "
+                         "the earlier turns stay in the prompt, and their blocks in the prefix cache")
     ap.add_argument("--model", help="a local Hugging Face layout directory (Llama, Mistral, Qwen 2/2.5/3, GPT-2) "
                                     "or a Llama or Qwen .gguf file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate, at most (default: %(default)s)")
@@ -1604,12 +1608,58 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats: bool):
+    """--chat: read a user turn per line until end of input, and stream each answer. Every
+    turn's prompt is the whole conversation, rendered by the chat template again; the
+    blocks of the turns before it are still in the prefix cache (the previous prompt and
+    answer filled them), so only the new tokens are computed: --stats shows the hit rate."""
+    conversation = list(system)
+    prompt = "> " if sys.stdin.isatty() else ""   # (none to echo when the turns are piped in)
+    while True:
+        try:
+            line = input(prompt)
+        except (EOFError, KeyboardInterrupt) as stop:   # Ctrl-D (or the end of piped input), Ctrl-C
+            print(end="\n" if prompt else "")   # the shell's prompt, or main's message, on a line of its own
+            if isinstance(stop, KeyboardInterrupt):
+                raise
+            return
+        if not line.strip():
+            continue
+        conversation.append({"role": "user", "content": line})
+        try:
+            pieces = llm.stream(render_chat(llm.tokenizer, conversation)[1], params)
+        except ValueError as e:   # the conversation outgrew the context (or the template refused it)
+            print(f"nanopaged: error: {e}; the conversation starts over", file=sys.stderr)
+            conversation = list(system)
+            continue
+        conversation.append({"role": "assistant", "content": show(pieces)})
+        if stats:
+            print(llm.stats.summary(llm.pool.num_blocks), file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     line_open = False   # streamed text waits on its line: an error message starts a new one
+
+    def show(pieces) -> str:
+        """Print a stream's pieces as they come; return the whole text."""
+        nonlocal line_open
+        text = ""
+        for piece in pieces:
+            print(piece, end="", flush=True)
+            text += piece
+            if piece:
+                line_open = not piece.endswith("\n")
+        print()
+        line_open = False
+        return text
+
     try:
-        if not args.prompt:
-            raise ValueError("give at least one --prompt")
+        if args.chat and (args.prompt or args.n > 1 or args.logprobs is not None or args.trace or args.raw):
+            raise ValueError("--chat reads its turns from stdin and streams one answer at a time: "
+                             "--prompt, --n, --logprobs, --trace and --raw go without it")
+        if not args.prompt and not args.chat:
+            raise ValueError("give at least one --prompt (or --chat)")
         if any(not p.strip() for p in args.prompt):
             raise ValueError("a --prompt is empty")
         try:
@@ -1628,6 +1678,8 @@ def main(argv=None) -> int:
                   attn_backend=args.attn_backend)
         tok = llm.get_tokenizer()
         chat = tok.chat_template is not None and not args.raw
+        if args.chat and not chat:
+            raise ValueError("--chat needs the model's chat template: this model has none")
         if args.system is not None and not chat:
             raise ValueError("--system needs the model's chat template (" +
                              ("--raw skips it)" if args.raw else "this model has none)"))
@@ -1647,13 +1699,10 @@ def main(argv=None) -> int:
             llm.enable_trace()
         elif args.stats:
             print(llm.describe_kv_cache(), file=sys.stderr)
-        if len(prompts) == 1 and args.n == 1 and not args.trace and args.logprobs is None:   # stream
-            for piece in llm.stream(prompts[0], params):
-                print(piece, end="", flush=True)
-                if piece:
-                    line_open = not piece.endswith("\n")
-            print()
-            line_open = False
+        if args.chat:
+            chat_loop(llm, params, system, show, args.stats)
+        elif len(prompts) == 1 and args.n == 1 and not args.trace and args.logprobs is None:   # stream
+            show(llm.stream(prompts[0], params))
         else:
             failed = False
             for i, r in enumerate(llm.generate(prompts, params)):
@@ -1665,7 +1714,7 @@ def main(argv=None) -> int:
                     failed |= c.finish_reason == "error"
             if failed:
                 raise GenerationError(f"{NOT_FINITE} for the samples marked (error)")
-        if args.stats:
+        if args.stats and not args.chat:   # (--chat prints them after each answer)
             print(llm.stats.summary(llm.pool.num_blocks), file=sys.stderr)
     except ValueError as e:   # bad input of any kind: one clear line, exit status 2
         print(f"nanopaged: error: {e}", file=sys.stderr)

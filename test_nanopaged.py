@@ -14,6 +14,7 @@ Chapters, in the order the code is built:
 
 import functools
 import importlib.util
+import io
 import json
 import math
 import random
@@ -37,7 +38,7 @@ from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_to
                    load_tokenizer, resolve_model_dir)
 from nanopaged import (LLM, BlockPool, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks, PagedAttention,
                        StopStringScan, bad_words_token_ids, copy_blocks, logprob_dicts, main, paged_attention,
-                       paged_attention_ref, sampling_probs, write_kv)
+                       paged_attention_ref, render_chat, sampling_probs, write_kv)
 from scheduler import SamplingParams, Scheduler, Status
 
 HERE = Path(__file__).resolve().parent
@@ -2992,6 +2993,29 @@ def test_cli_streams_and_batches(capsys, smollm2_dir):
     assert code == 0 and "(length)" in out and "(stop)" not in out and "16 + " in err   # 2 x 8 output tokens
 
 
+def test_cli_chat_keeps_the_conversation_and_its_blocks(capsys, smollm2_dir, llm, monkeypatch):
+    """--chat: a turn per line of stdin (blank lines skipped), each answered with the whole
+    conversation as its prompt, the turns before it found in the prefix cache; one that
+    outgrows the context gets one error line, and the conversation starts over."""
+    q1, q2, a1 = GOLDEN[0]["user_text"], "Say that again in fewer words.", GOLDEN[0]["greedy_text"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{q1}\n\n  \n{q2}\n"))
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--chat", "--max-tokens", "64", "--stats")
+    turns = [{"role": "user", "content": q1}, {"role": "assistant", "content": a1}, {"role": "user", "content": q2}]
+    a2 = llm.chat(turns, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0].text
+    assert code == 0 and out == f"{a1}\n{a2}\n" and a2 != a1
+    hits = [float(x) for x in re.findall(r"prefix-cache hit rate +([\d.]+) %", err)]
+    assert hits[0] == 0 and hits[1] > 50 and len(hits) == 2   # turn 2: turn 1's prompt and answer, cached
+    # max_tokens that turn 1 just fits in the context: turn 2 cannot, turn 3 (a new conversation) can
+    room = llm.max_model_len - len(render_chat(llm.tokenizer, turns[:1])[1])
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{q1}\n{q2}\n{q1}\n"))
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--chat", "--max-tokens", str(room))
+    assert code == 0 and out == f"{a1}\n{a1}\n"
+    assert err.count("nanopaged: error: prompt (") == 1 and err.strip().endswith("the conversation starts over")
+    for argv in (["--prompt", "Hi"], ["--n", "2"], ["--raw"], ["--trace"], ["--logprobs", "1"]):
+        code, out, err = run_cli(capsys, "--chat", *argv)
+        assert code == 2 and "--chat reads its turns from stdin" in err and not out
+
+
 def test_cli_says_which_flags_greedy_ignores(capsys, smollm2_dir):
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "1",
                              "--seed", "3", "--top-p", "0.5", "--min-p", "0.1", "--n", "2")
@@ -3064,10 +3088,13 @@ def test_cli_renders_the_models_chat_template(tmp_path, capsys):
 
 
 def readme_transcripts():
-    """The README's `$ python nanopaged.py ...` blocks: (arguments, output lines); a block
-    that ends in "..." shows the first lines of the output only."""
-    blocks = re.findall(r"```\n\$ python nanopaged.py (.*?)\n(.*?)```", (HERE / "README.md").read_text(), re.S)
-    return [(shlex.split(command), output.splitlines()) for command, output in blocks]
+    """The README's `$ python nanopaged.py ...` blocks, maybe fed by `printf '...' |`:
+    (stdin or None, arguments, output lines); a block that ends in "..." shows the first
+    lines of the output only."""
+    blocks = re.findall(r"```\n\$ (?:printf '(.*?)' \| )?python nanopaged.py (.*?)\n(.*?)```",
+                        (HERE / "README.md").read_text(), re.S)
+    return [(stdin.replace("\\n", "\n") if stdin else None, shlex.split(command), output.splitlines())
+            for stdin, command, output in blocks]
 
 
 def same_but_for_rounding(text: str, shown: str) -> bool:
@@ -3079,10 +3106,15 @@ def same_but_for_rounding(text: str, shown: str) -> bool:
         abs(float(x) - float(y)) <= 2 * 10 ** -len(y.split(".")[1]) + 1e-9 for x, y in zip(a[1::2], b[1::2]))
 
 
-def test_readme_transcripts_reproduce_exactly(capsys, smollm2_dir):
-    assert len(readme_transcripts()) == 3
-    for argv, shown in readme_transcripts():
+def test_readme_transcripts_reproduce_exactly(capsys, smollm2_dir, monkeypatch):
+    assert len(readme_transcripts()) == 4
+    for stdin, argv, shown in readme_transcripts():
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin or ""))
         code, out, err = run_cli(capsys, "--model", str(smollm2_dir), *argv)
+        if stdin:   # --chat --stats: the hit rates the README quotes after it
+            hits = re.findall(r"prefix-cache hit rate +([\d.]+ %)", err)
+            readme = " ".join((HERE / "README.md").read_text().split())
+            assert f"prefix-cache hit rate {', '.join(hits).replace(' %', '%')} of the prompt tokens" in readme
         lines = out.splitlines()
         if shown[-1] == "...":
             shown, lines = shown[:-1], lines[:len(shown) - 1]
