@@ -9,7 +9,8 @@ README quotes them with the command that produced them.
   python bench.py prefix      a ~1,000-token shared system prompt: TTFT with prefix caching on vs off
   python bench.py parallel    n = 4 parallel sampling: KV blocks with copy-on-write vs without sharing
   python bench.py sampling    what logprobs, prompt logprobs, penalties and constraints cost, against plain greedy
-  python bench.py kernel      (GPU) the CUDA kernel's bandwidth vs the card's copy bandwidth
+  python bench.py kernel      (GPU) the CUDA kernel's bandwidth vs the card's copy bandwidth, the split-K
+                              sweep, and prefill / chunk / GQA-8 steps against the torch path
   python bench.py all         every CPU benchmark above
 
 Benchmarks get their own file because they are not part of the engine: they drive it
@@ -325,7 +326,7 @@ def bench_parallel(args):
 
 
 # -----------------------------------------------------------------------------
-# the sampler's extras: logprobs, prompt logprobs, penalties
+# the sampler's extras: logprobs, prompt logprobs, penalties, constraints
 
 
 def bench_sampling(args):
@@ -350,7 +351,7 @@ def bench_sampling(args):
 #
 # Decode attention on the GPU: the CUDA kernel against the card's copy bandwidth.
 #
-#     python bench_part_cuda.py
+#     python bench.py kernel
 #
 # Decode attention reads every cached K and V once per step and does little arithmetic, so
 # its speed limit is memory bandwidth. For decode batches of a Llama-3-8B layer (32 query

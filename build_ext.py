@@ -339,8 +339,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 # every race), and nvcc-only bugs; bash gpu_check.sh does, with racecheck.
 #
 # Each CUDA thread is a fiber (a ucontext with its own stack) on one OS thread.
-# A fiber runs until it reaches a barrier, then yields to the scheduler loop in
-# run_grid(), which resumes the next runnable fiber; a barrier lets its fibers
+# A fiber runs until it waits at a barrier, then hands the CPU straight to the
+# next runnable fiber; run_grid()'s loop gets control back only when a fiber
+# finishes or every remaining one waits (a deadlock). A barrier lets its fibers
 # go once every live thread it spans has arrived. CTAs run one after another.
 EMULATOR = r"""
 // kernels.cu on CPU fibers (build_ext.py's EMULATOR; see the comment above it there).
@@ -594,8 +595,8 @@ class KernelsUnavailable(RuntimeError):
 def find_cuda_home() -> str | None:
     """A CUDA toolkit directory with bin/nvcc and include/cuda_runtime.h.
 
-    $CUDA_HOME first, then /usr/local/cuda, then the directory above the nvcc on
-    PATH. The last guess is what torch itself tries, and it fails where that nvcc
+    $CUDA_HOME first, then $CUDA_PATH, then /usr/local/cuda, then the directory above
+    the nvcc on PATH. The last guess is what torch itself tries, and it fails where that nvcc
     is a wrapper script (e.g. /usr/local/bin/nvcc), which is why we look first.
     """
     candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]

@@ -17,7 +17,7 @@
 set -u -o pipefail
 
 TEST_FILE=test_nanopaged.py
-TEST_FILTER="cuda and not nvcc_check"       # the GPU tests (kernel and engine); --check is CI's job
+TEST_FILTER="cuda"       # the GPU tests (kernel and engine)
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET:-540}
 STEPS=" ${GPU_CHECK_STEPS:-tests benchmark sanitizer} "
@@ -33,8 +33,11 @@ found=$(command -v "$PYTHON") || { echo "gpu_check: no python at PYTHON=$PYTHON"
 PYTHON="$(cd "$(dirname "$found")" && pwd)/$(basename "$found")"
 PATH="$(dirname "$PYTHON"):$PATH"
 cd "$(dirname "$0")"
-# The nvcc on PATH may be a wrapper script; torch finds the toolkit through CUDA_HOME.
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+# The nvcc on PATH may be a wrapper script; torch finds the toolkit through CUDA_HOME,
+# which build_ext looks for as the build will ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda, PATH)
+CUDA_HOME=$("$PYTHON" -c 'import build_ext; print(build_ext.find_cuda_home() or "/usr/local/cuda")') ||
+    CUDA_HOME=/usr/local/cuda
+export CUDA_HOME
 KERNEL_CACHE="${NANOPAGED_CACHE:-$HOME/.cache/nanopaged}/kernels"
 
 failed=()
@@ -89,7 +92,9 @@ check() {
     # build would wait on it for good.
     rm -f "$KERNEL_CACHE/lock"
     [[ $STEPS == *" tests "* ]] &&
-        step "tests" 240 "$PYTHON" -m pytest -q -rs --tb=short "$TEST_FILE" -k "$TEST_FILTER"   # every failure, not the first
+        # every failure, not the first; launches made synchronous, so that a kernel's fault
+        # is reported by the test that launched it (it spoils the CUDA context for the rest)
+        step "tests" 240 env CUDA_LAUNCH_BLOCKING=1 "$PYTHON" -m pytest -q -rs --tb=short "$TEST_FILE" -k "$TEST_FILTER"
     [[ $STEPS == *" benchmark "* ]] && step "benchmark" 120 "$PYTHON" bench.py kernel
     [[ $STEPS == *" sanitizer "* ]] && sanitize
 
@@ -103,7 +108,7 @@ check() {
 }
 
 sanitize() {
-    local sanitizer probe
+    local sanitizer probe left=$((BUDGET - SECONDS))
     sanitizer=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
     echo
     # Some sandboxes (gVisor) refuse the sanitizer any GPU. That is no finding about the
@@ -111,7 +116,10 @@ sanitize() {
     if [ ! -x "$sanitizer" ]; then
         echo "compute-sanitizer not found: racecheck and memcheck skipped"
         failed+=("sanitizer (not found)")
-    elif ! probe=$(timeout -k 10 120 "$sanitizer" --error-exitcode 1 "$PYTHON" -c \
+    elif [ "$left" -lt 80 ]; then   # (the probe within the budget too, and the checks after it)
+        echo "compute-sanitizer: skipped, ${left} s of the ${BUDGET} s budget left"
+        failed+=("sanitizer (skipped)")
+    elif ! probe=$(timeout -k 10 $((left / 3 < 60 ? left / 3 : 60)) "$sanitizer" --error-exitcode 1 "$PYTHON" -c \
             'import torch; torch.zeros(1, device="cuda"); torch.cuda.synchronize()' 2>&1); then
         echo "compute-sanitizer cannot run a trivial CUDA program here: racecheck and memcheck skipped"
         echo "$probe" | tail -n 5

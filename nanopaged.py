@@ -1592,7 +1592,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repetition-penalty", type=float, default=1.0,
                     help="> 1 makes tokens already in the prompt or output less likely (default: 1, off)")
     ap.add_argument("--logprobs", type=int, metavar="K",
-                    help="after the text, each token's log-probability and the K likeliest others (0 to 20)")
+                    help="after the text, each token's log-probability and the K likeliest tokens (0 to 20)")
     ap.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
     ap.add_argument("--system", help="a system prompt, rendered by the chat template before each prompt")
     ap.add_argument("--dtype", help="float32 (CPU default), bfloat16 (GPU default), float16")
@@ -1612,7 +1612,8 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
     """--chat: read a user turn per line until end of input, and stream each answer. Every
     turn's prompt is the whole conversation, rendered by the chat template again; the
     blocks of the turns before it are still in the prefix cache (the previous prompt and
-    answer filled them), so only the new tokens are computed: --stats shows the hit rate."""
+    answer filled them), so mostly the new turn is computed (and the partial block the previous
+    answer ended in: only full blocks are cached): --stats shows the hit rate."""
     conversation = list(system)
     prompt = "> " if sys.stdin.isatty() else ""   # (none to echo when the turns are piped in)
     while True:

@@ -49,7 +49,8 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True    # the text leaves out special tokens (<|im_end|>...); the ids keep them
     include_stop_str_in_output: bool = False   # the text ends after the stop string, not before
-    logprobs: int | None = None         # per output token: its log-probability and the top k others
+    logprobs: int | None = None         # per output token: its log-probability, and the top k tokens
+                                        # (the chosen one may be among them)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     # Penalties, applied to the logits before temperature (see process_logits in nanopaged.py):
     presence_penalty: float = 0.0       # > 0: less of any token the output already has
@@ -61,10 +62,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None      # draw only these
     bad_words: list[str] | None = None              # never complete one of these words
-    # Filled by LLM.add_request in the request's copy: bad_words as token ids, both spellings
-    # (with the model's tokenizer, as vLLM does), and a (vocab,) bool tensor on the engine's
-    # device, True outside allowed_token_ids (made once: a list of ids to a tensor every step
-    # took 3 ms for half of a 49k vocabulary)
+    # Filled by LLM._check_constraints (from LLM._add) in the request's copy: bad_words as
+    # token ids, both spellings (with the model's tokenizer, as vLLM does), and a (vocab,)
+    # bool tensor on the engine's device, True outside allowed_token_ids (made once: a list
+    # of ids to a tensor every step took 3 ms for half of a 49k vocabulary)
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     disallowed_mask: object = field(default=None, init=False, repr=False, compare=False)
 
