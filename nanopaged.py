@@ -510,6 +510,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
 
+    def finished(self) -> bool:   # (vLLM's)
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:
@@ -522,6 +525,7 @@ class RequestOutput:
     latency: float             # seconds from arrival to the last sample's finish
     # with SamplingParams.prompt_logprobs = k: the same per prompt token, None for the first
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finished: bool = True      # (vLLM's: a request is returned once, when it has finished)
 
 
 class GenerationError(RuntimeError):
@@ -776,9 +780,10 @@ class LLM:
         params.__post_init__()
         if params.truncate_prompt_tokens is not None:   # (left truncation: the end of a prompt matters most)
             keep = params.truncate_prompt_tokens
-            ids = ids[-(max(self.max_model_len - params.max_tokens, 1) if keep == -1 else keep):]
-        if advised:   # a max_tokens the caller never wrote (generation_config.json's) stops at the context
-            params.max_tokens = max(min(params.max_tokens, self.max_model_len - len(ids)), 1)
+            ids = ids[-(max(self.max_model_len - (params.max_tokens or 1), 1) if keep == -1 else keep):]
+        if advised or params.max_tokens is None:   # a max_tokens the caller never wrote (generation_config.json's),
+            # or None (vLLM's "up to the context"), stops at the context
+            params.max_tokens = max(min(params.max_tokens or self.max_model_len, self.max_model_len - len(ids)), 1)
         # (a text prompt too: a tokenizer may know more tokens than config.json's vocab_size)
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
@@ -1663,6 +1668,10 @@ def main(argv=None) -> int:
             raise ValueError("give at least one --prompt (or --chat)")
         if any(not p.strip() for p in args.prompt):
             raise ValueError("a --prompt is empty")
+        for flag, value in (("--max-tokens", args.max_tokens), ("--block-size", args.block_size),
+                            ("--num-blocks", args.num_blocks)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
         try:
             params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                     min_p=args.min_p, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
@@ -1671,9 +1680,6 @@ def main(argv=None) -> int:
         except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
             name = str(e).split()[0]   # SamplingParams' messages start with the field's name
             raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
-        for flag, value in (("--block-size", args.block_size), ("--num-blocks", args.num_blocks)):
-            if value is not None and value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
         llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
                   attn_backend=args.attn_backend)

@@ -42,7 +42,7 @@ class SamplingParams:
     top_k: int = 0                      # 0 (or -1): all tokens
     top_p: float = 1.0
     min_p: float = 0.0                  # keep the tokens at least min_p times as likely as the likeliest
-    max_tokens: int = 16
+    max_tokens: int | None = 16         # None: as many as the model's context leaves (LLM fills it in)
     stop: list[str] | str | None = None  # stop strings (the engine checks the text)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -87,8 +87,8 @@ class SamplingParams:
             (_finite_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be a number in (0, 1], got {self.top_p!r}"),
             (_finite_number(self.min_p) and 0 <= self.min_p <= 1,
              f"min_p must be a number in [0, 1], got {self.min_p!r}"),
-            (integer(self.max_tokens) and self.max_tokens >= 1,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
+             f"max_tokens must be None (up to the context) or an integer >= 1, got {self.max_tokens!r}"),
             (self.stop is None or (isinstance(self.stop, (list, tuple))
                                    and all(isinstance(s, str) and s for s in self.stop)),
              f"stop must be a non-empty string or a list of them, got {self.stop!r}"),
@@ -133,7 +133,8 @@ class SamplingParams:
             if not ok:
                 raise ValueError(msg)
         # plain Python numbers from here on
-        self.n, self.top_k, self.max_tokens = int(self.n), int(self.top_k), int(self.max_tokens)
+        self.n, self.top_k = int(self.n), int(self.top_k)
+        self.max_tokens = None if self.max_tokens is None else int(self.max_tokens)
         self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
         self.presence_penalty, self.frequency_penalty = float(self.presence_penalty), float(self.frequency_penalty)
         self.repetition_penalty, self.min_tokens = float(self.repetition_penalty), int(self.min_tokens)

@@ -2398,6 +2398,17 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
     # truncate_prompt_tokens=-1 keeps what fits with max_tokens after it
     cut = small.generate(list(range(1, 101)), SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))[0]
     assert cut.prompt_token_ids == list(range(41, 101))
+    # max_tokens=None (vLLM's): up to the context, in generate and stream; with truncation, one token after
+    # the prompt's last 63
+    up_to = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    out = small.generate([[5] * 50, {"prompt_token_ids": [7] * 63}], up_to)
+    assert [len(o.outputs[0].token_ids) for o in out] == [14, 1] and up_to.max_tokens is None
+    assert all(o.finished and o.outputs[0].finished() and o.outputs[0].finish_reason == "length" for o in out)
+    assert "".join(small.stream([5] * 50, up_to)) == small.get_tokenizer().decode(out[0].outputs[0].token_ids)
+    cut = small.generate(list(range(1, 101)), SamplingParams(max_tokens=None, truncate_prompt_tokens=-1))[0]
+    assert cut.prompt_token_ids == list(range(38, 101)) and len(cut.outputs[0].token_ids) == 1
+    with pytest.raises(ValueError, match=r"prompt \(64 tokens\) \+ max_tokens \(1\) = 65 exceeds"):
+        small.generate([5] * 64, up_to)
     (model_dir / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(ValueError, match=r"the model's generation_config.json advises \{'temperature': -1\} .*: "
                                          r"temperature must be a finite number >= 0, got -1; LLM\(generation_config='vllm'\)"):
@@ -2663,7 +2674,7 @@ def test_a_request_keeps_its_own_copy_of_the_sampling_params(llm):
     assert len(done[first].outputs[0].token_ids) == 3 and done[first].outputs[0].finish_reason == "length"
     assert len(done[second].outputs[0].token_ids) == 1 and done[second].outputs[0].finish_reason == "stop"
     params.max_tokens = 0
-    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"max_tokens must be None \(up to the context\) or an integer >= 1"):
         llm.add_request(SYSTEM + "Say hi.", params)
     assert_nothing_leaked(llm)
 
@@ -2953,7 +2964,7 @@ def test_cli_help_shows_examples(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--prompt", ""], "prompt is empty"),
-    (["--prompt", "hi", "--max-tokens", "-1"], "--max-tokens must be an integer >= 1, got -1"),
+    (["--prompt", "hi", "--max-tokens", "-1"], "--max-tokens must be >= 1, got -1"),
     (["--prompt", "hi", "--model", "/no/such/model"], "/no/such/model"),
     ([], "give at least one --prompt"),
     (["--prompt", "hi", "--top-p", "2"], "--top-p must be a number in (0, 1], got 2.0"),
