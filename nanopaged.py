@@ -1621,6 +1621,9 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
     answer ended in: only full blocks are cached): --stats shows the hit rate."""
     conversation = list(system)
     prompt = "> " if sys.stdin.isatty() else ""   # (none to echo when the turns are piped in)
+    if prompt:
+        with contextlib.suppress(ImportError):   # (not on every platform)
+            import readline  # noqa: F401  imported, it gives input() line editing and history
     while True:
         try:
             line = input(prompt)
