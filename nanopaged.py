@@ -863,7 +863,7 @@ class LLM:
     def _step(self) -> list[RequestOutput]:
         if not self.scheduler.has_unfinished():
             return self._collect_finished()   # what an interrupted step finished, if anything
-        start, out, done = time.perf_counter(), None, False
+        start = time.perf_counter()
         try:
             # The bookkeeping (queues, block tables, ref counts) must not stop halfway, so a
             # Ctrl-C waits for the end of it. The forward pass and sampling may stop anywhere:
@@ -887,14 +887,13 @@ class LLM:
             token_logprobs, prompt_logprobs, broken_prompts = self._logprobs(due, logits, finite, sampled, prompt_rows)
             with defer_ctrl_c():
                 self._commit(out, sampled, broken | broken_prompts, start, token_logprobs, prompt_logprobs)
-                done = True   # the step happened: a Ctrl-C held until here has nothing to undo
         except BaseException:
-            # Out of memory, a KeyboardInterrupt...: the step did not happen. Its slots were
-            # reserved (and maybe written): its sequences are preempted and will be recomputed,
-            # so that nothing they write later lands one step off.
-            if out is not None and not done:
-                with defer_ctrl_c():
-                    self.scheduler.rollback(out)
+            # Out of memory, a KeyboardInterrupt...: unless Scheduler.update recorded it, the
+            # step did not happen. Its slots were reserved (and maybe written): its sequences
+            # are preempted and will be recomputed, so that nothing they write later lands one
+            # step off. (Should a second Ctrl-C cut this short, the next schedule() does it.)
+            with defer_ctrl_c():
+                self.scheduler.rollback()
             self._flush_trace()
             raise
         self._flush_trace()

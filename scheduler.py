@@ -278,6 +278,8 @@ class Scheduler:
         # will have computed by the time attention reads them, prefix hash -> (block, token ids),
         # shared with sequences admitted later in the same step (see _place)
         self.in_flight: dict[int, tuple[int, tuple]] = {}
+        # The step schedule() planned, until update() records it or rollback() undoes it
+        self.scheduled: SchedulerOutput | None = None
         self.running: list[Sequence] = []        # in arrival order (the preemption victim is the last)
         self.requests: dict[object, list[Sequence]] = {}  # request id -> its unfinished sequences
         self.next_arrival = 0
@@ -340,6 +342,10 @@ class Scheduler:
 
     # --- one step ---
     def schedule(self) -> SchedulerOutput:
+        # A step that was neither recorded nor undone (its rollback was cut short: a second
+        # Ctrl-C as the first unwound) left slots reserved that hold nothing: undo it now,
+        # or every K/V its sequences write from here on would land one slot off.
+        self.rollback()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.in_flight = {}
@@ -378,6 +384,7 @@ class Scheduler:
             seats += seq.pending_samples
         out.copies = self.pool.pending_copies
         self.pool.pending_copies = []
+        self.scheduled = out
         return out
 
     def _place(self, seq: Sequence, n: int, out: SchedulerOutput):
@@ -479,13 +486,16 @@ class Scheduler:
             self.pool.register(seq.block_table.block_ids[i], seq.block_hashes[i],
                                tuple(seq.token_ids[i * bs:(i + 1) * bs]))
 
-    def rollback(self, out: SchedulerOutput):
-        """The step that out scheduled failed before update() (an exception in the model or
-        the sampler, a KeyboardInterrupt): its slots were reserved, and some maybe written,
-        but the step never happened. Its sequences are preempted, newest first so that the
-        waiting queue stays in arrival order, and recomputed when they run again. Blocks the
-        prefix cache already holds were all filled by steps that did complete, so it stays
-        true."""
+    def rollback(self):
+        """Undo the step schedule() planned, if update() has not recorded it: it failed
+        (an exception in the model or the sampler, a KeyboardInterrupt). Its slots were
+        reserved, and some maybe written, but the step never happened. Its sequences are
+        preempted, newest first so that the waiting queue stays in arrival order, and
+        recomputed when they run again. Blocks the prefix cache already holds were all
+        filled by steps that did complete, so it stays true."""
+        out, self.scheduled = self.scheduled, None
+        if out is None:
+            return
         for seq in sorted(out.seqs, key=lambda s: s.order, reverse=True):
             if seq.status is Status.RUNNING:
                 self._preempt(seq)
@@ -496,6 +506,7 @@ class Scheduler:
         """Record the step: the scheduled tokens are now in the cache, and sampled[seq] lists
         the tokens picked for each sequence that reached its end: one, or n for a request's
         first sampling with n > 1, where the sequence forks. Returns the forked sequences."""
+        self.scheduled = None   # the step happened: nothing to roll back
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.status is Status.RUNNING:
                 first = seq.num_computed_tokens // self.block_size   # the block this step began in

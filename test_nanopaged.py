@@ -1788,8 +1788,8 @@ def test_blocks_a_step_computes_serve_sequences_admitted_after_them_in_that_step
     run_all(plain)
     sched = make_sched(num_blocks=32)
     a, b, c = submit(sched)
-    out = sched.schedule()
-    sched.rollback(out)              # a step that failed: nothing it computed may be found later
+    sched.schedule()
+    sched.rollback()                 # a step that failed: nothing it computed may be found later
     assert sched.pool.num_cached == 0 and sched.pool.num_used == 0
     out = run_step(sched)
     assert out.num_tokens == [14, 1, 5]                                # b and c: only their own tokens
@@ -2217,7 +2217,7 @@ def test_penalties_and_min_tokens(llm):
         assert out.finish_reason == "length"
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")), dict(repetition_penalty=0),
                 dict(repetition_penalty=-1.0), dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=1.5),
-                dict(max_tokens=None, min_tokens=2)):
+                dict(max_tokens="8", min_tokens=2)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="no token is left to draw"):
@@ -2567,6 +2567,20 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     monkeypatch.undo()
     done = step_to_the_end(llm)
     assert [done[i].outputs[0].token_ids for i in ids] == alone
+    # a second Ctrl-C that cuts the rollback short (as the first unwinds): the next step does it
+    ids = [llm.add_request(p, greedy(12, ignore_eos=True)) for p in prompts]
+    llm.step()
+    llm.step()
+    monkeypatch.setattr(llm.model, "forward", broken)
+    # (call 1: schedule() finds nothing to undo; call 2: the failed step's)
+    monkeypatch.setattr(llm.scheduler, "rollback", interrupted_on_call(2, llm.scheduler.rollback))
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    monkeypatch.undo()
+    assert llm.scheduler.scheduled is not None   # not rolled back yet
+    done = step_to_the_end(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == alone
+    assert_nothing_leaked(llm)
     assert llm.step() == []                             # idle: nothing to do, no error
     # an interrupt inside generate(): it leaves nothing behind, and what comes next is right
     monkeypatch.setattr(llm.model, "forward", interrupted_on_call(3, forward))
