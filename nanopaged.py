@@ -782,8 +782,9 @@ class LLM:
             keep = params.truncate_prompt_tokens
             ids = ids[-(max(self.max_model_len - (params.max_tokens or 1), 1) if keep == -1 else keep):]
         if advised or params.max_tokens is None:   # a max_tokens the caller never wrote (generation_config.json's),
-            # or None (vLLM's "up to the context"), stops at the context
-            params.max_tokens = max(min(params.max_tokens or self.max_model_len, self.max_model_len - len(ids)), 1)
+            # or None (vLLM's "up to the context"), stops at the context, or at what the whole pool holds
+            room = min(self.max_model_len, self.pool.num_blocks * self.pool.block_size) - len(ids)
+            params.max_tokens = max(min(params.max_tokens or room, room), 1)
         # (a text prompt too: a tokenizer may know more tokens than config.json's vocab_size)
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
@@ -1634,9 +1635,10 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
         if not line.strip():
             continue
         conversation.append({"role": "user", "content": line})
+        ids = render_chat(llm.tokenizer, conversation)[1]   # (a template that fails: main's error, exit 2)
         try:
-            pieces = llm.stream(render_chat(llm.tokenizer, conversation)[1], params)
-        except ValueError as e:   # the conversation outgrew the context (or the template refused it)
+            pieces = llm.stream(ids, params)
+        except ValueError as e:   # the conversation outgrew the context, or the KV pool
             print(f"nanopaged: error: {e}; the conversation starts over", file=sys.stderr)
             conversation = list(system)
             continue

@@ -293,6 +293,8 @@ class Scheduler:
         """Queue a request. Refuses, with a clear error, one that could never run."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.max_tokens is None:
+            raise ValueError("max_tokens=None (up to the context) is resolved by LLM: give the scheduler a number")
         n_prompt, total = len(prompt_token_ids), len(prompt_token_ids) + params.max_tokens
         if n_prompt == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -506,7 +508,6 @@ class Scheduler:
         """Record the step: the scheduled tokens are now in the cache, and sampled[seq] lists
         the tokens picked for each sequence that reached its end: one, or n for a request's
         first sampling with n > 1, where the sequence forks. Returns the forked sequences."""
-        self.scheduled = None   # the step happened: nothing to roll back
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.status is Status.RUNNING:
                 first = seq.num_computed_tokens // self.block_size   # the block this step began in
@@ -529,6 +530,7 @@ class Scheduler:
                     self._append(child, t)
                 forked += children
             self._append(seq, tokens[0])
+        self.scheduled = None   # recorded, all of it: nothing to roll back
         return forked
 
     def fork(self, seq: Sequence, k: int) -> list[Sequence]:

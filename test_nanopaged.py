@@ -2409,6 +2409,11 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
     assert cut.prompt_token_ids == list(range(38, 101)) and len(cut.outputs[0].token_ids) == 1
     with pytest.raises(ValueError, match=r"prompt \(64 tokens\) \+ max_tokens \(1\) = 65 exceeds"):
         small.generate([5] * 64, up_to)
+    # ... or up to what the whole KV pool holds, where that is less (4 blocks of 16 slots)
+    tiny_pool = LLM(model_dir, load_format="dummy", num_blocks=4, block_size=16)
+    assert len(tiny_pool.generate([5] * 10, up_to)[0].outputs[0].token_ids) == 54
+    with pytest.raises(ValueError, match="max_tokens=None .* is resolved by LLM"):   # (the scheduler alone)
+        tiny_pool.scheduler.add("x", [5], up_to)
     (model_dir / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(ValueError, match=r"the model's generation_config.json advises \{'temperature': -1\} .*: "
                                          r"temperature must be a finite number >= 0, got -1; LLM\(generation_config='vllm'\)"):
@@ -2578,6 +2583,18 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
         llm.step()
     monkeypatch.undo()
     assert llm.scheduler.scheduled is not None   # not rolled back yet
+    done = step_to_the_end(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == alone
+    assert_nothing_leaked(llm)
+    # an exception inside Scheduler.update, after it recorded the first sequence (a bug, say):
+    # the step is rolled back all the same
+    ids = [llm.add_request(p, greedy(12, ignore_eos=True)) for p in prompts]
+    llm.step()
+    monkeypatch.setattr(llm.scheduler, "_register_full_blocks",
+                        interrupted_on_call(2, llm.scheduler._register_full_blocks))
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    monkeypatch.undo()
     done = step_to_the_end(llm)
     assert [done[i].outputs[0].token_ids for i in ids] == alone
     assert_nothing_leaked(llm)
@@ -3075,7 +3092,7 @@ def test_cli_interrupt_starts_its_own_line(capsys, smollm2_dir, monkeypatch):
         assert code == 130 and out == "".join(pieces) and err == err_expected
 
 
-def test_cli_renders_the_models_chat_template(tmp_path, capsys):
+def test_cli_renders_the_models_chat_template(tmp_path, capsys, monkeypatch):
     """Any chat template, BOS once (the template writes it, the tokenizer would too); a
     template that fails is one error line; --raw skips it."""
     path = tiny_tokenizer_dir(tmp_path / "m", post_processor=BOS_FIRST)
@@ -3107,8 +3124,13 @@ def test_cli_renders_the_models_chat_template(tmp_path, capsys):
     code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--trace")
     table = next(line for line in out.splitlines() if line.startswith("  seq 0:"))
     assert code == 0 and "0->0 [<|x|>|H|i]" in table
+    code, out, err = run_cli(capsys, "--model", str(path), "--chat")
+    assert code == 2 and err == "nanopaged: error: --chat needs the model's chat template: this model has none\n"
     (path / "chat_template.jinja").write_text("{{ raise_exception('no system turn') }}")
     code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi")
+    assert code == 2 and err == "nanopaged: error: the model's chat template failed: TemplateError: no system turn\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nHello\n"))   # --chat too: once, not at every turn
+    code, out, err = run_cli(capsys, "--model", str(path), "--chat")
     assert code == 2 and err == "nanopaged: error: the model's chat template failed: TemplateError: no system turn\n"
 
 
