@@ -9,6 +9,7 @@ README quotes them with the command that produced them.
   python bench.py prefix      a ~1,000-token shared system prompt: TTFT with prefix caching on vs off
   python bench.py parallel    n = 4 parallel sampling: KV blocks with copy-on-write vs without sharing
   python bench.py sampling    what logprobs, prompt logprobs, penalties and constraints cost, against plain greedy
+  python bench.py dtype       float32 vs bfloat16 vs float16 on the CPU: one chat request, and a batch
   python bench.py kernel      (GPU) the CUDA kernel's bandwidth vs the card's copy bandwidth, the split-K
                               sweep, and prefill / chunk / GQA-8 steps against the torch path
   python bench.py all         every CPU benchmark above
@@ -348,6 +349,49 @@ def bench_sampling(args):
     for (label, _), t in zip(variants, times):
         print(f"  {label:80s} {t:6.2f} s  {t / times[0]:.2f}x")
 
+
+# -----------------------------------------------------------------------------
+# the model's dtype on the CPU
+
+
+def bench_dtype(args):
+    """One request as a chat sends it (a 187-token chat prompt, 128 greedy tokens: decode reads
+    every weight once per token, so bytes per weight count), then a batch of 16 such
+    requests (where matmuls have rows to share each weight), in each dtype, timed in turns.
+    Also: for how many tokens the greedy output stays float32's."""
+    from nanopaged import LLM, render_chat
+    dtypes = ["float32", "bfloat16", "float16"]
+    engines = {dt: LLM(args.model, dtype=dt, enable_prefix_caching=False) for dt in dtypes}
+    rng = random.Random(0)
+    vocab = engines["float32"].config.vocab_size
+    prompts = [[rng.randrange(17, vocab) for _ in range(200)] for _ in range(16)]
+    system = ("You are a storyteller for children. Your stories are gentle, vivid and full of small "
+              "details: the colour of a scarf, the smell of bread, the sound of rain on a tin roof. ") * 4
+    chat = render_chat(engines["float32"].get_tokenizer(), [   # (a chat, so that the tokens mean something)
+        {"role": "system", "content": system}, {"role": "user", "content": "Write a long story about a dragon."}])[1]
+    one = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    batch = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    single, tokens = {dt: [] for dt in dtypes}, {}
+
+    def run_one(dt):
+        out = engines[dt].generate([chat], one)[0]
+        single[dt].append((out.ttft, (out.latency - out.ttft) / (len(out.outputs[0].token_ids) - 1)))
+        tokens[dt] = out.outputs[0].token_ids
+    median_times([lambda dt=dt: run_one(dt) for dt in dtypes], repeats=args.repeats)
+    batch_repeats = max(args.repeats // 2, 1)
+    batch_times = median_times([lambda dt=dt: engines[dt].generate(prompts, batch) for dt in dtypes],
+                               repeats=batch_repeats)
+    print(f"on the CPU, {torch.get_num_threads()} threads; medians of {args.repeats} (one request) and "
+          f"{batch_repeats} (the batch), the dtypes timed in turns:")
+    print(f"  {'dtype':10s} {'time to first token':>20s} {'per output token':>17s} {'16 x (200 + 64) batch':>22s}"
+          f"   greedy tokens as float32's")
+    for dt, t in zip(dtypes, batch_times):
+        ttft = statistics.median(x for x, _ in single[dt][1:])   # (the first run was the warm-up)
+        tpot = statistics.median(y for _, y in single[dt][1:])
+        same = next((i for i, (a, b) in enumerate(zip(tokens[dt], tokens["float32"])) if a != b), len(tokens[dt]))
+        print(f"  {dt:10s} {1000 * ttft:17.0f} ms {1000 * tpot:14.1f} ms {t:20.2f} s   the first {same} of 128")
+
+
 #
 # Decode attention on the GPU: the CUDA kernel against the card's copy bandwidth.
 #
@@ -563,7 +607,8 @@ def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
 # -----------------------------------------------------------------------------
 
 BENCHES = {"load": bench_load, "attention": bench_attention, "scheduler": bench_scheduler, "engine": bench_engine,
-           "prefix": bench_prefix, "parallel": bench_parallel, "sampling": bench_sampling, "kernel": bench_kernel}
+           "prefix": bench_prefix, "parallel": bench_parallel, "sampling": bench_sampling, "dtype": bench_dtype,
+           "kernel": bench_kernel}
 
 
 def main(argv=None):
