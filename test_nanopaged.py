@@ -2558,46 +2558,41 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     prompts = [SYSTEM + q for q in ("What is 2+2?", "Name a fruit.", "Say hi.")]
     alone = [llm.generate(p, greedy(12, ignore_eos=True))[0].outputs[0].token_ids for p in prompts]
     forward = llm.model.forward
-    ids = [llm.add_request(p, greedy(12, ignore_eos=True)) for p in prompts]
-    llm.step()
-    llm.step()
+
+    def failed_step(error, *patches, params=greedy(12, ignore_eos=True), steps_before=2):
+        """The prompts queued, run steps_before steps, then a step that fails with the
+        patches (object, attribute, replacement) in place. Returns their request ids."""
+        ids = [llm.add_request(p, params) for p in prompts]
+        for _ in range(steps_before):
+            llm.step()
+        for patch in patches:
+            monkeypatch.setattr(*patch)
+        with pytest.raises(error):
+            llm.step()
+        monkeypatch.undo()
+        return ids
+
+    def tokens_at_the_end(ids):
+        done = step_to_the_end(llm)
+        assert_nothing_leaked(llm)
+        return [done[i].outputs[0].token_ids for i in ids]
 
     def broken(*args, **kw):
         forward(*args, **kw)   # the KV cache is written, then the step fails
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(llm.model, "forward", broken)
-    with pytest.raises(RuntimeError, match="boom"):
-        llm.step()
-    monkeypatch.undo()
-    done = step_to_the_end(llm)
-    assert [done[i].outputs[0].token_ids for i in ids] == alone
+    assert tokens_at_the_end(failed_step(RuntimeError, (llm.model, "forward", broken))) == alone
     # a second Ctrl-C that cuts the rollback short (as the first unwinds): the next step does it
-    ids = [llm.add_request(p, greedy(12, ignore_eos=True)) for p in prompts]
-    llm.step()
-    llm.step()
-    monkeypatch.setattr(llm.model, "forward", broken)
-    # (call 1: schedule() finds nothing to undo; call 2: the failed step's)
-    monkeypatch.setattr(llm.scheduler, "rollback", interrupted_on_call(2, llm.scheduler.rollback))
-    with pytest.raises(KeyboardInterrupt):
-        llm.step()
-    monkeypatch.undo()
+    # (rollback's call 1: schedule() finds nothing to undo; call 2: the failed step's)
+    ids = failed_step(KeyboardInterrupt, (llm.model, "forward", broken),
+                      (llm.scheduler, "rollback", interrupted_on_call(2, llm.scheduler.rollback)))
     assert llm.scheduler.scheduled is not None   # not rolled back yet
-    done = step_to_the_end(llm)
-    assert [done[i].outputs[0].token_ids for i in ids] == alone
-    assert_nothing_leaked(llm)
+    assert tokens_at_the_end(ids) == alone
     # an exception inside Scheduler.update, after it recorded the first sequence (a bug, say):
     # the step is rolled back all the same
-    ids = [llm.add_request(p, greedy(12, ignore_eos=True)) for p in prompts]
-    llm.step()
-    monkeypatch.setattr(llm.scheduler, "_register_full_blocks",
-                        interrupted_on_call(2, llm.scheduler._register_full_blocks))
-    with pytest.raises(KeyboardInterrupt):
-        llm.step()
-    monkeypatch.undo()
-    done = step_to_the_end(llm)
-    assert [done[i].outputs[0].token_ids for i in ids] == alone
-    assert_nothing_leaked(llm)
+    ids = failed_step(KeyboardInterrupt, (llm.scheduler, "_register_full_blocks",
+                                          interrupted_on_call(2, llm.scheduler._register_full_blocks)), steps_before=1)
+    assert tokens_at_the_end(ids) == alone
     assert llm.step() == []                             # idle: nothing to do, no error
     # an interrupt inside generate(): it leaves nothing behind, and what comes next is right
     monkeypatch.setattr(llm.model, "forward", interrupted_on_call(3, forward))
@@ -2609,19 +2604,12 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     assert [o.outputs[0].token_ids for o in outs] == alone and llm.stats.prefix_hit_tokens > 0
     assert_nothing_leaked(llm)
     # a step that fails after it began to sample: seeded samples redraw the same tokens
+    # (the first sequence has drawn its token when the second's draw is interrupted)
     seeded = SamplingParams(temperature=3.0, seed=1234, max_tokens=6, ignore_eos=True)   # flat: draws differ
     clean = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)]
-    ids = [llm.add_request(p, seeded) for p in prompts]
-    llm.step()
-    llm.step()
-    # the first sequence has drawn its token when the second's draw is interrupted
-    monkeypatch.setattr(torch, "multinomial", interrupted_on_call(2, torch.multinomial))
-    with pytest.raises(KeyboardInterrupt):
-        llm.step()
-    monkeypatch.undo()
-    done = step_to_the_end(llm)
-    assert [done[i].outputs[0].token_ids for i in ids] == clean
-    assert_nothing_leaked(llm)
+    ids = failed_step(KeyboardInterrupt, (torch, "multinomial", interrupted_on_call(2, torch.multinomial)),
+                      params=seeded)
+    assert tokens_at_the_end(ids) == clean
     # a step that raises in its bookkeeping after it finished a request (a bug, say): the
     # request is still reported, by the next step()
 
