@@ -119,7 +119,7 @@ sanitize() {
     elif [ "$left" -lt 80 ]; then   # (the probe within the budget too, and the checks after it)
         echo "compute-sanitizer: skipped, ${left} s of the ${BUDGET} s budget left"
         failed+=("sanitizer (skipped)")
-    elif ! probe=$(timeout -k 10 $((left / 3 < 60 ? left / 3 : 60)) "$sanitizer" --error-exitcode 1 "$PYTHON" -c \
+    elif ! probe=$(timeout -k 10 $((left / 2 < 120 ? left / 2 : 120)) "$sanitizer" --error-exitcode 1 "$PYTHON" -c \
             'import torch; torch.zeros(1, device="cuda"); torch.cuda.synchronize()' 2>&1); then
         echo "compute-sanitizer cannot run a trivial CUDA program here: racecheck and memcheck skipped"
         echo "$probe" | tail -n 5

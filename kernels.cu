@@ -571,7 +571,7 @@ __global__ void copy_blocks_kernel(uint4* cache, const int64_t* src_dst, int64_t
 // -----------------------------------------------------------------------------
 constexpr int kMinPartitionKeys = 256;  // below this a partition's overhead shows
 constexpr int kTargetCtasPerSm = 16;    // split until the grid is a few waves deep
-constexpr int kPartitionAlign = 128;   // keys a CTA covers in one round of tiles, at most (4 warps x 32-key tiles)
+constexpr int kPartitionAlign = 128;   // keys a CTA covers per round of tiles: at most 4 warps x 32
 
 int ceil_div(int64_t x, int64_t y) { return (int)((x + y - 1) / y); }
 
