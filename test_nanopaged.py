@@ -2559,7 +2559,7 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     alone = [llm.generate(p, greedy(12, ignore_eos=True))[0].outputs[0].token_ids for p in prompts]
     forward = llm.model.forward
 
-    def failed_step(error, *patches, params=greedy(12, ignore_eos=True), steps_before=2):
+    def failed_step(error, *patches, match=None, params=greedy(12, ignore_eos=True), steps_before=2):
         """The prompts queued, run steps_before steps, then a step that fails with the
         patches (object, attribute, replacement) in place. Returns their request ids."""
         ids = [llm.add_request(p, params) for p in prompts]
@@ -2567,7 +2567,7 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
             llm.step()
         for patch in patches:
             monkeypatch.setattr(*patch)
-        with pytest.raises(error):
+        with pytest.raises(error, match=match):
             llm.step()
         monkeypatch.undo()
         return ids
@@ -2581,7 +2581,7 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
         forward(*args, **kw)   # the KV cache is written, then the step fails
         raise RuntimeError("boom")
 
-    assert tokens_at_the_end(failed_step(RuntimeError, (llm.model, "forward", broken))) == alone
+    assert tokens_at_the_end(failed_step(RuntimeError, (llm.model, "forward", broken), match="boom")) == alone
     # a second Ctrl-C that cuts the rollback short (as the first unwinds): the next step does it
     # (rollback's call 1: schedule() finds nothing to undo; call 2: the failed step's)
     ids = failed_step(KeyboardInterrupt, (llm.model, "forward", broken),
