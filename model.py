@@ -56,8 +56,10 @@ def _read_json(path: Path) -> dict:
         value = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:   # a directory, no permission...
+        raise ModelError(f"{path}: cannot be read ({e.strerror})") from None
+    except (ValueError, RecursionError) as e:   # not JSON, not UTF-8, nested too deep, a 5000-digit number
+        raise ModelError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(value, dict):
         raise ModelError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
@@ -705,11 +707,28 @@ def _hf_pattern(pre: dict | None, path: Path) -> str:
         return GPT2_PATTERN
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and own_regex:
         return SMOLLM_PATTERN
-    if (kinds == ["Split", "ByteLevel"] and not own_regex and "Regex" in (steps[0].get("pattern") or {})
+    split = steps[0].get("pattern")
+    if (kinds == ["Split", "ByteLevel"] and not own_regex and isinstance(split, dict) and "Regex" in split
             and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")):
-        return steps[0]["pattern"]["Regex"]
+        return _split_regex(split["Regex"], path)
     raise ModelError(f"{path}: pre_tokenizer {kinds} is not supported (supported: ByteLevel; "
                      f"Digits(individual) + ByteLevel; Split(regex, isolated) + ByteLevel)")
+
+
+def _split_regex(pattern, path: Path) -> str:
+    """A Split pre-tokenizer's regex, checked as tiktoken will need it: a string that
+    compiles and matches no empty piece (tiktoken's Rust side panics on one, at the first
+    encode)."""
+    try:
+        if not isinstance(pattern, str):
+            raise TypeError(f"{pattern!r} is not a string")
+        probe = "Hello, world! It's 2024.\n\t  \u00fcn\u00ef \u4e2d\u6587 \U0001f642"
+        if any(m.start() == m.end() for text in ("", probe) for m in regex.finditer(pattern, text)):
+            raise ValueError("it can match an empty piece")
+    except (regex.error, TypeError, ValueError) as e:
+        raise ModelError(f"{path}: the Split pre-tokenizer's regex {reprlib.repr(pattern)} cannot be used: "
+                         f"{e}") from None
+    return pattern
 
 
 def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
@@ -734,6 +753,8 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     # Added tokens (<|im_start|>, ...) are matched in the text before BPE runs: in tiktoken
     # terms, special tokens. Everything else in the vocab is a byte string with its rank.
     added = tj.get("added_tokens") or []
+    if not isinstance(added, list):
+        raise ModelError(f"{path}: 'added_tokens' is {reprlib.repr(added)}, expected a list")
     for t in added:
         if not (isinstance(t, dict) and isinstance(t.get("content"), str) and _is_id(t.get("id"))):
             raise ModelError(f"{path}: added token {t!r} lacks a string 'content' or a token 'id'")
@@ -761,7 +782,10 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
         raise ModelError(f"{path}: model.vocab has no tokens (but for added tokens)")
     # rank = id reproduces HF's BPE only if ids follow merge order (see the chapter's top).
     last = -1
-    for n, merge in enumerate(bpe.get("merges") or []):
+    merges = bpe.get("merges") or []
+    if not isinstance(merges, list):
+        raise ModelError(f"{path}: model.merges is {reprlib.repr(merges)}, expected a list")
+    for n, merge in enumerate(merges):
         try:  # "a b" or ["a", "b"]
             left, right = merge.split(" ") if isinstance(merge, str) else merge
             i = vocab.get(left + right)
@@ -827,8 +851,12 @@ def _chat_template(model_dir: Path) -> tuple[str | None, dict, dict]:
         value = value.get("content") if isinstance(value, dict) else value  # AddedToken form
         if isinstance(value, str):
             tokens[key] = value
-    if (model_dir / "chat_template.jinja").exists():
-        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8"), {}, tokens
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
+        try:
+            return jinja.read_text(encoding="utf-8"), {}, tokens
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelError(f"{jinja}: cannot be read as UTF-8 text ({e})") from None
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # several named templates: "default", "tool_use"...
         if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
@@ -1173,6 +1201,9 @@ def _open_safetensors(path: Path):
         raise ModelError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+CHECKPOINT_DTYPES = ("F16", "BF16", "F32", "F64")   # safetensors' names
+
+
 def _read_safetensors(model_dir: Path, shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
     """Read and check every tensor in `shapes` from model.safetensors, or from the shards
     that model.safetensors.index.json lists."""
@@ -1205,10 +1236,14 @@ def _read_safetensors(model_dir: Path, shapes: dict, dtype, device) -> dict[str,
         with _open_safetensors(path) as f:
             for name, stored in names:
                 try:
-                    shape = tuple(f.get_slice(stored).get_shape())
+                    shape, stored_dtype = tuple(f.get_slice(stored).get_shape()), f.get_slice(stored).get_dtype()
                     if shape != shapes[name]:
                         raise ModelError(f"{path}: tensor {stored!r} has shape {shape}, "
                                          f"expected {shapes[name]}")
+                    # weights are floats; integers would be quantized values, float8 needs its scales
+                    if stored_dtype not in CHECKPOINT_DTYPES:
+                        raise ModelError(f"{path}: tensor {stored!r} is stored as {stored_dtype}; nanopaged reads "
+                                         f"unquantized weights ({', '.join(CHECKPOINT_DTYPES)})")
                     hf[name] = f.get_tensor(stored).to(device=device, dtype=dtype)
                 except SafetensorError as e:
                     raise ModelError(f"{path}: cannot read tensor {stored!r} ({e})") from None
@@ -1351,9 +1386,24 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         raise ModelError("reading GGUF files needs the gguf package: pip install gguf") from None
     try:
         reader = gguf.GGUFReader(gguf_path)
+        meta = {name: f.contents() for name, f in reader.fields.items()}
     except Exception as e:  # the reader raises assorted errors on a damaged file
         raise ModelError(f"{gguf_path}: not a readable GGUF file ({e})") from None
-    meta = {name: f.contents() for name, f in reader.fields.items()}
+    # The keys read below as strings, token ids and lists must be of that kind (a damaged or
+    # hand-made file may hold another); the numbers of the config are ModelConfig's to check.
+    integer = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
+    for key, ok, kind in (("general.architecture", lambda x: isinstance(x, str), "a string"),
+                          ("tokenizer.ggml.model", lambda x: isinstance(x, str), "a string"),
+                          ("tokenizer.ggml.pre", lambda x: isinstance(x, str), "a string"),
+                          ("tokenizer.chat_template", lambda x: isinstance(x, str), "a string"),
+                          ("tokenizer.ggml.bos_token_id", integer, "a token id"),
+                          ("tokenizer.ggml.eos_token_id", integer, "a token id"),
+                          ("tokenizer.ggml.tokens", lambda x: isinstance(x, list) and all(isinstance(t, str) for t in x),
+                           "a list of strings"),
+                          ("tokenizer.ggml.token_type", lambda x: isinstance(x, list) and all(map(integer, x)),
+                           "a list of integers")):
+        if key in meta and not ok(meta[key]):
+            raise ModelError(f"{gguf_path}: GGUF metadata {key!r} is {reprlib.repr(meta[key])}, not {kind}")
 
     def need(key):
         if key not in meta:

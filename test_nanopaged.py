@@ -703,6 +703,13 @@ def test_bad_config(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelError, match="not valid JSON"):
         load_model(tmp_path)
+    (tmp_path / "config.json").write_text("[" * 100_000)   # json's recursion limit
+    with pytest.raises(ModelError, match=r"config.json: not valid JSON \(RecursionError"):
+        load_model(tmp_path)
+    tok_dir = tiny_tokenizer_dir(tmp_path / "tok")
+    (tok_dir / "tokenizer_config.json").mkdir()
+    with pytest.raises(ModelError, match=r"tokenizer_config.json: cannot be read \(Is a directory\)"):
+        load_tokenizer(tok_dir)
 
 
 def test_bad_tensors(tmp_path):
@@ -716,6 +723,10 @@ def test_bad_tensors(tmp_path):
     with pytest.raises(ModelError,
                        match=r"k_proj\.weight' has shape \(24, 48\), expected \(16, 48\)"):
         load_model(write_checkpoint(tmp_path / "shape", c, w))
+    w = llama_tensors(c)   # quantized values (say), not weights: refused, not cast
+    w["model.layers.0.mlp.up_proj.weight"] = (100 * w["model.layers.0.mlp.up_proj.weight"]).to(torch.int8)
+    with pytest.raises(ModelError, match=r"up_proj\.weight' is stored as I8; nanopaged reads unquantized weights"):
+        load_model(write_checkpoint(tmp_path / "int8", c, w))
     path = write_checkpoint(tmp_path / "truncated", c, llama_tensors(c))
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
@@ -925,6 +936,13 @@ def test_nfc_acts_between_added_tokens_and_long_whitespace_is_refused(tmp_path):
     ({"pre_tokenizer": {"type": "Sequence",   # a Split without its pattern
                         "pretokenizers": [{"type": "Split"}, BYTE_LEVEL | {"use_regex": False}]}},
      r"pre_tokenizer \['Split', 'ByteLevel'\] is not supported"),
+    *[({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+        BYTE_LEVEL | {"use_regex": False}]}}, f"the Split pre-tokenizer's regex .* cannot be used: {why}")
+      for regex, why in ((5, "5 is not a string"), ("(abc", "missing \\)"),
+                         ("", "it can match an empty piece"), ("(h|hi|i)*$|.", "it can match an empty piece"))],
+    ({"added_tokens": 5}, "tokenizer.json: 'added_tokens' is 5, expected a list"),
+    ({"model": {"type": "BPE", "vocab": {"a": 1}, "merges": 5}}, "tokenizer.json: model.merges is 5, expected a list"),
 ])
 def test_malformed_tokenizer_json(tmp_path, tokenizer, message):
     with pytest.raises(ModelError, match=message):
@@ -1056,6 +1074,9 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path):
     # {% generation %} tag renders its text
     (path / "chat_template.jinja").write_text("{% generation %}{{ messages[0]['content'] }}{% endgeneration %}!")
     assert load_tokenizer(path).apply_chat_template("Hi") == "Hi!"
+    (path / "chat_template.jinja").write_bytes(b"{{ '\xff' }}")   # not UTF-8: the file is named
+    with pytest.raises(ModelError, match="chat_template.jinja: cannot be read as UTF-8 text"):
+        load_tokenizer(path)
     # without a template, a user turn is the prompt as it is; messages have nothing to render them
     (path / "chat_template.jinja").unlink()
     (path / "tokenizer_config.json").unlink()
@@ -1191,11 +1212,12 @@ def test_decode_skips_ids_that_are_no_token():
 # GGUF conversion
 
 def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None,
-               dtypes=None, pre="smollm", add_bos=None, pad=0):
+               dtypes=None, pre="smollm", add_bos=None, pad=0, meta=()):
     """A tiny Llama GGUF: the 256 byte tokens (and `pad` padding ones after them, as llama.cpp
     writes an embedding matrix longer than the vocab), random float32 weights (tied
     embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
-    `dtypes` maps a tensor's name to another numpy dtype to store it in."""
+    `dtypes` maps a tensor's name to another numpy dtype to store it in; `meta`, more
+    (key, array) metadata."""
     import gguf
     vocab, _ = byte_vocab()
     writer = gguf.GGUFWriter(path, "llama")
@@ -1217,6 +1239,8 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
         writer.add_bos_token_id(bos)
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
+    for key, value in meta:
+        writer.add_array(key, value)
     D = C // max(H, 1)  # any D when H is 0
     shapes = {"token_embd.weight": (256 + pad, C), "output_norm.weight": (C,)}
     for i in range(L):
@@ -1294,6 +1318,9 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     ({"dtypes": {"blk.0.ffn_up.weight": np.float64}}, "tensor 'blk.0.ffn_up.weight' is stored as F64, "
                                                       "which the gguf package cannot dequantize"),
     ({"dtypes": {"output_norm.weight": np.int32}}, "tensor 'output_norm.weight' is stored as I32"),
+    ({"meta": [("tokenizer.chat_template", ["a", "b"])]}, r"GGUF metadata 'tokenizer.chat_template' is \['a', 'b'\], "
+                                                          "not a string"),
+    ({"meta": [("tokenizer.ggml.bos_token_id", [1, 2])]}, "'tokenizer.ggml.bos_token_id' is .*, not a token id"),
 ])
 def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, capsys, kwargs, message):
     path = write_gguf(tmp_path / "bad.gguf", **kwargs)
