@@ -1202,6 +1202,7 @@ def _open_safetensors(path: Path):
 
 
 CHECKPOINT_DTYPES = ("F16", "BF16", "F32", "F64")   # safetensors' names
+UNUSED_BUFFERS = r"\.rotary_emb\.inv_freq$|(^|\.)attn\.(masked_)?bias$|^lm_head\.weight$"
 
 
 def _read_safetensors(model_dir: Path, shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
@@ -1229,6 +1230,15 @@ def _read_safetensors(model_dir: Path, shapes: dict, dtype, device) -> dict[str,
         if stored not in where:
             raise ModelError(f"{model_dir}: tensor {name!r} is missing from the checkpoint")
         by_file.setdefault(where[stored], []).append((name, stored))
+    # Tensors this config has no place for (a bias it does not ask for, a layer past
+    # num_hidden_layers...) are left out, and said so: the model may not be the one meant.
+    # Buffers that old checkpoints saved (RoPE's inv_freq, GPT-2's causal masks) and a tied
+    # lm_head's copy are expected.
+    used = {stored for names in by_file.values() for _, stored in names}
+    unused = sorted(k for k in where if k not in used and not re.search(UNUSED_BUFFERS, k))
+    if unused:
+        print(f"nanopaged: note: {model_dir} holds {len(unused)} tensor(s) this config has no place for, left out: "
+              f"{', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}", file=sys.stderr)
     # safetensors memory-maps the file: a tensor on the CPU in its stored dtype is a view of
     # the file, and its pages come in when first used. Nothing is read twice.
     hf = {}

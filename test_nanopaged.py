@@ -712,7 +712,7 @@ def test_bad_config(tmp_path):
         load_tokenizer(tok_dir)
 
 
-def test_bad_tensors(tmp_path):
+def test_bad_tensors(tmp_path, capsys):
     c = llama_config()
     w = llama_tensors(c)
     del w["model.layers.1.mlp.up_proj.weight"]
@@ -723,6 +723,15 @@ def test_bad_tensors(tmp_path):
     with pytest.raises(ModelError,
                        match=r"k_proj\.weight' has shape \(24, 48\), expected \(16, 48\)"):
         load_model(write_checkpoint(tmp_path / "shape", c, w))
+    # tensors the config has no place for are left out, and said so; old checkpoints' buffers quietly
+    w = llama_tensors(c) | {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}
+    load_model(write_checkpoint(tmp_path / "buffers", c, w))
+    assert capsys.readouterr().err == ""
+    w |= {f"model.layers.{i}.self_attn.o_proj.bias": torch.ones(48) for i in range(2)}
+    load_model(write_checkpoint(tmp_path / "biases", c, w))
+    assert capsys.readouterr().err == (f"nanopaged: note: {tmp_path / 'biases'} holds 2 tensor(s) this config has no "
+                                       "place for, left out: model.layers.0.self_attn.o_proj.bias, "
+                                       "model.layers.1.self_attn.o_proj.bias\n")
     w = llama_tensors(c)   # quantized values (say), not weights: refused, not cast
     w["model.layers.0.mlp.up_proj.weight"] = (100 * w["model.layers.0.mlp.up_proj.weight"]).to(torch.int8)
     with pytest.raises(ModelError, match=r"up_proj\.weight' is stored as I8; nanopaged reads unquantized weights"):
