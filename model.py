@@ -1246,7 +1246,8 @@ def _read_safetensors(model_dir: Path, shapes: dict, dtype, device) -> dict[str,
         with _open_safetensors(path) as f:
             for name, stored in names:
                 try:
-                    shape, stored_dtype = tuple(f.get_slice(stored).get_shape()), f.get_slice(stored).get_dtype()
+                    info = f.get_slice(stored)   # (the header's entry: no data read)
+                    shape, stored_dtype = tuple(info.get_shape()), info.get_dtype()
                     if shape != shapes[name]:
                         raise ModelError(f"{path}: tensor {stored!r} has shape {shape}, "
                                          f"expected {shapes[name]}")
@@ -1401,17 +1402,15 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         raise ModelError(f"{gguf_path}: not a readable GGUF file ({e})") from None
     # The keys read below as strings, token ids and lists must be of that kind (a damaged or
     # hand-made file may hold another); the numbers of the config are ModelConfig's to check.
-    integer = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
-    for key, ok, kind in (("general.architecture", lambda x: isinstance(x, str), "a string"),
-                          ("tokenizer.ggml.model", lambda x: isinstance(x, str), "a string"),
-                          ("tokenizer.ggml.pre", lambda x: isinstance(x, str), "a string"),
-                          ("tokenizer.chat_template", lambda x: isinstance(x, str), "a string"),
-                          ("tokenizer.ggml.bos_token_id", integer, "a token id"),
-                          ("tokenizer.ggml.eos_token_id", integer, "a token id"),
-                          ("tokenizer.ggml.tokens", lambda x: isinstance(x, list) and all(isinstance(t, str) for t in x),
+    string = lambda x: isinstance(x, str)  # noqa: E731
+    for key, ok, kind in (("general.architecture", string, "a string"), ("tokenizer.ggml.model", string, "a string"),
+                          ("tokenizer.ggml.pre", string, "a string"), ("tokenizer.chat_template", string, "a string"),
+                          ("tokenizer.ggml.bos_token_id", _is_id, "a token id"),
+                          ("tokenizer.ggml.eos_token_id", _is_id, "a token id"),
+                          ("tokenizer.ggml.tokens", lambda x: isinstance(x, list) and all(map(string, x)),
                            "a list of strings"),
-                          ("tokenizer.ggml.token_type", lambda x: isinstance(x, list) and all(map(integer, x)),
-                           "a list of integers")):
+                          ("tokenizer.ggml.token_type", lambda x: isinstance(x, list) and all(map(_is_id, x)),
+                           "a list of token types (small integers)")):
         if key in meta and not ok(meta[key]):
             raise ModelError(f"{gguf_path}: GGUF metadata {key!r} is {reprlib.repr(meta[key])}, not {kind}")
 
