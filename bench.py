@@ -8,6 +8,8 @@ README quotes them with the command that produced them.
   python bench.py engine      the 64-request offline workload (+ transformers side by side), memory report
   python bench.py prefix      a ~1,000-token shared system prompt: TTFT with prefix caching on vs off
   python bench.py parallel    n = 4 parallel sampling: KV blocks with copy-on-write vs without sharing
+  python bench.py beam        beam search (width 4): forked beams sharing blocks vs vLLM's way, each step
+                              a request per beam that finds the earlier ones' blocks in the prefix cache
   python bench.py sampling    what logprobs, prompt logprobs, penalties and constraints cost, against plain greedy
   python bench.py dtype       float32 vs bfloat16 vs float16 on the CPU: one chat request, and a batch
   python bench.py kernel      (GPU) the CUDA kernel's bandwidth vs the card's copy bandwidth, the split-K
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 import build_ext
 from nanopaged import AttentionPlan, BlockPool, paged_attention, paged_attention_ref
-from scheduler import SamplingParams, Scheduler
+from scheduler import BeamSearchParams, SamplingParams, Scheduler
 
 
 def median_times(fns, repeats=5, warmup=1):
@@ -326,6 +328,66 @@ def bench_parallel(args):
     print(f"  copy-on-write uses {rows[1][1] / rows[0][1]:.2f}x fewer blocks")
 
 
+def beam_search_by_requests(llm, prompt: list[int], width: int, max_tokens: int):
+    """Beam search as vLLM's LLM.beam_search does it (ignoring EOS, as the bench does):
+    each step, one request of one token per beam, whose 2 * width logprobs are the
+    candidates. Nothing is forked: a beam's blocks are shared with the beams before it only
+    through the prefix cache, full blocks only, and its partial last block is recomputed.
+    Returns the beams' output ids, best first, and the peak KV blocks used."""
+    beams, peak = [(list(prompt), 0.0)], 0
+    one = SamplingParams(temperature=0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
+    for _ in range(max_tokens):
+        outs = llm.generate([tokens for tokens, _ in beams], one)
+        peak = max(peak, llm.stats.peak_blocks_used)
+        candidates = [(tokens + [t], cum + lp.logprob) for (tokens, cum), out in zip(beams, outs)
+                      for t, lp in out.outputs[0].logprobs[0].items()]
+        beams = sorted(candidates, key=lambda b: -b[1])[:width]
+    return [tokens[len(prompt):] for tokens, _ in beams], peak
+
+
+def bench_beam(args):
+    """Beam search, width 4, on a 200-token chat prompt, 64 tokens (EOS ignored, so that
+    every beam runs the whole way): nanopaged's forks, whose beams share their blocks in
+    the pool (copy-on-write splits a partial last block), against vLLM's way on the same
+    engine. Peak KV blocks used, against the blocks the live beams' tables list (what
+    unshared copies would hold), and time; medians, timed in turns. Each run's prompt
+    begins with its own number, so that no run finds another's blocks in the prefix cache."""
+    from nanopaged import LLM, render_chat
+    width, max_tokens = 4, 64
+    llm = LLM(args.model, dtype=args.dtype)
+    story = ("You are a storyteller for children. Your stories are gentle, vivid and full of small "
+             "details: the colour of a scarf, the smell of bread, the sound of rain on a tin roof. ") * 4
+    runs, results = itertools.count(), {}
+
+    def prompt():
+        return render_chat(llm.get_tokenizer(), [{"role": "system", "content": f"Run {next(runs)}. {story}"},
+                                                 {"role": "user", "content": "Write a story about a dragon."}])[1]
+
+    def forked():
+        ids = prompt()
+        llm.add_request(ids, BeamSearchParams(width, max_tokens, ignore_eos=True))
+        peak_used = peak_listed = 0
+        while llm.has_unfinished_requests():
+            for r in llm.step():
+                results["forked"] = [c.token_ids for c in r.outputs[:1]]
+            peak_used = max(peak_used, llm.pool.num_used)
+            peak_listed = max(peak_listed, sum(len(s.block_table.block_ids) for s in llm.scheduler.running))
+        results["forked peaks"], results["length"] = (peak_used, peak_listed), len(ids)
+
+    def by_requests():
+        beams, results["requests peak"] = beam_search_by_requests(llm, prompt(), width, max_tokens)
+        results["requests"] = beams[:1]
+    t_forked, t_requests = median_times([forked, by_requests], repeats=args.repeats)
+    used, listed = results["forked peaks"]
+    print(f"beam search, width {width}, a {results['length']}-token chat prompt, {max_tokens} tokens, block size "
+          f"{llm.pool.block_size}, {torch.get_num_threads()} CPU threads; medians of {args.repeats}:")
+    print(f"  {'':44s} {'peak KV blocks used':>20s} {'time':>9s}")
+    print(f"  {'forked beams (blocks shared, copy-on-write)':44s} {used:20d} {t_forked:8.2f} s")
+    print(f"  {'vLLM-style: a request per beam per step':44s} {results['requests peak']:20d} {t_requests:8.2f} s")
+    print(f"  the live beams' block tables list {listed} blocks at most: sharing holds them in {used} "
+          f"({listed / used:.2f}x fewer); the best beam the same both ways: {results['forked'] == results['requests']}")
+
+
 # -----------------------------------------------------------------------------
 # the sampler's extras: logprobs, prompt logprobs, penalties, constraints
 
@@ -607,7 +669,7 @@ def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
 # -----------------------------------------------------------------------------
 
 BENCHES = {"load": bench_load, "attention": bench_attention, "scheduler": bench_scheduler, "engine": bench_engine,
-           "prefix": bench_prefix, "parallel": bench_parallel, "sampling": bench_sampling, "dtype": bench_dtype,
+           "prefix": bench_prefix, "parallel": bench_parallel, "beam": bench_beam, "sampling": bench_sampling, "dtype": bench_dtype,
            "kernel": bench_kernel}
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 import build_ext
 from model import ModelConfig, load_model, load_tokenizer, resolve_model_dir
-from scheduler import SamplingParams, Scheduler, Status, hash_block, stop_token_set
+from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, hash_block, stop_token_set
 
 # -----------------------------------------------------------------------------
 # 1. The paged KV cache
@@ -528,6 +528,23 @@ class RequestOutput:
     finished: bool = True      # (vLLM's: a request is returned once, when it has finished)
 
 
+@dataclass
+class BeamSearchSequence:
+    """One result of a beam search (vLLM's)."""
+    tokens: list[int]          # the prompt's, then the output's
+    logprobs: list[dict[int, Logprob]]   # per output token: the candidates of its beam at that
+                               # step, {token id: Logprob}, the chosen one first
+    cum_logprob: float = 0.0   # the sum of the output tokens' log-probabilities
+    text: str | None = None    # all the tokens decoded, prompt included, special tokens kept (vLLM's)
+    finish_reason: str | None = None   # "stop" (EOS), "length", "abort" or "error"
+    stop_reason: int | str | None = None   # (always None: a beam search stops at EOS only)
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]   # the best first: beam_width of them (fewer if fewer ended)
+
+
 class GenerationError(RuntimeError):
     """A request failed inside the engine: its model gave non-finite logits, or its
     constraints (allowed_token_ids, bad_words) left it no token to draw."""
@@ -772,8 +789,17 @@ class LLM:
     def _add(self, text: str | None, ids: list[int], params: SamplingParams | None, request_id=None):
         advised = params is None
         params = self._default_params if advised else params
+        if isinstance(params, BeamSearchParams):   # a beam search: its beams are the request's sequences
+            beam = copy.deepcopy(params)
+            beam.__post_init__()
+            if beam.beam_width > self.scheduler.max_num_seqs:
+                raise ValueError(f"beam_width = {beam.beam_width} exceeds max_num_seqs = {self.scheduler.max_num_seqs}")
+            params = SamplingParams(n=beam.beam_width, temperature=0.0, max_tokens=beam.max_tokens,
+                                    ignore_eos=beam.ignore_eos)
+            params.beam = beam
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling params must be a SamplingParams (or BeamSearchParams), "
+                             f"got {type(params).__name__}")
         # The request's own copy, checked again: the caller may change its object after this
         # (or did since making it), and may reuse it for the next request (vLLM copies too).
         params = copy.deepcopy(params)
@@ -781,10 +807,17 @@ class LLM:
         if params.truncate_prompt_tokens is not None:   # (left truncation: the end of a prompt matters most)
             keep = params.truncate_prompt_tokens
             ids = ids[-(max(self.max_model_len - (params.max_tokens or 1), 1) if keep == -1 else keep):]
+        # A beam search's beams must fit the pool all at once: a beam preempted and recomputed
+        # apart from its siblings shares no partial block with them, and they wait for it (parked)
+        beams = params.n if params.beam else 1
         if advised or params.max_tokens is None:   # a max_tokens the caller never wrote (generation_config.json's),
             # or None (vLLM's "up to the context"), stops at the context, or at what the whole pool holds
-            room = min(self.max_model_len, self.pool.num_blocks * self.pool.block_size) - len(ids)
+            room = min(self.max_model_len, self.pool.num_blocks // beams * self.pool.block_size) - len(ids)
             params.max_tokens = max(min(params.max_tokens or room, room), 1)
+        need = beams * -(-(len(ids) + params.max_tokens) // self.pool.block_size)   # ceil division
+        if params.beam and need > self.pool.num_blocks:
+            raise ValueError(f"beam_width = {beams} beams of prompt + max_tokens = {len(ids) + params.max_tokens} "
+                             f"tokens need up to {need} KV blocks, but the whole pool has {self.pool.num_blocks}")
         # (a text prompt too: a tokenizer may know more tokens than config.json's vocab_size)
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
@@ -808,6 +841,11 @@ class LLM:
                     "logprobs": {},     # sample index -> one {token id: Logprob} per output token
                     # by position, filled as the prompt runs
                     "prompt_logprobs": None if params.prompt_logprobs is None else [None] * len(ids)}
+                if params.beam:   # (see _beam_step)
+                    self._requests[request_id] |= {
+                        "beams": {seq: (0.0, [])},   # live beam -> (cumulative logprob, its candidates at each step)
+                        "parked": {},   # beam -> its candidates, computed before its siblings' were
+                        "done": []}     # (output ids, cumulative logprob, candidates, "stop"): ended in EOS
         except KeyboardInterrupt:   # held until the request was queued: the caller never got its id
             if seq is not None:
                 self.scheduler.abort(request_id)
@@ -885,9 +923,11 @@ class LLM:
             due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]   # one row each
             finite = logits.sum(dim=-1, dtype=torch.float32).isfinite().tolist()   # (S + R,) NaN or inf: not finite
             sampled, broken = self._sample(due, logits[:len(due)], finite)   # (rows past these score prompts)
+            beams, broken_beams, beam_plan = self._beam_step(due, logits[:len(due)], finite)
             token_logprobs, prompt_logprobs, broken_prompts = self._logprobs(due, logits, finite, sampled, prompt_rows)
             with defer_ctrl_c():
-                self._commit(out, sampled, broken | broken_prompts, start, token_logprobs, prompt_logprobs)
+                self._commit(out, sampled | beams, broken | broken_beams | broken_prompts, start,
+                             token_logprobs, prompt_logprobs, beam_plan)
         except BaseException:
             # Out of memory, a KeyboardInterrupt...: unless Scheduler.update recorded it, the
             # step did not happen. Its slots were reserved (and maybe written): its sequences
@@ -900,10 +940,12 @@ class LLM:
         self._flush_trace()
         return self._collect_finished()
 
-    def _commit(self, out, sampled: dict, broken: dict, start: float, token_logprobs: dict, prompt_logprobs: list):
+    def _commit(self, out, sampled: dict, broken: dict, start: float, token_logprobs: dict, prompt_logprobs: list,
+                beam_plan: dict):
         """Record a step that ran, all of it (the caller holds Ctrl-C): fail the rows whose
         logits broke, hand the tokens to Scheduler.update (appends, forks, EOS and length
-        finishes), keep their logprobs, check stop strings, add the step's stats."""
+        finishes, dropped beams), keep their logprobs and the beams' scores, check stop
+        strings, add the step's stats."""
         # first: should a line below raise (a bug), what the step finished is still reported
         self._to_report |= dict.fromkeys(seq.request_id for seq in out.seqs)   # forks share their ids
         for seq, why in broken.items():   # a broken row must not take the batch down: fail its request
@@ -913,17 +955,20 @@ class LLM:
         if self._trace is not None:
             words = {seq: [self.tokenizer.decode([x]) for x in tokens]   # several: a fork's first tokens
                      for seq, tokens in sampled.items()}
-            self._trace.append("  sampled: " + ", ".join(f"{seq} -> {' | '.join(map(repr, w))}" for seq, w in words.items()))
+            self._trace.append("  sampled: " + ", ".join(f"{seq} -> {' | '.join(map(repr, w)) or '(dropped)'}"
+                                                         for seq, w in words.items()))
         appended = [seq for seq in sampled if seq.status is Status.RUNNING]   # update() skips the rest
-        forked = self.scheduler.update(out, sampled)
-        for child in forked:
+        forked = self.scheduler.update(out, sampled)   # {parent: its new children}
+        children = [child for kids in forked.values() for child in kids]
+        for child in children:
             self._requests[child.request_id]["seqs"].append(child)
+        self._record_beams(beam_plan, forked)
         for seq in appended:   # sample j of a fork's tokens went to the sequence sample_index + j
             for j, entry in enumerate(token_logprobs.get(seq, ())):
                 self._requests[seq.request_id]["logprobs"].setdefault(seq.sample_index + j, []).append(entry)
         for seq, first, entries in prompt_logprobs:   # by position: a recompute overwrites its own
             self._requests[seq.request_id]["prompt_logprobs"][first:first + len(entries)] = entries
-        self._check_stop_strings([*sampled, *forked])
+        self._check_stop_strings([*sampled, *children])
         self.stats.output_tokens += sum(len(sampled[seq]) for seq in appended)
         self.stats.elapsed += time.perf_counter() - start
 
@@ -985,6 +1030,8 @@ class LLM:
         greedy = logits.argmax(dim=-1).tolist()
         sampled, broken = {}, {}
         for row, seq in enumerate(due):
+            if seq.params.beam:
+                continue   # (its tokens are chosen by _beam_step)
             if not drawable[row]:
                 broken[seq] = NOT_FINITE if not finite[row] else nothing_to_draw(seq.params)
                 continue
@@ -1039,6 +1086,97 @@ class LLM:
         seed = hash_block(seq.params.seed, [sample_index, seq.num_output_tokens])
         return torch.Generator(self.device).manual_seed(seed)
 
+    # --- beam search ---
+    def _beam_step(self, due: list, logits, finite: list) -> tuple[dict, dict, dict]:
+        """Beam search's step, in place of sampling for the beams of beam_search requests
+        (logits (S, vocab): a row per sequence of due; finite[row]: no NaN or inf in it).
+
+        A beam's candidates are its 2 * beam_width likeliest next tokens. A search moves on
+        once every live beam has its candidates: mostly all in the same step, but a beam that
+        was preempted, or left out of a step by the token budget, comes later, and those that
+        came sooner wait for it, parked (with nothing left to compute, the scheduler skips
+        them). Then, of all the candidates, the ones that end in EOS are put aside, finished,
+        and the beam_width best of the others live on, ranked by cumulative logprob: a beam
+        that k of them continue forks into k beams, sharing its blocks (the copy-on-write of
+        its last, partial block splits them as they write), and a beam that none continues
+        is dropped, its blocks freed. This is the chapter's beam search; vLLM's LLM.beam_search
+        gets the sharing from its prefix cache instead, full blocks only.
+
+        Returns {beam: its tokens} for Scheduler.update (none: dropped), {beam: why} for the
+        beams whose logits broke, and {request id: (beams parked, {beam: [(token,
+        cumulative logprob, candidates)] per token it got}, the candidates that ended)} for
+        _record_beams. Changes nothing: the step may still be rolled back."""
+        rows = [row for row, seq in enumerate(due) if seq.params.beam]
+        if not rows:
+            return {}, {}, {}
+        k = min(max(2 * due[row].params.n for row in rows), logits.shape[-1])
+        top = torch.log_softmax(logits[rows].float(), dim=-1).topk(k, dim=-1)   # (beams, k), best first
+        fresh, broken = {}, {}
+        for seq, row, ids, lps in zip([due[r] for r in rows], rows, top.indices.tolist(), top.values.tolist()):
+            if finite[row]:
+                fresh[seq] = list(zip(ids, lps))[:2 * seq.params.n]   # (token, logprob), best first
+            else:
+                broken[seq] = NOT_FINITE
+        sampled, plan = {}, {}
+        for rid in dict.fromkeys(due[row].request_id for row in rows):
+            req = self._requests[rid]
+            # a parked beam preempted since has its candidates again when it is recomputed
+            ready = {seq: c for seq, c in req["parked"].items()
+                     if seq.status is Status.RUNNING and seq.num_computed_tokens == seq.num_tokens}
+            ready |= {seq: c for seq, c in fresh.items() if seq.request_id == rid}
+            live = [seq for seq in self.scheduler.requests[rid] if seq not in broken]
+            if not all(seq in ready for seq in live):
+                plan[rid] = (ready, {}, [])   # wait for the others
+                continue
+            p = live[0].params
+            eos = set() if p.ignore_eos else self.scheduler.eos_token_ids
+            candidates, ended = [], []   # (cumulative logprob, beam, token, its candidates)
+            for seq in sorted(live, key=lambda q: q.sample_index):
+                cum, history = req["beams"][seq]
+                for token, lp in ready[seq]:
+                    if token in eos:
+                        ended.append((seq.output_token_ids + [token], cum + lp, history + [ready[seq]], "stop"))
+                    else:
+                        candidates.append((cum + lp, seq, token, ready[seq]))
+            best = sorted(candidates, key=lambda c: -c[0])[:p.n]   # (stable: ties go to the earlier beam)
+            chosen = {seq: [] for seq in live}
+            for cum, seq, token, cands in best:
+                chosen[seq].append((token, cum, cands))
+            sampled |= {seq: [token for token, _, _ in picks] for seq, picks in chosen.items()}
+            plan[rid] = ({}, chosen, ended)
+        return sampled, broken, plan
+
+    def _record_beams(self, plan: dict, forked: dict):
+        """Keep what _beam_step decided, once Scheduler.update made it so (forked: {beam: its
+        new children}): each beam's score and history, token j of a beam's picks having gone
+        to its j-th sequence (itself, then its children). Of the beams that ended, only the
+        beam_width best stay: the others can never be among the results."""
+        for rid, (parked, chosen, ended) in plan.items():
+            req = self._requests[rid]
+            req["parked"] = parked
+            beams = req["beams"]
+            for seq, picks in chosen.items():
+                _, history = beams.pop(seq)
+                for target, (_, cum, cands) in zip([seq, *forked.get(seq, ())], picks):
+                    beams[target] = (cum, history + [cands])
+            if ended:
+                req["done"] = sorted(req["done"] + ended, key=lambda h: -beam_score(req, h))[:req["params"].n]
+
+    def _beam_results(self, req) -> list[CompletionOutput]:
+        """A finished beam search's beam_width best: of those that ended in EOS, and of the
+        beams that ran to max_tokens (or were aborted, or failed)."""
+        hypotheses = req["done"] + [(seq.output_token_ids, cum, history, seq.finish_reason)
+                                    for seq, (cum, history) in req["beams"].items()]
+        results = []
+        for i, (ids, cum, history, reason) in enumerate(sorted(hypotheses, key=lambda h: -beam_score(req, h))):
+            # each token's entry: its beam's candidates at that step, the chosen one first
+            logprobs = [{t: Logprob(lp, rank, self.tokenizer.decode([t]))
+                         for rank, (t, lp) in sorted(enumerate(cands, 1), key=lambda c: c[1][0] != token)}
+                        for token, cands in zip(ids, history)]
+            text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
+            results.append(CompletionOutput(i, text, ids, reason, None, logprobs, cum))
+        return results[:req["params"].n]
+
     def _check_stop_strings(self, seqs):
         """Finish the sequences whose text now contains a stop string; the text ends before it.
         A stop string completed by the last token max_tokens allows still counts: "stop"."""
@@ -1087,7 +1225,14 @@ class LLM:
         first = seqs[0]
         first_token = min((q.first_token_time for q in seqs if q.first_token_time), default=first.finish_time)
         ttft = first_token - first.arrival_time
-        outputs = []
+        outputs = self._beam_results(req) if first.params.beam else self._sample_results(req, seqs)
+        return RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
+                             first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time,
+                             req["prompt_logprobs"])
+
+    def _sample_results(self, req, seqs: list) -> list[CompletionOutput]:
+        """A finished request's n samples (seqs: its sequences, by sample index)."""
+        outputs, first = [], seqs[0]
         for q in seqs:
             ids, p, eos = q.output_token_ids, q.params, self.scheduler.eos_token_ids
             # a stop token ends the text but is not part of it (an ignored EOS is), unless
@@ -1110,9 +1255,7 @@ class LLM:
             for o in outputs:
                 o.logprobs = req["logprobs"].get(o.index, [])
                 o.cumulative_logprob = sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids))
-        return RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
-                             first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time,
-                             req["prompt_logprobs"])
+        return outputs
 
     def _hand_back(self, outputs: list[RequestOutput]):
         """Requests about to be returned: counted in the stats and forgotten, all or none. A
@@ -1144,6 +1287,23 @@ class LLM:
         order of the prompts. sampling_params: one SamplingParams for all prompts, or a list
         with one per prompt. use_tqdm: draw a progress line on stderr (vLLM's name; nanopaged
         draws its own, and is quiet by default)."""
+        return self._generate(self._parse_prompts(prompts), sampling_params, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: for each prompt (as generate takes them), the params.beam_width
+        best outputs, best first (see _beam_step). (generate and add_request take
+        BeamSearchParams too, and give RequestOutputs, their outputs the beams.)"""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        results = self._generate(self._parse_prompts(prompts), params, use_tqdm)
+        return [BeamSearchOutput([BeamSearchSequence(r.prompt_token_ids + o.token_ids, o.logprobs, o.cumulative_logprob,
+                                                     self.tokenizer.decode(r.prompt_token_ids + o.token_ids),
+                                                     o.finish_reason)
+                                  for o in r.outputs])
+                for r in results]
+
+    def _parse_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
+        """One prompt, or a list of them, as (text, token ids) each."""
         if isinstance(prompts, (str, dict)) or (_is_token_ids(prompts) and len(prompts) > 0):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -1155,7 +1315,7 @@ class LLM:
                 parsed.append(self._parse_prompt(prompt))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        return self._generate(parsed, sampling_params, use_tqdm)
+        return parsed
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -1251,6 +1411,8 @@ class LLM:
         """Generate for one prompt, yielding its text piece by piece as tokens arrive."""
         if isinstance(params, SamplingParams) and params.n != 1:   # (None: the defaults, n = 1)
             raise ValueError("stream() generates one sample: use generate() for n > 1")
+        if isinstance(params, BeamSearchParams):
+            raise ValueError("stream() generates one sample: use beam_search() for a beam search")
         self._check_alone("stream()")
         pieces = self._stream(prompt, params)
         # Run the generator to its first yield, which comes right after it queued the request:
@@ -1328,6 +1490,15 @@ class LLM:
                 cells.append(f"{i}->{block} [{words}] {filled}/{bs} ref={pool.ref_count[block]}")
             self._trace.append(f"  {seq}: " + "  ".join(cells))
         self._trace.append(f"  blocks: {pool.num_free} free, {pool.num_cached} cached, {pool.num_used} used")
+
+
+def beam_score(req: dict, hypothesis: tuple) -> float:
+    """vLLM's (and Hugging Face's) score of a beam search result (output ids, cumulative
+    logprob, ..., finish reason): the cumulative logprob / length ** length_penalty, where the
+    length counts the prompt and the output but not a final EOS."""
+    ids, cum, _, reason = hypothesis
+    length = req["seqs"][0].num_prompt_tokens + len(ids) - (reason == "stop")
+    return cum / length ** req["params"].beam.length_penalty
 
 
 def _visible(text: str) -> str:
@@ -1562,6 +1733,7 @@ EXAMPLES = """examples:
   python nanopaged.py --prompt "Four score and seven years ago our" --raw --block-size 4 --num-blocks 64 --max-tokens 3 --trace
   python nanopaged.py --prompt "List three colors." --stop "3." --max-tokens 64
   python nanopaged.py --prompt "The capital of France is" --raw --max-tokens 4 --logprobs 3
+  python nanopaged.py --prompt "What is the capital of France?" --beam-width 3
   python nanopaged.py --chat --stats
   python nanopaged.py --model path/to/hf_dir_or_file.gguf --prompt "..."
 """
@@ -1592,6 +1764,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="drop tokens less than min-p times as likely as the likeliest (default: 0, off)")
     ap.add_argument("--seed", type=int, help="makes sampling reproducible (default: none)")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt, prefilled once then forked (default: 1)")
+    ap.add_argument("--beam-width", type=int, metavar="K",
+                    help="beam search: the K likeliest outputs by the model's own log-probabilities, best first "
+                         "(its beams share their blocks: --trace shows the forks and copy-on-writes)")
     ap.add_argument("--stop", action="append", help="a stop string, which ends the output before it (repeatable)")
     ap.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     ap.add_argument("--repetition-penalty", type=float, default=1.0,
@@ -1668,6 +1843,14 @@ def main(argv=None) -> int:
         if args.chat and (args.prompt or args.n > 1 or args.logprobs is not None or args.trace or args.raw):
             raise ValueError("--chat reads its turns from stdin and streams one answer at a time: "
                              "--prompt, --n, --logprobs, --trace and --raw go without it")
+        sampling = [flag for flag, given in (
+            ("--chat", args.chat), ("--n", args.n != 1), ("--temperature", args.temperature != 0),
+            ("--top-k", args.top_k not in (-1, 0)), ("--top-p", args.top_p != 1.0), ("--min-p", args.min_p != 0.0),
+            ("--seed", args.seed is not None), ("--stop", args.stop), ("--logprobs", args.logprobs is not None),
+            ("--repetition-penalty", args.repetition_penalty != 1.0)) if given]
+        if args.beam_width is not None and sampling:
+            raise ValueError(f"--beam-width ranks outputs by the model's own log-probabilities and stops at EOS: "
+                             f"{', '.join(sampling)} {'goes' if len(sampling) == 1 else 'go'} without it")
         if not args.prompt and not args.chat:
             raise ValueError("give at least one --prompt (or --chat)")
         if any(not p.strip() for p in args.prompt):
@@ -1681,6 +1864,8 @@ def main(argv=None) -> int:
                                     min_p=args.min_p, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
                                     seed=args.seed, logprobs=args.logprobs,
                                     repetition_penalty=args.repetition_penalty)
+            if args.beam_width is not None:
+                params = BeamSearchParams(args.beam_width, args.max_tokens, ignore_eos=args.ignore_eos)
         except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
             name = str(e).split()[0]   # SamplingParams' messages start with the field's name
             raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
@@ -1697,7 +1882,7 @@ def main(argv=None) -> int:
         system = [] if args.system is None else [{"role": "system", "content": args.system}]
         prompts = ([render_chat(tok, [*system, {"role": "user", "content": p}])[1] for p in args.prompt]
                    if chat else args.prompt)
-        if args.temperature == 0:   # greedy: say so, rather than ignore what was asked
+        if args.temperature == 0 and args.beam_width is None:   # greedy: say so, rather than ignore what was asked
             idle = [flag for flag, given in (("--top-k", args.top_k not in (-1, 0)), ("--top-p", args.top_p != 1.0),
                                              ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None))
                     if given]
@@ -1712,12 +1897,17 @@ def main(argv=None) -> int:
             print(llm.describe_kv_cache(), file=sys.stderr)
         if args.chat:
             chat_loop(llm, params, system, show, args.stats)
-        elif len(prompts) == 1 and args.n == 1 and not args.trace and args.logprobs is None:   # stream
+        elif len(prompts) == 1 and args.n == 1 and not args.trace and args.logprobs is None and not args.beam_width:
+            # one prompt, one sample: it streams
             show(llm.stream(prompts[0], params))
         else:
             failed = False
             for i, r in enumerate(llm.generate(prompts, params)):
                 for c in r.outputs:
+                    if args.beam_width:
+                        print(f"[prompt {i}, beam {c.index}] {c.text}  ({c.finish_reason}, "
+                              f"cumulative logprob {c.cumulative_logprob:.3f})")
+                        continue
                     label = f"[prompt {i}" + (f", sample {c.index}]" if args.n > 1 else "]")
                     print(f"{label} {c.text}  ({c.finish_reason})")
                     if c.logprobs is not None:

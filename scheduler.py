@@ -3,11 +3,13 @@ scheduler.py: who runs in each engine step, and how the block pool is shared whe
 is tight.
 
   SamplingParams  how a request picks its tokens (vLLM's names), checked when made
-  Sequence        one request's state (a request with n > 1 samples becomes n sequences)
+  BeamSearchParams  the same for a beam search (LLM.beam_search)
+  Sequence        one request's state (a request with n > 1 samples becomes n sequences,
+                  a beam search one per beam)
   hash_block      the prefix hash of a full block
   Scheduler       FCFS continuous batching under a token budget, chunked prefill,
-                  recompute preemption, prefix caching, forks for parallel sampling;
-                  schedule() returns a SchedulerOutput, one step's work
+                  recompute preemption, prefix caching, forks for parallel sampling and
+                  beam search; schedule() returns a SchedulerOutput, one step's work
 
 The scheduler is handed the BlockPool (nanopaged.py) as an object and uses only its
 block_size, num_blocks, num_available, ref_count, new_table, lookup, register, say, and
@@ -68,6 +70,9 @@ class SamplingParams:
     # of ids to a tensor every step took 3 ms for half of a 49k vocabulary)
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     disallowed_mask: object = field(default=None, init=False, repr=False, compare=False)
+    # Set by LLM.beam_search: its BeamSearchParams. Such a request's sequences are beams, whose
+    # tokens LLM._beam_step chooses in place of sampling (n is beam_width, its seats)
+    beam: BeamSearchParams | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # Every value is checked here, when the request is made: a bad one found later,
@@ -161,6 +166,43 @@ def _finite_number(x) -> bool:
         return False
 
 
+@dataclass
+class BeamSearchParams:
+    """How LLM.beam_search searches (vLLM's names). Each step, every beam's 2 * beam_width
+    likeliest next tokens are candidates, and the beam_width best of all candidates by
+    cumulative log-probability live on; one that ends in EOS is put aside, finished. The
+    results are ranked by cumulative logprob / (prompt + output tokens, EOS not counted) **
+    length_penalty: above 1 favours longer outputs, below 1 shorter ones."""
+    beam_width: int
+    max_tokens: int | None
+    ignore_eos: bool = False
+    temperature: float = 0.0            # (vLLM's; nanopaged ranks by the model's own logprobs: 0 only)
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False   # (vLLM's; a beam search has no stop strings: no effect)
+
+    def __post_init__(self):
+        integer = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool)  # noqa: E731
+        checks = [
+            (integer(self.beam_width) and self.beam_width >= 1,
+             f"beam_width must be an integer >= 1, got {self.beam_width!r}"),
+            (self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
+             f"max_tokens must be None (up to the context) or an integer >= 1, got {self.max_tokens!r}"),
+            (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
+            (isinstance(self.include_stop_str_in_output, bool),
+             f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}"),
+            (_finite_number(self.temperature) and self.temperature == 0,
+             f"temperature must be 0: nanopaged's beam search ranks beams by the model's own "
+             f"log-probabilities, got {self.temperature!r}"),
+            (_finite_number(self.length_penalty),
+             f"length_penalty must be a finite number, got {self.length_penalty!r}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+        self.beam_width, self.length_penalty = int(self.beam_width), float(self.length_penalty)
+        self.max_tokens = None if self.max_tokens is None else int(self.max_tokens)
+
+
 def stop_token_set(p: SamplingParams, eos_token_ids) -> set[int]:
     """The token ids whose draw ends a request: EOS (unless ignore_eos) and stop_token_ids."""
     return set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
@@ -186,7 +228,8 @@ class Sequence:
         self.params = params
         self.arrival = arrival                  # arrival order: the FCFS key (forks share it)
         self.status = Status.WAITING
-        self.finish_reason: str | None = None   # "stop", "length", "abort" or "error"
+        self.finish_reason: str | None = None   # "stop", "length", "abort", "error", or "dropped":
+                                                # a beam that fell out of its beam search
         self.error: str | None = None           # with "error": why (the engine's words)
         self.num_computed_tokens = 0            # tokens whose K/V are in the cache
         self.num_cached_tokens = 0              # prompt tokens found in the prefix cache at admission
@@ -356,6 +399,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:   # a beam parked with its logits, until its siblings have theirs (LLM._beam_step)
+                i += 1
+                continue
             if not self._make_room(seq, n, out):
                 break  # seq preempted itself: it was the newest, nothing after it is left
             self._place(seq, n, out)
@@ -504,10 +550,12 @@ class Scheduler:
         self.in_flight = {}
 
     # --- after the step ---
-    def update(self, out: SchedulerOutput, sampled: dict):
+    def update(self, out: SchedulerOutput, sampled: dict) -> dict:
         """Record the step: the scheduled tokens are now in the cache, and sampled[seq] lists
-        the tokens picked for each sequence that reached its end: one, or n for a request's
-        first sampling with n > 1, where the sequence forks. Returns the forked sequences."""
+        the tokens picked for a sequence: one; or k > 1, where it forks (a request's first
+        sampling with n > 1, a beam that several of the best candidates continue), token j
+        going to its j-th child; or none, a beam that fell out of its beam search, dropped.
+        Returns {sequence: its new children}."""
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.status is Status.RUNNING:
                 first = seq.num_computed_tokens // self.block_size   # the block this step began in
@@ -520,25 +568,28 @@ class Scheduler:
             if self.pool.ref_count[block] > 0:
                 self.pool.register(block, h, tokens)   # (a no-op where registered above)
         self.in_flight = {}
-        forked = []
+        forked = {}
         for seq, tokens in sampled.items():
             if seq.status is not Status.RUNNING:
                 continue  # aborted during the step
+            if not tokens:
+                self.finish(seq, "dropped")
+                continue
             if len(tokens) > 1:
-                children = self.fork(seq, len(tokens) - 1)
-                for child, t in zip(children, tokens[1:]):
+                forked[seq] = self.fork(seq, len(tokens) - 1)
+                for child, t in zip(forked[seq], tokens[1:]):
                     self._append(child, t)
-                forked += children
             self._append(seq, tokens[0])
         self.scheduled = None   # recorded, all of it: nothing to roll back
         return forked
 
     def fork(self, seq: Sequence, k: int) -> list[Sequence]:
-        """k more samples of seq, sharing all its blocks (copy-on-write splits them later)."""
-        children = []
-        for j in range(1, k + 1):
+        """k more samples of seq, sharing all its blocks (copy-on-write splits them later),
+        numbered after the request's highest sample index (a beam search forks again and again)."""
+        children, first = [], max(s.sample_index for s in self.requests[seq.request_id]) + 1
+        for j in range(k):
             child = Sequence(seq.request_id, [], seq.params, seq.arrival, seq.block_table.fork(),
-                             sample_index=seq.sample_index + j)
+                             sample_index=first + j)
             child.token_ids, child.num_prompt_tokens = list(seq.token_ids), seq.num_prompt_tokens
             child.num_computed_tokens = seq.num_computed_tokens
             child.num_cached_tokens = seq.num_cached_tokens
@@ -547,7 +598,8 @@ class Scheduler:
             bisect.insort(self.running, child, key=lambda s: s.order)
             self.requests[seq.request_id].append(child)
             children.append(child)
-        self.pool.say(f"fork {seq} into {k + 1} samples sharing blocks {seq.block_table.block_ids}")
+        self.pool.say(f"fork {seq} into {k + 1} {'beams' if seq.params.beam else 'samples'} "
+                      f"sharing blocks {seq.block_table.block_ids}")
         return children
 
     def _append(self, seq: Sequence, token: int):

@@ -39,7 +39,7 @@ from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_to
 from nanopaged import (LLM, BlockPool, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks, PagedAttention,
                        StopStringScan, bad_words_token_ids, copy_blocks, logprob_dicts, main, paged_attention,
                        paged_attention_ref, render_chat, sampling_probs, write_kv)
-from scheduler import SamplingParams, Scheduler, Status
+from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status
 
 HERE = Path(__file__).resolve().parent
 TESTDATA = HERE / "testdata"
@@ -2057,6 +2057,147 @@ def test_parallel_sampling_forks_and_is_reproducible(llm):
     assert_nothing_leaked(llm)
 
 
+def reference_beam_search(model, prompt, width, max_tokens, eos, length_penalty=1.0):
+    """vLLM's LLM.beam_search, redone with a dense forward pass over each beam's whole
+    sequence, no cache: every beam's 2 * width likeliest next tokens are candidates, those
+    that are EOS end, the width best of the others go on; the width best by cumulative
+    logprob / length ** length_penalty (the prompt counted, an ending EOS not) are returned,
+    as (output ids, cumulative logprob)."""
+    beams, ended = [(list(prompt), 0.0)], []
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, cum in beams:
+            top = torch.log_softmax(forward_all(model, tokens)[-1].float(), dim=-1).topk(2 * width)
+            for token, lp in zip(top.indices.tolist(), top.values.tolist()):
+                (ended if token in eos else candidates).append((tokens + [token], cum + lp))
+        beams = sorted(candidates, key=lambda b: -b[1])[:width]
+    results = [(t, c, True) for t, c in ended] + [(t, c, False) for t, c in beams]
+    results.sort(key=lambda r: -r[1] / (len(r[0]) - r[2]) ** length_penalty)
+    return [(tokens[len(prompt):], cum) for tokens, cum, _ in results[:width]]
+
+
+def beam_results(output):
+    return [(c.token_ids, c.cumulative_logprob) for c in output.outputs]
+
+
+def assert_same_beams(got, want):
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    assert [cum for _, cum in got] == pytest.approx([cum for _, cum in want], abs=1e-3)
+
+
+def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm):
+    tok = llm.get_tokenizer()
+    chat = render_chat(tok, [{"role": "user", "content": "What is the capital of France?"}])[1]
+    raw = tok.encode("The capital of France is")
+    eos, reasons = llm.scheduler.eos_token_ids, set()
+    for prompt, width, max_tokens, penalty in ((chat, 3, 12, 1.0), (raw, 2, 10, 0.5)):
+        out = llm.beam_search([prompt], BeamSearchParams(width, max_tokens, length_penalty=penalty))[0]
+        want = reference_beam_search(llm.model, prompt, width, max_tokens, eos, penalty)
+        got = [(s.tokens[len(prompt):], s.cum_logprob) for s in out.sequences]
+        assert_same_beams(got, want)
+        for s in out.sequences:   # vLLM's shape: the prompt's tokens first, all decoded
+            assert s.tokens[:len(prompt)] == prompt and s.text == tok.decode(s.tokens)
+            assert s.finish_reason == ("stop" if s.tokens[-1] in eos else "length")
+            # each token's entry: its beam's 2 * width candidates, the chosen one first
+            assert all(len(d) == 2 * width and next(iter(d)) == t for d, t in zip(s.logprobs, s.tokens[len(prompt):]))
+            assert s.cum_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(s.logprobs, s.tokens[len(prompt):])))
+        reasons |= {s.finish_reason for s in out.sequences}
+        assert_nothing_leaked(llm)
+    assert reasons == {"stop", "length"}   # results that ended in EOS, and ran to max_tokens
+    # The beams share the prompt's blocks: after the first step, every block of the prompt
+    # is held by all three beams; then copy-on-write splits the partial last block, and the
+    # beams that fall out are dropped, their blocks freed.
+    lines = []
+    llm.enable_trace(lines.append)
+    rid = llm.add_request(chat, BeamSearchParams(3, 12))
+    llm.step()
+    beams = llm._requests[rid]["seqs"]
+    assert len(beams) == 3 and all(b.block_table.block_ids == beams[0].block_table.block_ids for b in beams)
+    assert {llm.pool.ref_count[b] for b in beams[0].block_table.block_ids} == {3}
+    done = step_to_the_end(llm)
+    llm.disable_trace()
+    assert beam_results(done[rid]) == [(ids, pytest.approx(cum)) for ids, cum in
+                                       reference_beam_search(llm.model, chat, 3, 12, eos)]
+    trace = "\n".join(lines)
+    assert "into 3 beams sharing blocks" in trace and "copy-on-write" in trace and "(dropped)" in trace
+    assert_nothing_leaked(llm)
+
+
+def test_beam_search_is_the_same_preempted_parked_or_uncached(smollm2_dir, llm):
+    """Beams preempted one by one (a pool that holds one search at a time), beams that wait
+    parked for their siblings (a token budget of two: three beams never run in one step),
+    no prefix cache: the same results as a roomy engine's."""
+    prompts = ["Name a large animal.", "Write one word about the sea."]
+    params = BeamSearchParams(3, 20, ignore_eos=True)
+    want = [beam_results(r) for r in llm.generate(prompts, params)]   # (generate takes them too)
+    assert all(len(r) == 3 for r in want)
+    longest = max(len(r.prompt_token_ids) for r in llm.generate(prompts, SamplingParams(max_tokens=1)))
+    tight = LLM(smollm2_dir, num_blocks=3 * -(-(longest + 20) // 16))
+    budget = LLM(smollm2_dir, num_blocks=512, max_num_batched_tokens=2)
+    uncached = LLM(smollm2_dir, num_blocks=512, enable_prefix_caching=False)
+    parked = []
+    record = budget._record_beams
+    budget._record_beams = lambda plan, forked: (parked.extend(p[0] for p in plan.values()), record(plan, forked))
+    for engine in (tight, budget, uncached):
+        got = [beam_results(r) for r in engine.generate(prompts, params)]
+        for g, w in zip(got, want):
+            assert_same_beams(g, w)
+        assert_nothing_leaked(engine)
+    assert tight.stats.preemptions > 0 and any(parked)
+    # A search whose beams could not all be in the pool at once is refused
+    with pytest.raises(ValueError, match=r"beam_width = 4 beams of prompt \+ max_tokens = .* need up to"):
+        tight.beam_search(prompts[0], BeamSearchParams(4, 20))
+    assert_nothing_leaked(tight)
+
+
+def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
+    for kwargs, message in (({"beam_width": 0}, "beam_width must be an integer >= 1"),
+                            ({"beam_width": True}, "beam_width must be an integer >= 1"),
+                            ({"max_tokens": 0}, "max_tokens must be None"),
+                            ({"temperature": 0.7}, "temperature must be 0"),
+                            ({"length_penalty": float("nan")}, "length_penalty must be a finite number"),
+                            ({"ignore_eos": 1}, "ignore_eos must be True or False")):
+        with pytest.raises(ValueError, match=message):
+            BeamSearchParams(**({"beam_width": 2, "max_tokens": 4} | kwargs))
+    with pytest.raises(ValueError, match="beam_width = 300 exceeds max_num_seqs = 256"):
+        llm.beam_search("Hi", BeamSearchParams(300, 4))
+    with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
+        llm.beam_search("Hi", greedy(4))
+    with pytest.raises(ValueError, match="use beam_search"):
+        llm.stream("Hi", BeamSearchParams(2, 4))
+    changed = BeamSearchParams(2, 4)
+    changed.beam_width = -1   # (checked again when used)
+    with pytest.raises(ValueError, match="prompt 0: beam_width must be"):
+        llm.beam_search("Hi", changed)
+    assert_nothing_leaked(llm)
+    # max_tokens=None: up to the context, or up to what the pool holds for all the beams
+    rid = llm.add_request("Hi", BeamSearchParams(4, None))
+    assert llm._requests[rid]["params"].max_tokens == 512 // 4 * 16 - len(llm.tokenizer.encode("Hi"))
+    llm.step()
+    llm.step()
+    aborted = llm.abort(rid)   # every beam ends, with what it had
+    assert [c.finish_reason for c in aborted.outputs] == ["abort"] * 4
+    assert all(len(c.token_ids) == 2 for c in aborted.outputs)
+    assert_nothing_leaked(llm)
+    # a beam whose logits break fails (finish_reason "error"); the search goes on without it
+    forward, calls = llm.model.forward, []
+
+    def poisoned(input_ids, positions, attn, logits_indices=None):
+        logits = forward(input_ids, positions, attn, logits_indices)
+        calls.append(1)
+        if len(calls) == 3:
+            logits[0] = float("nan")   # the third step: the first beam
+        return logits
+
+    monkeypatch.setattr(llm.model, "forward", poisoned)
+    out = llm.generate("Hi", BeamSearchParams(2, 6, ignore_eos=True))[0]
+    monkeypatch.undo()
+    reasons = [c.finish_reason for c in out.outputs]
+    assert sorted(reasons) == ["error", "length"]
+    assert len(out.outputs[reasons.index("error")].token_ids) == 2
+    assert_nothing_leaked(llm)
+
+
 def test_sampling_bounds(llm):
     prompt = "The weather today is"
     g = llm.generate(prompt, greedy(10, ignore_eos=True))[0].outputs[0].token_ids
@@ -3033,6 +3174,8 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--logprobs", "21"], "--logprobs must be None or an integer in [0, 20]"),
     (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be a finite number > 0"),
     (["--prompt", "hi", "--min-p", "2"], "--min-p must be a number in [0, 1], got 2.0"),
+    (["--prompt", "hi", "--beam-width", "0"], "--beam-width must be an integer >= 1, got 0"),
+    (["--prompt", "hi", "--beam-width", "2", "--n", "2", "--stop", "x"], "--n, --stop go without it"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
@@ -3057,6 +3200,17 @@ def test_cli_streams_and_batches(capsys, smollm2_dir):
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", GOLDEN[0]["user_text"],
                              "--prompt", "Hi", "--max-tokens", "8", "--ignore-eos", "--stats")
     assert code == 0 and "(length)" in out and "(stop)" not in out and "16 + " in err   # 2 x 8 output tokens
+
+
+def test_cli_beam_search(capsys, smollm2_dir, llm):
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "What is the capital of France?",
+                             "--beam-width", "3", "--max-tokens", "24")
+    prompt = render_chat(llm.get_tokenizer(), [{"role": "user", "content": "What is the capital of France?"}])[1]
+    want = llm.generate(prompt, BeamSearchParams(3, 24))[0].outputs
+    assert code == 0 and err == "" and out.splitlines() == [
+        f"[prompt 0, beam {i}] {c.text}  ({c.finish_reason}, cumulative logprob {c.cumulative_logprob:.3f})"
+        for i, c in enumerate(want)]
+    assert want[0].text == "The capital of France is Paris."
 
 
 def test_cli_chat_keeps_the_conversation_and_its_blocks(capsys, smollm2_dir, llm, monkeypatch):
