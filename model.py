@@ -286,11 +286,12 @@ def _sampling_defaults(d: dict) -> dict:
     defaults = {}
     for key, (name, hf_default) in GENERATION_KEYS.items():
         value = d.get(key)
-        if value is None or value == hf_default:
+        if value is None:
             continue
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):   # (True == 1.0: checked first)
             raise ModelError(f"{key!r} is {value!r}, expected a number")
-        defaults[name] = value
+        if value != hf_default:
+            defaults[name] = value
     return defaults
 
 
@@ -314,8 +315,11 @@ def _rope_config(d: dict) -> tuple[float, dict | None]:
     missing = [k for k in LLAMA3_ROPE_KEYS if params.get(k) is None]
     if missing:
         raise ModelError(f"llama3 rope scaling lacks {', '.join(map(repr, missing))}")
-    return theta, {"rope_type": "llama3",
-                   **{k: _positive(params, k, float) for k in LLAMA3_ROPE_KEYS}}
+    scaling = {"rope_type": "llama3", **{k: _positive(params, k, float) for k in LLAMA3_ROPE_KEYS}}
+    if scaling["low_freq_factor"] >= scaling["high_freq_factor"]:   # (the blend divides by their difference)
+        raise ModelError(f"llama3 rope scaling needs low_freq_factor < high_freq_factor, got "
+                         f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
+    return theta, scaling
 
 
 # ----------------------------------------------------------------------------------------

@@ -787,6 +787,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"rope_scaling": [1, 2]}, "'rope_scaling' is \\[1, 2\\], expected an object or null"),
     ({"rope_parameters": "llama3"}, "'rope_parameters' is 'llama3'"),
     ({"rope_scaling": LLAMA3_ROPE | {"factor": 0}}, "'factor' is 0"),
+    ({"rope_scaling": LLAMA3_ROPE | {"low_freq_factor": 4.0}}, "needs low_freq_factor < high_freq_factor, got 4.0 and 4.0"),
     ({"eos_token_id": "3"}, "'eos_token_id' is '3', expected a token id, a list of them"),
     ({"eos_token_id": [3, "4"]}, "'eos_token_id' is \\[3, '4'\\]"),
     ({"bos_token_id": "1"}, "'bos_token_id' is '1', expected a token id or null"),
@@ -853,6 +854,7 @@ def test_config_file_errors_name_the_file_once(tmp_path):
     ([{"eos_token_id": 4}], "generation_config.json: expected a JSON object, got list"),
     ({"eos_token_id": "4"}, "generation_config.json: 'eos_token_id' is '4'"),
     ({"temperature": "hot"}, "generation_config.json: 'temperature' is 'hot', expected a number"),
+    ({"temperature": True}, "generation_config.json: 'temperature' is True, expected a number"),   # (True == 1.0)
 ])
 def test_bad_generation_config(tmp_path, generation_config, message):
     (tmp_path / "config.json").write_text(json.dumps(llama_config()))
