@@ -8,6 +8,8 @@ README quotes them with the command that produced them.
   python bench.py engine      the 64-request offline workload (+ transformers side by side), memory report
   python bench.py prefix      a ~1,000-token shared system prompt: TTFT with prefix caching on vs off
   python bench.py parallel    n = 4 parallel sampling: KV blocks with copy-on-write vs without sharing
+  python bench.py preempt     a pool too small for the workload: preemption by recomputing vs by swapping
+                              to CPU memory, against a pool that holds it all
   python bench.py beam        beam search (width 4): forked beams sharing blocks vs vLLM's way, each step
                               a request per beam that finds the earlier ones' blocks in the prefix cache
   python bench.py sampling    what logprobs, prompt logprobs, penalties and constraints cost, against plain greedy
@@ -326,6 +328,48 @@ def bench_parallel(args):
     for label, blocks, tokens in rows:
         print(f"  {label:38s} peak KV blocks used {blocks:5d} ({tokens} output tokens)")
     print(f"  copy-on-write uses {rows[1][1] / rows[0][1]:.2f}x fewer blocks")
+
+
+def bench_preempt(args):
+    """16 requests of 400 random prompt tokens + 64 greedy output tokens, arriving together,
+    in a pool of 64 blocks of 16 (1,024 token slots, where they need 7,424): the engine
+    preempts again and again. Recomputing a preempted sequence prefills its prompt and
+    output again; swapping copies its blocks to CPU memory and back (on this CPU, from one
+    part of RAM to another: what is measured is the copy against the recompute). Medians of
+    args.repeats, the three engines timed in turns."""
+    from nanopaged import LLM
+    rng = random.Random(0)
+    engines = {"roomy pool (no preemption)": LLM(args.model, dtype=args.dtype, num_blocks=512,
+                                                 enable_prefix_caching=False),
+               "64 blocks, recompute": LLM(args.model, dtype=args.dtype, num_blocks=64, enable_prefix_caching=False),
+               "64 blocks, swap": LLM(args.model, dtype=args.dtype, num_blocks=64, enable_prefix_caching=False,
+                                      preemption_mode="swap")}
+    vocab = next(iter(engines.values())).config.vocab_size
+    prompts = [[rng.randrange(17, vocab) for _ in range(400)] for _ in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    tokens, stats, computed = {}, {}, {}
+
+    def counting(name, forward):   # the tokens each run puts through the model
+        def forward_counted(input_ids, *rest):
+            computed[name] += len(input_ids)
+            return forward(input_ids, *rest)
+        return forward_counted
+    for name, llm in engines.items():
+        llm.model.forward = counting(name, llm.model.forward)
+
+    def run(name):
+        computed[name] = 0
+        outs = engines[name].generate(prompts, params)
+        tokens[name], stats[name] = [o.outputs[0].token_ids for o in outs], engines[name].stats
+    times = median_times([lambda name=name: run(name) for name in engines], repeats=args.repeats)
+    print(f"16 requests x (400 prompt + 64 output tokens), greedy, block size 16, {torch.get_num_threads()} CPU "
+          f"threads; medians of {args.repeats}, timed in turns:")
+    print(f"  {'':28s} {'time':>8s} {'preemptions':>12s} {'swapped':>8s} {'tokens computed':>16s}  same tokens")
+    first = next(iter(engines))
+    for (name, t) in zip(engines, times):
+        s = stats[name]
+        print(f"  {name:28s} {t:7.2f} s {s.preemptions:12d} {s.swapped_out:8d} "
+              f"{computed[name]:16d}  {tokens[name] == tokens[first]}")
 
 
 def beam_search_by_requests(llm, prompt: list[int], width: int, max_tokens: int):
@@ -669,7 +713,7 @@ def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
 # -----------------------------------------------------------------------------
 
 BENCHES = {"load": bench_load, "attention": bench_attention, "scheduler": bench_scheduler, "engine": bench_engine,
-           "prefix": bench_prefix, "parallel": bench_parallel, "beam": bench_beam, "sampling": bench_sampling, "dtype": bench_dtype,
+           "prefix": bench_prefix, "parallel": bench_parallel, "preempt": bench_preempt, "beam": bench_beam, "sampling": bench_sampling, "dtype": bench_dtype,
            "kernel": bench_kernel}
 
 

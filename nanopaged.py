@@ -67,7 +67,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu"):
+                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu", pin_memory: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a BlockPool needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
@@ -76,8 +76,11 @@ class BlockPool:
         # no slot is ever read before it is written (the tests fill unused slots with NaN).
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         try:
-            self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-            self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            # (pin_memory: page-locked CPU memory, which a GPU copies to and from directly: the swap space)
+            self.k_cache = [torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+                            for _ in range(num_layers)]
+            self.v_cache = [torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+                            for _ in range(num_layers)]
         except (RuntimeError, TypeError) as e:   # out of memory (torch.OutOfMemoryError is a
             # RuntimeError), or a size past int64 (torch says TypeError: "Overflow when unpacking")
             size = 2 * num_layers * math.prod(shape) * dtype.itemsize
@@ -293,6 +296,17 @@ def copy_blocks(k_caches, v_caches, copies):
         cache[dst] = cache[src]
 
 
+def swap_blocks(src_pool, dst_pool, pairs):
+    """Swapping: copy whole blocks (src, dst) from one pool to another, in every layer:
+    from the GPU's pool to the swap space in CPU memory, or back."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], device=src_pool.k_cache[0].device)
+    dst = torch.tensor([d for _, d in pairs], device=dst_pool.k_cache[0].device)
+    for src_cache, dst_cache in zip((*src_pool.k_cache, *src_pool.v_cache), (*dst_pool.k_cache, *dst_pool.v_cache)):
+        dst_cache[dst] = src_cache[src].to(dst_cache.device)
+
+
 def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
     """The chapter's algorithm, written to be read: walk each sequence's blocks through its
     block table, and fold them into the output one block at a time with online softmax.
@@ -482,12 +496,13 @@ class PagedAttention:
 # 3. The engine
 #
 # One step (LLM._step): Scheduler.schedule() picks the work and allocates its blocks ->
-# _prepare builds one flat batch (no padding) -> copy-on-write copies run -> the model's
-# forward pass, whose attention layers write K/V through slot_mapping and read them
+# _prepare builds one flat batch (no padding) -> swaps and copy-on-write copies run -> the
+# model's forward pass, whose attention layers write K/V through slot_mapping and read them
 # through block_tables -> the logits of every sequence that reached its last token are
-# sampled -> _commit records the step (Scheduler.update). The bookkeeping at both ends runs
-# under defer_ctrl_c; a step that raises in between is undone by Scheduler.rollback. The
-# block trace's lines are collected during the step and written at its end (_flush_trace).
+# sampled (or, for a beam search, chosen by _beam_step) -> _commit records the step
+# (Scheduler.update). The bookkeeping at both ends runs under defer_ctrl_c; a step that
+# raises in between is undone by Scheduler.rollback. The block trace's lines are collected
+# during the step and written at its end (_flush_trace).
 
 
 @dataclass
@@ -614,6 +629,7 @@ class Stats:
     allocated_slots: int = 0   # summed over steps, per sequence: blocks held x block_size
     filled_slots: int = 0      # ... and slots actually holding a token
     preemptions: int = 0
+    swapped_out: int = 0       # of the preemptions, those by swapping
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
 
@@ -631,7 +647,8 @@ class Stats:
             f"peak KV blocks used   {self.peak_blocks_used:9d} of {num_blocks}",
             f"KV waste              {waste:9.2f} % of allocated slots unfilled",
             f"prefix-cache hit rate {hit:9.1f} % of prompt tokens",
-            f"preemptions           {self.preemptions:9d}",
+            f"preemptions           {self.preemptions:9d}"
+            + (f" ({self.swapped_out} by swapping to CPU memory)" if self.swapped_out else ""),
         ])
 
 
@@ -661,7 +678,8 @@ class LLM:
                  num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto"):
+                 attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto",
+                 preemption_mode: str = "recompute", swap_space: float = 4):
         device = _parse_device(device)
         if dtype in (None, "auto"):   # (vLLM's "auto" reads the checkpoint's dtype; here: by device)
             dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -687,6 +705,10 @@ class LLM:
             raise ValueError("attn_backend='cuda' needs device='cuda'")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {load_format!r}: use auto, or dummy (random weights)")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"unknown preemption_mode {preemption_mode!r}: use recompute, or swap (to CPU memory)")
+        if not (isinstance(swap_space, numbers.Real) and not isinstance(swap_space, bool) and 0 < swap_space < 2**40):
+            raise ValueError(f"swap_space must be a number of GiB > 0, got {swap_space!r}")
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"unknown generation_config {generation_config!r}: use auto (the model's "
                              "generation_config.json) or vllm (SamplingParams' own defaults)")
@@ -727,12 +749,21 @@ class LLM:
                                  f"block_size or give more memory")
         self.pool = BlockPool(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
                               cfg.head_dim, dtype, device)
+        # The swap space (vLLM's swap_space, in GiB): a second pool, in CPU memory, that
+        # preemption copies a sequence's blocks to instead of dropping them
+        self.swap_pool = None
+        if preemption_mode == "swap":
+            num_cpu_blocks = int(swap_space * 2**30) // self.bytes_per_block
+            if num_cpu_blocks < 1:
+                raise ValueError(f"swap_space = {swap_space} GiB holds no block of {self.bytes_per_block} bytes")
+            self.swap_pool = BlockPool(num_cpu_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                       cfg.head_dim, dtype, "cpu", pin_memory=device.type == "cuda")
         # The token budget of a step. On the CPU, 1024 measured best on the benchmark workload
         # (93, 105, 96 output tok/s at 512, 1024, 2048): big enough for efficient prefill
         # matmuls, small enough that decodes do not wait long behind prefill chunks.
         max_num_batched_tokens = max_num_batched_tokens or (8192 if device.type == "cuda" else 1024)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                   enable_prefix_caching, cfg.eos_token_id)
+                                   enable_prefix_caching, cfg.eos_token_id, self.swap_pool)
         self.attn = PagedAttention(self.pool, cfg.head_dim ** -0.5,
                                    _pick_kernels(attn_backend, device, cfg, block_size, dtype))
         self.stats = Stats()
@@ -757,7 +788,8 @@ class LLM:
                 f"{pool.num_blocks * self.bytes_per_block / 2**20:.1f} MiB; "
                 f"{per_token} bytes/token = {c.num_hidden_layers} layers x 2 (K,V) x {c.num_key_value_heads} kv heads "
                 f"x {c.head_dim} dims x {torch.finfo(self.dtype).bits // 8} bytes; {self.bytes_per_block} bytes/block; "
-                f"attention backend: {self.attn.backend}")
+                + (f"swap space: {self.swap_pool.num_blocks} blocks in CPU memory; " if self.swap_pool else "")
+                + f"attention backend: {self.attn.backend}")
 
     # --- requests ---
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
@@ -917,6 +949,10 @@ class LLM:
                 if self._trace is not None:
                     self._trace_step(out)
             input_ids, positions, logits_indices, prompt_rows = self._prepare(out)
+            # swaps first: a block swapped out may be handed to a copy-on-write or a swap-in
+            # in this same step, so its data leaves before anything else lands in it
+            swap_blocks(self.pool, self.swap_pool, out.swap_out)
+            swap_blocks(self.swap_pool, self.pool, out.swap_in)
             self.attn.copy_blocks(out.copies)
             with torch.inference_mode():
                 logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S + R, vocab)
@@ -1125,10 +1161,10 @@ class LLM:
                      if seq.status is Status.RUNNING and seq.num_computed_tokens == seq.num_tokens}
             ready |= {seq: c for seq, c in fresh.items() if seq.request_id == rid}
             live = [seq for seq in self.scheduler.requests[rid] if seq not in broken]
-            if not all(seq in ready for seq in live):
+            if not live or not all(seq in ready for seq in live):   # (none: every beam broke)
                 plan[rid] = (ready, {}, [])   # wait for the others
                 continue
-            p = live[0].params
+            p = req["params"]
             eos = set() if p.ignore_eos else self.scheduler.eos_token_ids
             candidates, ended = [], []   # (cumulative logprob, beam, token, its candidates)
             for seq in sorted(live, key=lambda q: q.sample_index):
@@ -1160,7 +1196,7 @@ class LLM:
                 for target, (_, cum, cands) in zip([seq, *forked.get(seq, ())], picks):
                     beams[target] = (cum, history + [cands])
             if ended:
-                req["done"] = sorted(req["done"] + ended, key=lambda h: -beam_score(req, h))[:req["params"].n]
+                req["done"] = sorted(req["done"] + ended, key=lambda h: beam_rank(req, h))[:req["params"].n]
 
     def _beam_results(self, req) -> list[CompletionOutput]:
         """A finished beam search's beam_width best: of those that ended in EOS, and of the
@@ -1168,7 +1204,7 @@ class LLM:
         hypotheses = req["done"] + [(seq.output_token_ids, cum, history, seq.finish_reason)
                                     for seq, (cum, history) in req["beams"].items()]
         results = []
-        for i, (ids, cum, history, reason) in enumerate(sorted(hypotheses, key=lambda h: -beam_score(req, h))):
+        for i, (ids, cum, history, reason) in enumerate(sorted(hypotheses, key=lambda h: beam_rank(req, h))):
             # each token's entry: its beam's candidates at that step, the chosen one first
             logprobs = [{t: Logprob(lp, rank, self.tokenizer.decode([t]))
                          for rank, (t, lp) in sorted(enumerate(cands, 1), key=lambda c: c[1][0] != token)}
@@ -1207,8 +1243,8 @@ class LLM:
         for seq in sched.running:
             s.allocated_slots += len(seq.block_table.block_ids) * pool.block_size
             s.filled_slots += seq.block_table.num_tokens
-        s.preemptions, s.prefix_hit_tokens, s.prefix_query_tokens = (
-            sched.num_preemptions, sched.prefix_hit_tokens, sched.prefix_query_tokens)
+        s.preemptions, s.swapped_out, s.prefix_hit_tokens, s.prefix_query_tokens = (
+            sched.num_preemptions, sched.num_swapped_out, sched.prefix_hit_tokens, sched.prefix_query_tokens)
 
     def _collect_finished(self) -> list[RequestOutput]:
         """The outputs of the requests that finished and were not reported yet: this step's,
@@ -1492,13 +1528,16 @@ class LLM:
         self._trace.append(f"  blocks: {pool.num_free} free, {pool.num_cached} cached, {pool.num_used} used")
 
 
-def beam_score(req: dict, hypothesis: tuple) -> float:
-    """vLLM's (and Hugging Face's) score of a beam search result (output ids, cumulative
-    logprob, ..., finish reason): the cumulative logprob / length ** length_penalty, where the
-    length counts the prompt and the output but not a final EOS."""
+def beam_rank(req: dict, hypothesis: tuple) -> float:
+    """Where a beam search result (output ids, cumulative logprob, ..., finish reason) ranks,
+    lowest first. vLLM (and Hugging Face) rank by the score cumulative logprob / length **
+    length_penalty, highest first, where the length counts the prompt and the output but not
+    a final EOS. The score is <= 0 (so is the logprob), so ranking by log(-score) =
+    log(-cumulative logprob) - length_penalty * log(length), lowest first, is the same order,
+    and neither overflows nor underflows (length ** 1000 would)."""
     ids, cum, _, reason = hypothesis
     length = req["seqs"][0].num_prompt_tokens + len(ids) - (reason == "stop")
-    return cum / length ** req["params"].beam.length_penalty
+    return -math.inf if cum >= 0 else math.log(-cum) - req["params"].beam.length_penalty * math.log(length)
 
 
 def _visible(text: str) -> str:
@@ -1781,6 +1820,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-blocks", type=int, help="KV blocks in the pool (default: as many as 2 GiB hold on "
                                                    "the CPU, 40%% of free memory on a GPU)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
+    ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                    help="when the KV pool runs dry, the newest sequence's blocks are dropped and recomputed "
+                         "later (default), or swapped to CPU memory (4 GiB of it) and copied back")
     ap.add_argument("--attn-backend", default="auto", choices=["auto", "torch", "cuda"],
                     help="auto (default): the CUDA kernel on a GPU where it builds, else the torch path")
     ap.add_argument("--stats", action="store_true", help="print latency, throughput and KV-cache use")
@@ -1871,7 +1913,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
         llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                  attn_backend=args.attn_backend)
+                  attn_backend=args.attn_backend, preemption_mode=args.preemption_mode)
         tok = llm.get_tokenizer()
         chat = tok.chat_template is not None and not args.raw
         if args.chat and not chat:

@@ -8,14 +8,17 @@ is tight.
                   a beam search one per beam)
   hash_block      the prefix hash of a full block
   Scheduler       FCFS continuous batching under a token budget, chunked prefill,
-                  recompute preemption, prefix caching, forks for parallel sampling and
-                  beam search; schedule() returns a SchedulerOutput, one step's work
+                  preemption by recomputing or by swapping to CPU memory, prefix caching,
+                  forks for parallel sampling and beam search; schedule() returns a
+                  SchedulerOutput, one step's work
 
 The scheduler is handed the BlockPool (nanopaged.py) as an object and uses only its
 block_size, num_blocks, num_available, ref_count, new_table, lookup, register, say, and
 pending_copies (the copy-on-write copies its allocations recorded, which schedule() moves
 into SchedulerOutput.copies for the engine to run); of each BlockTable, slots_for,
-blocks_needed, append_cached, fork, release and block_ids. It never imports the engine, so
+blocks_needed, append_cached, fork, release, block_ids and num_tokens. With swapping, it is
+handed a second BlockPool in CPU memory (the swap space) and uses its num_free, allocate
+and new_table; the engine copies the blocks it lists in SchedulerOutput.swap_out / swap_in. It never imports the engine, so
 it can be read - and tested - without a model.
 """
 
@@ -81,26 +84,23 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
-        # (numpy's and torch's integers and floats are welcome; bools are not numbers here)
-        integer = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool)  # noqa: E731
         checks = [
-            (integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (_integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (_finite_number(self.temperature) and self.temperature >= 0,
              f"temperature must be a finite number >= 0, got {self.temperature!r}"),
-            (integer(self.top_k) and self.top_k >= -1,
+            (_integer(self.top_k) and self.top_k >= -1,
              f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}"),
             (_finite_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be a number in (0, 1], got {self.top_p!r}"),
             (_finite_number(self.min_p) and 0 <= self.min_p <= 1,
              f"min_p must be a number in [0, 1], got {self.min_p!r}"),
-            (self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
-             f"max_tokens must be None (up to the context) or an integer >= 1, got {self.max_tokens!r}"),
+            _max_tokens_check(self.max_tokens),
             (self.stop is None or (isinstance(self.stop, (list, tuple))
                                    and all(isinstance(s, str) and s for s in self.stop)),
              f"stop must be a non-empty string or a list of them, got {self.stop!r}"),
             (self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple, set))
-                                             and all(integer(t) for t in self.stop_token_ids)),
+                                             and all(_integer(t) for t in self.stop_token_ids)),
              f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"),
-            (self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**63),
+            (self.seed is None or (_integer(self.seed) and 0 <= self.seed < 2**63),
              f"seed must be an integer in [0, 2**63), got {self.seed!r}"),
             *[(isinstance(x, bool), f"{name} must be True or False, got {x!r}")
               for name, x in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
@@ -110,33 +110,31 @@ class SamplingParams:
                               ("frequency_penalty", self.frequency_penalty))],
             (_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"),
-            (self.truncate_prompt_tokens is None or (integer(self.truncate_prompt_tokens)
+            (self.truncate_prompt_tokens is None or (_integer(self.truncate_prompt_tokens)
                                                      and (self.truncate_prompt_tokens >= 1
                                                           or self.truncate_prompt_tokens == -1)),
              f"truncate_prompt_tokens must be None, -1 (all that fit) or an integer >= 1, "
              f"got {self.truncate_prompt_tokens!r}"),
-            (integer(self.min_tokens) and self.min_tokens >= 0
-             and (not integer(self.max_tokens) or self.min_tokens <= self.max_tokens),   # (a bad max_tokens: its own message)
+            (_integer(self.min_tokens) and self.min_tokens >= 0
+             and (not _integer(self.max_tokens) or self.min_tokens <= self.max_tokens),   # (a bad max_tokens: its own message)
              f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens!r}], got {self.min_tokens!r}"),
-            *[(k is None or (integer(k) and 0 <= k <= MAX_LOGPROBS),
+            *[(k is None or (_integer(k) and 0 <= k <= MAX_LOGPROBS),
                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
               for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-                (integer(t) or (isinstance(t, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", t)))
+                (_integer(t) or (isinstance(t, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", t)))
                 and isinstance(b, numbers.Real) and not isinstance(b, bool) and b == b   # (NaN != NaN)
                 for t, b in self.logit_bias.items())),
              f"logit_bias must be a dict of token id -> bias (a number), got {self.logit_bias!r}"),
             (self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple, set))
                                                 and self.allowed_token_ids
-                                                and all(integer(t) for t in self.allowed_token_ids)),
+                                                and all(_integer(t) for t in self.allowed_token_ids)),
              f"allowed_token_ids must be a non-empty list of integers, got {self.allowed_token_ids!r}"),
             (self.bad_words is None or (isinstance(self.bad_words, (list, tuple))
                                         and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
              f"bad_words must be a list of words (strings that are not blank), got {self.bad_words!r}"),
         ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        _refuse_the_first_failed(checks)
         # plain Python numbers from here on
         self.n, self.top_k = int(self.n), int(self.top_k)
         self.max_tokens = None if self.max_tokens is None else int(self.max_tokens)
@@ -156,6 +154,23 @@ class SamplingParams:
             self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
+
+
+# (numpy's and torch's integers and floats are welcome; bools are not numbers here)
+def _integer(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _max_tokens_check(max_tokens) -> tuple[bool, str]:
+    return (max_tokens is None or (_integer(max_tokens) and max_tokens >= 1),
+            f"max_tokens must be None (up to the context) or an integer >= 1, got {max_tokens!r}")
+
+
+def _refuse_the_first_failed(checks: list[tuple[bool, str]]):
+    """checks: (ok, the message if not). Raises ValueError with the first failure's message."""
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
 
 
 def _finite_number(x) -> bool:
@@ -181,12 +196,10 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False   # (vLLM's; a beam search has no stop strings: no effect)
 
     def __post_init__(self):
-        integer = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool)  # noqa: E731
         checks = [
-            (integer(self.beam_width) and self.beam_width >= 1,
+            (_integer(self.beam_width) and self.beam_width >= 1,
              f"beam_width must be an integer >= 1, got {self.beam_width!r}"),
-            (self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
-             f"max_tokens must be None (up to the context) or an integer >= 1, got {self.max_tokens!r}"),
+            _max_tokens_check(self.max_tokens),
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
             (isinstance(self.include_stop_str_in_output, bool),
              f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}"),
@@ -196,9 +209,7 @@ class BeamSearchParams:
             (_finite_number(self.length_penalty),
              f"length_penalty must be a finite number, got {self.length_penalty!r}"),
         ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        _refuse_the_first_failed(checks)
         self.beam_width, self.length_penalty = int(self.beam_width), float(self.length_penalty)
         self.max_tokens = None if self.max_tokens is None else int(self.max_tokens)
 
@@ -215,6 +226,7 @@ def stop_token_set(p: SamplingParams, eos_token_ids) -> set[int]:
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"     # preempted by swapping: its blocks wait in CPU memory
     FINISHED = "finished"
 
 
@@ -299,6 +311,12 @@ class SchedulerOutput:
     slots: list[list[int]] = field(default_factory=list)  # their cache slots (the slot_mapping)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)
+    # swapping, to run before the copies: (GPU block, CPU block) pairs to save, then (CPU
+    # block, GPU block) pairs to bring back; and the sequences that moved either way
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swapped_out: list[Sequence] = field(default_factory=list)
+    swapped_in: list[Sequence] = field(default_factory=list)
     # does sequence i reach its last token this step (so that its logits get sampled)?
     samples: list[bool] = field(default_factory=list)
 
@@ -306,7 +324,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int = 2048, enable_prefix_caching: bool = True,
-                 eos_token_ids=()):
+                 eos_token_ids=(), swap_pool=None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.pool = pool
@@ -316,7 +334,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = set(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()  # in arrival order; preempted ones go back to the head
+        self.swap_pool = swap_pool   # a BlockPool in CPU memory to preempt into; None: recompute only
+        self.waiting: deque[Sequence] = deque()  # in arrival order (preempted ones go back in their place)
+        self.swapped: deque[Sequence] = deque()  # swapped out, in arrival order
         # From schedule() to update() or rollback(): the full blocks that this step's sequences
         # will have computed by the time attention reads them, prefix hash -> (block, token ids),
         # shared with sequences admitted later in the same step (see _place)
@@ -328,6 +348,7 @@ class Scheduler:
         self.next_arrival = 0
         # counters for the engine's metrics
         self.num_preemptions = 0
+        self.num_swapped_out = 0   # of those, by swapping
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -368,6 +389,8 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is Status.RUNNING:
             self.running.remove(seq)
+        elif seq.status is Status.SWAPPED:
+            self.swapped.remove(seq)   # (its table is in the swap space: release() frees CPU blocks)
         else:
             return
         seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.perf_counter()
@@ -380,10 +403,10 @@ class Scheduler:
             del self.requests[seq.request_id]
 
     def reset_counters(self):
-        self.num_preemptions = self.prefix_hit_tokens = self.prefix_query_tokens = 0
+        self.num_preemptions = self.num_swapped_out = self.prefix_hit_tokens = self.prefix_query_tokens = 0
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # --- one step ---
     def schedule(self) -> SchedulerOutput:
@@ -407,26 +430,45 @@ class Scheduler:
             self._place(seq, n, out)
             budget -= n
             i += 1
-        # 2. Then waiting sequences in arrival order, as long as they fit (no overtaking).
+        # 2. Then the sequences not running, in arrival order, as long as they fit (no
+        #    overtaking): waiting ones are admitted (prefilled, or recomputed), swapped-out
+        #    ones come back (their blocks copied back from CPU memory, nothing recomputed).
         #    After a preemption memory is short: admitting more would only thrash.
         # A request with n samples that has not forked yet will soon be n sequences: it is
         # admitted only with room for all n within max_num_seqs.
         seats = sum(s.pending_samples for s in self.running)
-        while self.waiting and budget > 0 and not out.preempted:
-            seq = self.waiting[0]
-            if seats + seq.pending_samples > self.max_num_seqs:
-                break
-            hits, hashes = self._cached_prefix(seq)
-            n_cached = len(hits) * self.block_size
-            n = min(seq.num_tokens - n_cached, budget)
-            need = -(-(n_cached + n) // self.block_size) - len(hits)  # ceil division
-            revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
-            if need > self.pool.num_available - revived:
-                break
-            self.waiting.popleft()
-            self._adopt_cached_prefix(seq, hits, hashes)
-            seq.status = Status.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.order)
+        while (self.waiting or self.swapped) and budget > 0 and not out.preempted:
+            swapped = bool(self.swapped) and (not self.waiting or self.swapped[0].order < self.waiting[0].order)
+            seq = self.swapped[0] if swapped else self.waiting[0]
+            if swapped:
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                fits = -(-(seq.block_table.num_tokens + n) // self.block_size) <= self.pool.num_available
+            else:
+                hits, hashes = self._cached_prefix(seq)
+                n_cached = len(hits) * self.block_size
+                n = min(seq.num_tokens - n_cached, budget)
+                need = -(-(n_cached + n) // self.block_size) - len(hits)  # ceil division
+                revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
+                fits = need <= self.pool.num_available - revived
+            if not fits or seats + seq.pending_samples > self.max_num_seqs:
+                # A parked beam makes no progress until its siblings run: it must not hold
+                # blocks or a seat that an older sequence waits for, or the two could wait for
+                # each other for good. The newest such beam goes (recomputed later), and seq
+                # is tried again.
+                victim = self._parked_beam_newer_than(seq)
+                if victim is None:
+                    break
+                seats -= victim.pending_samples
+                self._preempt(victim)
+                continue
+            if swapped:
+                self.swapped.popleft()
+                self._swap_in(seq, out)
+            else:
+                self.waiting.popleft()
+                self._adopt_cached_prefix(seq, hits, hashes)
+                seq.status = Status.RUNNING
+                bisect.insort(self.running, seq, key=lambda s: s.order)
             self._place(seq, n, out)
             budget -= n
             seats += seq.pending_samples
@@ -450,28 +492,79 @@ class Scheduler:
                 self.in_flight.setdefault(h, (seq.block_table.block_ids[i], tokens))
                 seq.block_hashes.append(h)
 
+    def _parked_beam_newer_than(self, seq: Sequence) -> Sequence | None:
+        """The newest running beam that is parked (computed to its end, waiting for its
+        siblings; see LLM._beam_step) and arrived after seq, if any."""
+        for victim in reversed(self.running):
+            if victim.order <= seq.order:
+                return None
+            if victim.num_computed_tokens == victim.num_tokens:
+                return victim
+        return None
+
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until seq's n tokens fit. False if seq itself
         had to go. The oldest sequence always fits (add() checked it fits the whole pool), so
         it always makes progress: no livelock."""
         while seq.block_table.blocks_needed(n) > self.pool.num_available:
             victim = self.running[-1]
-            self._preempt(victim)
             out.preempted.append(victim)
+            # Swap when there is swap space left, but not a parked beam (nothing left to compute:
+            # brought back, it would be a step of no work): it is recomputed, to its candidates
+            if (self.swap_pool is not None and self.swap_pool.num_free >= len(victim.block_table.block_ids)
+                    and victim.num_computed_tokens < victim.num_tokens):
+                self._swap_out(victim, out)
+            else:
+                self._preempt(victim)
             if victim is seq:
                 return False
         return True
+
+    def _swap_out(self, seq: Sequence, out: SchedulerOutput):
+        """Preemption by swapping: copy seq's blocks to CPU memory and free them here. It keeps
+        everything it computed, and comes back (_swap_in) in its turn, by arrival. Blocks it
+        shared (forks) are copied for it alone: it comes back unshared."""
+        self.running.remove(seq)
+        table, saved = seq.block_table, self.swap_pool.new_table()
+        saved.block_ids, saved.num_tokens = self.swap_pool.allocate(len(table.block_ids)), table.num_tokens
+        out.swap_out += zip(table.block_ids, saved.block_ids)
+        out.swapped_out.append(seq)
+        self.pool.say(f"swap out {seq}: blocks {table.block_ids} -> CPU blocks {saved.block_ids}")
+        table.release()   # (full blocks in the prefix cache stay there, evictable)
+        seq.block_table, seq.status = saved, Status.SWAPPED
+        bisect.insort(self.swapped, seq, key=lambda s: s.order)   # (the queue stays in arrival order)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.num_swapped_out += 1
+
+    def _swap_in(self, seq: Sequence, out: SchedulerOutput):
+        """Bring a swapped-out sequence back: fresh blocks here, its data copied into them."""
+        saved, table = seq.block_table, self.pool.new_table()
+        table.block_ids, table.num_tokens = self.pool.allocate(len(saved.block_ids)), saved.num_tokens
+        out.swap_in += zip(saved.block_ids, table.block_ids)
+        out.swapped_in.append(seq)
+        self.pool.say(f"swap in {seq}: CPU blocks {saved.block_ids} -> blocks {table.block_ids}")
+        saved.release()   # (the copy runs before anything is written to the swap space again)
+        seq.block_table, seq.status = table, Status.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.order)
 
     def _preempt(self, seq: Sequence):
         """Recompute preemption: drop all of seq's blocks at once and send it back to the head
         of the waiting queue. Its prompt and the tokens it generated so far become its new
         prompt to prefill; with prefix caching on, its full blocks may still be found there."""
-        self.running.remove(seq)
-        seq.block_table.release()
+        if seq.status is Status.SWAPPED:   # (undoing a swap-out whose copy may not have run)
+            self.swapped.remove(seq)
+            seq.block_table.release()
+            seq.block_table = self.pool.new_table()
+        else:
+            self.running.remove(seq)
+            seq.block_table.release()
         seq.num_computed_tokens = 0
         seq.block_hashes = []
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        # back in arrival order: usually the head, being older than every waiting sequence; but
+        # a rollback or a parked beam's preemption may send back one newer than some
+        bisect.insort(self.waiting, seq, key=lambda s: s.order)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.pool.say(f"preempt {seq}: all its blocks freed, it will be recomputed "
@@ -538,14 +631,15 @@ class Scheduler:
         """Undo the step schedule() planned, if update() has not recorded it: it failed
         (an exception in the model or the sampler, a KeyboardInterrupt). Its slots were
         reserved, and some maybe written, but the step never happened. Its sequences are
-        preempted, newest first so that the waiting queue stays in arrival order, and
-        recomputed when they run again. Blocks the prefix cache already holds were all
+        preempted, and recomputed when they run again. Blocks the prefix cache already holds were all
         filled by steps that did complete, so it stays true."""
         out, self.scheduled = self.scheduled, None
         if out is None:
             return
-        for seq in sorted(out.seqs, key=lambda s: s.order, reverse=True):
-            if seq.status is Status.RUNNING:
+        # Its swaps may not have been copied either: the sequences it swapped out or in are
+        # recomputed too.
+        for seq in sorted({*out.seqs, *out.swapped_out, *out.swapped_in}, key=lambda s: s.order):
+            if seq.status in (Status.RUNNING, Status.SWAPPED):
                 self._preempt(seq)
         self.in_flight = {}
 

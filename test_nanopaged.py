@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import build_ext
+import nanopaged as nanopaged_module
 import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
                    load_tokenizer, resolve_model_dir)
@@ -1653,25 +1654,62 @@ def fake_token(seq):
     return 2 + (sum(seq.token_ids) * 31 + 7 * seq.num_tokens + seq.sample_index) % 97
 
 
-def run_step(sched, check=True, token=fake_token):
+class SimulatedKV:
+    """What the engine does to the cache in a step, with (position, token id) standing for a
+    token's K/V: the swaps, then the copy-on-write copies, then each scheduled token written
+    into its slot. check() then finds every computed token of every sequence in its slot,
+    in the pool or, swapped out, in the swap space."""
+
+    def __init__(self, sched):
+        self.sched, self.pool, self.swap = sched, {}, {}   # slot -> (position, token id)
+
+    def run(self, out):
+        bs = self.sched.block_size
+        for src, dst, pairs in ((self.pool, self.swap, out.swap_out), (self.swap, self.pool, out.swap_in),
+                                (self.pool, self.pool, out.copies)):
+            moved = {d * bs + i: src.get(s * bs + i) for s, d in pairs for i in range(bs)}   # (all read first)
+            dst.update(moved)
+        for seq, n, slots in zip(out.seqs, out.num_tokens, out.slots):
+            for t, slot in zip(range(seq.num_computed_tokens, seq.num_computed_tokens + n), slots):
+                self.pool[slot] = (t, seq.token_ids[t])
+
+    def check(self):
+        bs = self.sched.block_size
+        for seqs, data in ((self.sched.running, self.pool), (self.sched.swapped, self.swap)):
+            for seq in seqs:
+                ids = seq.block_table.block_ids
+                assert [data.get(ids[t // bs] * bs + t % bs) for t in range(seq.num_computed_tokens)] == [
+                    (t, seq.token_ids[t]) for t in range(seq.num_computed_tokens)], seq
+
+
+def run_step(sched, check=True, token=fake_token, kv=None, fail=None):
+    """One step with a fake model (and, given kv, a simulated cache). fail: "before" or "after"
+    the step's copies and writes, it fails instead, and is rolled back."""
     out = sched.schedule()
     if check:
         assert sum(out.num_tokens) <= sched.max_num_batched_tokens
         assert len(out.seqs) <= sched.max_num_seqs and len(sched.running) <= sched.max_num_seqs
         assert all(n >= 1 for n in out.num_tokens)
         assert [len(s) for s in out.slots] == out.num_tokens
-    sampled = {}
-    for i, seq in enumerate(out.seqs):
-        if out.samples[i]:
-            k = seq.pending_samples
-            sampled[seq] = [token(seq)] * k
-    sched.update(out, sampled)
+    if kv is not None and fail != "before":
+        kv.run(out)
+    if fail:
+        sched.rollback()
+    else:
+        sched.update(out, {seq: [token(seq)] * seq.pending_samples
+                           for seq, samples in zip(out.seqs, out.samples) if samples})
     if check:
         tables = [s.block_table for s in (*sched.running, *sched.waiting)]
         check_pool_invariants(sched.pool, tables)
         assert all(s.status is Status.WAITING for s in sched.waiting)
         assert [s.arrival for s in sched.waiting] == sorted(s.arrival for s in sched.waiting)
         assert [s.order for s in sched.running] == sorted(s.order for s in sched.running)
+        if sched.swap_pool is not None:
+            check_pool_invariants(sched.swap_pool, [s.block_table for s in sched.swapped])
+            assert all(s.status is Status.SWAPPED for s in sched.swapped)
+            assert [s.arrival for s in sched.swapped] == sorted(s.arrival for s in sched.swapped)
+    if kv is not None:
+        kv.check()
     return out
 
 
@@ -1694,10 +1732,13 @@ def finished_outputs(seqs):
     return {(s.request_id, s.sample_index): (s.output_token_ids, s.finish_reason) for s in seqs}
 
 
-def test_scheduler_randomized_workloads_keep_every_invariant():
+@pytest.mark.parametrize("swap_blocks", [0, 10, 1000])   # no swapping; a swap space often full; a roomy one
+def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks):
     for seed in range(3):
         rng = random.Random(seed)
-        sched = make_sched(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=20)
+        sched = make_sched(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=20,
+                           swap_pool=tiny_pool(swap_blocks, 4) if swap_blocks else None)
+        kv = SimulatedKV(sched)
         seqs, next_id, steps = [], 0, 0
         while next_id < 60 or sched.has_unfinished():
             if next_id < 60 and rng.random() < 0.3:
@@ -1710,25 +1751,30 @@ def test_scheduler_randomized_workloads_keep_every_invariant():
                 next_id += 1
             if sched.requests and rng.random() < 0.02:
                 sched.abort(rng.choice(list(sched.requests)))
-            if sched.has_unfinished():
-                run_step(sched)
+            if sched.has_unfinished():   # (1 in 20 steps fails: rolled back)
+                run_step(sched, kv=kv, fail=rng.choice(["before", "after"]) if rng.random() < 0.05 else None)
             steps += 1
             assert steps < 20_000
         assert sched.num_preemptions > 0 and sched.prefix_hit_tokens > 0   # the workload bit
+        assert (sched.num_swapped_out > 0) == bool(swap_blocks)
+        if swap_blocks == 10:
+            assert sched.num_swapped_out < sched.num_preemptions   # some recomputed: no swap space left
         assert sched.pool.num_used == 0 and sched.pool.pending_copies == []
-        assert not sched.requests
+        assert not sched.requests and (sched.swap_pool is None or sched.swap_pool.num_used == 0)
 
 
-def test_preemption_recomputes_to_the_same_tokens():
-    def workload(num_blocks):
-        sched = make_sched(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16)
+def test_preemption_recomputes_or_swaps_to_the_same_tokens():
+    def workload(num_blocks, swap_pool=None):
+        sched = make_sched(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16, swap_pool=swap_pool)
         seqs = [sched.add(i, list(range(2, 2 + 5 + i)), SamplingParams(max_tokens=20, ignore_eos=True))
                 for i in range(6)]
-        run_all(sched)
-        return finished_outputs(seqs), sched.num_preemptions
-    roomy, none = workload(200)
-    tight, preemptions = workload(12)
+        run_all(sched, kv=SimulatedKV(sched))
+        return finished_outputs(seqs), sched.num_preemptions, sched.num_swapped_out
+    roomy, none, _ = workload(200)
+    tight, preemptions, _ = workload(12)
     assert none == 0 and preemptions > 0 and tight == roomy
+    swapped, preemptions, swaps = workload(12, tiny_pool(100, 4))
+    assert swapped == roomy and preemptions == swaps > 0
 
 
 def test_fcfs_finish_order_and_preemption_victims():
@@ -1955,6 +2001,7 @@ def step_to_the_end(llm) -> dict:
 def assert_nothing_leaked(llm):
     pool = llm.pool
     assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_blocks
+    assert llm.swap_pool is None or llm.swap_pool.num_free == llm.swap_pool.num_blocks
     assert not llm.has_unfinished_requests() and not llm._requests
 
 
@@ -1995,16 +2042,48 @@ def test_batch_invariance_16_prompts(llm):
     assert_nothing_leaked(llm)
 
 
-def test_preemption_gives_the_same_tokens(smollm2_dir, llm):
+def test_preemption_gives_the_same_tokens(smollm2_dir, llm, monkeypatch):
     prompts = PROMPTS16[:8]
-    roomy = llm.generate(prompts, greedy(24))
+    roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24))]
     tight = LLM(smollm2_dir, num_blocks=12, block_size=8, max_num_batched_tokens=64)
     outs = tight.generate(prompts, greedy(24))
-    assert tight.stats.preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    assert tight.stats.preemptions > 0 and tight.stats.swapped_out == 0
+    assert [o.outputs[0].token_ids for o in outs] == roomy
     # the prompts share no prefix: blocks found again while recomputing are no prefix hits
     assert tight.stats.prefix_hit_tokens == 0 and all(o.num_cached_tokens == 0 for o in outs)
     assert_nothing_leaked(tight)
+    # Swapped to CPU memory and back instead; with a swap space of 3 blocks, some are
+    # swapped and some (when it is full) recomputed
+    block_gib = tight.bytes_per_block / 2**30
+    for swap_space, all_swapped in ((4, True), (3 * block_gib, False)):
+        swapping = LLM(smollm2_dir, num_blocks=12, block_size=8, max_num_batched_tokens=64,
+                       preemption_mode="swap", swap_space=swap_space)
+        assert [o.outputs[0].token_ids for o in swapping.generate(prompts, greedy(24))] == roomy
+        s = swapping.stats
+        assert 0 < s.swapped_out and (s.swapped_out == s.preemptions) == all_swapped
+        assert_nothing_leaked(swapping)
+    # A step that fails after it swapped a sequence out, or in, before or after the copy ran:
+    # rolled back, those sequences are recomputed, and every token comes out the same
+    for direction, copied in (("out", False), ("out", True), ("in", False), ("in", True)):
+        calls = []
+
+        def failing(src, dst, pairs, direction=direction, copied=copied):
+            if pairs and (src is swapping.pool) == (direction == "out") and not calls:
+                calls.append(1)
+                if copied:
+                    real_swap_blocks(src, dst, pairs)
+                raise KeyboardInterrupt
+            real_swap_blocks(src, dst, pairs)
+        real_swap_blocks = nanopaged_module.swap_blocks
+        monkeypatch.setattr(nanopaged_module, "swap_blocks", failing)
+        ids, done = [swapping.add_request(p, greedy(12)) for p in prompts[:6]], {}
+        with pytest.raises(KeyboardInterrupt):
+            while swapping.has_unfinished_requests():
+                done |= {r.request_id: r for r in swapping.step()}
+        monkeypatch.undo()
+        done |= step_to_the_end(swapping)
+        assert [done[i].outputs[0].token_ids for i in ids] == [t[:12] for t in roomy[:6]]
+        assert_nothing_leaked(swapping)
 
 
 SYSTEM = ("You are a careful assistant. Answer briefly and precisely, cite no sources, and "
@@ -2118,38 +2197,85 @@ def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm):
     assert {llm.pool.ref_count[b] for b in beams[0].block_table.block_ids} == {3}
     done = step_to_the_end(llm)
     llm.disable_trace()
-    assert beam_results(done[rid]) == [(ids, pytest.approx(cum)) for ids, cum in
-                                       reference_beam_search(llm.model, chat, 3, 12, eos)]
+    assert_same_beams(beam_results(done[rid]), reference_beam_search(llm.model, chat, 3, 12, eos))
     trace = "\n".join(lines)
     assert "into 3 beams sharing blocks" in trace and "copy-on-write" in trace and "(dropped)" in trace
     assert_nothing_leaked(llm)
 
 
 def test_beam_search_is_the_same_preempted_parked_or_uncached(smollm2_dir, llm):
-    """Beams preempted one by one (a pool that holds one search at a time), beams that wait
-    parked for their siblings (a token budget of two: three beams never run in one step),
-    no prefix cache: the same results as a roomy engine's."""
+    """Beams preempted one by one (a pool that holds one search at a time), recomputed or
+    swapped out, beams that wait parked for their siblings (a token budget of two: three
+    beams never run in one step), no prefix cache: the same results as a roomy engine's."""
     prompts = ["Name a large animal.", "Write one word about the sea."]
     params = BeamSearchParams(3, 20, ignore_eos=True)
     want = [beam_results(r) for r in llm.generate(prompts, params)]   # (generate takes them too)
     assert all(len(r) == 3 for r in want)
     longest = max(len(r.prompt_token_ids) for r in llm.generate(prompts, SamplingParams(max_tokens=1)))
     tight = LLM(smollm2_dir, num_blocks=3 * -(-(longest + 20) // 16))
+    swapping = LLM(smollm2_dir, num_blocks=3 * -(-(longest + 20) // 16), preemption_mode="swap")
     budget = LLM(smollm2_dir, num_blocks=512, max_num_batched_tokens=2)
     uncached = LLM(smollm2_dir, num_blocks=512, enable_prefix_caching=False)
     parked = []
     record = budget._record_beams
     budget._record_beams = lambda plan, forked: (parked.extend(p[0] for p in plan.values()), record(plan, forked))
-    for engine in (tight, budget, uncached):
+    for engine in (tight, swapping, budget, uncached):
         got = [beam_results(r) for r in engine.generate(prompts, params)]
         for g, w in zip(got, want):
             assert_same_beams(g, w)
         assert_nothing_leaked(engine)
-    assert tight.stats.preemptions > 0 and any(parked)
+    assert tight.stats.preemptions > 0 and swapping.stats.swapped_out > 0 and any(parked)
     # A search whose beams could not all be in the pool at once is refused
     with pytest.raises(ValueError, match=r"beam_width = 4 beams of prompt \+ max_tokens = .* need up to"):
         tight.beam_search(prompts[0], BeamSearchParams(4, 20))
     assert_nothing_leaked(tight)
+
+
+def peaked_tiny_llm(tmp_path, **kw):
+    """A tiny random Llama whose final norm is scaled 30x, so that its logits are peaked (few
+    near-ties between candidates), with five EOS ids (often among a beam's candidates)."""
+    vocab, _ = byte_vocab()
+    model_dir = write_tokenizer_json(tmp_path / "peaked", {"type": "ByteLevel"}, vocab, [])
+    (model_dir / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+        "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": [16, 85, 118, 93, 140]}))
+    llm = LLM(model_dir, load_format="dummy", **kw)
+    llm.model.norm.weight.mul_(30)
+    return llm
+
+
+def test_beam_searches_in_a_tight_pool_after_a_failed_step(tmp_path, monkeypatch):
+    """Two searches, each fitting the pool alone, in a pool that holds one of them: after a
+    step fails and is rolled back, one search's beams are parked, holding blocks, while the
+    other's wait for room. A parked beam of the newer search then gives way (recomputed
+    later) to an older sequence; the two once waited for each other for good."""
+    def run(fail_at=None):
+        llm = peaked_tiny_llm(tmp_path, block_size=4, num_blocks=6, max_num_batched_tokens=3,
+                              enable_prefix_caching=False)
+        forward, calls = llm.model.forward, []
+
+        def failing(*args):
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise KeyboardInterrupt
+            return forward(*args)
+        monkeypatch.setattr(llm.model, "forward", failing)
+        ids = [llm.add_request([1, 2], BeamSearchParams(3, 4, ignore_eos=True)),   # 3 x 2 blocks: 6
+               llm.add_request([50, 51], BeamSearchParams(2, 4, ignore_eos=True))]
+        done = {}
+        while llm.has_unfinished_requests():
+            try:
+                done |= {r.request_id: r for r in llm.step()}
+            except KeyboardInterrupt:
+                assert len(calls) == fail_at
+        monkeypatch.undo()
+        assert_nothing_leaked(llm)
+        return [beam_results(done[i]) for i in ids]
+    clean = run()
+    for fail_at in (2, 4, 6):
+        for got, want in zip(run(fail_at), clean):
+            assert_same_beams(got, want)
 
 
 def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
@@ -2181,23 +2307,41 @@ def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
     assert [c.finish_reason for c in aborted.outputs] == ["abort"] * 4
     assert all(len(c.token_ids) == 2 for c in aborted.outputs)
     assert_nothing_leaked(llm)
-    # a beam whose logits break fails (finish_reason "error"); the search goes on without it
+    # a beam whose logits break fails (finish_reason "error"); the search goes on without it;
+    # when every live beam breaks (one beam: width 1, or the first step), the search ends there
     forward, calls = llm.model.forward, []
 
-    def poisoned(input_ids, positions, attn, logits_indices=None):
-        logits = forward(input_ids, positions, attn, logits_indices)
-        calls.append(1)
-        if len(calls) == 3:
-            logits[0] = float("nan")   # the third step: the first beam
-        return logits
+    def poisoned(rows, at_step):
+        def forward_poisoned(input_ids, positions, attn, logits_indices=None):
+            logits = forward(input_ids, positions, attn, logits_indices)
+            calls.append(1)
+            if len(calls) == at_step:
+                logits[rows] = float("nan")
+            return logits
+        return forward_poisoned
 
-    monkeypatch.setattr(llm.model, "forward", poisoned)
+    monkeypatch.setattr(llm.model, "forward", poisoned(0, at_step=3))   # the third step: the first beam
     out = llm.generate("Hi", BeamSearchParams(2, 6, ignore_eos=True))[0]
     monkeypatch.undo()
     reasons = [c.finish_reason for c in out.outputs]
     assert sorted(reasons) == ["error", "length"]
     assert len(out.outputs[reasons.index("error")].token_ids) == 2
     assert_nothing_leaked(llm)
+    for width, at_step, errors in ((1, 3, [2]), (2, 1, [0])):
+        calls.clear()
+        monkeypatch.setattr(llm.model, "forward", poisoned(slice(None), at_step))
+        out = llm.generate("Hi", BeamSearchParams(width, 6, ignore_eos=True))[0]
+        monkeypatch.undo()
+        assert [(c.finish_reason, len(c.token_ids)) for c in out.outputs] == [("error", n) for n in errors]
+        assert_nothing_leaked(llm)
+    # any length_penalty ranks (1000: length ** 1000 overflows a float; -1000: underflows)
+    prompt = llm.tokenizer.encode("The capital of France is")
+    for penalty in (1000.0, -1000.0):
+        out = llm.beam_search(prompt, BeamSearchParams(3, 8, length_penalty=penalty))[0]
+        rank = [math.log(-s.cum_logprob) - penalty * math.log(len(s.tokens) - (s.finish_reason == "stop"))
+                for s in out.sequences]
+        assert len(out.sequences) == 3 and rank == sorted(rank)
+        assert_nothing_leaked(llm)
 
 
 def test_sampling_bounds(llm):
@@ -2693,6 +2837,13 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
     assert_nothing_leaked(small)
     with pytest.raises(ValueError, match="unknown attn_backend"):
         LLM(smollm2_dir, attn_backend="magic")
+    with pytest.raises(ValueError, match="unknown preemption_mode 'swapping': use recompute, or swap"):
+        LLM(smollm2_dir, preemption_mode="swapping")
+    for swap_space in (0, -1, True, "4", float("inf")):
+        with pytest.raises(ValueError, match=f"swap_space must be a number of GiB > 0, got {re.escape(repr(swap_space))}"):
+            LLM(smollm2_dir, preemption_mode="swap", swap_space=swap_space)
+    with pytest.raises(ValueError, match=r"swap_space = 1e-06 GiB holds no block of 737280 bytes"):
+        LLM(smollm2_dir, preemption_mode="swap", swap_space=1e-6)
     for model, message in [(5, "model must be a path .* got 5"), ("", "model must be a path .* got ''"),
                            (smollm2_dir / "config.json", "config.json: a file, not a model")]:
         with pytest.raises(ValueError, match=message):
