@@ -1203,15 +1203,16 @@ class LLM:
         beams that ran to max_tokens (or were aborted, or failed)."""
         hypotheses = req["done"] + [(seq.output_token_ids, cum, history, seq.finish_reason)
                                     for seq, (cum, history) in req["beams"].items()]
+        best = sorted(hypotheses, key=lambda h: beam_rank(req, h))[:req["params"].n]
         results = []
-        for i, (ids, cum, history, reason) in enumerate(sorted(hypotheses, key=lambda h: beam_rank(req, h))):
+        for i, (ids, cum, history, reason) in enumerate(best):
             # each token's entry: its beam's candidates at that step, the chosen one first
             logprobs = [{t: Logprob(lp, rank, self.tokenizer.decode([t]))
                          for rank, (t, lp) in sorted(enumerate(cands, 1), key=lambda c: c[1][0] != token)}
                         for token, cands in zip(ids, history)]
             text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
             results.append(CompletionOutput(i, text, ids, reason, None, logprobs, cum))
-        return results[:req["params"].n]
+        return results
 
     def _check_stop_strings(self, seqs):
         """Finish the sequences whose text now contains a stop string; the text ends before it.

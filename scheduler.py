@@ -549,8 +549,8 @@ class Scheduler:
         bisect.insort(self.running, seq, key=lambda s: s.order)
 
     def _preempt(self, seq: Sequence):
-        """Recompute preemption: drop all of seq's blocks at once and send it back to the head
-        of the waiting queue. Its prompt and the tokens it generated so far become its new
+        """Recompute preemption: drop all of seq's blocks at once and send it back to the
+        waiting queue, in its place by arrival (mostly the head). Its prompt and the tokens it generated so far become its new
         prompt to prefill; with prefix caching on, its full blocks may still be found there."""
         if seq.status is Status.SWAPPED:   # (undoing a swap-out whose copy may not have run)
             self.swapped.remove(seq)
@@ -649,7 +649,9 @@ class Scheduler:
         the tokens picked for a sequence: one; or k > 1, where it forks (a request's first
         sampling with n > 1, a beam that several of the best candidates continue), token j
         going to its j-th child; or none, a beam that fell out of its beam search, dropped.
-        Returns {sequence: its new children}."""
+        Returns {sequence: its new children}. The step's commit point: rollback() undoes an
+        update() cut short while it counts computed tokens, not once it forks and appends
+        (the engine holds Ctrl-C through it all)."""
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.status is Status.RUNNING:
                 first = seq.num_computed_tokens // self.block_size   # the block this step began in

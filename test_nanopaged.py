@@ -2918,8 +2918,9 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
                       (llm.scheduler, "rollback", interrupted_on_call(2, llm.scheduler.rollback)))
     assert llm.scheduler.scheduled is not None   # not rolled back yet
     assert tokens_at_the_end(ids) == alone
-    # an exception inside Scheduler.update, after it recorded the first sequence (a bug, say):
-    # the step is rolled back all the same
+    # an exception inside Scheduler.update, after it recorded the first sequence's computed
+    # tokens (a bug, say): the step is rolled back all the same. (Not once it has forked and
+    # appended tokens: those are not undone. The engine holds Ctrl-C there; only a bug could.)
     ids = failed_step(KeyboardInterrupt, (llm.scheduler, "_register_full_blocks",
                                           interrupted_on_call(2, llm.scheduler._register_full_blocks)), steps_before=1)
     assert tokens_at_the_end(ids) == alone
@@ -3485,7 +3486,7 @@ def same_but_for_rounding(text: str, shown: str) -> bool:
 
 
 def test_readme_transcripts_reproduce_exactly(capsys, smollm2_dir, monkeypatch):
-    assert len(readme_transcripts()) == 4
+    assert len(readme_transcripts()) == 5
     for stdin, argv, shown in readme_transcripts():
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin or ""))
         code, out, err = run_cli(capsys, "--model", str(smollm2_dir), *argv)
@@ -3946,16 +3947,17 @@ def tiny_llama_dir(tmp_path):
 
 def engine_tokens(llm, lengths, max_tokens):
     """Greedy tokens for prompts of these lengths, the last sharing a prefix with the third,
-    then n=3 samples of the second, then penalties, constraints and logprobs of the first: prefill,
-    decode, chunked prefill (when a prompt exceeds the token budget), prefix hits and
-    copy-on-write all go through the attention backend, and the sampler's extras run on
-    its device. Returns the tokens and the logprobs."""
+    then n=3 samples of the second, a beam search of the fourth, then penalties, constraints and
+    logprobs of the first: prefill, decode, chunked prefill (when a prompt exceeds the token
+    budget), prefix hits and copy-on-write all go through the attention backend, and the
+    sampler's extras run on its device. Returns the tokens and the logprobs."""
     prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate(lengths)]
     prompts.append(prompts[2][:lengths[2] * 2 // 3] + [9, 9, 9])
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     outs += llm.generate(prompts[1], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True,
                                                     min_p=0.01))
     assert llm.stats.prefix_hit_tokens > 0
+    outs += llm.generate(prompts[3], BeamSearchParams(2, 6, ignore_eos=True))
     extras = llm.generate(prompts[0], SamplingParams(
         temperature=0, max_tokens=6, min_tokens=3, repetition_penalty=1.3, presence_penalty=0.5,
         frequency_penalty=0.5, logprobs=2, prompt_logprobs=2, logit_bias={5: 3.0, 6: -2.0},
@@ -3978,6 +3980,13 @@ def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
         results[backend] = engine_tokens(llm, (5, 40, 300, 17, 1000), max_tokens=24)
     assert results["cuda"][0] == results["torch"][0]
     assert results["cuda"][1] == pytest.approx(results["torch"][1], abs=1e-3)
+    # preempted by swapping (a pool of 72 blocks, where the five need 94), through pinned CPU
+    # memory: the same tokens
+    llm = LLM(model_dir, device="cuda", dtype="float32", load_format="dummy", attn_backend="cuda",
+              max_num_batched_tokens=256, num_blocks=72, preemption_mode="swap", swap_space=0.25)
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 40, 300, 17, 1000))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [[c.token_ids for c in o.outputs] for o in outs] == results["torch"][0][:5] and llm.stats.swapped_out > 0
 
 
 def test_emulated_kernels_drive_the_engine(tmp_path, emulated_ops):
