@@ -390,7 +390,7 @@ def beam_search_by_requests(llm, prompt: list[int], width: int, max_tokens: int)
 
 
 def bench_beam(args):
-    """Beam search, width 4, on a 200-token chat prompt, 64 tokens (EOS ignored, so that
+    """Beam search, width 4, on a 190-token chat prompt, 64 tokens (EOS ignored, so that
     every beam runs the whole way): nanopaged's forks, whose beams share their blocks in
     the pool (copy-on-write splits a partial last block), against vLLM's way on the same
     engine. Peak KV blocks used, against the blocks the live beams' tables list (what

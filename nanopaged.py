@@ -67,7 +67,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu", pin_memory: bool = False):
+                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu"):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a BlockPool needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
@@ -76,11 +76,8 @@ class BlockPool:
         # no slot is ever read before it is written (the tests fill unused slots with NaN).
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         try:
-            # (pin_memory: page-locked CPU memory, which a GPU copies to and from directly: the swap space)
-            self.k_cache = [torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-                            for _ in range(num_layers)]
-            self.v_cache = [torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-                            for _ in range(num_layers)]
+            self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         except (RuntimeError, TypeError) as e:   # out of memory (torch.OutOfMemoryError is a
             # RuntimeError), or a size past int64 (torch says TypeError: "Overflow when unpacking")
             size = 2 * num_layers * math.prod(shape) * dtype.itemsize
@@ -298,7 +295,10 @@ def copy_blocks(k_caches, v_caches, copies):
 
 def swap_blocks(src_pool, dst_pool, pairs):
     """Swapping: copy whole blocks (src, dst) from one pool to another, in every layer:
-    from the GPU's pool to the swap space in CPU memory, or back."""
+    from the GPU's pool to the swap space in CPU memory, or back. Each layer's blocks are
+    gathered on the source's device and moved in one copy. (Through pageable memory: a
+    production engine pins the swap space and copies blocks into it directly, without
+    waiting for them.)"""
     if not pairs:
         return
     src = torch.tensor([s for s, _ in pairs], device=src_pool.k_cache[0].device)
@@ -547,12 +547,13 @@ class RequestOutput:
 class BeamSearchSequence:
     """One result of a beam search (vLLM's)."""
     tokens: list[int]          # the prompt's, then the output's
-    logprobs: list[dict[int, Logprob]]   # per output token: the candidates of its beam at that
-                               # step, {token id: Logprob}, the chosen one first
-    cum_logprob: float = 0.0   # the sum of the output tokens' log-probabilities
+    logprobs: list[dict[int, Logprob]]   # per output token (a final EOS too): the candidates of
+                               # its beam at that step, {token id: Logprob}, the chosen one first
+    cum_logprob: float = 0.0   # the sum of the output tokens' log-probabilities (a final EOS's too)
     text: str | None = None    # all the tokens decoded, prompt included, special tokens kept (vLLM's)
     finish_reason: str | None = None   # "stop" (EOS), "length", "abort" or "error"
-    stop_reason: int | str | None = None   # (always None: a beam search stops at EOS only)
+    stop_reason: int | str | None = None   # with "stop": the EOS id (left out of tokens and text
+                                           # unless include_stop_str_in_output)
 
 
 @dataclass
@@ -756,8 +757,11 @@ class LLM:
             num_cpu_blocks = int(swap_space * 2**30) // self.bytes_per_block
             if num_cpu_blocks < 1:
                 raise ValueError(f"swap_space = {swap_space} GiB holds no block of {self.bytes_per_block} bytes")
-            self.swap_pool = BlockPool(num_cpu_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                       cfg.head_dim, dtype, "cpu", pin_memory=device.type == "cuda")
+            try:
+                self.swap_pool = BlockPool(num_cpu_blocks, block_size, cfg.num_hidden_layers,
+                                           cfg.num_key_value_heads, cfg.head_dim, dtype, "cpu")
+            except ValueError as e:
+                raise ValueError(f"swap_space = {swap_space} GiB: {e}") from None
         # The token budget of a step. On the CPU, 1024 measured best on the benchmark workload
         # (93, 105, 96 output tok/s at 512, 1024, 2048): big enough for efficient prefill
         # matmuls, small enough that decodes do not wait long behind prefill chunks.
@@ -949,8 +953,9 @@ class LLM:
                 if self._trace is not None:
                     self._trace_step(out)
             input_ids, positions, logits_indices, prompt_rows = self._prepare(out)
-            # swaps first: a block swapped out may be handed to a copy-on-write or a swap-in
-            # in this same step, so its data leaves before anything else lands in it
+            # swaps first: a block swapped out may be handed to a copy-on-write in this same
+            # step, so its data leaves before anything else lands in it. (No step swaps both
+            # ways: nothing is brought back in a step that preempts.)
             swap_blocks(self.pool, self.swap_pool, out.swap_out)
             swap_blocks(self.swap_pool, self.pool, out.swap_in)
             self.attn.copy_blocks(out.copies)
@@ -1333,11 +1338,20 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         results = self._generate(self._parse_prompts(prompts), params, use_tqdm)
-        return [BeamSearchOutput([BeamSearchSequence(r.prompt_token_ids + o.token_ids, o.logprobs, o.cumulative_logprob,
-                                                     self.tokenizer.decode(r.prompt_token_ids + o.token_ids),
-                                                     o.finish_reason)
-                                  for o in r.outputs])
-                for r in results]
+        outputs = []
+        for r in results:
+            sequences = []
+            for o in r.outputs:
+                # as vLLM: a beam that ended in EOS leaves the EOS out of its tokens (and text)
+                # unless include_stop_str_in_output, and names it as its stop_reason; its
+                # logprobs and cumulative logprob count it all the same
+                eos = o.token_ids[-1] if o.finish_reason == "stop" else None
+                tokens = r.prompt_token_ids + (o.token_ids[:-1] if eos is not None and not
+                                               params.include_stop_str_in_output else o.token_ids)
+                sequences.append(BeamSearchSequence(tokens, o.logprobs, o.cumulative_logprob,
+                                                    self.tokenizer.decode(tokens), o.finish_reason, eos))
+            outputs.append(BeamSearchOutput(sequences))
+        return outputs
 
     def _parse_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
         """One prompt, or a list of them, as (text, token ids) each."""
@@ -1947,6 +1961,7 @@ def main(argv=None) -> int:
             failed = False
             for i, r in enumerate(llm.generate(prompts, params)):
                 for c in r.outputs:
+                    failed |= c.finish_reason == "error"
                     if args.beam_width:
                         print(f"[prompt {i}, beam {c.index}] {c.text}  ({c.finish_reason}, "
                               f"cumulative logprob {c.cumulative_logprob:.3f})")
@@ -1955,7 +1970,6 @@ def main(argv=None) -> int:
                     print(f"{label} {c.text}  ({c.finish_reason})")
                     if c.logprobs is not None:
                         print(logprob_table(c, args.logprobs))
-                    failed |= c.finish_reason == "error"
             if failed:
                 raise GenerationError(f"{NOT_FINITE} for the samples marked (error)")
         if args.stats and not args.chat:   # (--chat prints them after each answer)

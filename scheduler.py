@@ -17,8 +17,9 @@ block_size, num_blocks, num_available, ref_count, new_table, lookup, register, s
 pending_copies (the copy-on-write copies its allocations recorded, which schedule() moves
 into SchedulerOutput.copies for the engine to run); of each BlockTable, slots_for,
 blocks_needed, append_cached, fork, release, block_ids and num_tokens. With swapping, it is
-handed a second BlockPool in CPU memory (the swap space) and uses its num_free, allocate
-and new_table; the engine copies the blocks it lists in SchedulerOutput.swap_out / swap_in. It never imports the engine, so
+handed a second BlockPool in CPU memory (the swap space); swapping uses both pools'
+num_free, allocate and new_table (_move_table), and the engine copies the blocks it lists
+in SchedulerOutput.swap_out / swap_in. It never imports the engine, so
 it can be read - and tested - without a model.
 """
 
@@ -193,7 +194,7 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0            # (vLLM's; nanopaged ranks by the model's own logprobs: 0 only)
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False   # (vLLM's; a beam search has no stop strings: no effect)
+    include_stop_str_in_output: bool = False   # beam_search's results keep their final EOS
 
     def __post_init__(self):
         checks = [
@@ -245,7 +246,7 @@ class Sequence:
         self.error: str | None = None           # with "error": why (the engine's words)
         self.num_computed_tokens = 0            # tokens whose K/V are in the cache
         self.num_cached_tokens = 0              # prompt tokens found in the prefix cache at admission
-        self.num_preemptions = 0                # times its blocks were dropped, to be recomputed
+        self.num_preemptions = 0                # times it was preempted (recomputed or swapped)
         self.block_table = block_table
         self.block_hashes: list[int] = []       # prefix hash of each full block, computed or in this step
         self.arrival_time = time.perf_counter()
@@ -345,6 +346,7 @@ class Scheduler:
         self.scheduled: SchedulerOutput | None = None
         self.running: list[Sequence] = []        # in arrival order (the preemption victim is the last)
         self.requests: dict[object, list[Sequence]] = {}  # request id -> its unfinished sequences
+        self.next_sample_index: dict[object, int] = {}     # request id -> the index its next fork gets
         self.next_arrival = 0
         # counters for the engine's metrics
         self.num_preemptions = 0
@@ -375,6 +377,7 @@ class Scheduler:
         self.next_arrival += 1
         self.waiting.append(seq)
         self.requests[request_id] = [seq]
+        self.next_sample_index[request_id] = 1
         return seq
 
     def abort(self, request_id):
@@ -395,12 +398,13 @@ class Scheduler:
             return
         seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.perf_counter()
         # Full blocks that were registered stay in the prefix cache (ref_count 0, evictable).
-        self.pool.say(f"{seq} finished ({reason}): releases blocks {seq.block_table.block_ids}")
+        where = "CPU blocks" if seq.block_table.pool is self.swap_pool else "blocks"
+        self.pool.say(f"{seq} finished ({reason}): releases {where} {seq.block_table.block_ids}")
         seq.block_table.release()
         siblings = self.requests[seq.request_id]
         siblings.remove(seq)
         if not siblings:
-            del self.requests[seq.request_id]
+            del self.requests[seq.request_id], self.next_sample_index[seq.request_id]
 
     def reset_counters(self):
         self.num_preemptions = self.num_swapped_out = self.prefix_hit_tokens = self.prefix_query_tokens = 0
@@ -520,32 +524,42 @@ class Scheduler:
                 return False
         return True
 
+    def _move_table(self, seq: Sequence, pool) -> list[tuple[int, int]]:
+        """Give seq a table of fresh blocks in pool (the swap space, or back) for the ones it
+        holds, which it releases; returns the (old, new) block pairs whose data the engine
+        copies. (Full blocks released here stay in the prefix cache, evictable.)"""
+        old, new = seq.block_table, pool.new_table()
+        new.block_ids, new.num_tokens = pool.allocate(len(old.block_ids)), old.num_tokens
+        pairs = list(zip(old.block_ids, new.block_ids))
+        old.release()
+        seq.block_table = new
+        return pairs
+
     def _swap_out(self, seq: Sequence, out: SchedulerOutput):
         """Preemption by swapping: copy seq's blocks to CPU memory and free them here. It keeps
         everything it computed, and comes back (_swap_in) in its turn, by arrival. Blocks it
         shared (forks) are copied for it alone: it comes back unshared."""
         self.running.remove(seq)
-        table, saved = seq.block_table, self.swap_pool.new_table()
-        saved.block_ids, saved.num_tokens = self.swap_pool.allocate(len(table.block_ids)), table.num_tokens
-        out.swap_out += zip(table.block_ids, saved.block_ids)
+        pairs = self._move_table(seq, self.swap_pool)
+        out.swap_out += pairs
         out.swapped_out.append(seq)
-        self.pool.say(f"swap out {seq}: blocks {table.block_ids} -> CPU blocks {saved.block_ids}")
-        table.release()   # (full blocks in the prefix cache stay there, evictable)
-        seq.block_table, seq.status = saved, Status.SWAPPED
+        self.pool.say(f"swap out {seq}: blocks {[a for a, _ in pairs]} -> CPU blocks {[b for _, b in pairs]}")
+        seq.status = Status.SWAPPED
         bisect.insort(self.swapped, seq, key=lambda s: s.order)   # (the queue stays in arrival order)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.num_swapped_out += 1
 
     def _swap_in(self, seq: Sequence, out: SchedulerOutput):
-        """Bring a swapped-out sequence back: fresh blocks here, its data copied into them."""
-        saved, table = seq.block_table, self.pool.new_table()
-        table.block_ids, table.num_tokens = self.pool.allocate(len(saved.block_ids)), saved.num_tokens
-        out.swap_in += zip(saved.block_ids, table.block_ids)
+        """Bring a swapped-out sequence back: fresh blocks here, its data copied into them.
+        The CPU blocks are freed at once, before their copy runs: safe, because no step both
+        swaps in and swaps out (nothing is brought back after a preemption), so nothing
+        writes to the swap space before the engine has read them."""
+        pairs = self._move_table(seq, self.pool)
+        out.swap_in += pairs
         out.swapped_in.append(seq)
-        self.pool.say(f"swap in {seq}: CPU blocks {saved.block_ids} -> blocks {table.block_ids}")
-        saved.release()   # (the copy runs before anything is written to the swap space again)
-        seq.block_table, seq.status = table, Status.RUNNING
+        self.pool.say(f"swap in {seq}: CPU blocks {[a for a, _ in pairs]} -> blocks {[b for _, b in pairs]}")
+        seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.order)
 
     def _preempt(self, seq: Sequence):
@@ -681,8 +695,10 @@ class Scheduler:
 
     def fork(self, seq: Sequence, k: int) -> list[Sequence]:
         """k more samples of seq, sharing all its blocks (copy-on-write splits them later),
-        numbered after the request's highest sample index (a beam search forks again and again)."""
-        children, first = [], max(s.sample_index for s in self.requests[seq.request_id]) + 1
+        numbered after every sample index the request has used (a beam search forks again and
+        again, and its dropped beams' indices are not reused)."""
+        children, first = [], self.next_sample_index[seq.request_id]
+        self.next_sample_index[seq.request_id] += k
         for j in range(k):
             child = Sequence(seq.request_id, [], seq.params, seq.arrival, seq.block_table.fork(),
                              sample_index=first + j)

@@ -2174,14 +2174,21 @@ def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm):
     for prompt, width, max_tokens, penalty in ((chat, 3, 12, 1.0), (raw, 2, 10, 0.5)):
         out = llm.beam_search([prompt], BeamSearchParams(width, max_tokens, length_penalty=penalty))[0]
         want = reference_beam_search(llm.model, prompt, width, max_tokens, eos, penalty)
-        got = [(s.tokens[len(prompt):], s.cum_logprob) for s in out.sequences]
-        assert_same_beams(got, want)
-        for s in out.sequences:   # vLLM's shape: the prompt's tokens first, all decoded
-            assert s.tokens[:len(prompt)] == prompt and s.text == tok.decode(s.tokens)
-            assert s.finish_reason == ("stop" if s.tokens[-1] in eos else "length")
-            # each token's entry: its beam's 2 * width candidates, the chosen one first
-            assert all(len(d) == 2 * width and next(iter(d)) == t for d, t in zip(s.logprobs, s.tokens[len(prompt):]))
-            assert s.cum_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(s.logprobs, s.tokens[len(prompt):])))
+        # vLLM's shape: the prompt's tokens first, then the output's, a final EOS left out (it
+        # is the stop_reason) unless include_stop_str_in_output; all of them decoded
+        kept = llm.beam_search([prompt], BeamSearchParams(width, max_tokens, length_penalty=penalty,
+                                                          include_stop_str_in_output=True))[0]
+        assert_same_beams([(s.tokens[len(prompt):], s.cum_logprob) for s in kept.sequences], want)
+        for s, k in zip(out.sequences, kept.sequences):
+            ended = k.tokens[-1] in eos
+            assert s.tokens == (k.tokens[:-1] if ended else k.tokens) and s.tokens[:len(prompt)] == prompt
+            assert s.text == tok.decode(s.tokens) and k.text == tok.decode(k.tokens)
+            assert (s.finish_reason, s.stop_reason) == (("stop", k.tokens[-1]) if ended else ("length", None))
+            # each token's entry (the EOS's too): its beam's 2 * width candidates, the chosen one first
+            output = k.tokens[len(prompt):]
+            assert len(s.logprobs) == len(output) and all(
+                len(d) == 2 * width and next(iter(d)) == t for d, t in zip(s.logprobs, output))
+            assert s.cum_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(s.logprobs, output)))
         reasons |= {s.finish_reason for s in out.sequences}
         assert_nothing_leaked(llm)
     assert reasons == {"stop", "length"}   # results that ended in EOS, and ran to max_tokens
@@ -3072,7 +3079,7 @@ def test_non_finite_logits_fail_the_stream_and_the_cli(llm, smollm2_dir, monkeyp
     with pytest.raises(GenerationError, match="not finite"):
         list(llm.stream("Water boils at", greedy(4)))
     assert_nothing_leaked(llm)
-    for extra in ([], ["--n", "2", "--temperature", "1"]):   # the stream, and the batch
+    for extra in ([], ["--n", "2", "--temperature", "1"], ["--beam-width", "2"]):   # the stream, the batch, beams
         code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "hi", *extra)
         assert code == 1 and err.startswith("nanopaged: error: ") and len(err.splitlines()) == 1
         assert "not finite" in err
@@ -3980,8 +3987,8 @@ def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
         results[backend] = engine_tokens(llm, (5, 40, 300, 17, 1000), max_tokens=24)
     assert results["cuda"][0] == results["torch"][0]
     assert results["cuda"][1] == pytest.approx(results["torch"][1], abs=1e-3)
-    # preempted by swapping (a pool of 72 blocks, where the five need 94), through pinned CPU
-    # memory: the same tokens
+    # preempted by swapping (a pool of 72 blocks, where the five need 94), through CPU memory:
+    # the same tokens
     llm = LLM(model_dir, device="cuda", dtype="float32", load_format="dummy", attn_backend="cuda",
               max_num_batched_tokens=256, num_blocks=72, preemption_mode="swap", swap_space=0.25)
     prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 40, 300, 17, 1000))]
