@@ -1162,8 +1162,7 @@ class LLM:
         for rid in dict.fromkeys(due[row].request_id for row in rows):
             req = self._requests[rid]
             # a parked beam preempted since has its candidates again when it is recomputed
-            ready = {seq: c for seq, c in req["parked"].items()
-                     if seq.status is Status.RUNNING and seq.num_computed_tokens == seq.num_tokens}
+            ready = {seq: c for seq, c in req["parked"].items() if seq.parked}
             ready |= {seq: c for seq, c in fresh.items() if seq.request_id == rid}
             live = [seq for seq in self.scheduler.requests[rid] if seq not in broken]
             if not live or not all(seq in ready for seq in live):   # (none: every beam broke)

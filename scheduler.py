@@ -275,6 +275,12 @@ class Sequence:
         return self.params.n if self.sample_index == 0 and self.num_output_tokens == 0 else 1
 
     @property
+    def parked(self) -> bool:
+        """Running with nothing left to compute: a beam that has its candidates and waits for
+        its siblings' (LLM._beam_step). The scheduler skips it; preempted, it is recomputed."""
+        return self.status is Status.RUNNING and self.num_computed_tokens == self.num_tokens
+
+    @property
     def order(self):
         return (self.arrival, self.sample_index)
 
@@ -425,10 +431,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n == 0:   # a beam parked with its logits, until its siblings have theirs (LLM._beam_step)
+            if seq.parked:
                 i += 1
                 continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, n, out):
                 break  # seq preempted itself: it was the newest, nothing after it is left
             self._place(seq, n, out)
@@ -502,7 +508,7 @@ class Scheduler:
         for victim in reversed(self.running):
             if victim.order <= seq.order:
                 return None
-            if victim.num_computed_tokens == victim.num_tokens:
+            if victim.parked:
                 return victim
         return None
 
@@ -516,7 +522,7 @@ class Scheduler:
             # Swap when there is swap space left, but not a parked beam (nothing left to compute:
             # brought back, it would be a step of no work): it is recomputed, to its candidates
             if (self.swap_pool is not None and self.swap_pool.num_free >= len(victim.block_table.block_ids)
-                    and victim.num_computed_tokens < victim.num_tokens):
+                    and not victim.parked):
                 self._swap_out(victim, out)
             else:
                 self._preempt(victim)
