@@ -450,16 +450,16 @@ class Scheduler:
         while (self.waiting or self.swapped) and budget > 0 and not out.preempted:
             swapped = bool(self.swapped) and (not self.waiting or self.swapped[0].order < self.waiting[0].order)
             seq = self.swapped[0] if swapped else self.waiting[0]
-            if swapped:
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                fits = -(-(seq.block_table.num_tokens + n) // self.block_size) <= self.pool.num_available
+            if swapped:   # (its computed tokens are in the swap space, or still here: hits)
+                hits = self._still_cached(seq)
+                done = seq.num_computed_tokens
             else:
                 hits, hashes = self._cached_prefix(seq)
-                n_cached = len(hits) * self.block_size
-                n = min(seq.num_tokens - n_cached, budget)
-                need = -(-(n_cached + n) // self.block_size) - len(hits)  # ceil division
-                revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
-                fits = need <= self.pool.num_available - revived
+                done = len(hits) * self.block_size
+            n = min(seq.num_tokens - done, budget)
+            need = -(-(done + n) // self.block_size) - len(hits)  # ceil division
+            revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
+            fits = need <= self.pool.num_available - revived
             if not fits or seats + seq.pending_samples > self.max_num_seqs:
                 # A parked beam makes no progress until its siblings run: it must not hold
                 # blocks or a seat that an older sequence waits for, or the two could wait for
@@ -473,7 +473,7 @@ class Scheduler:
                 continue
             if swapped:
                 self.swapped.popleft()
-                self._swap_in(seq, out)
+                self._swap_in(seq, hits, out)
             else:
                 self.waiting.popleft()
                 self._adopt_cached_prefix(seq, hits, hashes)
@@ -530,13 +530,17 @@ class Scheduler:
                 return False
         return True
 
-    def _move_table(self, seq: Sequence, pool) -> list[tuple[int, int]]:
-        """Give seq a table of fresh blocks in pool (the swap space, or back) for the ones it
-        holds, which it releases; returns the (old, new) block pairs whose data the engine
+    def _move_table(self, seq: Sequence, pool, hits=()) -> list[tuple[int, int]]:
+        """Give seq a table in pool (the swap space, or back) for the blocks it holds, which it
+        releases: the blocks of pool in hits for its first ones (found in the prefix cache),
+        fresh ones for the rest. Returns the (old, new) block pairs whose data the engine
         copies. (Full blocks released here stay in the prefix cache, evictable.)"""
         old, new = seq.block_table, pool.new_table()
-        new.block_ids, new.num_tokens = pool.allocate(len(old.block_ids)), old.num_tokens
-        pairs = list(zip(old.block_ids, new.block_ids))
+        for block in hits:
+            new.append_cached(block)
+        new.block_ids += pool.allocate(len(old.block_ids) - len(hits))
+        new.num_tokens = old.num_tokens
+        pairs = list(zip(old.block_ids[len(hits):], new.block_ids[len(hits):]))
         old.release()
         seq.block_table = new
         return pairs
@@ -556,15 +560,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.num_swapped_out += 1
 
-    def _swap_in(self, seq: Sequence, out: SchedulerOutput):
-        """Bring a swapped-out sequence back: fresh blocks here, its data copied into them.
-        The CPU blocks are freed at once, before their copy runs: safe, because no step both
-        swaps in and swaps out (nothing is brought back after a preemption), so nothing
-        writes to the swap space before the engine has read them."""
-        pairs = self._move_table(seq, self.pool)
+    def _swap_in(self, seq: Sequence, hits: list[int], out: SchedulerOutput):
+        """Bring a swapped-out sequence back: its first blocks from the prefix cache where it
+        still holds them (hits, from _still_cached: nothing to copy), fresh blocks for the
+        rest, its data copied into them. The CPU blocks are freed at once, before their copy
+        runs: safe, because no step both swaps in and swaps out (nothing is brought back after
+        a preemption), so nothing writes to the swap space before the engine has read them."""
+        pairs = self._move_table(seq, self.pool, hits)
         out.swap_in += pairs
         out.swapped_in.append(seq)
-        self.pool.say(f"swap in {seq}: CPU blocks {[a for a, _ in pairs]} -> blocks {[b for _, b in pairs]}")
+        self.pool.say(f"swap in {seq}: CPU blocks {[a for a, _ in pairs]} -> blocks {[b for _, b in pairs]}"
+                      + (f"; blocks {hits} still held its K/V (prefix cache): not copied" if hits else ""))
+        # The full blocks copied back enter the prefix cache once the step has happened (in
+        # update(), as in_flight blocks), and serve later sequences of this step already.
+        bs = self.block_size
+        for i in range(len(hits), len(seq.block_hashes)):
+            self.in_flight.setdefault(seq.block_hashes[i], (seq.block_table.block_ids[i],
+                                                            tuple(seq.token_ids[i * bs:(i + 1) * bs])))
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.order)
 
@@ -602,14 +614,34 @@ class Scheduler:
             for i in range((seq.num_tokens - 1) // bs):
                 tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 h = hash_block(hashes[-1] if hashes else ROOT_HASH, tokens)
-                block = self.pool.lookup(h, tokens)
-                if block is None and self.in_flight.get(h, (None, None))[1] == tokens:
-                    block = self.in_flight[h][0]   # computed in this very step, by a sequence before it
+                block = self._find_cached(h, tokens)
                 if block is None:
                     break
                 hits.append(block)
                 hashes.append(h)
         return hits, hashes
+
+    def _find_cached(self, prefix_hash: int, tokens: tuple) -> int | None:
+        """The block holding this full block's K/V: in the prefix cache, or being computed (or
+        copied back from the swap space) in this very step, by a sequence placed before."""
+        block = self.pool.lookup(prefix_hash, tokens)
+        if block is None and self.in_flight.get(prefix_hash, (None, None))[1] == tokens:
+            block = self.in_flight[prefix_hash][0]
+        return block
+
+    def _still_cached(self, seq: Sequence) -> list[int]:
+        """For a swapped-out seq: the blocks here that hold its leading full blocks still
+        (found by the prefix hashes it computed): its own, released when it was swapped out
+        and not evicted since, or a sharer's. Swapped in, it adopts them, and only the rest
+        is copied back."""
+        bs, hits = self.block_size, []
+        if self.enable_prefix_caching:
+            for i, h in enumerate(seq.block_hashes):
+                block = self._find_cached(h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+                if block is None:
+                    break
+                hits.append(block)
+        return hits
 
     def _adopt_cached_prefix(self, seq: Sequence, hits: list[int], hashes: list[int]):
         for block in hits:
@@ -659,6 +691,10 @@ class Scheduler:
         # Its swaps may not have been copied either: the sequences it swapped out or in are
         # recomputed too.
         for seq in sorted({*out.seqs, *out.swapped_out, *out.swapped_in}, key=lambda s: s.order):
+            if seq.status is Status.SWAPPED:   # swapped out by this step: that preemption becomes
+                seq.num_preemptions -= 1       # the recompute below, and is counted once
+                self.num_preemptions -= 1
+                self.num_swapped_out -= 1
             if seq.status in (Status.RUNNING, Status.SWAPPED):
                 self._preempt(seq)
         self.in_flight = {}

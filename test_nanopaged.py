@@ -1777,6 +1777,50 @@ def test_preemption_recomputes_or_swaps_to_the_same_tokens():
     assert swapped == roomy and preemptions == swaps > 0
 
 
+def swapping_pair():
+    """a grows while b, newer, is swapped out; a's growth then evicts all but b's first block
+    from the prefix cache (b released them to it when it left)."""
+    sched = make_sched(num_blocks=10, block_size=4, max_num_batched_tokens=64, swap_pool=tiny_pool(20, 4))
+    a = sched.add("a", [5] * 8, SamplingParams(max_tokens=28, ignore_eos=True))
+    b = sched.add("b", list(range(10, 22)), SamplingParams(max_tokens=12, ignore_eos=True))
+    return sched, a, b
+
+
+def test_swap_in_adopts_blocks_still_cached_and_caches_the_ones_it_copies():
+    sched, a, b = swapping_pair()
+    kv, said = SimulatedKV(sched), []
+    sched.pool.trace = said.append
+    while not (out := run_step(sched, kv=kv)).swap_in:
+        pass
+    # Back: its first block was never evicted, so b takes it again (ref_count, no copy);
+    # the other four come from CPU memory into fresh blocks.
+    first, *rest = b.block_table.block_ids[:5]
+    assert out.swapped_in == [b] and [dst for _, dst in out.swap_in] == rest
+    assert any(f"still held its K/V (prefix cache): not copied" in s and f"blocks [{first}]" in s for s in said)
+    # Once the step has happened, the copied-back full blocks are in the prefix cache: a new
+    # request with b's prompt finds block 0 (adopted) and block 1 (copied back).
+    assert [sched.pool.block_hash.get(x) for x in b.block_table.block_ids[:len(b.block_hashes)]] == b.block_hashes
+    c = sched.add("c", b.prompt_token_ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    run_step(sched, kv=kv)
+    assert c.num_cached_tokens == 8 and c.block_table.block_ids[:2] == b.block_table.block_ids[:2]
+    assert sched.pool.ref_count[first] == 2
+    run_all(sched, kv=kv)
+    roomy = make_sched(num_blocks=100, block_size=4)
+    same = [roomy.add(s.request_id, s.prompt_token_ids, s.params) for s in (a, b, c)]
+    run_all(roomy)
+    assert finished_outputs([a, b, c]) == finished_outputs(same)
+
+
+def test_a_rolled_back_swap_out_counts_as_one_recompute():
+    sched, a, b = swapping_pair()
+    while not (out := sched.schedule()).swap_out:
+        sched.update(out, {s: [fake_token(s)] for s, last in zip(out.seqs, out.samples) if last})
+    sched.rollback()   # the step failed: its swap-out copy may not have run, so b is recomputed
+    assert b.status is Status.WAITING and b.num_preemptions == 1 and sched.num_swapped_out == 0
+    assert sched.num_preemptions == a.num_preemptions + b.num_preemptions == 2   # (a: recomputed too)
+    check_pool_invariants(sched.swap_pool, [])
+
+
 def test_fcfs_finish_order_and_preemption_victims():
     # equal work: requests finish in arrival order
     sched = make_sched(num_blocks=64, max_num_batched_tokens=8, max_num_seqs=2)
