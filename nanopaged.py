@@ -879,9 +879,12 @@ class LLM:
                     "prompt_logprobs": None if params.prompt_logprobs is None else [None] * len(ids)}
                 if params.beam:   # (see _beam_step)
                     self._requests[request_id] |= {
-                        "beams": {seq: (0.0, [])},   # live beam -> (cumulative logprob, its candidates at each step)
+                        # live beam -> (cumulative logprob, its history: its candidates at each
+                        # step, as a linked list (the steps before, this step's) that the beams it
+                        # forks into share; unrolled by beam_history)
+                        "beams": {seq: (0.0, None)},
                         "parked": {},   # beam -> its candidates, computed before its siblings' were
-                        "done": []}     # (output ids, cumulative logprob, candidates, "stop"): ended in EOS
+                        "done": []}     # (output ids, cumulative logprob, history, "stop"): ended in EOS
         except KeyboardInterrupt:   # held until the request was queued: the caller never got its id
             if seq is not None:
                 self.scheduler.abort(request_id)
@@ -1175,7 +1178,7 @@ class LLM:
                 cum, history = req["beams"][seq]
                 for token, lp in ready[seq]:
                     if token in eos:
-                        ended.append((seq.output_token_ids + [token], cum + lp, history + [ready[seq]], "stop"))
+                        ended.append((seq.output_token_ids + [token], cum + lp, (history, ready[seq]), "stop"))
                     else:
                         candidates.append((cum + lp, seq, token, ready[seq]))
             best = sorted(candidates, key=lambda c: -c[0])[:p.n]   # (stable: ties go to the earlier beam)
@@ -1198,9 +1201,12 @@ class LLM:
             for seq, picks in chosen.items():
                 _, history = beams.pop(seq)
                 for target, (_, cum, cands) in zip([seq, *forked.get(seq, ())], picks):
-                    beams[target] = (cum, history + [cands])
+                    beams[target] = (cum, (history, cands))   # (nothing copied: O(1) a step)
             if ended:
                 req["done"] = sorted(req["done"] + ended, key=lambda h: beam_rank(req, h))[:req["params"].n]
+            # A dropped beam is never a result: forgotten, or up to beam_width of them a step, each
+            # with all its tokens, would pile up. (The first stays: the request's prompt and start.)
+            req["seqs"] = [q for q in req["seqs"] if q.finish_reason != "dropped" or q.sample_index == 0]
 
     def _beam_results(self, req) -> list[CompletionOutput]:
         """A finished beam search's beam_width best: of those that ended in EOS, and of the
@@ -1213,7 +1219,7 @@ class LLM:
             # each token's entry: its beam's candidates at that step, the chosen one first
             logprobs = [{t: Logprob(lp, rank, self.tokenizer.decode([t]))
                          for rank, (t, lp) in sorted(enumerate(cands, 1), key=lambda c: c[1][0] != token)}
-                        for token, cands in zip(ids, history)]
+                        for token, cands in zip(ids, beam_history(history))]
             text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
             results.append(CompletionOutput(i, text, ids, reason, None, logprobs, cum))
         return results
@@ -1540,6 +1546,17 @@ class LLM:
                 cells.append(f"{i}->{block} [{words}] {filled}/{bs} ref={pool.ref_count[block]}")
             self._trace.append(f"  {seq}: " + "  ".join(cells))
         self._trace.append(f"  blocks: {pool.num_free} free, {pool.num_cached} cached, {pool.num_used} used")
+
+
+def beam_history(history) -> list:
+    """A beam's candidates at each step, first step first, from its linked list (the steps
+    before, the last step's), which the beams forked from one share instead of each copying
+    a list every step."""
+    steps = []
+    while history is not None:
+        history, cands = history
+        steps.append(cands)
+    return steps[::-1]
 
 
 def beam_rank(req: dict, hypothesis: tuple) -> float:

@@ -749,6 +749,7 @@ class Scheduler:
             child.num_cached_tokens = seq.num_cached_tokens
             child.block_hashes = list(seq.block_hashes)
             child.arrival_time, child.status = seq.arrival_time, Status.RUNNING
+            child.first_token_time = seq.first_token_time   # (its tokens so far are its parent's)
             bisect.insort(self.running, child, key=lambda s: s.order)
             self.requests[seq.request_id].append(child)
             children.append(child)
