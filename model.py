@@ -31,7 +31,7 @@ import shutil
 import sys
 import tempfile
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jinja2.ext
@@ -136,7 +136,7 @@ class ModelConfig:
         if gen.exists():
             d = _read_json(gen)
             with _in_file(gen):
-                config.eos_token_id += [i for i in _token_ids(d, "eos_token_id")
+                config.eos_token_id += [i for i in _token_ids(d, "eos_token_id", config.vocab_size)
                                         if i not in config.eos_token_id]
                 config.sampling_defaults = _sampling_defaults(d)
         return config
@@ -159,6 +159,9 @@ class ModelConfig:
             if heads % kv_heads:
                 raise ModelError(f"num_attention_heads {heads} is not a multiple of "
                                  f"num_key_value_heads {kv_heads}")
+            if d.get("head_dim") is None and hidden < heads:
+                raise ModelError(f"hidden_size {hidden} is smaller than num_attention_heads {heads}: "
+                                 f"heads of hidden_size // num_attention_heads = 0 dimensions")
             head_dim = _positive(d, "head_dim", default=hidden // heads)
             if head_dim % 2:
                 raise ModelError(f"head_dim {head_dim} is odd, but RoPE rotates pairs" + (
@@ -207,10 +210,11 @@ class ModelConfig:
         else:
             raise ModelError(f"model_type {model_type!r} is not supported "
                              f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-        bos = _token_ids(d, "bos_token_id", default_token_id, many=False)
-        return cls(model_type=model_type, vocab_size=_positive(d, "vocab_size"), **fields,
+        vocab_size = _positive(d, "vocab_size")
+        bos = _token_ids(d, "bos_token_id", vocab_size, default_token_id, many=False)
+        return cls(model_type=model_type, vocab_size=vocab_size, **fields,
                    bos_token_id=bos[0] if bos else None,
-                   eos_token_id=_token_ids(d, "eos_token_id", default_token_id))
+                   eos_token_id=_token_ids(d, "eos_token_id", vocab_size, default_token_id))
 
 
 def _flag(d: dict, key: str) -> bool:
@@ -233,14 +237,15 @@ def _sliding_window(d: dict, model_type: str) -> int | None:
         if not _flag(d, "use_sliding_window"):
             return None
         kinds = d.get("layer_types")
-        if kinds is None:
+        if kinds is None:   # the layers from max_window_layers on are windowed: are there any?
             first = d.get("max_window_layers")
-            if isinstance(first, bool) or not isinstance(first, int):
-                raise ModelError(f"'max_window_layers' is {first!r}, expected an integer")
-            kinds = ["sliding_attention"] * max(_positive(d, "num_hidden_layers") - first, 0)
+            if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+                raise ModelError(f"'max_window_layers' is {first!r}, expected an integer >= 0")
+            if first >= _positive(d, "num_hidden_layers"):
+                return None
         elif not isinstance(kinds, list):
             raise ModelError(f"'layer_types' is {kinds!r}, expected a list")
-        if "sliding_attention" not in kinds:
+        elif "sliding_attention" not in kinds:
             return None
     return _positive(d, "sliding_window")
 
@@ -254,22 +259,29 @@ def _positive(d: dict, key: str, kind: type = int, default=None):
         if default is None:
             raise ModelError(f"no {key!r} (required for model_type {d.get('model_type')!r})")
         value = default
-    # bool is an int to Python, but JSON's true is no size
+    # bool is an int to Python, but JSON's true is no size; and an integer of 400 digits is
+    # finite, but no float holds it
     if (isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float))
-            or not 0 < value < math.inf):
-        raise ModelError(f"{key!r} is {value!r}, expected a positive "
+            or not 0 < value < (math.inf if kind is int else sys.float_info.max)):
+        raise ModelError(f"{key!r} is {reprlib.repr(value)}, expected a positive "
                          f"{'integer' if kind is int else 'number'}")
     return kind(value)
 
 
-def _token_ids(d: dict, key: str, default=None, many=True) -> list[int]:
-    """d[key] (`default` if absent) as a list: null, a token id or, if `many`, a list of ids."""
+def _token_ids(d: dict, key: str, vocab_size: int, default=None, many=True) -> list[int]:
+    """d[key] (`default` if absent) as a list: null, a token id or, if `many`, a list of ids,
+    each in the vocabulary (an EOS past it could never be drawn: the model would never stop).
+    A default past it (GPT-2's 50256, in a smaller vocabulary) names no token: left out."""
     value = d.get(key, default)
     ids = _as_list(value) if many else [] if value is None else [value]
     if not all(map(_is_id, ids)):
-        raise ModelError(f"{key!r} is {value!r}, expected a token id"
+        raise ModelError(f"{key!r} is {reprlib.repr(value)}, expected a token id"
                          + (", a list of them" if many else "") + " or null")
-    return ids
+    past = [i for i in ids if i >= vocab_size]
+    if past and key in d:
+        raise ModelError(f"{key!r} is {reprlib.repr(value)}: {past[0]} is past the vocabulary "
+                         f"(vocab_size {vocab_size})")
+    return [i for i in ids if i < vocab_size]
 
 
 # generation_config.json's sampling keys: (SamplingParams' name, the value HF's GenerationConfig
@@ -721,14 +733,17 @@ def _hf_pattern(pre: dict | None, path: Path) -> str:
 
 def _split_regex(pattern, path: Path) -> str:
     """A Split pre-tokenizer's regex, checked as tiktoken will need it: a string that
-    compiles and matches no empty piece (tiktoken's Rust side panics on one, at the first
-    encode)."""
+    compiles (in Python's regex module, and in tiktoken's Rust engine) and matches no empty
+    piece (tiktoken's Rust side panics on one, at the first encode)."""
     try:
         if not isinstance(pattern, str):
             raise TypeError(f"{pattern!r} is not a string")
         probe = "Hello, world! It's 2024.\n\t  \u00fcn\u00ef \u4e2d\u6587 \U0001f642"
         if any(m.start() == m.end() for text in ("", probe) for m in regex.finditer(pattern, text)):
             raise ValueError("it can match an empty piece")
+        # tiktoken compiles it with a Rust regex engine, which refuses some syntax Python's takes
+        tiktoken.Encoding("probe", pat_str=pattern, special_tokens={},
+                          mergeable_ranks={bytes([b]): b for b in range(256)})
     except (regex.error, TypeError, ValueError) as e:
         raise ModelError(f"{path}: the Split pre-tokenizer's regex {reprlib.repr(pattern)} cannot be used: "
                          f"{e}") from None
@@ -816,7 +831,9 @@ def _post_processor_ids(pp: dict | None, path: Path) -> tuple[list[int], list[in
     """The token ids a tokenizer.json post_processor puts before and after a text. Causal
     LMs use two kinds: ByteLevel (adds nothing) and TemplateProcessing, whose `single`
     template lists special tokens around the text, "$A" (Llama 3: [<|begin_of_text|>, $A])."""
-    kind = pp.get("type") if isinstance(pp, dict) else pp
+    if pp is not None and not isinstance(pp, dict):
+        raise ModelError(f"{path}: post_processor is {reprlib.repr(pp)}, expected an object with a 'type'")
+    kind = pp and pp.get("type")
     if kind is None or kind == "ByteLevel":
         return [], []
     if kind == "Sequence" and isinstance(pp.get("processors"), list):
@@ -1183,9 +1200,11 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False) -> nn
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_json(model_dir / "config.json")
     arch = ARCHITECTURES[config.model_type]
+    where = None if dummy else _tensor_files(model_dir)
+    check_size(model_dir, config, arch, dtype, device, stored=None if dummy else len(where))
     shapes = arch.checkpoint_shapes(config)
     hf = (_random_weights(shapes, dtype, device) if dummy
-          else _read_safetensors(model_dir, shapes, dtype, device))
+          else _read_safetensors(model_dir, where, shapes, dtype, device))
     # On the 'meta' device modules get shapes but no memory and no random init (which for
     # 135M parameters costs longer than reading them); assign=True then adopts the loaded
     # tensors as parameters instead of copying into them.
@@ -1209,8 +1228,8 @@ CHECKPOINT_DTYPES = ("F16", "BF16", "F32", "F64")   # safetensors' names
 UNUSED_BUFFERS = r"\.rotary_emb\.inv_freq$|(^|\.)attn\.(masked_)?bias$|^lm_head\.weight$"
 
 
-def _read_safetensors(model_dir: Path, shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
-    """Read and check every tensor in `shapes` from model.safetensors, or from the shards
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Every tensor of the checkpoint, name -> its file: model.safetensors, or the shards
     that model.safetensors.index.json lists."""
     index = model_dir / "model.safetensors.index.json"
     single = model_dir / "model.safetensors"
@@ -1219,13 +1238,64 @@ def _read_safetensors(model_dir: Path, shapes: dict, dtype, device) -> dict[str,
         if not (isinstance(weight_map, dict)
                 and all(isinstance(file, str) for file in weight_map.values())):
             raise ModelError(f"{index}: no 'weight_map' object (tensor name -> file name)")
-        where = {name: model_dir / file for name, file in weight_map.items()}
-    elif single.exists():
+        for file in weight_map.values():
+            if Path(file).is_absolute() or ".." in Path(file).parts:
+                raise ModelError(f"{index}: weight_map names {file!r}, outside the model directory")
+        return {name: model_dir / file for name, file in weight_map.items()}
+    if single.exists():
         with _open_safetensors(single) as f:
-            where = dict.fromkeys(f.keys(), single)
-    else:
-        raise ModelError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+            return dict.fromkeys(f.keys(), single)
+    raise ModelError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
+
+def checkpoint_size(arch, config: ModelConfig) -> tuple[int, int, int]:
+    """(tensors, parameters, tensors of one layer) of arch's checkpoint for config, worked out
+    from the shapes of no layer and of one layer, not by listing every layer: a config that
+    claims a billion layers is refused at once (check_size), not looped over."""
+    (t0, p0), (t1, p1) = [(len(shapes), sum(math.prod(shape) for shape in shapes.values()))
+                          for shapes in (arch.checkpoint_shapes(replace(config, num_hidden_layers=n))
+                                         for n in (0, 1))]
+    layers = config.num_hidden_layers
+    return t0 + layers * (t1 - t0), p0 + layers * (p1 - p0), t1 - t0
+
+
+def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | None = None):
+    """Refuse, before anything is allocated, a model that could never load: one whose config
+    needs more tensors than its checkpoint holds (stored: their count), or whose weights and
+    RoPE tables outgrow the device's whole memory. A few zeros too many in a config would
+    otherwise loop over a billion layers, or fail deep inside the allocator."""
+    device, (tensors, params, per_layer) = torch.device(device), checkpoint_size(arch, config)
+    # (A layer or less short, the name-by-name check that follows says which tensor is missing.)
+    if stored is not None and tensors > stored + per_layer:
+        raise ModelError(f"{source}: {config.num_hidden_layers:,} layers need {tensors:,} tensors, but the "
+                         f"checkpoint holds {stored:,}")
+    memory = _memory_bytes(device)
+    weights = params * dtype.itemsize
+    # cos and sin, (max_position_embeddings, D/2) each, made in float32 (see rope_tables)
+    rope = 0 if arch is GPT2 else config.max_position_embeddings * config.head_dim * 4
+    if memory is not None and weights + rope > memory:
+        parts = {f"the weights ({params:,} parameters in {dtype}: {config.num_hidden_layers:,} layers, hidden_size "
+                 f"{config.hidden_size:,}, vocab_size {config.vocab_size:,})": weights,
+                 f"the RoPE tables ({config.max_position_embeddings:,} positions)": rope}
+        raise ModelError(f"{source}: " + " and ".join(f"{what} need {size / 2**30:,.1f} GiB" for what, size in parts.items()
+                                                      if size >= (weights + rope) / 100)   # (those that matter)
+                         + f", more than all {memory / 2**30:,.1f} GiB of the {device.type} memory")
+
+
+def _memory_bytes(device: torch.device) -> int | None:
+    """The device's whole memory, if it can be told."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError, RuntimeError, AssertionError):
+        return None
+
+
+def _read_safetensors(model_dir: Path, where: dict[str, Path], shapes: dict, dtype,
+                      device) -> dict[str, torch.Tensor]:
+    """Read and check every tensor in `shapes` from the checkpoint's files (where: tensor
+    name -> file, from _tensor_files)."""
     by_file = {}
     for name in shapes:
         # Checkpoints saved from GPT2Model / LlamaModel lack the "transformer." / "model."
@@ -1467,10 +1537,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
                "rms_norm_eps": f32(c.norm_eps), "rope_theta": f32(c.rope_theta)}
     tokenizer_config = {"chat_template": meta.get("tokenizer.chat_template")}
     for role in ("bos", "eos"):
-        if (i := config[f"{role}_token_id"]) is not None:
-            if i >= len(tokens):
-                raise ModelError(f"{gguf_path}: tokenizer.ggml.{role}_token_id {i} is past the "
-                                 f"vocab ({len(tokens)} tokens)")
+        if (i := config[f"{role}_token_id"]) is not None:   # (in the vocab: from_dict checked)
             tokenizer_config[f"{role}_token"] = tokens[i]
 
     # The tokens llama.cpp puts around a prompt, written as a tokenizer.json post-processor:
@@ -1498,7 +1565,8 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         raise ModelError(f"{gguf_path}: tokenizer.ggml.token_type has {len(types)} entries for "
                          f"{len(tokens)} tokens")
 
-    # Every tensor's name and shape checked before the slow part, dequantizing.
+    # Every tensor's name and shape checked before the slow part, dequantizing (to float32).
+    check_size(gguf_path, c, Llama, torch.float32, "cpu", stored=len(reader.tensors))
     shapes = Llama.checkpoint_shapes(c)
     hf_name = {_gguf_name(name): name for name in shapes}
     for t in reader.tensors:

@@ -311,6 +311,8 @@ def test_llama_family_matches_transformers(tmp_path, variant):
     # on: the layers from max_window_layers (28 by default, of 2 here) on are windowed
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, None),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1}, 64),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 0,
+      "num_hidden_layers": 10**18}, 64),   # (no list of 10**18 layers made to say so)
     ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,    # or the list of layers says
       "layer_types": ["full_attention", "sliding_attention"]}, 64),
     ({"model_type": "qwen3", "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]}, None),
@@ -420,7 +422,7 @@ def test_config_fields():
     assert (c.num_key_value_heads, c.head_dim, c.eos_token_id, c.norm_eps) == (2, 8, [3, 4], 1e-5)
     g = ModelConfig.from_dict(GPT2_CONFIG)
     assert (g.hidden_size, g.num_hidden_layers, g.intermediate_size, g.tie_word_embeddings,
-            g.eos_token_id) == (32, 2, 128, True, [50256])
+            g.eos_token_id) == (32, 2, 128, True, [])   # (50256 is past its vocab)
 
 
 # --- tokenizers ---
@@ -714,6 +716,30 @@ def test_bad_config(tmp_path):
         load_tokenizer(tok_dir)
 
 
+def test_a_model_too_big_for_its_checkpoint_or_the_memory_is_refused_at_once(tmp_path, own_cache):
+    """A few zeros too many in a config: the loader once looped over a billion layers, or
+    died inside the allocator. Refused before anything is allocated."""
+    c, w = llama_config(), llama_tensors(llama_config())
+    with pytest.raises(ModelError, match=r"layers: 1,000,000,000 layers need 9,000,000,002 tensors, but the "
+                                         r"checkpoint holds 20$"):
+        load_model(write_checkpoint(tmp_path / "layers", c | {"num_hidden_layers": 10**9}, w))
+    with pytest.raises(ModelError, match=r"1,000,000,000,000 layers need .* tensors, but the checkpoint holds"):
+        load_model(write_checkpoint(tmp_path / "gpt2", GPT2_CONFIG | {"n_layer": 10**12}, gpt2_tensors(GPT2_CONFIG)))
+    with pytest.raises(ModelError, match=r"big.gguf: 1,000,000,000 layers need 9,000,000,002 tensors, but the "
+                                         r"checkpoint holds 11$"):
+        load_model(write_gguf(tmp_path / "big.gguf", block_count=10**9))
+    # random weights: no checkpoint to count, but the memory
+    (tmp_path / "dummy").mkdir()
+    for change, message in [({"num_hidden_layers": 10**9}, r"the weights \(17,760,000,004,896 parameters in torch.float32: "
+                                                             r"1,000,000,000 layers, hidden_size 48, vocab_size 101\) "
+                                                             r"need 66,161.2 GiB, more than all .* GiB of the cpu memory"),
+                            ({"max_position_embeddings": 10**12}, r": the RoPE tables \(1,000,000,000,000 "
+                                                                  r"positions\) need 29,802.3 GiB, more than all")]:
+        (tmp_path / "dummy" / "config.json").write_text(json.dumps(c | change))
+        with pytest.raises(ModelError, match=message):
+            load_model(tmp_path / "dummy", dummy=True)
+
+
 def test_bad_tensors(tmp_path, capsys):
     c = llama_config()
     w = llama_tensors(c)
@@ -807,6 +833,15 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"model_type": ["llama"]}, r"model_type \['llama'\] is not supported"),
     ({"attention_bias": 0}, "'attention_bias' is 0, expected true or false"),
     ({"head_dim": 7}, "head_dim 7 is odd, but RoPE rotates pairs$"),
+    ({"hidden_size": 4}, "hidden_size 4 is smaller than num_attention_heads 6"),   # (was "'head_dim' is 0")
+    ({"rope_theta": 10**400}, "'rope_theta' is 1000.*, expected a positive number"),   # (was OverflowError)
+    ({"rms_norm_eps": 10**400}, "'rms_norm_eps' is 1000.*, expected a positive number"),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": -1},
+     "'max_window_layers' is -1, expected an integer >= 0"),
+    # an EOS past the vocabulary could never be drawn (the model would never stop)
+    ({"eos_token_id": 101}, r"'eos_token_id' is 101: 101 is past the vocabulary \(vocab_size 101\)"),
+    ({"eos_token_id": [3, 2**31 - 1]}, r"'eos_token_id' is \[3, 2147483647\]: 2147483647 is past"),
+    ({"bos_token_id": 500}, "'bos_token_id' is 500: 500 is past the vocabulary"),
     ({"hidden_size": 42}, r"head_dim 7 is odd.*\(head_dim = hidden_size 42 // "
                           r"num_attention_heads 6\)"),
 ])
@@ -838,7 +873,9 @@ def test_config_defaults_and_spellings_still_accepted():
     assert (c.head_dim, c.num_key_value_heads, c.rope_theta) == (8, 6, 500000.0)
     assert c.rope_scaling["factor"] == 8.0 and c.bos_token_id is None
     g = ModelConfig.from_dict(GPT2_CONFIG | {"n_inner": None, "bos_token_id": None})
-    assert (g.intermediate_size, g.bos_token_id, g.eos_token_id) == (128, None, [50256])
+    assert (g.intermediate_size, g.bos_token_id, g.eos_token_id) == (128, None, [])   # (50256: past its vocab)
+    g = ModelConfig.from_dict(GPT2_CONFIG | {"vocab_size": 50257})
+    assert (g.bos_token_id, g.eos_token_id) == (50256, [50256])   # GPT-2's <|endoftext|>, by default
 
 
 def test_config_file_errors_name_the_file_once(tmp_path):
@@ -857,6 +894,7 @@ def test_config_file_errors_name_the_file_once(tmp_path):
     ({"eos_token_id": "4"}, "generation_config.json: 'eos_token_id' is '4'"),
     ({"temperature": "hot"}, "generation_config.json: 'temperature' is 'hot', expected a number"),
     ({"temperature": True}, "generation_config.json: 'temperature' is True, expected a number"),   # (True == 1.0)
+    ({"eos_token_id": [4, 10**6]}, r"generation_config.json: 'eos_token_id' is \[4, 1000000\]: 1000000 is past the vocab"),
 ])
 def test_bad_generation_config(tmp_path, generation_config, message):
     (tmp_path / "config.json").write_text(json.dumps(llama_config()))
@@ -953,7 +991,8 @@ def test_nfc_acts_between_added_tokens_and_long_whitespace_is_refused(tmp_path):
         {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
         BYTE_LEVEL | {"use_regex": False}]}}, f"the Split pre-tokenizer's regex .* cannot be used: {why}")
       for regex, why in ((5, "5 is not a string"), ("(abc", "missing \\)"),
-                         ("", "it can match an empty piece"), ("(h|hi|i)*$|.", "it can match an empty piece"))],
+                         ("", "it can match an empty piece"), ("(h|hi|i)*$|.", "it can match an empty piece"),
+                         (r"(?V1)[[a-z]--[b]]|.", "Parsing error at position 2: Unknown group flag"))],   # Python's regex takes it, tiktoken not
     ({"added_tokens": 5}, "tokenizer.json: 'added_tokens' is 5, expected a list"),
     ({"model": {"type": "BPE", "vocab": {"a": 1}, "merges": 5}}, "tokenizer.json: model.merges is 5, expected a list"),
 ])
@@ -1035,6 +1074,8 @@ def test_post_processor_tokens_are_added_once(tmp_path):
     (BOS_FIRST | {"single": [{"Sequence": {"id": "A"}}] * 2}, "post_processor template .* holds 2 texts"),
     (BOS_FIRST | {"single": [{"SpecialToken": {"id": "<s>"}}]}, "post_processor item .*'<s>'.* is neither the text"),
     (BOS_FIRST | {"special_tokens": {"<|x|>": {"ids": ["257"]}}}, "post_processor item .* is neither the text"),
+    ("TemplateProcessing", "post_processor is 'TemplateProcessing', expected an object with a 'type'"),
+    ({"type": "Sequence", "processors": ["ByteLevel"]}, "post_processor is 'ByteLevel', expected an object"),
 ])
 def test_unsupported_post_processors(tmp_path, post_processor, message):
     with pytest.raises(ModelError, match=f"tokenizer.json: {message}"):
@@ -1201,10 +1242,14 @@ def test_index_weight_map_values_must_be_file_names(tmp_path):
     c = llama_config()
     path = write_checkpoint(tmp_path, c, llama_tensors(c), shards=2)
     index = json.loads((path / "model.safetensors.index.json").read_text())
-    index["weight_map"] = dict.fromkeys(index["weight_map"], 1)
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelError, match=r"model.safetensors.index.json: no 'weight_map' object"):
-        load_model(path)
+    for files, message in [(1, "no 'weight_map' object"),
+                           # files of the model's own directory only: no other model's, no /etc/passwd
+                           ("../other/model-00001-of-00002.safetensors", "weight_map names '../other/.*', outside"),
+                           ("/etc/passwd", "weight_map names '/etc/passwd', outside the model directory")]:
+        (path / "model.safetensors.index.json").write_text(json.dumps(
+            index | {"weight_map": dict.fromkeys(index["weight_map"], files)}))
+        with pytest.raises(ModelError, match=f"model.safetensors.index.json: {message}"):
+            load_model(path)
 
 
 # decoding ids that are no token
@@ -1225,16 +1270,16 @@ def test_decode_skips_ids_that_are_no_token():
 # GGUF conversion
 
 def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None,
-               dtypes=None, pre="smollm", add_bos=None, pad=0, meta=()):
+               dtypes=None, pre="smollm", add_bos=None, pad=0, meta=(), block_count=None):
     """A tiny Llama GGUF: the 256 byte tokens (and `pad` padding ones after them, as llama.cpp
     writes an embedding matrix longer than the vocab), random float32 weights (tied
     embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
     `dtypes` maps a tensor's name to another numpy dtype to store it in; `meta`, more
-    (key, array) metadata."""
+    (key, array) metadata; `block_count`, another layer count than the L layers it holds."""
     import gguf
     vocab, _ = byte_vocab()
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(L)
+    writer.add_block_count(L if block_count is None else block_count)
     writer.add_context_length(64)
     writer.add_embedding_length(C)
     writer.add_feed_forward_length(I)
@@ -1318,9 +1363,9 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"bos": 256}, "tokenizer.ggml.bos_token_id 256 is past the vocab \\(256 tokens\\)"),
+    ({"bos": 256}, "'bos_token_id' is 256: 256 is past the vocabulary \\(vocab_size 256\\)"),
     ({"add_bos": True}, "tokenizer.ggml.add_bos_token is set but there is no tokenizer.ggml.bos_token_id"),
-    ({"eos": 1000}, "tokenizer.ggml.eos_token_id 1000 is past the vocab"),
+    ({"eos": 1000}, "'eos_token_id' is 1000: 1000 is past the vocabulary"),
     ({"H": 0, "KVH": 0}, "'num_attention_heads' is 0"),
     ({"C": 12, "KVH": 4}, r"head_dim 3 is odd.*hidden_size 12 // num_attention_heads 4"),
     ({"extra": [("blk.0.attn_q.bias", (16,))]}, "unexpected tensor 'blk.0.attn_q.bias'"),
