@@ -277,11 +277,14 @@ def _token_ids(d: dict, key: str, vocab_size: int, default=None, many=True) -> l
     if not all(map(_is_id, ids)):
         raise ModelError(f"{key!r} is {reprlib.repr(value)}, expected a token id"
                          + (", a list of them" if many else "") + " or null")
-    past = [i for i in ids if i >= vocab_size]
+    past, kept = [i for i in ids if i >= vocab_size], [i for i in ids if i < vocab_size]
     if past and key in d:
-        raise ModelError(f"{key!r} is {reprlib.repr(value)}: {past[0]} is past the vocabulary "
-                         f"(vocab_size {vocab_size})")
-    return [i for i in ids if i < vocab_size]
+        if not kept:
+            raise ModelError(f"{key!r} is {reprlib.repr(value)}: {past[0]} is past the vocabulary "
+                             f"(vocab_size {vocab_size})")
+        print(f"nanopaged: note: {key} {value}: {', '.join(map(str, past))} past the vocabulary (vocab_size "
+              f"{vocab_size}), left out", file=sys.stderr)
+    return kept
 
 
 # generation_config.json's sampling keys: (SamplingParams' name, the value HF's GenerationConfig
@@ -832,8 +835,8 @@ def _post_processor_ids(pp: dict | None, path: Path) -> tuple[list[int], list[in
     LMs use two kinds: ByteLevel (adds nothing) and TemplateProcessing, whose `single`
     template lists special tokens around the text, "$A" (Llama 3: [<|begin_of_text|>, $A])."""
     if pp is not None and not isinstance(pp, dict):
-        raise ModelError(f"{path}: post_processor is {reprlib.repr(pp)}, expected an object with a 'type'")
-    kind = pp and pp.get("type")
+        raise ModelError(f"{path}: post_processor is {reprlib.repr(pp)}, expected an object")
+    kind = (pp or {}).get("type")
     if kind is None or kind == "ByteLevel":
         return [], []
     if kind == "Sequence" and isinstance(pp.get("processors"), list):
@@ -913,6 +916,9 @@ def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, D, 2, device="cpu").float() / D)
     if config.rope_scaling:
         inv_freq = _llama3_inv_freq(inv_freq, config.rope_scaling)
+    if not torch.isfinite(inv_freq).all():   # (a rope_theta of 1e-300 underflows: 1 / 0)
+        raise ModelError(f"rope_theta {config.rope_theta} and rope_scaling {config.rope_scaling} give RoPE "
+                         f"frequencies that are not finite numbers")
     positions = torch.arange(config.max_position_embeddings, device="cpu").float()
     angles = torch.outer(positions, inv_freq)  # (P, D/2)
     return angles.cos(), angles.sin()
@@ -1208,7 +1214,7 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False) -> nn
     # On the 'meta' device modules get shapes but no memory and no random init (which for
     # 135M parameters costs longer than reading them); assign=True then adopts the loaded
     # tensors as parameters instead of copying into them.
-    with torch.device("meta"):
+    with torch.device("meta"), _in_file(model_dir / "config.json"):   # (the RoPE tables check its numbers)
         net = arch(config)
     net.load_state_dict(arch.from_checkpoint(hf, config), assign=True)
     net.to(device=device, dtype=dtype)  # moves what isn't a weight: the RoPE tables
@@ -1271,8 +1277,8 @@ def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | N
                          f"checkpoint holds {stored:,}")
     memory = _memory_bytes(device)
     weights = params * dtype.itemsize
-    # cos and sin, (max_position_embeddings, D/2) each, made in float32 (see rope_tables)
-    rope = 0 if arch is GPT2 else config.max_position_embeddings * config.head_dim * 4
+    # the angles, their cos and their sin, (max_position_embeddings, D/2) float32 each (rope_tables)
+    rope = 0 if arch is GPT2 else config.max_position_embeddings * config.head_dim // 2 * 4 * 3
     if memory is not None and weights + rope > memory:
         parts = {f"the weights ({params:,} parameters in {dtype}: {config.num_hidden_layers:,} layers, hidden_size "
                  f"{config.hidden_size:,}, vocab_size {config.vocab_size:,})": weights,
@@ -1530,6 +1536,9 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
+    for role in ("bos", "eos"):   # (named as the file names them; from_dict would say eos_token_id)
+        if (i := config[f"{role}_token_id"]) is not None and i >= len(tokens):
+            raise ModelError(f"{gguf_path}: tokenizer.ggml.{role}_token_id {i} is past the vocab ({len(tokens)} tokens)")
     # A config.json's checks, before anything is computed from it; then the defaults filled in.
     with _in_file(gguf_path):
         c = ModelConfig.from_dict(config)
@@ -1537,7 +1546,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
                "rms_norm_eps": f32(c.norm_eps), "rope_theta": f32(c.rope_theta)}
     tokenizer_config = {"chat_template": meta.get("tokenizer.chat_template")}
     for role in ("bos", "eos"):
-        if (i := config[f"{role}_token_id"]) is not None:   # (in the vocab: from_dict checked)
+        if (i := config[f"{role}_token_id"]) is not None:   # (in the vocab: checked above)
             tokenizer_config[f"{role}_token"] = tokens[i]
 
     # The tokens llama.cpp puts around a prompt, written as a tokenizer.json post-processor:

@@ -1193,7 +1193,8 @@ class LLM:
         """Keep what _beam_step decided, once Scheduler.update made it so (forked: {beam: its
         new children}): each beam's score and history, token j of a beam's picks having gone
         to its j-th sequence (itself, then its children). Of the beams that ended, only the
-        beam_width best stay: the others can never be among the results."""
+        beam_width best stay: the others can never be among the results. The dropped beams
+        are forgotten."""
         for rid, (parked, chosen, ended) in plan.items():
             req = self._requests[rid]
             req["parked"] = parked
@@ -1204,8 +1205,9 @@ class LLM:
                     beams[target] = (cum, (history, cands))   # (nothing copied: O(1) a step)
             if ended:
                 req["done"] = sorted(req["done"] + ended, key=lambda h: beam_rank(req, h))[:req["params"].n]
-            # A dropped beam is never a result: forgotten, or up to beam_width of them a step, each
-            # with all its tokens, would pile up. (The first stays: the request's prompt and start.)
+            # A dropped beam is never a result. Kept, they would pile up: up to beam_width a step,
+            # each with all its tokens. (Beam 0 stays even dropped: it holds the request's prompt
+            # and start, which _request_output and beam_rank read.)
             req["seqs"] = [q for q in req["seqs"] if q.finish_reason != "dropped" or q.sample_index == 0]
 
     def _beam_results(self, req) -> list[CompletionOutput]:
@@ -1320,7 +1322,8 @@ class LLM:
                 self._to_report.pop(output.request_id, None)
                 s.ttfts.append(output.ttft)
                 s.tpots += [(q.finish_time - q.first_token_time) / (q.num_output_tokens - 1)
-                            for q in req["seqs"] if q.first_token_time and q.num_output_tokens > 1]
+                            for q in req["seqs"] if q.first_token_time and q.num_output_tokens > 1
+                            and q.finish_reason != "dropped"]   # (a beam search's results only)
                 s.prompt_tokens += len(output.prompt_token_ids)
             if held:   # the caller will not get them: all back, for the next step() to return
                 self._requests |= forgotten

@@ -442,7 +442,8 @@ class Scheduler:
             i += 1
         # 2. Then the sequences not running, in arrival order, as long as they fit (no
         #    overtaking): waiting ones are admitted (prefilled, or recomputed), swapped-out
-        #    ones come back (their blocks copied back from CPU memory, nothing recomputed).
+        #    ones come back (their blocks the prefix cache no longer holds copied back from
+        #    CPU memory, nothing recomputed).
         #    After a preemption memory is short: admitting more would only thrash.
         # A request with n samples that has not forked yet will soon be n sequences: it is
         # admitted only with room for all n within max_num_seqs.
@@ -548,7 +549,8 @@ class Scheduler:
     def _swap_out(self, seq: Sequence, out: SchedulerOutput):
         """Preemption by swapping: copy seq's blocks to CPU memory and free them here. It keeps
         everything it computed, and comes back (_swap_in) in its turn, by arrival. Blocks it
-        shared (forks) are copied for it alone: it comes back unshared."""
+        shared (forks) are copied for it alone: it comes back to share only those full blocks
+        the prefix cache still holds."""
         self.running.remove(seq)
         pairs = self._move_table(seq, self.swap_pool)
         out.swap_out += pairs
@@ -561,22 +563,21 @@ class Scheduler:
         self.num_swapped_out += 1
 
     def _swap_in(self, seq: Sequence, hits: list[int], out: SchedulerOutput):
-        """Bring a swapped-out sequence back: its first blocks from the prefix cache where it
-        still holds them (hits, from _still_cached: nothing to copy), fresh blocks for the
-        rest, its data copied into them. The CPU blocks are freed at once, before their copy
+        """Bring a swapped-out sequence back: its first blocks from the prefix cache, or from
+        this step's blocks, where they hold its K/V already (hits, from _still_cached: nothing
+        to copy), fresh blocks for the rest, its data copied into them. The CPU blocks are freed at once, before their copy
         runs: safe, because no step both swaps in and swaps out (nothing is brought back after
         a preemption), so nothing writes to the swap space before the engine has read them."""
         pairs = self._move_table(seq, self.pool, hits)
         out.swap_in += pairs
         out.swapped_in.append(seq)
         self.pool.say(f"swap in {seq}: CPU blocks {[a for a, _ in pairs]} -> blocks {[b for _, b in pairs]}"
-                      + (f"; blocks {hits} still held its K/V (prefix cache): not copied" if hits else ""))
+                      + (f"; blocks {hits} hold its K/V already (prefix cache, or this step's): not copied"
+                         if hits else ""))
         # The full blocks copied back enter the prefix cache once the step has happened (in
         # update(), as in_flight blocks), and serve later sequences of this step already.
-        bs = self.block_size
         for i in range(len(hits), len(seq.block_hashes)):
-            self.in_flight.setdefault(seq.block_hashes[i], (seq.block_table.block_ids[i],
-                                                            tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            self.in_flight.setdefault(seq.block_hashes[i], (seq.block_table.block_ids[i], self._block_tokens(seq, i)))
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.order)
 
@@ -608,11 +609,11 @@ class Scheduler:
         blocks that end before the last token count, so at least one token is computed and
         yields logits. A request that asks for its prompt's logprobs takes none until it has
         sampled: a cached token is never computed, so it would have no logits to score."""
-        bs, hits, hashes = self.block_size, [], []
+        hits, hashes = [], []
         scores_prompt = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
         if self.enable_prefix_caching and not scores_prompt:
-            for i in range((seq.num_tokens - 1) // bs):
-                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            for i in range((seq.num_tokens - 1) // self.block_size):
+                tokens = self._block_tokens(seq, i)
                 h = hash_block(hashes[-1] if hashes else ROOT_HASH, tokens)
                 block = self._find_cached(h, tokens)
                 if block is None:
@@ -620,6 +621,11 @@ class Scheduler:
                 hits.append(block)
                 hashes.append(h)
         return hits, hashes
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple:
+        """The token ids of seq's full block i: what its prefix hash covers, with the hashes
+        of the blocks before it."""
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def _find_cached(self, prefix_hash: int, tokens: tuple) -> int | None:
         """The block holding this full block's K/V: in the prefix cache, or being computed (or
@@ -630,14 +636,14 @@ class Scheduler:
         return block
 
     def _still_cached(self, seq: Sequence) -> list[int]:
-        """For a swapped-out seq: the blocks here that hold its leading full blocks still
+        """For a swapped-out seq: the blocks here that hold its leading full blocks' K/V
         (found by the prefix hashes it computed): its own, released when it was swapped out
-        and not evicted since, or a sharer's. Swapped in, it adopts them, and only the rest
-        is copied back."""
-        bs, hits = self.block_size, []
+        and not evicted since, or a sharer's, or blocks this step computes or copies back
+        (_find_cached). Swapped in, it adopts them, and only the rest is copied back."""
+        hits = []
         if self.enable_prefix_caching:
             for i, h in enumerate(seq.block_hashes):
-                block = self._find_cached(h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+                block = self._find_cached(h, self._block_tokens(seq, i))
                 if block is None:
                     break
                 hits.append(block)
@@ -663,10 +669,10 @@ class Scheduler:
     def _unhashed_full_blocks(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int, tuple]]:
         """(index, prefix hash, token ids) of each of seq's blocks that its first num_tokens
         tokens fill and that has no hash in seq.block_hashes yet."""
-        bs, blocks = self.block_size, []
+        blocks = []
         parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
-        for i in range(len(seq.block_hashes), num_tokens // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+        for i in range(len(seq.block_hashes), num_tokens // self.block_size):
+            tokens = self._block_tokens(seq, i)
             parent = hash_block(parent, tokens)
             blocks.append((i, parent, tokens))
         return blocks
@@ -674,10 +680,8 @@ class Scheduler:
     def _register_full_blocks(self, seq: Sequence, first: int):
         """Enter the blocks from index first on that this step filled into the prefix cache
         (_place took their hashes)."""
-        bs = self.block_size
-        for i in range(first, seq.num_computed_tokens // bs):
-            self.pool.register(seq.block_table.block_ids[i], seq.block_hashes[i],
-                               tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+        for i in range(first, seq.num_computed_tokens // self.block_size):
+            self.pool.register(seq.block_table.block_ids[i], seq.block_hashes[i], self._block_tokens(seq, i))
 
     def rollback(self):
         """Undo the step schedule() planned, if update() has not recorded it: it failed

@@ -700,6 +700,13 @@ def test_bad_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "mamba"}))
     with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gpt2, llama, mistral, qwen2, qwen3\)"):
         load_model(tmp_path)
+    for rope, message in [({"rope_theta": 1e-300}, "rope_theta 1e-300 and rope_scaling None give RoPE frequencies "
+                                                   "that are not finite numbers"),   # (1 / 0, once underflowed)
+                          ({"rope_scaling": LLAMA3_ROPE | {"low_freq_factor": 1e307, "high_freq_factor": 1e308}},
+                           "give RoPE frequencies that are not finite")]:
+        (tmp_path / "config.json").write_text(json.dumps(llama_config() | rope))
+        with pytest.raises(ModelError, match=r"config\.json: .*" + message):
+            load_model(tmp_path, dummy=True)
     yarn = llama_config(rope_scaling={"rope_type": "yarn"})
     (tmp_path / "config.json").write_text(json.dumps(yarn))
     with pytest.raises(ModelError, match="rope type 'yarn'"):
@@ -734,7 +741,7 @@ def test_a_model_too_big_for_its_checkpoint_or_the_memory_is_refused_at_once(tmp
                                                              r"1,000,000,000 layers, hidden_size 48, vocab_size 101\) "
                                                              r"need 66,161.2 GiB, more than all .* GiB of the cpu memory"),
                             ({"max_position_embeddings": 10**12}, r": the RoPE tables \(1,000,000,000,000 "
-                                                                  r"positions\) need 29,802.3 GiB, more than all")]:
+                                                                  r"positions\) need 44,703.5 GiB, more than all")]:
         (tmp_path / "dummy" / "config.json").write_text(json.dumps(c | change))
         with pytest.raises(ModelError, match=message):
             load_model(tmp_path / "dummy", dummy=True)
@@ -840,7 +847,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
      "'max_window_layers' is -1, expected an integer >= 0"),
     # an EOS past the vocabulary could never be drawn (the model would never stop)
     ({"eos_token_id": 101}, r"'eos_token_id' is 101: 101 is past the vocabulary \(vocab_size 101\)"),
-    ({"eos_token_id": [3, 2**31 - 1]}, r"'eos_token_id' is \[3, 2147483647\]: 2147483647 is past"),
+    ({"eos_token_id": [101, 2**31 - 1]}, r"'eos_token_id' is \[101, 2147483647\]: 101 is past"),
     ({"bos_token_id": 500}, "'bos_token_id' is 500: 500 is past the vocabulary"),
     ({"hidden_size": 42}, r"head_dim 7 is odd.*\(head_dim = hidden_size 42 // "
                           r"num_attention_heads 6\)"),
@@ -878,6 +885,13 @@ def test_config_defaults_and_spellings_still_accepted():
     assert (g.bos_token_id, g.eos_token_id) == (50256, [50256])   # GPT-2's <|endoftext|>, by default
 
 
+def test_eos_ids_past_the_vocabulary_are_left_out_while_one_is_left(capsys):
+    c = ModelConfig.from_dict(llama_config(eos_token_id=[3, 101, 500]))   # (vocab_size 101)
+    assert c.eos_token_id == [3]
+    assert capsys.readouterr().err == ("nanopaged: note: eos_token_id [3, 101, 500]: 101, 500 past the vocabulary "
+                                       "(vocab_size 101), left out\n")
+
+
 def test_config_file_errors_name_the_file_once(tmp_path):
     path = tmp_path / "config.json"
     for text, message in [("[1, 2, 3]", "expected a JSON object, got list"),
@@ -894,7 +908,7 @@ def test_config_file_errors_name_the_file_once(tmp_path):
     ({"eos_token_id": "4"}, "generation_config.json: 'eos_token_id' is '4'"),
     ({"temperature": "hot"}, "generation_config.json: 'temperature' is 'hot', expected a number"),
     ({"temperature": True}, "generation_config.json: 'temperature' is True, expected a number"),   # (True == 1.0)
-    ({"eos_token_id": [4, 10**6]}, r"generation_config.json: 'eos_token_id' is \[4, 1000000\]: 1000000 is past the vocab"),
+    ({"eos_token_id": [10**6]}, r"generation_config.json: 'eos_token_id' is \[1000000\]: 1000000 is past the vocab"),
 ])
 def test_bad_generation_config(tmp_path, generation_config, message):
     (tmp_path / "config.json").write_text(json.dumps(llama_config()))
@@ -1059,7 +1073,7 @@ def test_post_processor_tokens_are_added_once(tmp_path):
     byte_level = {"type": "ByteLevel", "trim_offsets": False}
     for n, (post_processor, ab) in enumerate([
             (None, [256]), (byte_level, [256]), (BOS_FIRST, [257, 256]), (eos_last, [256, 257]),
-            ({"type": "Sequence", "processors": [byte_level, BOS_FIRST]}, [257, 256])]):
+            ({"type": "Sequence", "processors": [byte_level, BOS_FIRST]}, [257, 256]), ({}, [256])]):
         tok = load_tokenizer(tiny_tokenizer_dir(tmp_path / str(n), post_processor=post_processor))
         assert tok.encode("ab") == ab and tok.encode("ab", add_special_tokens=False) == [256], post_processor
         if ab[0] == 257:
@@ -1074,7 +1088,7 @@ def test_post_processor_tokens_are_added_once(tmp_path):
     (BOS_FIRST | {"single": [{"Sequence": {"id": "A"}}] * 2}, "post_processor template .* holds 2 texts"),
     (BOS_FIRST | {"single": [{"SpecialToken": {"id": "<s>"}}]}, "post_processor item .*'<s>'.* is neither the text"),
     (BOS_FIRST | {"special_tokens": {"<|x|>": {"ids": ["257"]}}}, "post_processor item .* is neither the text"),
-    ("TemplateProcessing", "post_processor is 'TemplateProcessing', expected an object with a 'type'"),
+    ("TemplateProcessing", "post_processor is 'TemplateProcessing', expected an object"),
     ({"type": "Sequence", "processors": ["ByteLevel"]}, "post_processor is 'ByteLevel', expected an object"),
 ])
 def test_unsupported_post_processors(tmp_path, post_processor, message):
@@ -1363,9 +1377,9 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"bos": 256}, "'bos_token_id' is 256: 256 is past the vocabulary \\(vocab_size 256\\)"),
+    ({"bos": 256}, "tokenizer.ggml.bos_token_id 256 is past the vocab \\(256 tokens\\)"),
     ({"add_bos": True}, "tokenizer.ggml.add_bos_token is set but there is no tokenizer.ggml.bos_token_id"),
-    ({"eos": 1000}, "'eos_token_id' is 1000: 1000 is past the vocabulary"),
+    ({"eos": 1000}, "tokenizer.ggml.eos_token_id 1000 is past the vocab"),
     ({"H": 0, "KVH": 0}, "'num_attention_heads' is 0"),
     ({"C": 12, "KVH": 4}, r"head_dim 3 is odd.*hidden_size 12 // num_attention_heads 4"),
     ({"extra": [("blk.0.attn_q.bias", (16,))]}, "unexpected tensor 'blk.0.attn_q.bias'"),
@@ -1842,7 +1856,7 @@ def test_swap_in_adopts_blocks_still_cached_and_caches_the_ones_it_copies():
     # the other four come from CPU memory into fresh blocks.
     first, *rest = b.block_table.block_ids[:5]
     assert out.swapped_in == [b] and [dst for _, dst in out.swap_in] == rest
-    assert any(f"still held its K/V (prefix cache): not copied" in s and f"blocks [{first}]" in s for s in said)
+    assert any("hold its K/V already (prefix cache, or this step's): not copied" in s and f"blocks [{first}]" in s for s in said)
     # Once the step has happened, the copied-back full blocks are in the prefix cache: a new
     # request with b's prompt finds block 0 (adopted) and block 1 (copied back).
     assert [sched.pool.block_hash.get(x) for x in b.block_table.block_ids[:len(b.block_hashes)]] == b.block_hashes
