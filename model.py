@@ -383,8 +383,8 @@ WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0
 def _longest_first(added_tokens: list[dict]) -> str:
     """A regex that finds any of the added tokens, the longest at a place first, built as
     a trie: each character narrows the candidates, so that a text full of "<" costs the
-    same with 256 tokens "<|reserved_special_token_i|>" as with one. A single_word token
-    must not touch a word character on either side."""
+    same with 256 tokens "<|reserved_special_token_i|>" as with one. (Whether a single_word
+    token stands alone is Tokenizer._split_added's to check.)"""
     trie = {}
     for t in added_tokens:
         node = trie
@@ -395,13 +395,13 @@ def _longest_first(added_tokens: list[dict]) -> str:
     def alternatives(node) -> str:
         branches = [regex.escape(c) + alternatives(child) for c, child in node.items() if c]
         if "" in node:   # tried last: a longer token through this node wins
-            token = node[""]
-            branches.append(rf"(?<!\w{regex.escape(token['content'])})(?!\w)" if token.get("single_word") else "")
+            branches.append("")
         return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
     return alternatives(trie) if trie else "(?!)"
 
 
 MAX_WHITESPACE_RUN = 500_000   # characters; see Tokenizer.encode
+WORD_CHAR = regex.compile(r"\w")   # what a single_word added token must not touch
 
 
 class Tokenizer:
@@ -428,13 +428,16 @@ class Tokenizer:
             added_tokens = [{"content": t, "id": encoding.encode_single_token(t), "special": True}
                             for t in encoding.special_tokens_set]
         # HF finds the tokens marked normalized: false in the raw text, then normalizes the
-        # text between them, and finds the normalized: true ones in that. (Without a
-        # normalizer the two are one: a single search.)
-        late = [t for t in added_tokens if nfc and t.get("normalized")]
-        self._added = regex.compile(_longest_first([t for t in added_tokens if t not in late]))
+        # text between them, and finds the normalized: true ones in that, normalized too
+        # ("<A\u030a>" is found as "<Å>"). (Without a normalizer the two are one: a single search.)
+        early = [t for t in added_tokens if not (nfc and t.get("normalized"))]
+        late = [t | {"content": unicodedata.normalize("NFC", t["content"])}
+                for t in added_tokens if nfc and t.get("normalized")]
+        self._added = regex.compile(_longest_first(early))
         self._added_normalized = regex.compile(_longest_first(late)) if late else None
-        self._added_tokens = {t["content"]: (t["id"], bool(t.get("lstrip")), bool(t.get("rstrip")))
-                              for t in added_tokens}   # content -> (id, lstrip, rstrip)
+        self._added_tokens = {t["content"]: (t["id"], bool(t.get("lstrip")), bool(t.get("rstrip")),
+                                             bool(t.get("single_word")))
+                              for t in early + late}   # content (as found) -> (id, lstrip, rstrip, single_word)
         # the control tokens (<|im_end|>, <|endoftext|>...), which output text leaves out by default
         self.special_ids = frozenset(t["id"] for t in added_tokens if t.get("special"))
         self.nfc = nfc                    # Unicode NFC-normalize the text between added tokens (Qwen 2)
@@ -475,10 +478,14 @@ class Tokenizer:
 
     def _split_added(self, text: str, added, encode_gap) -> list[int]:
         """The added tokens that `added` finds in text, and encode_gap of the text between
-        them. An lstrip (rstrip) token drops the whitespace on its left (right)."""
+        them. An lstrip (rstrip) token drops the whitespace on its left (right). A single_word
+        token found inside a word is no token there: as HF, its text stays text, and the search
+        goes on after it (not for a shorter token, or one that starts within it)."""
         ids, start, strip_left = [], 0, False
         for m in added.finditer(text):
-            token, lstrip, rstrip = self._added_tokens[m.group()]
+            token, lstrip, rstrip, single_word = self._added_tokens[m.group()]
+            if single_word and (WORD_CHAR.match(text, m.end()) or m.start() and WORD_CHAR.match(text, m.start() - 1)):
+                continue
             gap = text[start:m.start()]
             gap = gap.lstrip(WHITE_SPACE) if strip_left else gap   # after an rstrip token
             ids += encode_gap(gap.rstrip(WHITE_SPACE) if lstrip else gap)
@@ -823,8 +830,14 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
         last = i
     prefix_ids, suffix_ids = _post_processor_ids(tj.get("post_processor"), path)
     template, named_templates, template_tokens = _chat_template(model_dir)
+    # The tokenizer's EOS, HF's tokenizer.eos_token_id (tokenizer_config.json's eos_token), where
+    # it names a token; else the model's first. (The engine stops on all of the model's.)
+    eos = template_tokens.get("eos_token")
+    eos_token_id = special.get(eos, vocab.get(eos)) if eos else None
+    if eos_token_id is None and config.eos_token_id:
+        eos_token_id = config.eos_token_id[0]
     return bpe_tokenizer(model_dir.name, pattern, ranks, special, nfc=normalizer == "NFC",
-                         eos_token_id=config.eos_token_id[0] if config.eos_token_id else None,
+                         eos_token_id=eos_token_id,
                          prefix_ids=prefix_ids, suffix_ids=suffix_ids, added_tokens=added,
                          chat_template=template, named_templates=named_templates,
                          template_tokens=template_tokens)

@@ -1228,9 +1228,12 @@ class LLM:
 
     def _check_stop_strings(self, seqs):
         """Finish the sequences whose text now contains a stop string; the text ends before it.
-        A stop string completed by the last token max_tokens allows still counts: "stop"."""
+        A stop string completed by the last token max_tokens allows still counts: "stop". So
+        does one that a stop token (or EOS) completes where include_stop_str_in_output keeps
+        its text (vLLM's rule): the stop string is then the stop_reason."""
         for seq in seqs:
-            if not seq.params.stop or seq.finish_reason not in (None, "length"):
+            kept_stop_token = seq.finish_reason == "stop" and seq.params.include_stop_str_in_output
+            if not seq.params.stop or not (seq.finish_reason in (None, "length") or kept_stop_token):
                 continue
             req = self._requests[seq.request_id]
             scan = req["stop_scans"].get(seq.sample_index)
@@ -1289,9 +1292,11 @@ class LLM:
             stop_token = q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(p, eos)
             text = self.tokenizer.decode(ids[:-1] if stop_token and not p.include_stop_str_in_output else ids,
                                          p.skip_special_tokens)
-            # vLLM's stop_reason: the stop string or stop token id that ended it; None for EOS
-            # (even one that stop_token_ids lists too), length, abort and error
-            stop_reason = ids[-1] if stop_token and (p.ignore_eos or ids[-1] not in eos) else None
+            # vLLM's stop_reason: the stop string or stop token id that ended it; None for the
+            # tokenizer's EOS (even where stop_token_ids lists it too), length, abort and error.
+            # The model's other EOS ids (generation_config.json's, Llama 3's <|eom_id|>...) are
+            # named: vLLM counts them among the stop tokens.
+            stop_reason = ids[-1] if stop_token and (p.ignore_eos or ids[-1] != self.tokenizer.eos_token_id) else None
             scan = req["stop_scans"].get(q.sample_index)
             if scan and scan.found is not None:   # the text ends before the stop string, or after it
                 text = text[:scan.found + (len(scan.stop) if p.include_stop_str_in_output else 0)]

@@ -953,20 +953,23 @@ def test_qwen2_and_llama3_shaped_tokenizers_encode_as_hugging_face_does(name):
 def test_added_tokens_marked_normalized_are_found_after_nfc(tmp_path):
     """HF finds an added token marked normalized: true in the text NFC made, the others in
     the raw text. The expected ids are Hugging Face tokenizers 0.23's, on the Qwen 2 shaped
-    tokenizer with <think> marked normalized and a normalized "<Å>" added."""
+    tokenizer with <think> marked normalized, a normalized "<Å>" added, and a normalized
+    "<A\u030a!>" (not NFC itself: found as NFC makes it, "<Å!>")."""
     tj = json.loads((TESTDATA / "qwen2_tokenizer" / "tokenizer.json").read_text())
     for t in tj["added_tokens"]:
         t["normalized"] = t["content"] == "<think>"
-    tj["added_tokens"].append({"id": 763, "content": "<\u00c5>", "single_word": False, "lstrip": False,
-                               "rstrip": False, "normalized": True, "special": False})
+    tj["added_tokens"] += [{"id": i, "content": content, "single_word": False, "lstrip": False,
+                            "rstrip": False, "normalized": True, "special": False}
+                           for i, content in ((763, "<\u00c5>"), (764, "<A\u030a!>"))]
     (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
     config = json.loads((TESTDATA / "qwen2_tokenizer" / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(config | {"vocab_size": 764}))
+    (tmp_path / "config.json").write_text(json.dumps(config | {"vocab_size": 765}))
     tok = load_tokenizer(tmp_path)
     for text, ids in [("<think>\u0338", [27, 277, 263, 74, 158, 231, 107]),   # NFC made "≯" first
                       ("x<think>y", [87, 761, 88]),
                       ("<A\u030a> and <\u00c5>", [763, 746, 220, 763]),      # "<Å>" only once composed
-                      ("<|im_end|>\u0338 <think><A\u030a>", [758, 136, 116, 220, 761, 763])]:
+                      ("<|im_end|>\u0338 <think><A\u030a>", [758, 136, 116, 220, 761, 763]),
+                      ("x <A\u030a!> and <\u00c5!>", [87, 220, 764, 746, 220, 764])]:
         assert tok.encode(text, add_special_tokens=False) == ids, text
 
 
@@ -1050,13 +1053,18 @@ def test_added_tokens_are_matched_as_hf_matches_them(tmp_path):
     added = [{"content": "<|x|>", "id": 257}, {"content": "<a>", "id": 258}, {"content": "<a><b>", "id": 259},
              {"content": "  ", "id": 260}, {"content": "   ", "id": 261},
              {"content": "<m>", "id": 262, "lstrip": True}, {"content": "<s>", "id": 263, "rstrip": True},
-             {"content": "cat", "id": 264, "single_word": True}]
+             {"content": "cat", "id": 264, "single_word": True}, {"content": "atx", "id": 265},
+             {"content": "<q>y", "id": 266, "single_word": True}, {"content": "<q>", "id": 267}]
     tok = load_tokenizer(tiny_tokenizer_dir(tmp_path, added_tokens=added))
     x, y, z, h, i = map(ord, "xyzhi")
     cases = {"x<a><b>y<a>": [x, 259, y, 258], "x   y  z": [x, 261, y, 260, z], "hi <m>": [h, i, 262],
              "hi  <m>x": [h, i, 260, 262, x], "x<s>  y": [x, 263, 260, y], " cat ": [32, 264, 32],
              "concatenate": [99, 111, 110, 99, 97, 116, 101, 110, 97, 116, 101], "a_cat": [97, 95, 99, 97, 116],
-             "a\x1c<m>\x1fb": [97, 28, 262, 31, 98]}   # \x1c, \x1f: no White_Space, so not stripped
+             "a\x1c<m>\x1fb": [97, 28, 262, 31, 98],   # \x1c, \x1f: no White_Space, so not stripped
+             # a single_word token inside a word is text there, and the search goes on after it:
+             # not for a shorter token at the same place, nor one starting within it
+             "catx atx": [99, 97, 116, 120, 32, 265], "<q>yz": [60, 113, 62, 121, 122], "<q>y z": [266, 32, 122],
+             "<q>": [267]}
     assert {text: tok.encode(text) for text in cases} == cases
 
 
@@ -2811,6 +2819,26 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     assert_nothing_leaked(llm)
 
 
+def test_stop_reason_names_an_eos_other_than_the_tokenizers(smollm2_dir, tmp_path):
+    """vLLM's EOS is the tokenizer's (tokenizer_config.json's eos_token), whose stop_reason is
+    None; the model's other EOS ids (generation_config.json's: Llama 3's <|eom_id|>...) stop
+    as stop tokens do, named in stop_reason."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for f in smollm2_dir.iterdir():
+        (model_dir / f.name).symlink_to(f)
+    tok = load_tokenizer(smollm2_dir)
+    bang = tok.encode("!")[0]
+    (model_dir / "generation_config.json").unlink(missing_ok=True)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, bang]}))
+    llm = LLM(model_dir, num_blocks=64)
+    assert llm.get_tokenizer().eos_token_id == tok.eos_token_id and bang in llm.scheduler.eos_token_ids
+    chat = tok.encode(tok.apply_chat_template("Hi"), add_special_tokens=False)
+    out = llm.generate(chat, greedy(40))[0].outputs[0]   # "Hello!": the "!" ends it
+    assert (out.token_ids[-1], out.finish_reason, out.stop_reason) == (bang, "stop", bang)
+    assert out.text == tok.decode(out.token_ids[:-1])
+
+
 def test_generation_config_gives_the_default_sampling_params(tmp_path):
     """vLLM's rule: a request without SamplingParams samples as the model's
     generation_config.json advises (values equal to HF's defaults, such as top_k 50, are none)."""
@@ -3330,6 +3358,9 @@ def test_stop_reason_and_include_stop_str_in_output(llm):
              (dict(stop="!", include_stop_str_in_output=True), head + "!", "!"),
              (dict(stop_token_ids=[bang]), head, bang),
              (dict(stop_token_ids=[bang], include_stop_str_in_output=True), head + "!", bang),
+             # a stop token whose text completes a stop string: the string, where the text keeps it
+             (dict(stop_token_ids=[bang], stop=["o!"], include_stop_str_in_output=True), head + "!", "o!"),
+             (dict(stop_token_ids=[bang], stop=["o!"]), head, bang),
              (dict(stop_token_ids=[eos]), plain.text, None),      # EOS is EOS, listed or not
              (dict(stop_token_ids=[eos], ignore_eos=True), plain.text, eos),
              (dict(max_tokens=1), head, None)]
