@@ -1442,6 +1442,11 @@ def convert_gguf(gguf_path: Path) -> Path:
                          f"set NANOPAGED_CACHE to a writable directory") from None
     try:
         _write_hf_dir(gguf_path, tmp, f"nanopaged: converting {gguf_path.name} into {out} (first use only)")
+        try:   # its tokenizer checked before it is cached: a bad one is named by the .gguf, and not kept
+            hf_tokenizer(tmp, ModelConfig.from_json(tmp / "config.json"))
+        except ModelError as e:   # ("converted tokenizer.json: ...", not a temporary path)
+            why = str(e).replace(f"{tmp}{os.sep}", "converted ")
+            raise ModelError(f"{gguf_path}: its tokenizer cannot be used: {why}") from None
         try:
             tmp.rename(out)
         except OSError:

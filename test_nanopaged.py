@@ -1292,7 +1292,7 @@ def test_decode_skips_ids_that_are_no_token():
 # GGUF conversion
 
 def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None,
-               dtypes=None, pre="smollm", add_bos=None, pad=0, meta=(), block_count=None):
+               dtypes=None, pre="smollm", add_bos=None, pad=0, meta=(), block_count=None, merges=()):
     """A tiny Llama GGUF: the 256 byte tokens (and `pad` padding ones after them, as llama.cpp
     writes an embedding matrix longer than the vocab), random float32 weights (tied
     embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
@@ -1313,7 +1313,7 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     writer.add_token_list(sorted(vocab, key=vocab.get) + [f"[PAD{256 + i}]" for i in range(pad)])
     if token_types is not None or pad:
         writer.add_token_types((token_types or [1] * 256) + [5] * pad)   # 5: UNUSED
-    writer.add_token_merges([])
+    writer.add_token_merges(list(merges))
     writer.add_eos_token_id(eos)
     if bos is not None:
         writer.add_bos_token_id(bos)
@@ -1409,6 +1409,14 @@ def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, capsys, kwargs, messa
     assert str(e.value).startswith(f"{path}: ")
     assert capsys.readouterr().err == ""   # no "converting ..." notice for a file that is refused
     assert not list(own_cache.iterdir())  # nothing converted, no temporary directory left
+
+
+def test_a_gguf_whose_tokenizer_cannot_be_used_is_named_and_not_cached(tmp_path, own_cache):
+    path = write_gguf(tmp_path / "bad.gguf", merges=["a b"])   # "ab" is no token of its vocab
+    with pytest.raises(ModelError, match=r"bad.gguf: its tokenizer cannot be used: converted tokenizer.json: "
+                                         r"merge #0 'a' \+ 'b' makes a token that is not in the vocab$"):
+        load_model(path)
+    assert not list(own_cache.iterdir())   # not kept: the same error again, not a cached broken model
 
 
 def test_gguf_tensor_shape_checked_before_conversion(tmp_path, own_cache):
