@@ -380,6 +380,16 @@ QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
 
 
+def _added_search(added_tokens: list[dict]) -> tuple:
+    """(a regex that finds these added tokens, content -> (id, lstrip, rstrip, single_word));
+    of two tokens that read alike, the first."""
+    table = {}
+    for t in added_tokens:
+        table.setdefault(t["content"], (t["id"], bool(t.get("lstrip")), bool(t.get("rstrip")),
+                                        bool(t.get("single_word"))))
+    return regex.compile(_longest_first(added_tokens)), table
+
+
 def _longest_first(added_tokens: list[dict]) -> str:
     """A regex that finds any of the added tokens, the longest at a place first, built as
     a trie: each character narrows the candidates, so that a text full of "<" costs the
@@ -414,7 +424,7 @@ class Tokenizer:
                  template_tokens: dict | None = None, added_tokens: list[dict] | None = None,
                  named_templates: dict[str, str] | None = None):
         self.encoding = encoding
-        self.eos_token_id = eos_token_id  # for get_tokenizer() users; the engine stops on config.eos_token_id
+        self.eos_token_id = eos_token_id  # HF's tokenizer.eos_token_id: the EOS a stop_reason leaves unnamed
         self.dropped_from = dropped_from  # ids >= this stand for bytes the vocab lacks
         if dropped_from is not None:      # for _encode_dropping (pattern: the pre-tokenizer's)
             self._dropped = {encoding.decode_single_token_bytes(i)[0]
@@ -428,16 +438,14 @@ class Tokenizer:
             added_tokens = [{"content": t, "id": encoding.encode_single_token(t), "special": True}
                             for t in encoding.special_tokens_set]
         # HF finds the tokens marked normalized: false in the raw text, then normalizes the
-        # text between them, and finds the normalized: true ones in that, normalized too
-        # ("<A\u030a>" is found as "<Å>"). (Without a normalizer the two are one: a single search.)
-        early = [t for t in added_tokens if not (nfc and t.get("normalized"))]
-        late = [t | {"content": unicodedata.normalize("NFC", t["content"])}
-                for t in added_tokens if nfc and t.get("normalized")]
-        self._added = regex.compile(_longest_first(early))
-        self._added_normalized = regex.compile(_longest_first(late)) if late else None
-        self._added_tokens = {t["content"]: (t["id"], bool(t.get("lstrip")), bool(t.get("rstrip")),
-                                             bool(t.get("single_word")))
-                              for t in early + late}   # content (as found) -> (id, lstrip, rstrip, single_word)
+        # text between them (NFC, where the tokenizer says so) and finds the normalized: true
+        # ones in that, normalized too ("<A\u030a>" is found as "<Å>"). Two searches, even
+        # without a normalizer: a single_word token's neighbours are those of its own search.
+        early = [t for t in added_tokens if not t.get("normalized")]
+        late = [t | {"content": unicodedata.normalize("NFC", t["content"]) if nfc else t["content"]}
+                for t in added_tokens if t.get("normalized")]
+        self._added = _added_search(early)
+        self._added_normalized = _added_search(late) if late else None
         # the control tokens (<|im_end|>, <|endoftext|>...), which output text leaves out by default
         self.special_ids = frozenset(t["id"] for t in added_tokens if t.get("special"))
         self.nfc = nfc                    # Unicode NFC-normalize the text between added tokens (Qwen 2)
@@ -476,14 +484,15 @@ class Tokenizer:
             ids += self.suffix_ids
         return ids
 
-    def _split_added(self, text: str, added, encode_gap) -> list[int]:
-        """The added tokens that `added` finds in text, and encode_gap of the text between
-        them. An lstrip (rstrip) token drops the whitespace on its left (right). A single_word
-        token found inside a word is no token there: as HF, its text stays text, and the search
-        goes on after it (not for a shorter token, or one that starts within it)."""
-        ids, start, strip_left = [], 0, False
+    def _split_added(self, text: str, search: tuple, encode_gap) -> list[int]:
+        """The added tokens that search (from _added_search) finds in text, and encode_gap of
+        the text between them. An lstrip (rstrip) token drops the whitespace on its left
+        (right). A single_word token found inside a word is no token there: as HF, its text
+        stays text between tokens, and the search goes on after it (it does not try a shorter
+        token at that place, nor one starting within it)."""
+        (added, tokens), ids, start, strip_left = search, [], 0, False
         for m in added.finditer(text):
-            token, lstrip, rstrip, single_word = self._added_tokens[m.group()]
+            token, lstrip, rstrip, single_word = tokens[m.group()]
             if single_word and (WORD_CHAR.match(text, m.end()) or m.start() and WORD_CHAR.match(text, m.start() - 1)):
                 continue
             gap = text[start:m.start()]

@@ -766,8 +766,12 @@ class LLM:
         # (93, 105, 96 output tok/s at 512, 1024, 2048): big enough for efficient prefill
         # matmuls, small enough that decodes do not wait long behind prefill chunks.
         max_num_batched_tokens = max_num_batched_tokens or (8192 if device.type == "cuda" else 1024)
+        # The ids that end a request (EOS): the model's (config.json's, generation_config.json's)
+        # and, as vLLM, the tokenizer's own, where those lists leave it out
+        eos = self.tokenizer.eos_token_id
+        eos_token_ids = cfg.eos_token_id + ([eos] if eos is not None and eos not in cfg.eos_token_id else [])
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                   enable_prefix_caching, cfg.eos_token_id, self.swap_pool)
+                                   enable_prefix_caching, eos_token_ids, self.swap_pool)
         self.attn = PagedAttention(self.pool, cfg.head_dim ** -0.5,
                                    _pick_kernels(attn_backend, device, cfg, block_size, dtype))
         self.stats = Stats()

@@ -1068,6 +1068,28 @@ def test_added_tokens_are_matched_as_hf_matches_them(tmp_path):
     assert {text: tok.encode(text) for text in cases} == cases
 
 
+def test_normalized_added_tokens_are_a_second_search_even_without_a_normalizer(tmp_path):
+    """HF finds the normalized: false added tokens first, then the normalized: true ones in
+    the text between, normalized (NFC here where the tokenizer says so): a single_word
+    token's neighbours are those of its own search, a rejected one's text is searched again,
+    and a token written composed keeps its id beside one found by its NFC form. The
+    expected ids are HF tokenizers' (0.23) for the same tokenizer.json."""
+    def flags(t):
+        return {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": False} | t
+    plain = [flags(t) for t in ({"content": "<q>y", "id": 257, "single_word": True},
+                                {"content": "<q>", "id": 258, "normalized": True},
+                                {"content": "tz", "id": 259, "single_word": True},
+                                {"content": " dog", "id": 260, "single_word": True, "normalized": True})]
+    nfc = [flags(t) for t in ({"content": "<\u00c5>", "id": 257}, {"content": "<A\u030a>", "id": 258, "normalized": True})]
+    for name, added, normalizer, cases in [
+            ("plain", plain, None, {"1<q>y": [49, 258, 121], "<q>y": [257], "1<q>y2": [49, 258, 121, 50],
+                                    "tz dog": [259, 260], "tz dogs": [259, 32, 100, 111, 103, 115],
+                                    "atz dog": [97, 116, 122, 32, 100, 111, 103], "<q>": [258]}),
+            ("nfc", nfc, {"type": "NFC"}, {"<\u00c5>": [257], "<A\u030a>": [258], "x<\u00c5>y<A\u030a>": [120, 257, 121, 258]})]:
+        tok = load_tokenizer(tiny_tokenizer_dir(tmp_path / name, added_tokens=added, normalizer=normalizer))
+        assert {text: tok.encode(text, add_special_tokens=False) for text in cases} == cases, name
+
+
 BOS_FIRST = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|x|>", "type_id": 0}},
                                                       {"Sequence": {"id": "A", "type_id": 0}}],
              "special_tokens": {"<|x|>": {"id": "<|x|>", "ids": [257], "tokens": ["<|x|>"]}}}
@@ -2845,6 +2867,15 @@ def test_stop_reason_names_an_eos_other_than_the_tokenizers(smollm2_dir, tmp_pat
     out = llm.generate(chat, greedy(40))[0].outputs[0]   # "Hello!": the "!" ends it
     assert (out.token_ids[-1], out.finish_reason, out.stop_reason) == (bang, "stop", bang)
     assert out.text == tok.decode(out.token_ids[:-1])
+    # the tokenizer's EOS ends a request even where the model's lists leave it out (vLLM's rule)
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    (model_dir / "config.json").unlink()
+    (model_dir / "config.json").write_text(json.dumps(config | {"eos_token_id": None}))
+    (model_dir / "generation_config.json").write_text("{}")
+    llm = LLM(model_dir, num_blocks=64)
+    assert llm.config.eos_token_id == [] and llm.scheduler.eos_token_ids == {tok.eos_token_id}
+    out = llm.generate(chat, greedy(40))[0].outputs[0]
+    assert (out.token_ids[-1], out.finish_reason, out.stop_reason) == (tok.eos_token_id, "stop", None)
 
 
 def test_generation_config_gives_the_default_sampling_params(tmp_path):
