@@ -533,8 +533,8 @@ class Scheduler:
 
     def _move_table(self, seq: Sequence, pool, hits=()) -> list[tuple[int, int]]:
         """Give seq a table in pool (the swap space, or back) for the blocks it holds, which it
-        releases: the blocks of pool in hits for its first ones (found in the prefix cache),
-        fresh ones for the rest. Returns the (old, new) block pairs whose data the engine
+        releases: the blocks of pool in hits for its first ones (their K/V there already: see
+        _still_cached), fresh ones for the rest. Returns the (old, new) block pairs whose data the engine
         copies. (Full blocks released here stay in the prefix cache, evictable.)"""
         old, new = seq.block_table, pool.new_table()
         for block in hits:
@@ -565,9 +565,10 @@ class Scheduler:
     def _swap_in(self, seq: Sequence, hits: list[int], out: SchedulerOutput):
         """Bring a swapped-out sequence back: its first blocks from the prefix cache, or from
         this step's blocks, where they hold its K/V already (hits, from _still_cached: nothing
-        to copy), fresh blocks for the rest, its data copied into them. The CPU blocks are freed at once, before their copy
-        runs: safe, because no step both swaps in and swaps out (nothing is brought back after
-        a preemption), so nothing writes to the swap space before the engine has read them."""
+        to copy), fresh blocks for the rest, its data copied into them. The CPU blocks are
+        freed at once, before their copy runs: safe, because no step both swaps in and swaps
+        out (nothing is brought back after a preemption), so nothing writes to the swap space
+        before the engine has read them."""
         pairs = self._move_table(seq, self.pool, hits)
         out.swap_in += pairs
         out.swapped_in.append(seq)
