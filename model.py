@@ -796,6 +796,9 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     for t in added:
         if not (isinstance(t, dict) and isinstance(t.get("content"), str) and _is_id(t.get("id"))):
             raise ModelError(f"{path}: added token {t!r} lacks a string 'content' or a token 'id'")
+        for key in ("single_word", "lstrip", "rstrip", "normalized", "special"):   # ("no" would be true)
+            if not isinstance(t.get(key, False), bool):
+                raise ModelError(f"{path}: added token {t['content']!r} has {key} {t[key]!r}, expected true or false")
     added = [t for t in added if t["content"]]   # HF skips an empty one (tiktoken would match it forever)
     special = {t["content"]: t["id"] for t in added}
     added_ids = set(special.values())

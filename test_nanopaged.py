@@ -998,6 +998,8 @@ def test_nfc_acts_between_added_tokens_and_long_whitespace_is_refused(tmp_path):
     ({"added_tokens": [{"id": 257}]}, r"tokenizer.json: added token \{'id': 257\} lacks"),
     ({"added_tokens": [{"id": "257", "content": "<|x|>"}]}, "tokenizer.json: added token"),
     ({"added_tokens": ["<|x|>"]}, r"tokenizer.json: added token '<\|x\|>' lacks"),
+    ({"added_tokens": [{"id": 257, "content": "<|x|>", "lstrip": "no"}]},
+     r"tokenizer.json: added token '<\|x\|>' has lstrip 'no', expected true or false"),
     ({"normalizer": "NFC"}, "tokenizer.json: 'normalizer' is 'NFC', expected an object"),
     ({"pre_tokenizer": ["ByteLevel"]}, "tokenizer.json: 'pre_tokenizer' is \\['ByteLevel'\\]"),
     ({"pre_tokenizer": {"type": "Sequence", "pretokenizers": ["Split"]}}, "is not a pre-tokenizer object"),
