@@ -1308,9 +1308,10 @@ def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | N
         parts = {f"the weights ({params:,} parameters in {dtype}: {config.num_hidden_layers:,} layers, hidden_size "
                  f"{config.hidden_size:,}, vocab_size {config.vocab_size:,})": weights,
                  f"the RoPE tables ({config.max_position_embeddings:,} positions)": rope}
-        raise ModelError(f"{source}: " + " and ".join(f"{what} need {size / 2**30:,.1f} GiB" for what, size in parts.items()
-                                                      if size >= (weights + rope) / 100)   # (those that matter)
-                         + f", more than all {memory / 2**30:,.1f} GiB of the {device.type} memory")
+        shown = [f"{what} need {size / 2**30:,.1f} GiB" for what, size in parts.items()
+                 if size >= (weights + rope) / 100]   # (the parts that matter)
+        raise ModelError(f"{source}: {' and '.join(shown)}, more than all {memory / 2**30:,.1f} GiB of the "
+                         f"{device.type} memory")
 
 
 def _memory_bytes(device: torch.device) -> int | None:

@@ -534,8 +534,8 @@ class Scheduler:
     def _move_table(self, seq: Sequence, pool, hits=()) -> list[tuple[int, int]]:
         """Give seq a table in pool (the swap space, or back) for the blocks it holds, which it
         releases: the blocks of pool in hits for its first ones (their K/V there already: see
-        _still_cached), fresh ones for the rest. Returns the (old, new) block pairs whose data the engine
-        copies. (Full blocks released here stay in the prefix cache, evictable.)"""
+        _still_cached), fresh ones for the rest. Returns the (old, new) block pairs whose data
+        the engine copies. (Full blocks released here stay in the prefix cache, evictable.)"""
         old, new = seq.block_table, pool.new_table()
         for block in hits:
             new.append_cached(block)
@@ -584,8 +584,9 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence):
         """Recompute preemption: drop all of seq's blocks at once and send it back to the
-        waiting queue, in its place by arrival (mostly the head). Its prompt and the tokens it generated so far become its new
-        prompt to prefill; with prefix caching on, its full blocks may still be found there."""
+        waiting queue, in its place by arrival (mostly the head). Its prompt and the tokens it
+        generated so far become its new prompt to prefill; with prefix caching on, its full
+        blocks may still be found there."""
         if seq.status is Status.SWAPPED:   # (undoing a swap-out whose copy may not have run)
             self.swapped.remove(seq)
             seq.block_table.release()
