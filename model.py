@@ -30,6 +30,7 @@ import reprlib
 import shutil
 import sys
 import tempfile
+import time
 import unicodedata
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -608,9 +609,10 @@ class Tokenizer:
             # template's own end-of-turn token, and all after it, fall away).
             messages[-1] = messages[-1] | {"content": final + CONTINUE_MARK}
         try:
-            text = _compile_chat_template(template).render(   # (one dict: a variable may be named "self")
-                self.template_tokens | template_vars | dict(messages=messages, tools=tools, documents=documents,
-                                                            add_generation_prompt=add_generation_prompt))
+            text = _render_bounded(_compile_chat_template(template),   # (one dict: a variable may be named "self")
+                                   self.template_tokens | template_vars | dict(
+                                       messages=messages, tools=tools, documents=documents,
+                                       add_generation_prompt=add_generation_prompt))
         except Exception as e:   # the template is code from elsewhere: any error is its own
             whose = "the chat_template given" if template == chat_template else "the model's chat template"
             raise ValueError(f"{whose} failed: {type(e).__name__}: {e}") from None
@@ -692,6 +694,45 @@ def _compile_chat_template(template: str):
         return env.from_string(template)
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template is not valid Jinja: {e}") from None
+
+
+# A chat template is code from the model's files, and the sandbox bounds each range() but not
+# loops within loops: a template could run for hours, or fill the memory with text. So a
+# render stops past these (a real prompt is milliseconds and far less text).
+RENDER_SECONDS = 10.0
+RENDER_CHARS = 2**26
+
+
+def _render_bounded(template: jinja2.Template, variables: dict) -> str:
+    """template.render(variables), stopped with a ValueError past RENDER_SECONDS or
+    RENDER_CHARS. Jinja compiles a template to Python code (its file name "<template>"),
+    and a trace function sees each of its lines run, every turn of a loop included: there
+    the clock is read. (Where a debugger or coverage tool traces already, it is left in
+    charge and the render is not timed.)"""
+    deadline = time.monotonic() + RENDER_SECONDS
+
+    def on_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise ValueError(f"rendering took more than {RENDER_SECONDS:g} s")
+        return on_line
+
+    def on_call(frame, event, arg):   # (a new frame: the template's own, or Jinja's and ours)
+        return on_line if frame.f_code.co_filename == "<template>" else None
+
+    timed = sys.gettrace() is None
+    if timed:
+        sys.settrace(on_call)
+    try:
+        pieces, length = [], 0
+        for piece in template.generate(variables):   # the text as it is made: its length checked
+            length += len(piece)
+            if length > RENDER_CHARS:
+                raise ValueError(f"the rendered text is longer than {RENDER_CHARS:,} characters")
+            pieces.append(piece)
+        return "".join(pieces)
+    finally:
+        if timed:
+            sys.settrace(None)
 
 
 def bpe_tokenizer(name: str, pattern: str, ranks: dict[bytes, int], special: dict[str, int],

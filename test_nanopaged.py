@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import build_ext
+import model as model_module
 import nanopaged as nanopaged_module
 import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
@@ -1273,6 +1274,19 @@ def test_chat_template_errors_are_value_errors(tmp_path, template, message):
     assert tok.encode("ab") == [256]
     with pytest.raises(ValueError, match=message):
         tok.apply_chat_template("Hi")
+
+
+def test_a_chat_template_that_runs_away_is_stopped(tmp_path, monkeypatch):
+    """The sandbox bounds each range(), not loops within loops: a render stops past
+    RENDER_SECONDS (here 0.5), or past RENDER_CHARS of text."""
+    monkeypatch.setattr(model_module, "RENDER_SECONDS", 0.5)
+    path = tiny_tokenizer_dir(tmp_path)
+    for loop, message in (("{% set x = i + j %}", "rendering took more than 0.5 s"),    # 10**10 turns
+                          ("{{ 'x' * 99999 }}", "rendered text is longer than 67,108,864 characters")):
+        (path / "chat_template.jinja").write_text(
+            "{% for i in range(99999) %}{% for j in range(99999) %}" + loop + "{% endfor %}{% endfor %}")
+        with pytest.raises(ValueError, match=f"the model's chat template failed: ValueError: .*{message}"):
+            load_tokenizer(path).apply_chat_template("Hi")
 
 
 def test_empty_added_token_is_skipped(tmp_path):
