@@ -779,6 +779,7 @@ class LLM:
         self._to_report: dict = {}   # ids of requests run or aborted and not reported yet (an ordered set)
         self._next_id = 0
         self._open_stream = None   # the request id of a stream() being read
+        self._generating = False   # whether generate() is running (its steps own the engine)
         self._trace: list[str] | None = None   # the block trace's lines of this step; None: off
 
     def get_tokenizer(self):
@@ -804,7 +805,7 @@ class LLM:
         """Queue one prompt: text, a list of token ids, or, as vLLM writes them, {"prompt":
         text} or {"prompt_token_ids": ids}. Bad input raises ValueError and leaves the engine
         as it was."""
-        self._check_no_stream("add_request()")
+        self._check_free("add_request()")
         text, ids = self._parse_prompt(prompt)
         return self._add(text, ids, params, request_id)
 
@@ -921,7 +922,9 @@ class LLM:
             params.disallowed_mask[allowed] = False
 
     def abort(self, request_id) -> RequestOutput:
-        """Stop a request now; its blocks return to the pool at once. Returns what it had."""
+        """Stop a request now; its blocks return to the pool at once. Returns what it had.
+        (A stream's own request may be aborted while it is read; generate()'s may not.)"""
+        self._check_not_generating("abort()")
         if _check_request_id(request_id) in self.scheduler.requests or request_id not in self._requests:
             with defer_ctrl_c():   # (else it finished, and no step() reported it yet)
                 self.scheduler.abort(request_id)
@@ -939,7 +942,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests finished in it, or by an earlier step that
         raised after finishing them (none when idle)."""
-        self._check_no_stream("step()")
+        self._check_free("step()")
         return self._step()
 
     def _step(self) -> list[RequestOutput]:
@@ -1226,8 +1229,11 @@ class LLM:
             logprobs = [{t: Logprob(lp, rank, self.tokenizer.decode([t]))
                          for rank, (t, lp) in sorted(enumerate(cands, 1), key=lambda c: c[1][0] != token)}
                         for token, cands in zip(ids, beam_history(history))]
-            text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
-            results.append(CompletionOutput(i, text, ids, reason, None, logprobs, cum))
+            # an EOS ends the text, unless include_stop_str_in_output; stop_reason as for samples
+            eos = ids[-1] if reason == "stop" else None
+            text = self.tokenizer.decode(ids[:-1] if eos is not None and not req["params"].beam.include_stop_str_in_output
+                                         else ids, skip_special_tokens=True)
+            results.append(CompletionOutput(i, text, ids, reason, self._stop_reason(eos, False), logprobs, cum))
         return results
 
     def _check_stop_strings(self, seqs):
@@ -1286,6 +1292,16 @@ class LLM:
                              first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time,
                              req["prompt_logprobs"])
 
+    def _stop_reason(self, stop_token: int | None, ignore_eos: bool) -> int | None:
+        """vLLM's stop_reason for an output that a stop token ended (None: it did not): the
+        token id, but None for the tokenizer's EOS (even where stop_token_ids lists it too,
+        unless ignore_eos makes it a plain stop token). The model's other EOS ids
+        (generation_config.json's, Llama 3's <|eom_id|>...) are named: vLLM counts them among
+        the stop tokens. (A stop string, length, abort and error are the caller's.)"""
+        if stop_token is None or (stop_token == self.tokenizer.eos_token_id and not ignore_eos):
+            return None
+        return stop_token
+
     def _sample_results(self, req, seqs: list) -> list[CompletionOutput]:
         """A finished request's n samples (seqs: its sequences, by sample index)."""
         outputs, first = [], seqs[0]
@@ -1296,11 +1312,7 @@ class LLM:
             stop_token = q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(p, eos)
             text = self.tokenizer.decode(ids[:-1] if stop_token and not p.include_stop_str_in_output else ids,
                                          p.skip_special_tokens)
-            # vLLM's stop_reason: the stop string or stop token id that ended it; None for the
-            # tokenizer's EOS (even where stop_token_ids lists it too), length, abort and error.
-            # The model's other EOS ids (generation_config.json's, Llama 3's <|eom_id|>...) are
-            # named: vLLM counts them among the stop tokens.
-            stop_reason = ids[-1] if stop_token and (p.ignore_eos or ids[-1] != self.tokenizer.eos_token_id) else None
+            stop_reason = self._stop_reason(ids[-1] if stop_token else None, p.ignore_eos)
             scan = req["stop_scans"].get(q.sample_index)
             if scan and scan.found is not None:   # the text ends before the stop string, or after it
                 text = text[:scan.found + (len(scan.stop) if p.include_stop_str_in_output else 0)]
@@ -1429,15 +1441,17 @@ class LLM:
                     self._next_id = first_id   # (the ids of the prompts before it: never seen by the caller)
                     raise ValueError(f"prompt {i}: {e}") from None
             self.reset_stats()   # (once all were accepted: a refused batch leaves them as they were)
-            results = {}
+            results, self._generating = {}, True
             while self.has_unfinished_requests():
-                for r in self.step():
+                for r in self._step():
                     results[r.request_id] = r
                 if use_tqdm:
                     _progress(len(results), len(ids), self.stats)
         except BaseException:
             self._drop_all()   # a refused prompt, an interrupt...: leave nothing behind
             raise
+        finally:
+            self._generating = False
         if use_tqdm:
             print(file=sys.stderr)
         return [results[rid] for rid in ids]
@@ -1445,18 +1459,24 @@ class LLM:
     def _check_alone(self, caller: str):
         """generate() and stream() run the engine until their own requests finish: requests
         queued with add_request would run too, and their outputs would be lost."""
-        self._check_no_stream(caller)
+        self._check_free(caller)
         if self.has_unfinished_requests():
             raise ValueError(f"{caller} cannot run while {len(self._requests)} request(s) queued with "
                              "add_request() are not reported finished: step() them to the end, or abort() them")
 
-    def _check_no_stream(self, caller: str):
-        """While a stream is open, its generator owns the engine: a step taken elsewhere would
-        finish its request behind its back, and a request added beside it would be run by
-        its steps, its output lost."""
+    def _check_free(self, caller: str):
+        """While generate() runs, or a stream is open, it owns the engine: a step taken
+        elsewhere (from a trace callback, another thread) would finish its requests behind
+        its back, and a request added beside them would be run by its steps, its output lost."""
+        self._check_not_generating(caller)
         if self._open_stream is not None:
             raise ValueError(f"{caller} cannot run while a stream() is being read: read it to the end, "
                              "or close() it")
+
+    def _check_not_generating(self, caller: str):
+        if self._generating:
+            raise ValueError(f"{caller} cannot run while generate() is running (called from its trace "
+                             "callback, or another thread)")
 
     def _drop_all(self):
         """Abort every request, where unfinished, and forget them all (generate() and
@@ -1777,11 +1797,14 @@ def render_chat(tokenizer, conversation, /, **options) -> tuple[str, list[int]]:
 
 
 def _check_request_id(request_id):
-    """A request id is a dict key: anything hashable."""
+    """A request id is a dict key: anything hashable that equals itself (a NaN is found
+    in no list of ids: its beams would never be matched to it)."""
     try:
         hash(request_id)
     except TypeError:
         raise ValueError(f"a request id must be hashable, got {type(request_id).__name__}") from None
+    if request_id != request_id:
+        raise ValueError(f"a request id must equal itself, got {request_id!r}")
     return request_id
 
 

@@ -2324,7 +2324,7 @@ def assert_same_beams(got, want):
     assert [cum for _, cum in got] == pytest.approx([cum for _, cum in want], abs=1e-3)
 
 
-def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm):
+def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm, monkeypatch):
     tok = llm.get_tokenizer()
     chat = render_chat(tok, [{"role": "user", "content": "What is the capital of France?"}])[1]
     raw = tok.encode("The capital of France is")
@@ -2348,6 +2348,17 @@ def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm):
                 len(d) == 2 * width and next(iter(d)) == t for d, t in zip(s.logprobs, output))
             assert s.cum_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(s.logprobs, output)))
         reasons |= {s.finish_reason for s in out.sequences}
+        # generate() takes the BeamSearchParams too: the same beams as outputs, stop_reason as
+        # for samples (None for the tokenizer's EOS; another EOS id is named)
+        for tokenizer_eos in (tok.eos_token_id, -1):
+            monkeypatch.setattr(tok, "eos_token_id", tokenizer_eos)
+            gen = llm.generate([prompt], BeamSearchParams(width, max_tokens, length_penalty=penalty))[0]
+            monkeypatch.undo()
+            for c, k in zip(gen.outputs, kept.sequences):
+                ended = c.finish_reason == "stop"
+                assert c.token_ids == k.tokens[len(prompt):] and ended == (k.tokens[-1] in eos)
+                assert c.stop_reason == (c.token_ids[-1] if ended and tokenizer_eos == -1 else None)
+                assert c.text == tok.decode(c.token_ids[:-1] if ended else c.token_ids, skip_special_tokens=True)
         assert_nothing_leaked(llm)
     assert reasons == {"stop", "length"}   # results that ended in EOS, and ran to max_tokens
     # The beams share the prompt's blocks: after the first step, every block of the prompt
@@ -3001,6 +3012,25 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
         llm.generate(["fine prompt", "another"], [greedy(4), {"max_tokens": 4}])
     with pytest.raises(ValueError, match="request id must be hashable"):
         llm.add_request("hi", greedy(4), request_id=["unhashable"])
+    with pytest.raises(ValueError, match="request id must equal itself, got nan"):   # (a beam search waited for good)
+        llm.add_request("hi", BeamSearchParams(2, 4), request_id=float("nan"))
+    assert_nothing_leaked(llm)
+    # generate() owns the engine while it runs: a call from its trace callback (or another
+    # thread) is refused, and generate() goes on (it lost an output to an abort, and ran an
+    # added request's, thrown away)
+    refused = []
+
+    def meddle(line):
+        if line == "--- step 2 ---":
+            for call in (lambda: llm.abort(0), lambda: llm.add_request("side"), llm.step,
+                         lambda: llm.generate("again")):
+                with pytest.raises(ValueError, match="cannot run while generate\\(\\) is running") as e:
+                    call()
+                refused.append(str(e.value).split()[0])
+    llm.enable_trace(meddle)
+    outs = llm.generate(["fine prompt", "another"], greedy(4))
+    llm.disable_trace()
+    assert refused == ["abort()", "add_request()", "step()", "generate()"] and len(outs) == 2
     assert_nothing_leaked(llm)
     # token ids as numpy or torch integers are token ids
     ids = GOLDEN[0]["prompt_ids"]
