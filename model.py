@@ -21,7 +21,9 @@ import contextlib
 import datetime
 import functools
 import hashlib
+import heapq
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -341,7 +343,8 @@ def _rope_config(d: dict) -> tuple[float, dict | None]:
 # ----------------------------------------------------------------------------------------
 # tokenizers
 #
-# All tokenizers here are byte-level BPE, run by tiktoken. tiktoken knows one thing: the
+# Most tokenizers here are byte-level BPE, run by tiktoken (SentencePiece's BPE, Llama 2's,
+# has a section of its own below, SentencePieceBPE). tiktoken knows one thing: the
 # rank of every byte string in the vocab. To encode, it splits the text with a regex
 # ("pre-tokenization"), then within each piece repeatedly merges the adjacent pair whose
 # concatenation has the lowest rank. Hugging Face's BPE instead applies the merge listed
@@ -416,15 +419,20 @@ WORD_CHAR = regex.compile(r"\w")   # what a single_word added token must not tou
 
 
 class Tokenizer:
-    """Text <-> token ids: a tiktoken Encoding plus what the engine needs around it."""
+    """Text <-> token ids: a tiktoken Encoding (or a SentencePieceBPE) plus what the engine
+    needs around it."""
 
     def __init__(self, encoding: tiktoken.Encoding, eos_token_id: int | None = None,
                  chat_template: str | None = None, dropped_from: int | None = None,
                  pattern: str | None = None, nfc: bool = False,
                  prefix_ids: list[int] = (), suffix_ids: list[int] = (),
                  template_tokens: dict | None = None, added_tokens: list[dict] | None = None,
-                 named_templates: dict[str, str] | None = None):
-        self.encoding = encoding
+                 named_templates: dict[str, str] | None = None, sentencepiece: str | None = None):
+        self.encoding = encoding   # (or a SentencePieceBPE, which has the methods used here)
+        # None for byte-level BPE; for SentencePiece, where its "▁" goes before a text: "legacy"
+        # (a normalizer: before each text between added tokens, a space there or not), or a
+        # Metaspace pre-tokenizer's "first" (the text's start only), "always" or "never"
+        self.sentencepiece = sentencepiece
         self.eos_token_id = eos_token_id  # HF's tokenizer.eos_token_id: the EOS a stop_reason leaves unnamed
         self.dropped_from = dropped_from  # ids >= this stand for bytes the vocab lacks
         if dropped_from is not None:      # for _encode_dropping (pattern: the pre-tokenizer's)
@@ -475,22 +483,24 @@ class Tokenizer:
         # tiktoken's regex engine backtracks along a whitespace run, and near 10^6 characters
         # runs out of backtracking stack: a Rust panic, not an error. (The search looks only
         # where a run starts: tried at every place, it would take time quadratic in the run.)
-        if len(text) >= MAX_WHITESPACE_RUN and regex.search(rf"(?<!\s)\s{{{MAX_WHITESPACE_RUN}}}", text):
+        if (self.sentencepiece is None and len(text) >= MAX_WHITESPACE_RUN
+                and regex.search(rf"(?<!\s)\s{{{MAX_WHITESPACE_RUN}}}", text)):
             raise ValueError(f"the text holds a run of {MAX_WHITESPACE_RUN:,} or more whitespace characters, "
                              f"more than tiktoken can split")
-        ids = self._split_added(text, self._added, self._encode_normalized)
+        ids = self._split_added(text, self._added, self._encode_normalized, at_start=True)
         if add_special_tokens:
             if ids[:len(self.prefix_ids)] != self.prefix_ids:
                 ids = self.prefix_ids + ids
             ids += self.suffix_ids
         return ids
 
-    def _split_added(self, text: str, search: tuple, encode_gap) -> list[int]:
+    def _split_added(self, text: str, search: tuple, encode_gap, at_start: bool) -> list[int]:
         """The added tokens that search (from _added_search) finds in text, and encode_gap of
-        the text between them. An lstrip (rstrip) token drops the whitespace on its left
-        (right). A single_word token found inside a word is no token there: as HF, its text
-        stays text between tokens, and the search goes on after it (it does not try a shorter
-        token at that place, nor one starting within it)."""
+        the text between them (and whether that begins the whole text: at_start, and it
+        starts text). An lstrip (rstrip) token drops the whitespace on its left (right). A
+        single_word token found inside a word is no token there: as HF, its text stays text
+        between tokens, and the search goes on after it (it does not try a shorter token at
+        that place, nor one starting within it)."""
         (added, tokens), ids, start, strip_left = search, [], 0, False
         for m in added.finditer(text):
             token, lstrip, rstrip, single_word = tokens[m.group()]
@@ -498,25 +508,31 @@ class Tokenizer:
                 continue
             gap = text[start:m.start()]
             gap = gap.lstrip(WHITE_SPACE) if strip_left else gap   # after an rstrip token
-            ids += encode_gap(gap.rstrip(WHITE_SPACE) if lstrip else gap)
+            ids += encode_gap(gap.rstrip(WHITE_SPACE) if lstrip else gap, at_start and start == 0)
             ids.append(token)
             start, strip_left = m.end(), rstrip
         tail = text[start:]
-        return ids + encode_gap(tail.lstrip(WHITE_SPACE) if strip_left else tail)
+        return ids + encode_gap(tail.lstrip(WHITE_SPACE) if strip_left else tail, at_start and start == 0)
 
-    def _encode_normalized(self, text: str) -> list[int]:
+    def _encode_normalized(self, text: str, at_start: bool) -> list[int]:
         """Text between added tokens: normalized, as HF's normalizer acts here (NFC over the
         whole text would join a token's last character with a combining mark after it:
         "<think>" + U+0338 has no "<think>" left, as ">" + U+0338 is "≯"), then searched
         for the added tokens that match normalized text."""
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
+        if self.sentencepiece == "legacy" and text:   # Llama 2's normalizer: Prepend("▁"), Replace(" ", "▁")
+            text = SPACE + text.replace(" ", SPACE)
         if self._added_normalized is None:
-            return self._encode_ordinary(text)
-        return self._split_added(text, self._added_normalized, self._encode_ordinary)
+            return self._encode_ordinary(text, at_start)
+        return self._split_added(text, self._added_normalized, self._encode_ordinary, at_start)
 
-    def _encode_ordinary(self, text: str) -> list[int]:
+    def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
         """BPE of text that holds no added token."""
+        if self.sentencepiece in ("first", "always", "never") and text:   # a Metaspace pre-tokenizer:
+            text = text.replace(" ", SPACE)   # a "▁" first, unless the text starts with one (a space)
+            if not text.startswith(SPACE) and (self.sentencepiece == "always" or at_start and self.sentencepiece == "first"):
+                text = SPACE + text
         ids = self.encoding.encode_ordinary(text)
         if self.dropped_from is not None and any(i >= self.dropped_from for i in ids):
             ids = self._encode_dropping(text)  # rare: text with a byte the vocab lacks
@@ -534,14 +550,39 @@ class Tokenizer:
                 ids += self.encoding._encode_single_piece(kept)
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """The text of `ids`; bytes that are no UTF-8 show as U+FFFD."""
-        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, *, continuation: bool = False) -> str:
+        """The text of `ids`; bytes that are no UTF-8 show as U+FFFD. A SentencePiece
+        tokenizer's text loses the space its first token starts with (the "▁" encode put
+        there), as in HF; unless the ids are a `continuation` of others (an output after its
+        prompt), whose first space is a real one: vLLM's output text keeps it."""
+        if self.sentencepiece is None or continuation:
+            return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+        # HF's SentencePiece decoder (ByteFallback): byte tokens in a row are one UTF-8 text,
+        # or, where they are none, a U+FFFD each; then the first space is dropped (Strip)
+        text = ""
+        for is_byte, run in itertools.groupby(self._token_ids(ids, skip_special_tokens), self.encoding.is_byte):
+            run = b"".join(map(self._token_bytes, run))
+            try:
+                text += run.decode("utf-8")
+            except UnicodeDecodeError:
+                text += "\ufffd" * len(run) if is_byte else run.decode("utf-8", errors="replace")
+        return text[1:] if self.sentencepiece != "never" and text.startswith(" ") else text
 
     def decode_bytes(self, ids: list[int], skip_special_tokens: bool = False) -> bytes:
         """The bytes of `ids`, leaving out special tokens if asked, and skipping (as HF does)
         ids that are no token: embedding matrices are often padded past the tokenizer's
         vocab, and the sampler can pick the padding."""
+        ids = self._token_ids(ids, skip_special_tokens)
+        if self.dropped_from is None or max(ids, default=0) < self.dropped_from:
+            try:
+                return self.encoding.decode_bytes(ids)
+            except KeyError:  # rare: some id is no token
+                pass
+        return b"".join(map(self._token_bytes, ids))
+
+    def _token_ids(self, ids, skip_special_tokens: bool) -> list[int]:
+        """ids (a list, numpy array or tensor) as a list of ints, checked; without the
+        special tokens if asked."""
         if hasattr(ids, "tolist"):   # a numpy array or a tensor
             ids = ids.tolist()
         if isinstance(ids, (list, tuple)):
@@ -550,12 +591,7 @@ class Tokenizer:
             raise ValueError(f"decode() takes a list of token ids (ints in [0, 2^31)), got {reprlib.repr(ids)}")
         if skip_special_tokens and self.special_ids:
             ids = [i for i in ids if i not in self.special_ids]
-        if self.dropped_from is None or max(ids, default=0) < self.dropped_from:
-            try:
-                return self.encoding.decode_bytes(ids)
-            except KeyError:  # rare: some id is no token
-                pass
-        return b"".join(map(self._token_bytes, ids))
+        return ids
 
     def _token_bytes(self, i: int) -> bytes:
         """The bytes of token `i`; none if `i` is no token (ids from dropped_from on stand
@@ -764,6 +800,100 @@ def gpt2_tokenizer() -> Tokenizer:
                          eos_token_id=50256)
 
 
+# SentencePiece BPE: Llama 2, TinyLlama, Mistral 7B v0.1, CodeLlama.
+#
+# These tokenizers were trained by Google's sentencepiece, and BPE there merges characters,
+# not bytes. A space is written "▁" (U+2581) and a text starts with one, so that "Hello
+# world" is "▁Hello▁world": a word has the same tokens at the start of a text as after a
+# space. No pre-tokenizer splits the text: BPE runs over the whole of it, merging first
+# the neighbours that the merges list first. A character no token holds falls back to its
+# UTF-8 bytes, each a token of its own ("<0xE2>"...), so that nothing is unknown. tiktoken
+# cannot run this (it merges bytes, and the bytes of "▁" alone are no tokens), so it is
+# written out here, with the methods of a tiktoken Encoding that Tokenizer uses.
+
+SPACE = "\u2581"   # "▁", SentencePiece's space
+
+
+class SentencePieceBPE:
+    """A SentencePiece vocab and its merges: encode_ordinary (text whose spaces are "▁"
+    already), decode_bytes and decode_single_token_bytes, as tiktoken's Encoding."""
+
+    def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], added: dict[str, int]):
+        self.vocab = vocab
+        self.rank = {}   # (left, right) -> its place in the merges: the lower, the earlier
+        for n, pair in enumerate(merges):
+            self.rank.setdefault(pair, n)
+        self.byte_ids = [vocab[f"<0x{b:02X}>"] for b in range(256)]   # (_space_scheme checked them)
+        self.byte_id_set = frozenset(self.byte_ids)
+        # each token's bytes: "▁" is a space, a byte token its byte, an added token its text
+        self.bytes_of = {i: token.replace(SPACE, " ").encode("utf-8", "surrogatepass") for token, i in vocab.items()}
+        self.bytes_of |= {i: bytes([b]) for b, i in enumerate(self.byte_ids)}
+        self.bytes_of |= {i: content.encode() for content, i in added.items()}
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        ids = []
+        for piece in self._merge(list(text)):
+            i = self.vocab.get(piece)   # (a merge always makes a token: only a character can be none)
+            ids += [i] if i is not None else [self.byte_ids[b] for b in piece.encode()]
+        return ids
+
+    def _merge(self, symbols: list[str]) -> list[str]:
+        """BPE over the characters of a text: merge the neighbours whose pair the merges
+        list first (of two alike, the leftmost), again, until no neighbours are a merge. The
+        text is one piece, however long: a heap of the candidate pairs by (rank, position)
+        and the symbols as a linked list keep it n log n, where rescanning is n^2."""
+        rank, n = self.rank, len(symbols)
+        after = list(range(1, n + 1))     # the next live symbol's index (n: none)
+        before = list(range(-1, n - 1))   # the previous one's (-1: none)
+        heap = [(r, i) for i in range(n - 1) if (r := rank.get((symbols[i], symbols[i + 1]))) is not None]
+        heapq.heapify(heap)
+        while heap:
+            r, i = heapq.heappop(heap)
+            j = after[i]
+            # stale: a symbol of this pair has merged into another since it was pushed
+            if symbols[i] is None or j == n or rank.get((symbols[i], symbols[j])) != r:
+                continue
+            symbols[i], symbols[j] = symbols[i] + symbols[j], None
+            after[i] = after[j]
+            if after[i] < n:
+                before[after[i]] = i
+            for a in (before[i], i):   # the new symbol's pairs, with its neighbours
+                if a >= 0 and after[a] < n and (r := rank.get((symbols[a], symbols[after[a]]))) is not None:
+                    heapq.heappush(heap, (r, a))
+        return [s for s in symbols if s is not None]
+
+    def is_byte(self, i: int) -> bool:   # a byte token ("<0xE2>")
+        return i in self.byte_id_set
+
+    def decode_single_token_bytes(self, i: int) -> bytes:
+        return self.bytes_of[i]   # (KeyError for an id that is no token, as tiktoken)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return b"".join(self.bytes_of[i] for i in ids)
+
+
+def _space_scheme(tj: dict, vocab: dict[str, int], path: Path) -> str:
+    """How a SentencePiece tokenizer.json writes spaces (Tokenizer.sentencepiece). Two shapes
+    are in use: transformers' "legacy" conversion (TinyLlama, Mistral 7B v0.1), a normalizer
+    Prepend("▁") + Replace(" ", "▁"), and the newer Metaspace pre-tokenizer, whose
+    prepend_scheme says where a "▁" goes first."""
+    missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in vocab]
+    if missing:
+        raise ModelError(f"{path}: a byte_fallback BPE needs the 256 byte tokens <0x00>...<0xFF>; "
+                         f"{missing[0]} is missing")
+    normalizer, pre = tj.get("normalizer"), tj.get("pre_tokenizer")
+    steps = normalizer.get("normalizers") if normalizer and normalizer.get("type") == "Sequence" else [normalizer]
+    legacy = [{"type": "Prepend", "prepend": SPACE}, {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]
+    if pre is None and steps == legacy:
+        return "legacy"
+    if (normalizer is None and pre and pre.get("type") == "Metaspace" and pre.get("replacement") == SPACE
+            and not pre.get("split") and pre.get("prepend_scheme") in ("first", "always", "never")):
+        return pre["prepend_scheme"]
+    raise ModelError(f"{path}: normalizer {normalizer!r} with pre_tokenizer {pre!r} is not a supported "
+                     f"SentencePiece BPE (supported: normalizer Prepend(\"▁\") + Replace(\" \", \"▁\"), or "
+                     f"pre_tokenizer Metaspace without split)")
+
+
 def _hf_pattern(pre: dict | None, path: Path) -> str:
     """The tiktoken regex equal to a tokenizer.json pre_tokenizer. Three shapes cover the
     byte-level BPE families: ByteLevel alone (GPT-2), Digits + ByteLevel (SmolLM2), and
@@ -811,26 +941,22 @@ def _split_regex(pattern, path: Path) -> str:
 
 
 def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
-    """A Tokenizer from a Hugging Face tokenizer.json holding a byte-level BPE."""
+    """A Tokenizer from a Hugging Face tokenizer.json holding a BPE: byte-level (GPT-2,
+    SmolLM2, Llama 3, Qwen 2) or SentencePiece's, with byte fallback (Llama 2, Mistral)."""
     path = model_dir / "tokenizer.json"
     tj = _read_json(path)
     bpe = tj.get("model")
     if not isinstance(bpe, dict):
         raise ModelError(f"{path}: no 'model' object")
-    if bpe.get("type") != "BPE" or bpe.get("byte_fallback"):
-        kind = "byte-fallback BPE" if bpe.get("byte_fallback") else bpe.get("type")
-        raise ModelError(f"{path}: tokenizer model {kind!r} is not supported; nanopaged reads "
-                         f"byte-level BPE tokenizers only (GPT-2, SmolLM2, Llama 3, Qwen 2)")
+    if bpe.get("type") != "BPE":
+        raise ModelError(f"{path}: tokenizer model {bpe.get('type')!r} is not supported; nanopaged reads "
+                         f"BPE tokenizers only (byte-level: GPT-2, SmolLM2, Llama 3, Qwen 2; "
+                         f"SentencePiece's: Llama 2, Mistral)")
     for key in ("normalizer", "pre_tokenizer"):
         if not isinstance(tj.get(key), dict | None):
             raise ModelError(f"{path}: {key!r} is {tj[key]!r}, expected an object or null")
-    normalizer = (tj.get("normalizer") or {}).get("type")
-    if normalizer not in (None, "NFC"):
-        raise ModelError(f"{path}: normalizer {normalizer!r} is not supported")
-    pattern = _hf_pattern(tj.get("pre_tokenizer"), path)
 
-    # Added tokens (<|im_start|>, ...) are matched in the text before BPE runs: in tiktoken
-    # terms, special tokens. Everything else in the vocab is a byte string with its rank.
+    # Added tokens (<|im_start|>, ...) are matched in the text before BPE runs (Tokenizer).
     added = tj.get("added_tokens") or []
     if not isinstance(added, list):
         raise ModelError(f"{path}: 'added_tokens' is {reprlib.repr(added)}, expected a list")
@@ -842,46 +968,18 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
                 raise ModelError(f"{path}: added token {t['content']!r} has {key} {t[key]!r}, expected true or false")
     added = [t for t in added if t["content"]]   # HF skips an empty one (tiktoken would match it forever)
     special = {t["content"]: t["id"] for t in added}
-    added_ids = set(special.values())
     vocab = bpe.get("vocab")
     if not isinstance(vocab, dict):
         raise ModelError(f"{path}: no model.vocab object (token -> id)")
-    ranks, token_of_id = {}, {}
+    token_of_id = {}
     for token, i in vocab.items():
-        if i in added_ids:
-            continue
         if not _is_id(i):
             raise ModelError(f"{path}: token {token!r} has id {i!r}")
-        if i in token_of_id:   # (tiktoken would panic: one id decodes to one token)
+        if i in token_of_id:   # (one id decodes to one token)
             raise ModelError(f"{path}: tokens {token_of_id[i]!r} and {token!r} have the same id {i}")
         token_of_id[i] = token
-        try:
-            ranks[bytes(BYTE_OF_CHAR[c] for c in token)] = i
-        except KeyError:
-            raise ModelError(f"{path}: token {token!r} is not in the byte-level alphabet; "
-                             f"nanopaged reads byte-level BPE tokenizers only") from None
-    if not ranks:
-        raise ModelError(f"{path}: model.vocab has no tokens (but for added tokens)")
-    # rank = id reproduces HF's BPE only if ids follow merge order (see the chapter's top).
-    last = -1
-    merges = bpe.get("merges") or []
-    if not isinstance(merges, list):
-        raise ModelError(f"{path}: model.merges is {reprlib.repr(merges)}, expected a list")
-    for n, merge in enumerate(merges):
-        try:  # "a b" or ["a", "b"]
-            left, right = merge.split(" ") if isinstance(merge, str) else merge
-            i = vocab.get(left + right)
-        except (ValueError, TypeError):  # not two parts, or not two strings
-            raise ModelError(f"{path}: merge #{n} {merge!r} is not a pair of tokens") from None
-        if i is None:
-            raise ModelError(f"{path}: merge #{n} {left!r} + {right!r} makes a token that "
-                             f"is not in the vocab")
-        if i < last:
-            raise ModelError(f"{path}: merge #{n} {left!r} + {right!r} makes token id {i}, "
-                             f"after a merge that made id {last}: token ids do not follow "
-                             f"merge order, so they cannot serve as tiktoken ranks")
-        last = i
-    prefix_ids, suffix_ids = _post_processor_ids(tj.get("post_processor"), path)
+    merges = _merge_pairs(bpe.get("merges") or [], vocab, path)
+
     template, named_templates, template_tokens = _chat_template(model_dir)
     # The tokenizer's EOS, HF's tokenizer.eos_token_id (tokenizer_config.json's eos_token), where
     # it names a token; else the model's first. (The engine stops on all of the model's.)
@@ -889,11 +987,58 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     eos_token_id = special.get(eos, vocab.get(eos)) if eos else None
     if eos_token_id is None and config.eos_token_id:
         eos_token_id = config.eos_token_id[0]
-    return bpe_tokenizer(model_dir.name, pattern, ranks, special, nfc=normalizer == "NFC",
-                         eos_token_id=eos_token_id,
-                         prefix_ids=prefix_ids, suffix_ids=suffix_ids, added_tokens=added,
-                         chat_template=template, named_templates=named_templates,
-                         template_tokens=template_tokens)
+    prefix_ids, suffix_ids = _post_processor_ids(tj.get("post_processor"), path)
+    common = dict(eos_token_id=eos_token_id, prefix_ids=prefix_ids, suffix_ids=suffix_ids, added_tokens=added,
+                  chat_template=template, named_templates=named_templates, template_tokens=template_tokens)
+    if bpe.get("byte_fallback"):
+        scheme = _space_scheme(tj, vocab, path)
+        return Tokenizer(SentencePieceBPE(vocab, merges, special), sentencepiece=scheme, **common)
+
+    normalizer = (tj.get("normalizer") or {}).get("type")
+    if normalizer not in (None, "NFC"):
+        raise ModelError(f"{path}: normalizer {normalizer!r} is not supported")
+    pattern = _hf_pattern(tj.get("pre_tokenizer"), path)
+    # In tiktoken terms, the added tokens are special tokens; everything else in the vocab is
+    # a byte string with its rank.
+    ranks = {}
+    for token, i in vocab.items():
+        if i in special.values():
+            continue
+        try:
+            ranks[bytes(BYTE_OF_CHAR[c] for c in token)] = i
+        except KeyError:
+            raise ModelError(f"{path}: token {token!r} is not in the byte-level alphabet, and the BPE has "
+                             f"no byte_fallback (SentencePiece's)") from None
+    if not ranks:
+        raise ModelError(f"{path}: model.vocab has no tokens (but for added tokens)")
+    # rank = id reproduces HF's BPE only if ids follow merge order (see the chapter's top).
+    last = -1
+    for n, (left, right) in enumerate(merges):
+        i = vocab[left + right]
+        if i < last:
+            raise ModelError(f"{path}: merge #{n} {left!r} + {right!r} makes token id {i}, "
+                             f"after a merge that made id {last}: token ids do not follow "
+                             f"merge order, so they cannot serve as tiktoken ranks")
+        last = i
+    return bpe_tokenizer(model_dir.name, pattern, ranks, special, nfc=normalizer == "NFC", **common)
+
+
+def _merge_pairs(merges, vocab: dict[str, int], path: Path) -> list[tuple[str, str]]:
+    """A tokenizer.json's merges ("a b" or ["a", "b"] each), as pairs, checked."""
+    if not isinstance(merges, list):
+        raise ModelError(f"{path}: model.merges is {reprlib.repr(merges)}, expected a list")
+    pairs = []
+    for n, merge in enumerate(merges):
+        try:
+            left, right = merge.split(" ") if isinstance(merge, str) else merge
+            made = vocab.get(left + right)
+        except (ValueError, TypeError):  # not two parts, or not two strings
+            raise ModelError(f"{path}: merge #{n} {merge!r} is not a pair of tokens") from None
+        if made is None:
+            raise ModelError(f"{path}: merge #{n} {left!r} + {right!r} makes a token that "
+                             f"is not in the vocab")
+        pairs.append((left, right))
+    return pairs
 
 
 def _post_processor_ids(pp: dict | None, path: Path) -> tuple[list[int], list[int]]:
@@ -1460,8 +1605,19 @@ GGUF_PRE_TOKENIZERS = {
     "qwen2": _split_then_bytes(QWEN2_PATTERN),
 }
 GGUF_NORMALIZERS = {"qwen2": {"type": "NFC"}}   # the rest have none
-GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # token types: added tokens, matched before BPE
+GGUF_NORMAL, GGUF_UNKNOWN = 1, 2        # token types: a BPE's token; SentencePiece's <unk>
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # added tokens, matched before BPE
 GGUF_UNUSED = 5                         # padding of the embedding matrix past the vocab
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[list[str]]:
+    """A SentencePiece GGUF keeps a score per token, no merges: its BPE merges first the
+    neighbours whose merged token scores highest. HF's BPE merges first the merge listed
+    first; so every way to cut a token in two tokens is a merge, listed by that token's
+    score (as transformers' converter lists them: then by id, then the shorter left part)."""
+    merges = [(-scores[i], i, k, token[:k], token[k:]) for token, i in vocab.items()
+              for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+    return [[left, right] for *_, left, right in sorted(merges)]
 
 
 def default_gguf() -> Path:
@@ -1562,7 +1718,9 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
                           ("tokenizer.ggml.tokens", lambda x: isinstance(x, list) and all(map(string, x)),
                            "a list of strings"),
                           ("tokenizer.ggml.token_type", lambda x: isinstance(x, list) and all(map(_is_id, x)),
-                           "a list of token types (small integers)")):
+                           "a list of token types (small integers)"),
+                          ("tokenizer.ggml.scores", lambda x: isinstance(x, list) and all(
+                              isinstance(v, int | float) and math.isfinite(v) for v in x), "a list of finite numbers")):
         if key in meta and not ok(meta[key]):
             raise ModelError(f"{gguf_path}: GGUF metadata {key!r} is {reprlib.repr(meta[key])}, not {kind}")
 
@@ -1582,10 +1740,11 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         raise ModelError(f"{gguf_path}: rope scaling {meta[f'{arch}.rope.scaling.type']!r} "
                          f"is not supported")
     tokenizer_model, pre = need("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
-    if tokenizer_model != "gpt2":
-        raise ModelError(f"{gguf_path}: tokenizer {tokenizer_model!r} is not byte-level BPE; "
-                         f"nanopaged reads byte-level BPE tokenizers only")
-    if pre not in GGUF_PRE_TOKENIZERS:
+    if tokenizer_model not in ("gpt2", "llama"):
+        raise ModelError(f"{gguf_path}: tokenizer {tokenizer_model!r} is not supported (supported: gpt2, "
+                         f"a byte-level BPE; llama, SentencePiece's BPE)")
+    sentencepiece = tokenizer_model == "llama"   # (llama.cpp's name for Llama 2's tokenizer)
+    if not sentencepiece and pre not in GGUF_PRE_TOKENIZERS:
         raise ModelError(f"{gguf_path}: pre-tokenizer {pre!r} is not supported "
                          f"(supported: {', '.join(GGUF_PRE_TOKENIZERS)})")
 
@@ -1623,10 +1782,12 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
 
     # The tokens llama.cpp puts around a prompt, written as a tokenizer.json post-processor:
     # a BOS first where the file says so or, when it does not say, for the llama-bpe
-    # pre-tokenizer (Llama 3), as llama.cpp defaults; an EOS last where the file says so.
+    # pre-tokenizer (Llama 3) and SentencePiece, as llama.cpp defaults; an EOS last where
+    # the file says so.
     before, after, specials = [], [], {}
     for role in ("bos", "eos"):
-        if not meta.get(f"tokenizer.ggml.add_{role}_token", role == "bos" and pre == "llama-bpe"):
+        default = role == "bos" and (pre == "llama-bpe" or sentencepiece) and config["bos_token_id"] is not None
+        if not meta.get(f"tokenizer.ggml.add_{role}_token", default):
             continue
         if (i := config[f"{role}_token_id"]) is None:
             raise ModelError(f"{gguf_path}: tokenizer.ggml.add_{role}_token is set but there "
@@ -1674,23 +1835,40 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
             w = _unpermute(w, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         weights[name] = w
 
+    # without the padding llama.cpp writes past the tokenizer's vocab ("[PAD151665]"..., type
+    # UNUSED): ids that are no token, which decode skips
+    vocab = {tok: i for i, tok in enumerate(tokens) if types[i] != GGUF_UNUSED}
+    added = (GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNKNOWN) if sentencepiece else (GGUF_CONTROL, GGUF_USER_DEFINED)
     tokenizer = {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": i, "content": tok, "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": False, "special": types[i] == GGUF_CONTROL}
-                         for i, tok in enumerate(tokens)
-                         if types[i] in (GGUF_CONTROL, GGUF_USER_DEFINED)],
-        "normalizer": GGUF_NORMALIZERS.get(pre), "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre],
+                          "rstrip": False, "normalized": False, "special": types[i] != GGUF_USER_DEFINED}
+                         for i, tok in enumerate(tokens) if types[i] in added],
         "post_processor": post_processor,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
-                    "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None,
                   "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                  "fuse_unk": False, "byte_fallback": False,
-                  # without the padding llama.cpp writes past the tokenizer's vocab ("[PAD151665]"...,
-                  # type UNUSED): ids that are no token, which decode skips
-                  "vocab": {tok: i for i, tok in enumerate(tokens) if types[i] != GGUF_UNUSED},
-                  "merges": meta.get("tokenizer.ggml.merges", [])}}
+                  "fuse_unk": sentencepiece, "byte_fallback": sentencepiece, "vocab": vocab}}
+    if sentencepiece:   # as transformers' "legacy" conversion of a SentencePiece model writes it
+        scores = need("tokenizer.ggml.scores")
+        if len(scores) != len(tokens):
+            raise ModelError(f"{gguf_path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+        space_first = meta.get("tokenizer.ggml.add_space_prefix", True)
+        tokenizer |= {
+            "normalizer": {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": SPACE}, {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]}
+            if space_first else None,
+            "pre_tokenizer": None if space_first else
+            {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "never", "split": False},
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}] + [{"type": "Strip", "content": " ", "start": 1, "stop": 0}] * space_first}}
+        tokenizer["model"]["merges"] = _merges_from_scores(
+            {tok: i for tok, i in vocab.items() if types[i] == GGUF_NORMAL}, scores)
+    else:
+        tokenizer |= {"normalizer": GGUF_NORMALIZERS.get(pre), "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre],
+                      "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                                  "use_regex": True}}
+        tokenizer["model"]["merges"] = meta.get("tokenizer.ggml.merges", [])
 
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")

@@ -1004,7 +1004,7 @@ class LLM:
             self.scheduler.finish(seq, "error")
             sampled.pop(seq, None)   # (a prompt row broke: what its last row drew is void)
         if self._trace is not None:
-            words = {seq: [self.tokenizer.decode([x]) for x in tokens]   # several: a fork's first tokens
+            words = {seq: [self.tokenizer.decode([x], continuation=True) for x in tokens]   # several: a fork's first
                      for seq, tokens in sampled.items()}
             self._trace.append("  sampled: " + ", ".join(f"{seq} -> {' | '.join(map(repr, w)) or '(dropped)'}"
                                                          for seq, w in words.items()))
@@ -1232,7 +1232,7 @@ class LLM:
             # an EOS ends the text, unless include_stop_str_in_output; stop_reason as for samples
             eos = ids[-1] if reason == "stop" else None
             text = self.tokenizer.decode(ids[:-1] if eos is not None and not req["params"].beam.include_stop_str_in_output
-                                         else ids, skip_special_tokens=True)
+                                         else ids, skip_special_tokens=True, continuation=True)
             results.append(CompletionOutput(i, text, ids, reason, self._stop_reason(eos, False), logprobs, cum))
         return results
 
@@ -1310,8 +1310,9 @@ class LLM:
             # a stop token ends the text but is not part of it (an ignored EOS is), unless
             # include_stop_str_in_output
             stop_token = q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(p, eos)
+            # (an output continues its prompt: the space a SentencePiece token starts with stays)
             text = self.tokenizer.decode(ids[:-1] if stop_token and not p.include_stop_str_in_output else ids,
-                                         p.skip_special_tokens)
+                                         p.skip_special_tokens, continuation=True)
             stop_reason = self._stop_reason(ids[-1] if stop_token else None, p.ignore_eos)
             scan = req["stop_scans"].get(q.sample_index)
             if scan and scan.found is not None:   # the text ends before the stop string, or after it
@@ -1574,7 +1575,8 @@ class LLM:
             table, cells = seq.block_table, []
             for i, block in enumerate(table.block_ids):
                 filled = min(bs, table.num_tokens - i * bs)
-                words = "|".join(_visible(self.tokenizer.decode([t])) for t in seq.token_ids[i * bs:i * bs + filled])
+                words = "|".join(_visible(self.tokenizer.decode([t], continuation=True))
+                                 for t in seq.token_ids[i * bs:i * bs + filled])
                 cells.append(f"{i}->{block} [{words}] {filled}/{bs} ref={pool.ref_count[block]}")
             self._trace.append(f"  {seq}: " + "  ".join(cells))
         self._trace.append(f"  blocks: {pool.num_free} free, {pool.num_cached} cached, {pool.num_used} used")

@@ -20,6 +20,7 @@ import math
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -548,7 +549,7 @@ def test_tiny_tokenizer_json(tmp_path):
 
 @pytest.mark.parametrize("pre_tokenizer, model, message", [
     ({"type": "ByteLevel"}, {"type": "WordPiece"}, "'WordPiece' is not supported"),
-    ({"type": "ByteLevel"}, {"byte_fallback": True}, "byte-fallback BPE"),
+    ({"type": "ByteLevel"}, {"byte_fallback": True}, "needs the 256 byte tokens <0x00>...<0xFF>; <0x00> is missing"),
     ({"type": "Metaspace"}, {}, "not byte-level"),
     ({"type": "ByteLevel"}, {"merges": [["a", "b"], ["\u0120", "x"]]}, "do not follow merge order"),
 ])
@@ -559,6 +560,19 @@ def test_unsupported_tokenizers(tmp_path, pre_tokenizer, model, message):
     path = write_tokenizer_json(tmp_path, pre_tokenizer, vocab, merges, model=model)
     with pytest.raises(ModelError, match=message):
         load_tokenizer(path)
+
+
+def test_unsupported_sentencepiece_shapes(tmp_path):
+    tj = json.loads((TESTDATA / "llama2_tokenizer" / "tokenizer.json").read_text())
+    shutil.copy(TESTDATA / "llama2_tokenizer" / "config.json", tmp_path)
+    metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
+    for change in ({"normalizer": None},                                   # spaces left as they are
+                   {"pre_tokenizer": metaspace},                           # both: "▁" twice
+                   {"normalizer": None, "pre_tokenizer": metaspace | {"split": True}},
+                   {"normalizer": None, "pre_tokenizer": {"type": "ByteLevel"}}):
+        (tmp_path / "tokenizer.json").write_text(json.dumps(tj | change))
+        with pytest.raises(ModelError, match="is not a supported SentencePiece BPE"):
+            load_tokenizer(tmp_path)
 
 
 # --- the embedded default model ---
@@ -951,6 +965,59 @@ def test_qwen2_and_llama3_shaped_tokenizers_encode_as_hugging_face_does(name):
     assert not wrong
 
 
+LLAMA2_CASES = [json.loads(line) for line in (TESTDATA / "llama2_tokenizer_cases.jsonl").open(encoding="utf-8")]
+
+
+@pytest.mark.parametrize("shape", ["legacy", "metaspace"])
+def test_sentencepiece_tokenizers_encode_and_decode_as_hugging_face_does(shape):
+    """A SentencePiece BPE (1,500 tokens, trained by sentencepiece with Llama 2's settings)
+    in the two tokenizer.json shapes transformers writes: the "legacy" normalizer
+    (TinyLlama, Mistral 7B v0.1) and the Metaspace pre-tokenizer. Against the ids and texts
+    of Hugging Face's tokenizers, and sentencepiece's own ids
+    (testdata/make_llama2_tokenizer.py)."""
+    tok = load_tokenizer(TESTDATA / ("llama2_tokenizer" if shape == "legacy" else "llama2_metaspace_tokenizer"))
+    texts = [c for c in LLAMA2_CASES if "text" in c]
+    assert len(texts) == 447
+    wrong = [c["text"] for c in texts if tok.encode(c["text"], add_special_tokens=False) != c[f"{shape}_plain"]]
+    assert not wrong
+    # <s> first; but one only, where the text starts with it (nanopaged's rule; HF puts two)
+    assert all(tok.encode(c["text"]) == [1] * (c[f"{shape}_plain"][:1] != [1]) + c[f"{shape}_plain"] for c in texts)
+    if shape == "legacy":   # sentencepiece's own ids: the same, but where the text writes <s>, </s> or <unk>
+        plain = [c for c in texts if not any(s in c["text"] for s in ("<s>", "</s>", "<unk>"))]
+        assert len(plain) > 350 and all(c["sp"] == c["legacy_plain"] for c in plain)
+    for c in texts:   # the first space dropped: "<s> Hello", and "Hello" without <s>
+        assert tok.decode([1] + c["legacy_plain"]) == c["decode_legacy"]
+        assert tok.decode([1] + c["legacy_plain"], skip_special_tokens=True) == c["decode_legacy_skip"]
+        assert tok.decode(c["legacy_plain"]) == c["decode_plain_legacy"]
+    for c in LLAMA2_CASES[len(texts):]:   # any ids: byte tokens that make no UTF-8 are a U+FFFD each
+        assert tok.decode(c["decode_ids"]) == c["decode_legacy"], c["decode_ids"]
+        assert tok.decode(c["decode_ids"], skip_special_tokens=True) == c["decode_legacy_skip"]
+    # an output's text (a continuation of its prompt) keeps its first space, as vLLM's does
+    hello = tok.encode("Hello world", add_special_tokens=False)
+    world = next(i for i in range(1, len(hello)) if tok.decode_bytes(hello[i:i + 1]).startswith(b" "))
+    assert tok.decode(hello[world:]) == "world" and tok.decode(hello[world:], continuation=True) == " world"
+    assert tok.decode_bytes(hello) == b" Hello world" and tok.decode(hello) == "Hello world"
+
+
+def test_sentencepiece_outputs_keep_their_first_space(tmp_path):
+    """The engine's text of a SentencePiece model's output, whole and streamed, starts with the
+    space its first token carries ("▁the"), as vLLM's does: "Paris" after "capital is" is
+    " Paris". (Random weights; allowed_token_ids make the output.)"""
+    model_dir = tmp_path / "llama2"
+    shutil.copytree(TESTDATA / "llama2_tokenizer", model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"hidden_size": 64, "intermediate_size": 128}))
+    llm = LLM(model_dir, load_format="dummy", num_blocks=32)
+    tok = llm.get_tokenizer()
+    the = tok.encode("the", add_special_tokens=False)
+    assert len(the) == 1
+    params = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=the)
+    out = llm.generate("Tell me", params)[0].outputs[0]
+    assert out.text.startswith(" ") and out.text == tok.decode(out.token_ids, continuation=True)
+    assert "".join(llm.stream("Tell me", params)) == out.text
+    assert_nothing_leaked(llm)
+
+
 def test_added_tokens_marked_normalized_are_found_after_nfc(tmp_path):
     """HF finds an added token marked normalized: true in the text NFC made, the others in
     the raw text. The expected ids are Hugging Face tokenizers 0.23's, on the Qwen 2 shaped
@@ -1329,13 +1396,26 @@ def test_decode_skips_ids_that_are_no_token():
 
 # GGUF conversion
 
+def llama2_gguf_vocab():
+    """The SentencePiece testdata tokenizer as a GGUF holds it: tokens, their types (2 unknown,
+    3 control, 6 byte, 1 normal) and scores (sentencepiece's: -(its place among the normal
+    pieces), which the trained model has)."""
+    vocab = json.loads((TESTDATA / "llama2_tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if re.fullmatch("<0x..>", t) else 1 for t in tokens]
+    return tokens, types, [0.0 if kind != 1 else float(259 - i) for i, kind in enumerate(types)]
+
+
 def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None,
-               dtypes=None, pre="smollm", add_bos=None, pad=0, meta=(), block_count=None, merges=()):
+               dtypes=None, pre="smollm", add_bos=None, pad=0, meta=(), block_count=None, merges=(),
+               sentencepiece=False):
     """A tiny Llama GGUF: the 256 byte tokens (and `pad` padding ones after them, as llama.cpp
     writes an embedding matrix longer than the vocab), random float32 weights (tied
     embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
     `dtypes` maps a tensor's name to another numpy dtype to store it in; `meta`, more
-    (key, array) metadata; `block_count`, another layer count than the L layers it holds."""
+    (key, array) metadata; `block_count`, another layer count than the L layers it holds.
+    sentencepiece: the SentencePiece tokenizer of testdata/llama2_tokenizer instead, with its
+    scores and no merges, as llama.cpp writes a Llama 2."""
     import gguf
     vocab, _ = byte_vocab()
     writer = gguf.GGUFWriter(path, "llama")
@@ -1346,12 +1426,20 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     writer.add_head_count(H)
     writer.add_head_count_kv(KVH)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(sorted(vocab, key=vocab.get) + [f"[PAD{256 + i}]" for i in range(pad)])
-    if token_types is not None or pad:
-        writer.add_token_types((token_types or [1] * 256) + [5] * pad)   # 5: UNUSED
-    writer.add_token_merges(list(merges))
+    if sentencepiece:
+        tokens, types, scores = llama2_gguf_vocab()
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_scores(scores)
+    else:
+        tokens = sorted(vocab, key=vocab.get) + [f"[PAD{256 + i}]" for i in range(pad)]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        if token_types is not None or pad:
+            writer.add_token_types((token_types or [1] * 256) + [5] * pad)   # 5: UNUSED
+        writer.add_token_merges(list(merges))
     writer.add_eos_token_id(eos)
     if bos is not None:
         writer.add_bos_token_id(bos)
@@ -1360,7 +1448,7 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     for key, value in meta:
         writer.add_array(key, value)
     D = C // max(H, 1)  # any D when H is 0
-    shapes = {"token_embd.weight": (256 + pad, C), "output_norm.weight": (C,)}
+    shapes = {"token_embd.weight": (len(tokens), C), "output_norm.weight": (C,)}
     for i in range(L):
         shapes |= {f"blk.{i}.attn_norm.weight": (C,), f"blk.{i}.ffn_norm.weight": (C,),
                    f"blk.{i}.attn_q.weight": (H * D, C), f"blk.{i}.attn_k.weight": (KVH * D, C),
@@ -1408,6 +1496,21 @@ def test_tiny_gguf_loads(tmp_path, own_cache):
     tok = load_tokenizer(padded)
     assert load_model(padded).config.vocab_size == 260 and tok.decode([97, 257, 98]) == "ab"
     assert 257 not in tok.encode("[PAD257]")
+
+
+def test_sentencepiece_gguf_encodes_as_its_tokenizer_json(tmp_path, own_cache):
+    """A Llama 2 GGUF keeps a score per token and no merges: the merges made from the
+    scores, and llama.cpp's defaults (a BOS first, a space before the text), give the ids of
+    the same tokenizer's tokenizer.json (HF's, from sentencepiece's model)."""
+    tok = load_tokenizer(write_gguf(tmp_path / "llama2.gguf", bos=1, eos=2, sentencepiece=True))
+    texts = [c for c in LLAMA2_CASES if "text" in c]
+    assert all(tok.encode(c["text"], add_special_tokens=False) == c["legacy_plain"] for c in texts)
+    assert tok.encode("Hello world") == [1] + tok.encode("Hello world", add_special_tokens=False)
+    assert all(tok.decode(c["decode_ids"]) == c["decode_legacy"] for c in LLAMA2_CASES[len(texts):])
+    assert (tok.eos_token_id, tok.special_ids) == (2, {0, 1, 2})
+    scoreless = write_gguf(tmp_path / "scoreless.gguf", sentencepiece=True, meta=[("tokenizer.ggml.scores", [0.0])])
+    with pytest.raises(ModelError, match="tokenizer.ggml.scores has 1 entries for 1500 tokens"):
+        load_tokenizer(scoreless)
 
 
 @pytest.mark.parametrize("kwargs, first", [
