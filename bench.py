@@ -629,6 +629,7 @@ def other_steps(ops, copy_gbs, gen) -> int:
         gbs = kv_bytes / kernel_us / 1e3
         status |= diff.endswith("MISMATCH")
         print(f"{label:>40} {kernel_us:10.1f} {gbs:7.0f} {gbs / copy_gbs:7.0%} {torch_col:>10} {speedup:>8} {diff:>10}")
+    print(f"{'':>40} (GB/s: the K/V read once over the kernel's time; a prefill is compute-bound: read its speedup)")
     return status
 
 

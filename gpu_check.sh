@@ -5,9 +5,10 @@
 #
 # Prints the machine, builds the CUDA extension (timed), runs the CUDA tests (the kernel
 # against the torch reference, and the engine with either backend), the decode-attention
-# benchmark, then compute-sanitizer's racecheck and memcheck. Each step has a time limit,
-# and all of them together a budget (GPU_CHECK_BUDGET, 540 s: a lent GPU machine runs one
-# command for at most 600 s), so the verdict line always gets printed; a step that finds
+# benchmark, then compute-sanitizer's memcheck, initcheck and racecheck. Each step has a time
+# limit, and all of them together a budget (GPU_CHECK_BUDGET, 420 s: a lent GPU machine runs one
+# command for at most 600 s, and its 15 minutes in all should leave room for a second run
+# after a fix), so the verdict line always gets printed; a step that finds
 # the budget spent is reported as skipped. The script goes on after a failed step and
 # exits non-zero if any failed. With $OUT set, the output also goes to $OUT/gpu_check.log.
 #
@@ -19,7 +20,8 @@ set -u -o pipefail
 TEST_FILE=test_nanopaged.py
 TEST_FILTER="cuda"       # the GPU tests (kernel and engine)
 PYTHON=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-540}
+BUDGET=${GPU_CHECK_BUDGET:-420}
+export PYTHONUNBUFFERED=1   # a step killed by its time limit still leaves all it printed
 STEPS=" ${GPU_CHECK_STEPS:-tests benchmark sanitizer} "
 for name in $STEPS; do
     case $name in tests|benchmark|sanitizer) ;;
@@ -61,10 +63,13 @@ step() {  # step NAME TIME_LIMIT_S COMMAND...
     [ $rc -eq 0 ] || failed+=("$name")
 }
 
-# What the CPU emulator cannot see: shared-memory races and out-of-bounds accesses on the
-# real memory system. compute-sanitizer watches the kernels while they run a split-K
-# prefill batch, a decode batch, a KV write and a block copy. Without torch's caching
-# allocator every tensor is its own cudaMalloc, so memcheck sees a read past its end.
+# What the CPU emulator cannot see: out-of-bounds accesses on the real memory system, reads
+# of memory nothing wrote (the split-K merge reading a partition no CTA filled: torch's
+# workspace is uninitialised, where the emulator's is usually zeros), and shared-memory
+# races. compute-sanitizer watches the kernels while they run a split-K prefill batch, a
+# decode batch, a KV write and a block copy. Without torch's caching allocator every tensor
+# is its own cudaMalloc, so memcheck sees a read past its end. (It watches torch's few
+# kernels here too: a report names the kernel.)
 SANITIZED='
 import torch, build_ext, test_nanopaged as t
 ops = build_ext.load_kernels()
@@ -86,7 +91,9 @@ check() {
     rm -f "$KERNEL_CACHE/lock"   # (see below)
     step "build" 300 "$PYTHON" build_ext.py --build
     if [[ " ${failed[*]} " == *" build "* ]] && [ -f "$KERNEL_CACHE/build.log" ]; then
-        tail -n 80 "$KERNEL_CACHE/build.log"   # the whole compiler output: this machine is gone after
+        # the compiler's first errors, then the end of its output: this machine is gone after
+        grep -m 5 -i "error" "$KERNEL_CACHE/build.log"
+        tail -n 60 "$KERNEL_CACHE/build.log"
     fi
     # A build killed by its time limit leaves torch's lock file behind, and every later
     # build would wait on it for good.
@@ -114,19 +121,19 @@ sanitize() {
     # Some sandboxes (gVisor) refuse the sanitizer any GPU. That is no finding about the
     # kernels, but the checks did not run: the verdict says so.
     if [ ! -x "$sanitizer" ]; then
-        echo "compute-sanitizer not found: racecheck and memcheck skipped"
+        echo "compute-sanitizer not found: memcheck, initcheck and racecheck skipped"
         failed+=("sanitizer (not found)")
     elif [ "$left" -lt 80 ]; then   # (the probe within the budget too, and the checks after it)
         echo "compute-sanitizer: skipped, ${left} s of the ${BUDGET} s budget left"
         failed+=("sanitizer (skipped)")
     elif ! probe=$(timeout -k 10 $((left / 2 < 120 ? left / 2 : 120)) "$sanitizer" --error-exitcode 1 "$PYTHON" -c \
             'import torch; torch.zeros(1, device="cuda"); torch.cuda.synchronize()' 2>&1); then
-        echo "compute-sanitizer cannot run a trivial CUDA program here: racecheck and memcheck skipped"
+        echo "compute-sanitizer cannot run a trivial CUDA program here: memcheck, initcheck and racecheck skipped"
         echo "$probe" | tail -n 5
         failed+=("sanitizer (cannot run here)")
     else
-        for tool in racecheck memcheck; do
-            step "$tool" 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+        for tool in memcheck initcheck racecheck; do   # (the likeliest findings first)
+            step "$tool" 100 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
                 "$sanitizer" --tool "$tool" --error-exitcode 1 "$PYTHON" -c "$SANITIZED"
         done
     fi
