@@ -6,7 +6,7 @@
 # Prints the machine, builds the CUDA extension (timed), runs the CUDA tests (the kernel
 # against the torch reference, and the engine with either backend), the decode-attention
 # benchmark, then compute-sanitizer's memcheck, initcheck and racecheck. Each step has a time
-# limit, and all of them together a budget (GPU_CHECK_BUDGET, 420 s: a lent GPU machine runs one
+# limit, and all of them together a budget (GPU_CHECK_BUDGET, 480 s: a lent GPU machine runs one
 # command for at most 600 s, and its 15 minutes in all should leave room for a second run
 # after a fix), so the verdict line always gets printed; a step that finds
 # the budget spent is reported as skipped. The script goes on after a failed step and
@@ -20,7 +20,7 @@ set -u -o pipefail
 TEST_FILE=test_nanopaged.py
 TEST_FILTER="cuda"       # the GPU tests (kernel and engine)
 PYTHON=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-420}
+BUDGET=${GPU_CHECK_BUDGET:-480}
 export PYTHONUNBUFFERED=1   # a step killed by its time limit still leaves all it printed
 STEPS=" ${GPU_CHECK_STEPS:-tests benchmark sanitizer} "
 for name in $STEPS; do

@@ -422,17 +422,20 @@ class Tokenizer:
     """Text <-> token ids: a tiktoken Encoding (or a SentencePieceBPE) plus what the engine
     needs around it."""
 
-    def __init__(self, encoding: tiktoken.Encoding, eos_token_id: int | None = None,
+    def __init__(self, encoding: "tiktoken.Encoding | SentencePieceBPE", eos_token_id: int | None = None,
                  chat_template: str | None = None, dropped_from: int | None = None,
                  pattern: str | None = None, nfc: bool = False,
                  prefix_ids: list[int] = (), suffix_ids: list[int] = (),
                  template_tokens: dict | None = None, added_tokens: list[dict] | None = None,
-                 named_templates: dict[str, str] | None = None, sentencepiece: str | None = None):
-        self.encoding = encoding   # (or a SentencePieceBPE, which has the methods used here)
+                 named_templates: dict[str, str] | None = None, sentencepiece: str | None = None,
+                 strip_space: bool = False):
+        self.encoding = encoding   # (a SentencePieceBPE has the methods of tiktoken's used here)
         # None for byte-level BPE; for SentencePiece, where its "▁" goes before a text: "legacy"
         # (a normalizer: before each text between added tokens, a space there or not), or a
         # Metaspace pre-tokenizer's "first" (the text's start only), "always" or "never"
         self.sentencepiece = sentencepiece
+        self.strip_space = strip_space    # decode drops the text's first space (SentencePiece's decoder)
+        self.nfc = nfc                    # Unicode NFC-normalize the text between added tokens (Qwen 2)
         self.eos_token_id = eos_token_id  # HF's tokenizer.eos_token_id: the EOS a stop_reason leaves unnamed
         self.dropped_from = dropped_from  # ids >= this stand for bytes the vocab lacks
         if dropped_from is not None:      # for _encode_dropping (pattern: the pre-tokenizer's)
@@ -447,17 +450,16 @@ class Tokenizer:
             added_tokens = [{"content": t, "id": encoding.encode_single_token(t), "special": True}
                             for t in encoding.special_tokens_set]
         # HF finds the tokens marked normalized: false in the raw text, then normalizes the
-        # text between them (NFC, where the tokenizer says so) and finds the normalized: true
-        # ones in that, normalized too ("<A\u030a>" is found as "<Å>"). Two searches, even
-        # without a normalizer: a single_word token's neighbours are those of its own search.
+        # text between them and finds the normalized: true ones in that, normalized too
+        # ("<A\u030a>" is found as "<Å>" with NFC; "foo" as "▁foo" with Llama 2's normalizer,
+        # so only after a space). Two searches, even without a normalizer: a single_word
+        # token's neighbours are those of its own search.
         early = [t for t in added_tokens if not t.get("normalized")]
-        late = [t | {"content": unicodedata.normalize("NFC", t["content"]) if nfc else t["content"]}
-                for t in added_tokens if t.get("normalized")]
+        late = [t | {"content": self._normalize(t["content"])} for t in added_tokens if t.get("normalized")]
         self._added = _added_search(early)
         self._added_normalized = _added_search(late) if late else None
         # the control tokens (<|im_end|>, <|endoftext|>...), which output text leaves out by default
         self.special_ids = frozenset(t["id"] for t in added_tokens if t.get("special"))
-        self.nfc = nfc                    # Unicode NFC-normalize the text between added tokens (Qwen 2)
         # What HF's post-processor puts around every encoded text: Llama 3 starts each
         # prompt with <|begin_of_text|> (its BOS), GPT-2, SmolLM2 and Qwen 2 add nothing.
         self.prefix_ids, self.suffix_ids = list(prefix_ids), list(suffix_ids)
@@ -496,8 +498,8 @@ class Tokenizer:
 
     def _split_added(self, text: str, search: tuple, encode_gap, at_start: bool) -> list[int]:
         """The added tokens that search (from _added_search) finds in text, and encode_gap of
-        the text between them (and whether that begins the whole text: at_start, and it
-        starts text). An lstrip (rstrip) token drops the whitespace on its left (right). A
+        the text between them, telling it whether that text begins the whole text (where
+        text does, at_start). An lstrip (rstrip) token drops the whitespace on its left (right). A
         single_word token found inside a word is no token there: as HF, its text stays text
         between tokens, and the search goes on after it (it does not try a shorter token at
         that place, nor one starting within it)."""
@@ -519,13 +521,18 @@ class Tokenizer:
         whole text would join a token's last character with a combining mark after it:
         "<think>" + U+0338 has no "<think>" left, as ">" + U+0338 is "≯"), then searched
         for the added tokens that match normalized text."""
-        if self.nfc:
-            text = unicodedata.normalize("NFC", text)
-        if self.sentencepiece == "legacy" and text:   # Llama 2's normalizer: Prepend("▁"), Replace(" ", "▁")
-            text = SPACE + text.replace(" ", SPACE)
+        text = self._normalize(text)
         if self._added_normalized is None:
             return self._encode_ordinary(text, at_start)
         return self._split_added(text, self._added_normalized, self._encode_ordinary, at_start)
+
+    def _normalize(self, text: str) -> str:
+        """HF's normalizer: Qwen 2's NFC, or Llama 2's Prepend("▁") + Replace(" ", "▁")."""
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        if self.sentencepiece == "legacy" and text:
+            text = SPACE + text.replace(" ", SPACE)
+        return text
 
     def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
         """BPE of text that holds no added token."""
@@ -558,15 +565,17 @@ class Tokenizer:
         if self.sentencepiece is None or continuation:
             return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
         # HF's SentencePiece decoder (ByteFallback): byte tokens in a row are one UTF-8 text,
-        # or, where they are none, a U+FFFD each; then the first space is dropped (Strip)
+        # or, where they are none, a U+FFFD each (ids that are no token left out first); then
+        # the first space is dropped (Strip)
         text = ""
-        for is_byte, run in itertools.groupby(self._token_ids(ids, skip_special_tokens), self.encoding.is_byte):
+        tokens = [i for i in self._token_ids(ids, skip_special_tokens) if self._token_bytes(i)]
+        for is_byte, run in itertools.groupby(tokens, self.encoding.is_byte):
             run = b"".join(map(self._token_bytes, run))
             try:
                 text += run.decode("utf-8")
             except UnicodeDecodeError:
                 text += "\ufffd" * len(run) if is_byte else run.decode("utf-8", errors="replace")
-        return text[1:] if self.sentencepiece != "never" and text.startswith(" ") else text
+        return text[1:] if self.strip_space and text.startswith(" ") else text
 
     def decode_bytes(self, ids: list[int], skip_special_tokens: bool = False) -> bytes:
         """The bytes of `ids`, leaving out special tokens if asked, and skipping (as HF does)
@@ -709,20 +718,62 @@ class _GenerationTag(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+# A chat template is code from the model's files, and the sandbox bounds each range() but not
+# loops within loops, nor what an operator builds: a template could run for hours, or fill
+# the memory. So a render stops past RENDER_SECONDS, and a text or list past RENDER_CHARS (a
+# real prompt renders in milliseconds, and is far shorter).
+RENDER_SECONDS = 5.0
+RENDER_CHARS = 2**26
+
+
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """jinja2's sandbox, refusing to build a text or list longer than RENDER_CHARS with *, +
+    or a captured block ({% set %}...{% endset %}, a macro's output), or an integer power of
+    more than 2^20 bits: each such value is one allocation, too big before any clock is read.
+    (intercepted_binops and call_binop are the sandbox's own hooks for this.)"""
+    intercepted_binops = frozenset({"*", "+", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        sized = (str, list, tuple)
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, sized) and isinstance(times, int) and len(seq) * times > RENDER_CHARS:
+                    raise ValueError(f"{type(seq).__name__} of {len(seq):,} times {times:,} is longer than {RENDER_CHARS:,}")
+        if operator == "+" and isinstance(left, sized) and isinstance(right, sized) and len(left) + len(right) > RENDER_CHARS:
+            raise ValueError(f"{type(left).__name__} + {type(right).__name__} is longer than {RENDER_CHARS:,}")
+        if (operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0
+                and abs(left).bit_length() * right > 2**20):
+            raise ValueError(f"{left} ** {right} is too large a number")
+        return super().call_binop(context, operator, left, right)
+
+    def concat(self, pieces) -> str:   # a captured block's text (the rendered text: _render_bounded)
+        return _join_bounded(pieces)
+
+
+def _join_bounded(pieces) -> str:
+    """"".join(pieces), refused once longer than RENDER_CHARS (checked piece by piece)."""
+    kept, length = [], 0
+    for piece in pieces:
+        length += len(piece)
+        if length > RENDER_CHARS:
+            raise ValueError(f"the template's text is longer than {RENDER_CHARS:,} characters")
+        kept.append(piece)
+    return "".join(kept)
+
+
 @functools.lru_cache(maxsize=8)   # compiled once per template text
 def _compile_chat_template(template: str):
     """A chat template compiled as transformers compiles it (so that it renders the same
-    text): Jinja in a sandbox, blocks trimmed, {% break %} and {% continue %} allowed, and
-    the helpers templates call: raise_exception(), strftime_now(), an unescaped tojson, and
-    the {% generation %} tag."""
+    text): Jinja in a sandbox (bounded: _BoundedSandbox), blocks trimmed, {% break %} and
+    {% continue %} allowed, and the helpers templates call: raise_exception(),
+    strftime_now(), an unescaped tojson, and the {% generation %} tag."""
     def raise_exception(message):
         raise jinja2.TemplateError(message)
 
     def tojson(x, indent=None, separators=None, sort_keys=False):  # Jinja's escapes <, >, &
         return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=["jinja2.ext.loopcontrols", _GenerationTag])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag])
     env.filters["tojson"] = tojson
     env.globals |= {"raise_exception": raise_exception,
                     "strftime_now": lambda fmt: datetime.datetime.now().strftime(fmt)}
@@ -732,19 +783,13 @@ def _compile_chat_template(template: str):
         raise ValueError(f"the chat template is not valid Jinja: {e}") from None
 
 
-# A chat template is code from the model's files, and the sandbox bounds each range() but not
-# loops within loops: a template could run for hours, or fill the memory with text. So a
-# render stops past these (a real prompt is milliseconds and far less text).
-RENDER_SECONDS = 10.0
-RENDER_CHARS = 2**26
-
-
 def _render_bounded(template: jinja2.Template, variables: dict) -> str:
     """template.render(variables), stopped with a ValueError past RENDER_SECONDS or
-    RENDER_CHARS. Jinja compiles a template to Python code (its file name "<template>"),
-    and a trace function sees each of its lines run, every turn of a loop included: there
-    the clock is read. (Where a debugger or coverage tool traces already, it is left in
-    charge and the render is not timed.)"""
+    RENDER_CHARS of text. Jinja compiles a template to Python code (its file name
+    "<template>"), and a trace function sees each of its lines run, every turn of a loop
+    included: there the clock is read. (Where a debugger or coverage tool traces already,
+    it is left in charge and the render is not timed.) Between two reads of the clock, a
+    template can still build text a piece at a time: seconds of that is some gigabytes."""
     deadline = time.monotonic() + RENDER_SECONDS
 
     def on_line(frame, event, arg):
@@ -759,13 +804,7 @@ def _render_bounded(template: jinja2.Template, variables: dict) -> str:
     if timed:
         sys.settrace(on_call)
     try:
-        pieces, length = [], 0
-        for piece in template.generate(variables):   # the text as it is made: its length checked
-            length += len(piece)
-            if length > RENDER_CHARS:
-                raise ValueError(f"the rendered text is longer than {RENDER_CHARS:,} characters")
-            pieces.append(piece)
-        return "".join(pieces)
+        return _join_bounded(template.generate(variables))   # (the text as it is made)
     finally:
         if timed:
             sys.settrace(None)
@@ -820,15 +859,16 @@ class SentencePieceBPE:
 
     def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], added: dict[str, int]):
         self.vocab = vocab
-        self.rank = {}   # (left, right) -> its place in the merges: the lower, the earlier
-        for n, pair in enumerate(merges):
-            self.rank.setdefault(pair, n)
+        # (left, right) -> its place in the merges: the lower, the earlier (a pair listed
+        # twice: its last place, as HF's)
+        self.rank = {pair: n for n, pair in enumerate(merges)}
         self.byte_ids = [vocab[f"<0x{b:02X}>"] for b in range(256)]   # (_space_scheme checked them)
         self.byte_id_set = frozenset(self.byte_ids)
-        # each token's bytes: "▁" is a space, a byte token its byte, an added token its text
-        self.bytes_of = {i: token.replace(SPACE, " ").encode("utf-8", "surrogatepass") for token, i in vocab.items()}
+        # each token's bytes, an added token's too: "▁" is a space, a byte token its byte
+        # (surrogates, which no UTF-8 holds, are kept as they are: decoded, they show as U+FFFD)
+        self.bytes_of = {i: token.replace(SPACE, " ").encode("utf-8", "surrogatepass")
+                         for token, i in (added | vocab).items()}
         self.bytes_of |= {i: bytes([b]) for b, i in enumerate(self.byte_ids)}
-        self.bytes_of |= {i: content.encode() for content, i in added.items()}
 
     def encode_ordinary(self, text: str) -> list[int]:
         ids = []
@@ -872,6 +912,21 @@ class SentencePieceBPE:
         return b"".join(self.bytes_of[i] for i in ids)
 
 
+def _strips_first_space(decoder) -> bool:
+    """Whether a SentencePiece tokenizer.json's decoder drops the text's first space: with a
+    Strip(" ", 1, 0) step (transformers writes one after Fuse, so of the whole text), or a
+    Metaspace decoder that prepends (of the first token)."""
+    steps = decoder.get("decoders") if isinstance(decoder, dict) and decoder.get("type") == "Sequence" else [decoder]
+    for step in steps if isinstance(steps, list) else []:
+        if not isinstance(step, dict):
+            continue
+        if step.get("type") == "Strip" and step.get("content") == " " and step.get("start") == 1:
+            return True
+        if step.get("type") == "Metaspace" and step.get("prepend_scheme", "always") != "never":
+            return True
+    return False
+
+
 def _space_scheme(tj: dict, vocab: dict[str, int], path: Path) -> str:
     """How a SentencePiece tokenizer.json writes spaces (Tokenizer.sentencepiece). Two shapes
     are in use: transformers' "legacy" conversion (TinyLlama, Mistral 7B v0.1), a normalizer
@@ -887,7 +942,7 @@ def _space_scheme(tj: dict, vocab: dict[str, int], path: Path) -> str:
     if pre is None and steps == legacy:
         return "legacy"
     if (normalizer is None and pre and pre.get("type") == "Metaspace" and pre.get("replacement") == SPACE
-            and not pre.get("split") and pre.get("prepend_scheme") in ("first", "always", "never")):
+            and pre.get("split", True) is False and pre.get("prepend_scheme") in ("first", "always", "never")):
         return pre["prepend_scheme"]
     raise ModelError(f"{path}: normalizer {normalizer!r} with pre_tokenizer {pre!r} is not a supported "
                      f"SentencePiece BPE (supported: normalizer Prepend(\"▁\") + Replace(\" \", \"▁\"), or "
@@ -952,6 +1007,11 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
         raise ModelError(f"{path}: tokenizer model {bpe.get('type')!r} is not supported; nanopaged reads "
                          f"BPE tokenizers only (byte-level: GPT-2, SmolLM2, Llama 3, Qwen 2; "
                          f"SentencePiece's: Llama 2, Mistral)")
+    if not isinstance(bpe.get("byte_fallback", False), bool):
+        raise ModelError(f"{path}: model.byte_fallback is {bpe['byte_fallback']!r}, expected true or false")
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):   # (what HF's BPE also does)
+        if bpe.get(key):
+            raise ModelError(f"{path}: model.{key} {bpe[key]!r} is not supported")
     for key in ("normalizer", "pre_tokenizer"):
         if not isinstance(tj.get(key), dict | None):
             raise ModelError(f"{path}: {key!r} is {tj[key]!r}, expected an object or null")
@@ -992,7 +1052,8 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
                   chat_template=template, named_templates=named_templates, template_tokens=template_tokens)
     if bpe.get("byte_fallback"):
         scheme = _space_scheme(tj, vocab, path)
-        return Tokenizer(SentencePieceBPE(vocab, merges, special), sentencepiece=scheme, **common)
+        return Tokenizer(SentencePieceBPE(vocab, merges, special), sentencepiece=scheme,
+                         strip_space=_strips_first_space(tj.get("decoder")), **common)
 
     normalizer = (tj.get("normalizer") or {}).get("type")
     if normalizer not in (None, "NFC"):
@@ -1000,9 +1061,9 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     pattern = _hf_pattern(tj.get("pre_tokenizer"), path)
     # In tiktoken terms, the added tokens are special tokens; everything else in the vocab is
     # a byte string with its rank.
-    ranks = {}
+    ranks, added_ids = {}, set(special.values())
     for token, i in vocab.items():
-        if i in special.values():
+        if i in added_ids:
             continue
         try:
             ranks[bytes(BYTE_OF_CHAR[c] for c in token)] = i
@@ -1037,6 +1098,8 @@ def _merge_pairs(merges, vocab: dict[str, int], path: Path) -> list[tuple[str, s
         if made is None:
             raise ModelError(f"{path}: merge #{n} {left!r} + {right!r} makes a token that "
                              f"is not in the vocab")
+        if left not in vocab or right not in vocab:   # (as HF refuses it)
+            raise ModelError(f"{path}: merge #{n} {left!r} + {right!r} has a part that is not in the vocab")
         pairs.append((left, right))
     return pairs
 
@@ -1249,7 +1312,7 @@ class Llama(nn.Module):
 
     @staticmethod
     def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
-        """Every tensor of a HF LlamaForCausalLM checkpoint, with its shape."""
+        """Every tensor of a HF LlamaForCausalLM checkpoint (or its family's), with its shape."""
         C, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
@@ -1614,8 +1677,8 @@ def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[list
     """A SentencePiece GGUF keeps a score per token, no merges: its BPE merges first the
     neighbours whose merged token scores highest. HF's BPE merges first the merge listed
     first; so every way to cut a token in two tokens is a merge, listed by that token's
-    score (as transformers' converter lists them: then by id, then the shorter left part)."""
-    merges = [(-scores[i], i, k, token[:k], token[k:]) for token, i in vocab.items()
+    score (as transformers' converter lists them: then the longer left part first)."""
+    merges = [(-scores[i], -k, i, token[:k], token[k:]) for token, i in vocab.items()
               for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
     return [[left, right] for *_, left, right in sorted(merges)]
 

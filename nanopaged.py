@@ -1367,7 +1367,7 @@ class LLM:
         BeamSearchParams too, and give RequestOutputs, their outputs the beams.)"""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        results = self._generate(self._parse_prompts(prompts), params, use_tqdm)
+        results = self._generate(self._parse_prompts(prompts), params, use_tqdm, "beam_search()")
         outputs = []
         for r in results:
             sequences = []
@@ -1422,19 +1422,22 @@ class LLM:
                 parsed.append(render_chat(self.tokenizer, conversation, **options))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if batch else str(e)) from None
-        return self._generate(parsed, sampling_params, use_tqdm)
+        return self._generate(parsed, sampling_params, use_tqdm, "chat()")
 
-    def _generate(self, prompts: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool):
-        """Run prompts (text, token ids) to the end, alone in the engine; outputs in their order."""
+    def _generate(self, prompts: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool,
+                  caller: str = "generate()"):
+        """Run prompts (text, token ids) to the end, alone in the engine; outputs in their order.
+        (caller: the public method, for its errors.)"""
         one_each = isinstance(sampling_params, (list, tuple))
         params = list(sampling_params) if one_each else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if not isinstance(use_tqdm, bool):
             raise ValueError(f"use_tqdm must be True or False, got {use_tqdm!r}")
-        self._check_alone("generate()")
+        self._check_alone(caller)
         ids, first_id = [], self._next_id
         try:
+            self._generating = True   # (before its requests exist: a step elsewhere would run them)
             for i, ((text, token_ids), p) in enumerate(zip(prompts, params)):
                 try:
                     ids.append(self._add(text, token_ids, p))
@@ -1442,7 +1445,7 @@ class LLM:
                     self._next_id = first_id   # (the ids of the prompts before it: never seen by the caller)
                     raise ValueError(f"prompt {i}: {e}") from None
             self.reset_stats()   # (once all were accepted: a refused batch leaves them as they were)
-            results, self._generating = {}, True
+            results = {}
             while self.has_unfinished_requests():
                 for r in self._step():
                     results[r.request_id] = r
@@ -1477,7 +1480,7 @@ class LLM:
     def _check_not_generating(self, caller: str):
         if self._generating:
             raise ValueError(f"{caller} cannot run while generate() is running (called from its trace "
-                             "callback, or another thread)")
+                             "callback, or another thread: the engine is not thread-safe)")
 
     def _drop_all(self):
         """Abort every request, where unfinished, and forget them all (generate() and

@@ -73,6 +73,7 @@ def main(models: Path) -> int:
             texts = (models / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
             texts[-1] = texts[-1].removesuffix("\n__ggml_vocab_test__")
             wants = (models / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
+            assert len(wants) == len(texts), f"{name}: {len(texts)} texts but {len(wants)} lines of ids"
             wrong = [t for t, want in zip(texts, wants) if tok.encode(t, add_special_tokens=False) != list(map(int, want.split()))]
             print(f"{name:>10}: {len(texts) - len(wrong)} of {len(texts)} texts encode as llama.cpp's test expects"
                   + "".join(f"\n{'':>12}differs: {t[:60]!r}" for t in wrong))
