@@ -97,6 +97,7 @@ LLAMA_FAMILY = {
     "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
     "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128},
+    "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
 }
 
 
@@ -157,6 +158,8 @@ class ModelConfig:
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
             if d.get("mlp_bias"):
                 raise ModelError("mlp_bias is not supported")
+            if d.get("partial_rotary_factor", 1.0) != 1.0:   # (Phi-4-mini: RoPE on part of each head)
+                raise ModelError(f"partial_rotary_factor {d['partial_rotary_factor']!r} is not supported (only 1.0)")
             heads, hidden = _positive(d, "num_attention_heads"), _positive(d, "hidden_size")
             kv_heads = _positive(d, "num_key_value_heads", default=heads)
             if heads % kv_heads:
@@ -232,11 +235,11 @@ def _sliding_window(d: dict, model_type: str) -> int | None:
     """How many past tokens a position attends to, where some layers see only a window
     (None: all see everything), read as HF's config classes read it. Mistral windows every
     layer when sliding_window is set. Qwen windows only with use_sliding_window, and then
-    the layers layer_types names (by default, those from max_window_layers on). Llama has
-    no window."""
+    the layers layer_types names (by default, those from max_window_layers on). Phi-3
+    windows as Mistral. Llama has no window."""
     if model_type == "llama" or d.get("sliding_window") is None:
         return None
-    if model_type != "mistral":
+    if model_type not in ("mistral", "phi3"):
         if not _flag(d, "use_sliding_window"):
             return None
         kinds = d.get("layer_types")
@@ -1323,10 +1326,13 @@ class Llama(nn.Module):
             p = f"model.layers.{i}."
             shapes |= {
                 p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
-                p + "self_attn.q_proj.weight": (q, C), p + "self_attn.k_proj.weight": (kv, C),
-                p + "self_attn.v_proj.weight": (kv, C), p + "self_attn.o_proj.weight": (C, q),
-                p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
-                p + "mlp.down_proj.weight": (C, I)}
+                p + "self_attn.o_proj.weight": (C, q), p + "mlp.down_proj.weight": (C, I)}
+            if config.model_type == "phi3":   # Phi-3 stores them fused, as this module holds them
+                shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, C), p + "mlp.gate_up_proj.weight": (2 * I, C)}
+            else:
+                shapes |= {p + "self_attn.q_proj.weight": (q, C), p + "self_attn.k_proj.weight": (kv, C),
+                           p + "self_attn.v_proj.weight": (kv, C), p + "mlp.gate_proj.weight": (I, C),
+                           p + "mlp.up_proj.weight": (I, C)}
             if config.qkv_bias:
                 shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)}
@@ -1340,10 +1346,11 @@ class Llama(nn.Module):
     @staticmethod
     def from_checkpoint(hf: dict, config: ModelConfig) -> dict:
         """HF tensors -> this module's state dict: fuse q/k/v (weights and any biases) and
-        gate/up, drop the "model." prefix. Consumes `hf` (pop) so each source tensor is freed
+        gate/up (but Phi-3's, stored fused), drop the "model." prefix. Consumes `hf` (pop) so each source tensor is freed
         once fused, keeping peak memory near one copy of the model."""
         state = {}
-        for i in range(config.num_hidden_layers):
+        unfused = 0 if config.model_type == "phi3" else config.num_hidden_layers   # (Phi-3's come fused)
+        for i in range(unfused):
             p = f"model.layers.{i}."
             for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
                 state[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat(
@@ -1644,11 +1651,13 @@ HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}   # (Phi-3's fused ones)
 # GGUF's architectures: config.json's architectures entry for each. llama.cpp rotates
 # Llama's RoPE pairs as neighbours, so its converter permuted Llama's Q and K rows (see
-# _unpermute); Qwen's it rotates as HF does ("NEOX"), and stores them as they are.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# _unpermute); Qwen's and Phi-3's it rotates as HF does ("NEOX"), and stores them as they are.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM"}
 
 # GGUF's pre-tokenizer names, as the tokenizer.json pre_tokenizer each one stands for.
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
@@ -1825,6 +1834,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         "max_position_embeddings": need(f"{arch}.context_length"),
         "rms_norm_eps": need(f"{arch}.attention.layer_norm_rms_epsilon"),
         "rope_theta": meta.get(f"{arch}.rope.freq_base"),
+        "sliding_window": meta.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None,
         # (only Qwen 3's: llama.cpp permutes a Llama's q/k biases too, which _unpermute does not undo)
         "attention_bias": arch == "qwen3" and "blk.0.attn_output.bias" in tensors,
         "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
@@ -1836,6 +1846,9 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     # A config.json's checks, before anything is computed from it; then the defaults filled in.
     with _in_file(gguf_path):
         c = ModelConfig.from_dict(config)
+    if meta.get(f"{arch}.rope.dimension_count", c.head_dim) != c.head_dim:   # (Phi-4-mini's 0.75 of a head)
+        raise ModelError(f"{gguf_path}: {arch}.rope.dimension_count {meta[f'{arch}.rope.dimension_count']!r} "
+                         f"is not head_dim {c.head_dim}: RoPE on part of each head is not supported")
     config |= {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                "rms_norm_eps": f32(c.norm_eps), "rope_theta": f32(c.rope_theta)}
     tokenizer_config = {"chat_template": meta.get("tokenizer.chat_template")}

@@ -155,8 +155,16 @@ def llama_tensors(c, seed=0):
             shapes[p + "self_attn.o_proj.bias"] = (C,)
         if c["model_type"] == "qwen3":
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
-    return {n: (1 + 0.1 * torch.randn(s, generator=g)) if n.endswith("norm.weight")
-            else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
+    tensors = {n: (1 + 0.1 * torch.randn(s, generator=g)) if n.endswith("norm.weight")
+               else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
+    if c["model_type"] == "phi3":   # HF's Phi-3 stores q/k/v and gate/up fused
+        for i in range(c["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            tensors[p + "self_attn.qkv_proj.weight"] = torch.cat([tensors.pop(p + f"self_attn.{n}_proj.weight")
+                                                                  for n in "qkv"])
+            tensors[p + "mlp.gate_up_proj.weight"] = torch.cat([tensors.pop(p + "mlp.gate_proj.weight"),
+                                                                tensors.pop(p + "mlp.up_proj.weight")])
+    return tensors
 
 
 def hf_inv_freq(c):
@@ -290,6 +298,7 @@ LLAMA_FAMILY_VARIANTS = {
                                          attention_bias=True),
     "mistral": llama_config(model_type="mistral", tied=False, sliding_window=64),
     "llama_attention_bias": llama_config(attention_bias=True),            # q/k/v and o biases
+    "phi3": llama_config(model_type="phi3", tied=False, sliding_window=64, pad_token_id=None),   # q/k/v, gate/up fused
 }
 
 
@@ -319,6 +328,7 @@ def test_llama_family_matches_transformers(tmp_path, variant):
       "layer_types": ["full_attention", "sliding_attention"]}, 64),
     ({"model_type": "qwen3", "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]}, None),
     ({"model_type": "llama", "sliding_window": 64, "use_sliding_window": True}, None),   # Llama has none
+    ({"model_type": "phi3", "sliding_window": 64}, 64),                 # Phi-3 windows as Mistral (mini-4k: 2047)
 ])
 def test_a_sliding_window_caps_the_context(change, window):
     """Within its window, windowed attention is full attention: the context stops there.
@@ -770,7 +780,7 @@ def test_bad_config(tmp_path):
     with pytest.raises(ModelError, match=r"config\.json: no 'hidden_size'"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "mamba"}))
-    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gpt2, llama, mistral, qwen2, qwen3\)"):
+    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gpt2, llama, mistral, phi3, qwen2, qwen3\)"):
         load_model(tmp_path)
     for rope, message in [({"rope_theta": 1e-300}, "rope_theta 1e-300 and rope_scaling None give RoPE frequencies "
                                                    "that are not finite numbers"),   # (1 / 0, once underflowed)
@@ -1476,17 +1486,20 @@ def llama2_gguf_vocab():
 
 def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None,
                dtypes=None, pre="smollm", add_bos=None, pad=0, meta=(), block_count=None, merges=(),
-               sentencepiece=False):
+               sentencepiece=False, arch="llama", weights=None, window=None):
     """A tiny Llama GGUF: the 256 byte tokens (and `pad` padding ones after them, as llama.cpp
     writes an embedding matrix longer than the vocab), random float32 weights (tied
     embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
     `dtypes` maps a tensor's name to another numpy dtype to store it in; `meta`, more
-    (key, array) metadata; `block_count`, another layer count than the L layers it holds.
+    (key, array or integer) metadata; `block_count`, another layer count than the L layers it holds.
     sentencepiece: the SentencePiece tokenizer of testdata/llama2_tokenizer instead, with its
-    scores and no merges, as llama.cpp writes a Llama 2."""
+    scores and no merges, as llama.cpp writes a Llama 2. arch: another architecture's keys;
+    weights: these HF-named tensors instead of random ones; window: a sliding window."""
     import gguf
     vocab, _ = byte_vocab()
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, arch)
+    if window is not None:
+        writer.add_sliding_window(window)
     writer.add_block_count(L if block_count is None else block_count)
     writer.add_context_length(64)
     writer.add_embedding_length(C)
@@ -1514,7 +1527,7 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
     for key, value in meta:
-        writer.add_array(key, value)
+        (writer.add_uint32 if isinstance(value, int) else writer.add_array)(key, value)
     D = C // max(H, 1)  # any D when H is 0
     shapes = {"token_embd.weight": (len(tokens), C), "output_norm.weight": (C,)}
     for i in range(L):
@@ -1525,8 +1538,10 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
                    f"blk.{i}.ffn_up.weight": (I, C), f"blk.{i}.ffn_down.weight": (C, I)}
     shapes = {name: shape for name, shape in shapes.items() if name not in skip} | dict(extra)
     rng = np.random.default_rng(0)
-    for name, shape in shapes.items():
+    for name, shape in shapes.items() if weights is None else ():
         writer.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype((dtypes or {}).get(name, np.float32)))
+    for name, tensor in (weights or {}).items():
+        writer.add_tensor(model_module._gguf_name(name), tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -1579,6 +1594,24 @@ def test_sentencepiece_gguf_encodes_as_its_tokenizer_json(tmp_path, own_cache):
     scoreless = write_gguf(tmp_path / "scoreless.gguf", sentencepiece=True, meta=[("tokenizer.ggml.scores", [0.0])])
     with pytest.raises(ModelError, match="tokenizer.ggml.scores has 1 entries for 1500 tokens"):
         load_tokenizer(scoreless)
+
+
+def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
+    """llama.cpp keeps Phi-3's fused q/k/v ("attn_qkv") and gate/up ("ffn_up") as HF's, and
+    rotates its RoPE as HF does: no rows to unpermute. The same weights as a GGUF and as an
+    HF checkpoint (whose logits test_llama_family_matches_transformers checks) give the same
+    logits, and the same sliding window caps the context."""
+    c = LLAMA_FAMILY_VARIANTS["phi3"] | {"vocab_size": 256, "max_position_embeddings": 64}
+    w = llama_tensors(c)
+    hf = load_model(write_checkpoint(tmp_path / "hf", c, w))
+    path = write_gguf(tmp_path / "phi3.gguf", C=48, H=6, KVH=2, L=2, I=80, eos=3, arch="phi3", weights=w, window=32)
+    model = load_model(path)
+    assert (model.config.model_type, model.config.sliding_window, model.config.max_position_embeddings) == ("phi3", 32, 32)
+    torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
+    partial = write_gguf(tmp_path / "partial.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3", weights=w,
+                         meta=[("phi3.rope.dimension_count", 6)])
+    with pytest.raises(ModelError, match="phi3.rope.dimension_count 6 is not head_dim 8"):
+        load_model(partial)
 
 
 @pytest.mark.parametrize("kwargs, first", [
