@@ -158,8 +158,6 @@ class ModelConfig:
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
             if d.get("mlp_bias"):
                 raise ModelError("mlp_bias is not supported")
-            if d.get("partial_rotary_factor", 1.0) != 1.0:   # (Phi-4-mini: RoPE on part of each head)
-                raise ModelError(f"partial_rotary_factor {d['partial_rotary_factor']!r} is not supported (only 1.0)")
             heads, hidden = _positive(d, "num_attention_heads"), _positive(d, "hidden_size")
             kv_heads = _positive(d, "num_key_value_heads", default=heads)
             if heads % kv_heads:
@@ -328,6 +326,9 @@ def _rope_config(d: dict) -> tuple[float, dict | None]:
             raise ModelError(f"{key!r} is {d[key]!r}, expected an object or null")
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     theta = _positive(params if "rope_theta" in params else d, "rope_theta", float, 10000.0)
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:   # (Phi-4-mini: RoPE on part of each head)
+        raise ModelError(f"partial_rotary_factor {partial!r} is not supported (only 1.0: RoPE over whole heads)")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
@@ -733,7 +734,8 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """jinja2's sandbox, refusing to build a text or list longer than RENDER_CHARS with *, +
     or a captured block ({% set %}...{% endset %}, a macro's output), or an integer power of
     more than 2^20 bits: each such value is one allocation, too big before any clock is read.
-    (intercepted_binops and call_binop are the sandbox's own hooks for this.)"""
+    (intercepted_binops and call_binop are the sandbox's own hooks for this. `~` and filters
+    such as center() have none: the clock alone bounds them.)"""
     intercepted_binops = frozenset({"*", "+", "**"})
 
     def call_binop(self, context, operator, left, right):
@@ -773,11 +775,12 @@ def _compile_chat_template(template: str):
     def raise_exception(message):
         raise jinja2.TemplateError(message)
 
-    def tojson(x, indent=None, separators=None, sort_keys=False):  # Jinja's escapes <, >, &
-        return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # Jinja's escapes <, >, &
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag])
     env.filters["tojson"] = tojson
+    del env.globals["lipsum"]   # (Jinja's lorem ipsum: no template needs it, and it runs outside the clock)
     env.globals |= {"raise_exception": raise_exception,
                     "strftime_now": lambda fmt: datetime.datetime.now().strftime(fmt)}
     try:
@@ -1834,7 +1837,8 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         "max_position_embeddings": need(f"{arch}.context_length"),
         "rms_norm_eps": need(f"{arch}.attention.layer_norm_rms_epsilon"),
         "rope_theta": meta.get(f"{arch}.rope.freq_base"),
-        "sliding_window": meta.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None,
+        # (llama.cpp writes 0 for Phi-4, which has no window)
+        "sliding_window": meta.get(f"{arch}.attention.sliding_window") or None if arch == "phi3" else None,
         # (only Qwen 3's: llama.cpp permutes a Llama's q/k biases too, which _unpermute does not undo)
         "attention_bias": arch == "qwen3" and "blk.0.attn_output.bias" in tensors,
         "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
@@ -1888,6 +1892,8 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     shapes = Llama.checkpoint_shapes(c)
     hf_name = {_gguf_name(name): name for name in shapes}
     for t in reader.tensors:
+        if t.name.startswith("rope_factors"):   # (how llama.cpp stores longrope: Phi-3 128k, Phi-3.5)
+            raise ModelError(f"{gguf_path}: tensor {t.name!r}: rope scaling 'longrope' is not supported")
         if t.name not in hf_name:
             raise ModelError(f"{gguf_path}: unexpected tensor {t.name!r} (not in a {arch} of "
                              f"this config)")
@@ -1915,10 +1921,18 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     # UNUSED): ids that are no token, which decode skips
     vocab = {tok: i for i, tok in enumerate(tokens) if types[i] != GGUF_UNUSED}
     added = (GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNKNOWN) if sentencepiece else (GGUF_CONTROL, GGUF_USER_DEFINED)
+    # A GGUF keeps no lstrip/rstrip flags. Phi-3's tokenizer.json has its chat tokens
+    # (<|user|>, <|end|>...) and </s> drop the whitespace after them, and llama.cpp puts that
+    # back for a model named so: so do we, and for a phi3 GGUF with SentencePiece's tokenizer
+    # (Phi-3, 3.5; Phi-4's is byte-level, without the flags).
+    name = meta.get("general.name")
+    phi3 = (isinstance(name, str) and any(s in name.lower() for s in ("phi-3", "phi3"))
+            or arch == "phi3" and sentencepiece)
     tokenizer = {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": i, "content": tok, "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": False, "special": types[i] != GGUF_USER_DEFINED}
+                          "rstrip": phi3 and tok not in ("<unk>", "<s>", "<|endoftext|>"),
+                          "normalized": False, "special": types[i] != GGUF_USER_DEFINED}
                          for i, tok in enumerate(tokens) if types[i] in added],
         "post_processor": post_processor,
         "model": {"type": "BPE", "dropout": None, "unk_token": None,

@@ -1004,8 +1004,8 @@ class LLM:
             self.scheduler.finish(seq, "error")
             sampled.pop(seq, None)   # (a prompt row broke: what its last row drew is void)
         if self._trace is not None:
-            words = {seq: [self.tokenizer.decode([x], continuation=True) for x in tokens]   # several: a fork's first
-                     for seq, tokens in sampled.items()}
+            words = {seq: [self.tokenizer.decode([x], continuation=True) for x in tokens]
+                     for seq, tokens in sampled.items()}   # (several tokens: a fork's first ones)
             self._trace.append("  sampled: " + ", ".join(f"{seq} -> {' | '.join(map(repr, w)) or '(dropped)'}"
                                                          for seq, w in words.items()))
         appended = [seq for seq in sampled if seq.status is Status.RUNNING]   # update() skips the rest

@@ -912,6 +912,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' is 'false', expected true or false"),
     ({"attention_bias": "true"}, "'attention_bias' is 'true', expected true or false"),
     ({"mlp_bias": True}, "mlp_bias is not supported"),
+    # RoPE on part of each head (Phi-4-mini), in either place transformers reads it from
+    ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor 0.75 is not supported"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}},
+     "rope type 'longrope' is not supported"),   # (Phi-3 128k, Phi-3.5)
     ({"model_type": "mistral", "sliding_window": 0}, "'sliding_window' is 0"),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": "yes"},
      "'use_sliding_window' is 'yes', expected true or false"),
@@ -1430,6 +1436,9 @@ def test_a_chat_template_that_runs_away_is_stopped(tmp_path, monkeypatch):
         (path / "chat_template.jinja").write_text(template)
         with pytest.raises(ValueError, match=f"the model's chat template failed: ValueError: .*{message}"):
             load_tokenizer(path).apply_chat_template("Hi")
+    (path / "chat_template.jinja").write_text("{{ lipsum(n=10**7) }}")   # (Jinja's own code: no clock there)
+    with pytest.raises(ValueError, match="UndefinedError: 'lipsum' is undefined"):
+        load_tokenizer(path).apply_chat_template("Hi")
     (path / "chat_template.jinja").write_text("{{ 'ab' * 2 }}{{ [1] + [2] }}{{ 2 ** 10 }}")   # small ones work
     assert load_tokenizer(path).apply_chat_template("Hi") == "abab[1, 2]1024"
 
@@ -1491,10 +1500,10 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     writes an embedding matrix longer than the vocab), random float32 weights (tied
     embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
     `dtypes` maps a tensor's name to another numpy dtype to store it in; `meta`, more
-    (key, array or integer) metadata; `block_count`, another layer count than the L layers it holds.
+    (key, array, integer or string) metadata; `block_count`, another layer count than the L layers it holds.
     sentencepiece: the SentencePiece tokenizer of testdata/llama2_tokenizer instead, with its
     scores and no merges, as llama.cpp writes a Llama 2. arch: another architecture's keys;
-    weights: these HF-named tensors instead of random ones; window: a sliding window."""
+    weights: these HF-named tensors instead of random ones (and `extra`'s); window: a sliding window."""
     import gguf
     vocab, _ = byte_vocab()
     writer = gguf.GGUFWriter(path, arch)
@@ -1527,7 +1536,7 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
     for key, value in meta:
-        (writer.add_uint32 if isinstance(value, int) else writer.add_array)(key, value)
+        {int: writer.add_uint32, str: writer.add_string}.get(type(value), writer.add_array)(key, value)
     D = C // max(H, 1)  # any D when H is 0
     shapes = {"token_embd.weight": (len(tokens), C), "output_norm.weight": (C,)}
     for i in range(L):
@@ -1538,7 +1547,7 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
                    f"blk.{i}.ffn_up.weight": (I, C), f"blk.{i}.ffn_down.weight": (C, I)}
     shapes = {name: shape for name, shape in shapes.items() if name not in skip} | dict(extra)
     rng = np.random.default_rng(0)
-    for name, shape in shapes.items() if weights is None else ():
+    for name, shape in shapes.items() if weights is None else extra:
         writer.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype((dtypes or {}).get(name, np.float32)))
     for name, tensor in (weights or {}).items():
         writer.add_tensor(model_module._gguf_name(name), tensor.numpy())
@@ -1612,6 +1621,27 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
                          meta=[("phi3.rope.dimension_count", 6)])
     with pytest.raises(ModelError, match="phi3.rope.dimension_count 6 is not head_dim 8"):
         load_model(partial)
+    # llama.cpp writes a window of 0 for Phi-4 (none); its longrope models hold rope factors
+    assert load_model(write_gguf(tmp_path / "phi4.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3", weights=w,
+                                 window=0)).config.sliding_window is None
+    longrope = write_gguf(tmp_path / "longrope.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3", weights=w,
+                          extra=[("rope_factors_long.weight", (4,))])
+    with pytest.raises(ModelError, match="'rope_factors_long.weight': rope scaling 'longrope' is not supported"):
+        load_model(longrope)
+
+
+def test_phi3_gguf_chat_tokens_drop_the_whitespace_after_them(tmp_path, own_cache):
+    """A GGUF keeps no rstrip flags: for a model named Phi-3, its added tokens (</s>,
+    <|end|>...) drop the whitespace after them, as in its tokenizer.json and in llama.cpp;
+    <s> does not."""
+    tokens = {}
+    for name in ("Phi-3 Mini 4k Instruct", "Llama 2 7B"):
+        path = write_gguf(tmp_path / f"{len(tokens)}.gguf", bos=1, eos=2, sentencepiece=True,
+                          meta=[("general.name", name)])
+        tokens[name] = load_tokenizer(path).encode("Hi</s>\n x<s>\n y", add_special_tokens=False)
+    tok = load_tokenizer(path)
+    assert tokens["Phi-3 Mini 4k Instruct"] == tok.encode("Hi</s>x<s>\n y", add_special_tokens=False)
+    assert tokens["Llama 2 7B"] == tok.encode("Hi</s>\n x<s>\n y", add_special_tokens=False) != tokens["Phi-3 Mini 4k Instruct"]
 
 
 @pytest.mark.parametrize("kwargs, first", [

@@ -49,6 +49,8 @@ def with_tiny_body(vocab_gguf: Path, out: Path):
     for key in TOKENIZER_KEYS:
         if f"tokenizer.ggml.{key}" in meta:
             setters[key](meta[f"tokenizer.ggml.{key}"])
+    if "general.name" in meta:   # (Phi-3's added tokens take their rstrip flags from it)
+        writer.add_name(meta["general.name"])
     V = len(meta["tokenizer.ggml.tokens"])
     shapes = {"token_embd.weight": (V, C), "output_norm.weight": (C,), "blk.0.attn_norm.weight": (C,),
               "blk.0.ffn_norm.weight": (C,), "blk.0.attn_q.weight": (C, C), "blk.0.attn_k.weight": (C, C),
