@@ -502,11 +502,11 @@ class Tokenizer:
 
     def _split_added(self, text: str, search: tuple, encode_gap, at_start: bool) -> list[int]:
         """The added tokens that search (from _added_search) finds in text, and encode_gap of
-        the text between them, telling it whether that text begins the whole text (where
-        text does, at_start). An lstrip (rstrip) token drops the whitespace on its left (right). A
-        single_word token found inside a word is no token there: as HF, its text stays text
-        between tokens, and the search goes on after it (it does not try a shorter token at
-        that place, nor one starting within it)."""
+        the text between them, with whether that text starts the whole text (at_start: text
+        itself does; SentencePiece's Metaspace puts a "▁" there only). An lstrip (rstrip) token
+        drops the whitespace on its left (right). A single_word token found inside a word is no
+        token there: as HF, its text stays text between tokens, and the search goes on after
+        it (it does not try a shorter token at that place, nor one starting within it)."""
         (added, tokens), ids, start, strip_left = search, [], 0, False
         for m in added.finditer(text):
             token, lstrip, rstrip, single_word = tokens[m.group()]
