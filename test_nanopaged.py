@@ -629,17 +629,15 @@ def test_sentencepiece_corners_as_hugging_face(tmp_path):
 
 
 def test_unsupported_sentencepiece_shapes(tmp_path):
-    tj = json.loads((TESTDATA / "llama2_tokenizer" / "tokenizer.json").read_text())
-    shutil.copy(TESTDATA / "llama2_tokenizer" / "config.json", tmp_path)
     metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
-    for change in ({"normalizer": None},                                   # spaces left as they are
-                   {"pre_tokenizer": metaspace},                           # both: "▁" twice
-                   {"normalizer": None, "pre_tokenizer": metaspace | {"split": True}},
-                   {"normalizer": None, "pre_tokenizer": {k: v for k, v in metaspace.items() if k != "split"}},  # (HF: True)
-                   {"normalizer": None, "pre_tokenizer": {"type": "ByteLevel"}}):
-        (tmp_path / "tokenizer.json").write_text(json.dumps(tj | change))
+    for n, change in enumerate((
+            {"normalizer": None},                                   # spaces left as they are
+            {"pre_tokenizer": metaspace},                           # both: "▁" twice
+            {"normalizer": None, "pre_tokenizer": metaspace | {"split": True}},
+            {"normalizer": None, "pre_tokenizer": {k: v for k, v in metaspace.items() if k != "split"}},  # (HF: True)
+            {"normalizer": None, "pre_tokenizer": {"type": "ByteLevel"}})):
         with pytest.raises(ModelError, match="is not a supported SentencePiece BPE"):
-            load_tokenizer(tmp_path)
+            load_tokenizer(llama2_variant(tmp_path / str(n), lambda tj: tj.update(change)))
 
 
 # --- the embedded default model ---
