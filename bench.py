@@ -108,7 +108,9 @@ def bench_attention(args):
     scale = D ** -0.5
     # the same data stored contiguously, padded to the longest sequence: (B, KVH, Lmax, D)
     plan = AttentionPlan(tables, seq_lens, qsl, bs)
-    slots, valid = AttentionPlan._slots(tables, seq_lens.long(), max(lens), bs)   # (B, Lmax)
+    WINDOW = 512
+    window_plan = AttentionPlan(tables, seq_lens, qsl, bs, WINDOW)
+    slots, valid = AttentionPlan._slots(tables, torch.zeros(B, dtype=torch.long), seq_lens.long(), max(lens), bs)  # (B, Lmax)
     k_dense = k_cache.view(-1, KVH, D)[slots].transpose(1, 2).contiguous()
     v_dense = v_cache.view(-1, KVH, D)[slots].transpose(1, 2).contiguous()
     mask = valid[:, None, None, :]
@@ -125,6 +127,9 @@ def bench_attention(args):
          lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale)),
         ("paged fast path (plan + workspace shared)",
          lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, plan=plan)),
+        # not the same result: a layer with a sliding window of 512 reads at most 512 positions
+        (f"  same, sliding window of {WINDOW} positions",
+         lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, WINDOW, plan=window_plan)),
     ]
     rows = list(zip([name for name, _ in variants], median_times([fn for _, fn in variants], args.repeats)))
     rows.append(("paged reference (online softmax, loops)", median_times(
@@ -696,9 +701,10 @@ def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
         q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = paged_batch([(1, n) for n in contexts], gen)
         scale, B, longest = HEAD_DIM ** -0.5, len(contexts), max(contexts)
         for asked in sizes:
-            plan = ops.describe_plan(B, B, HEADS, KV_HEADS, 1, longest, asked)
+            plan = ops.describe_plan(B, B, HEADS, KV_HEADS, 1, longest, partition_size=asked)
             us = cuda_time_us(lambda i: ops.paged_attention(q, k_cache, v_cache, tables[i % len(tables)],
-                                                            seq_lens, qsl, scale, 1, longest, asked), calls=20)
+                                                            seq_lens, qsl, scale, 1, longest,
+                                                            partition_size=asked), calls=20)
             gbs = kv_bytes / us / 1e3
             print(f"{asked or 'auto':>8} {plan['partition_size']:>9} {','.join(map(str, plan['grid'])):>15} "
                   f"{us:10.1f} {gbs:7.0f} {gbs / copy_gbs:7.0%}")

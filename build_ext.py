@@ -160,7 +160,7 @@ void check_launch(cudaError_t err, const char* what) {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale, int64_t max_query_len,
-                           int64_t max_seq_len, int64_t partition_size) {
+                           int64_t max_seq_len, int64_t window, int64_t partition_size) {
   TORCH_CHECK_VALUE(on_kernel_device(q), "q must be a ", kKernelDevice, " tensor, got one on ", q.device());
   const auto device = q.device();
   const KvDtype dtype = kv_dtype(q, "q");
@@ -195,13 +195,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                     "batch too large for the kernel's 32-bit row, tile and position indices");
   TORCH_CHECK_VALUE(partition_size >= 0 && partition_size < (int64_t(1) << 31), "partition_size must be "
                     "0 (the planner chooses) or a number of keys below 2^31, got ", partition_size);
+  TORCH_CHECK_VALUE(window >= 0 && window < (int64_t(1) << 31), "window must be 0 (none) or a number "
+                    "of positions below 2^31, got ", window);
 
   auto out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
   const DeviceGuard guard(device);
 
   const AttentionPlan plan = plan_paged_attention((int)T, (int)B, (int)H, (int)KVH,
-                                                  (int)max_query_len, (int)max_seq_len,
+                                                  (int)max_query_len, (int)max_seq_len, (int)window,
                                                   sm_count(device.index()), (int)partition_size);
   // Split-K workspace: each partition's unnormalised output, max and sum.
   at::Tensor partial_out, partial_stats;
@@ -232,6 +234,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   args.head_dim = (int)D;
   args.block_size = (int)block_size;
   args.max_blocks_per_seq = (int)max_blocks;
+  args.window = (int)window;
   args.scale = (float)scale;
   args.dtype = dtype;
   check_launch(launch_paged_attention(args, plan, current_stream()), "paged_attention");
@@ -288,12 +291,12 @@ void copy_blocks(const at::Tensor& cache, const at::Tensor& src_dst) {
 
 // The launch shape paged_attention would use on the current device (for benchmarks).
 py::dict describe_plan(int64_t num_tokens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t max_query_len, int64_t max_seq_len, int64_t partition_size) {
+                       int64_t max_query_len, int64_t max_seq_len, int64_t window, int64_t partition_size) {
   TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0, "num_heads ",
                     num_heads, " must be a positive multiple of num_kv_heads ", num_kv_heads);
   const AttentionPlan p = plan_paged_attention((int)num_tokens, (int)num_seqs, (int)num_heads,
                                                (int)num_kv_heads, (int)max_query_len, (int)max_seq_len,
-                                               sm_count(current_device()), (int)partition_size);
+                                               (int)window, sm_count(current_device()), (int)partition_size);
   py::dict d;
   d["rows_per_cta"] = p.rows_per_cta;
   d["heads_per_cta"] = p.heads_per_cta;
@@ -310,10 +313,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention over a flat varlen batch -> out [T, H, D] (kernels.cu)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
-        py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("partition_size") = 0);
+        py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("window") = 0,
+        py::arg("partition_size") = 0);
   m.def("describe_plan", &describe_plan, "The launch shape of paged_attention on this device",
         py::arg("num_tokens"), py::arg("num_seqs"), py::arg("num_heads"), py::arg("num_kv_heads"),
-        py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("partition_size") = 0);
+        py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("window") = 0,
+        py::arg("partition_size") = 0);
   m.def("write_kv", &write_kv, "Write k, v [T, KVH, D] into their cache slots (slot < 0: skip)",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
   m.def("copy_blocks", &copy_blocks, "Copy cache blocks src_dst[:, 0] onto src_dst[:, 1]",

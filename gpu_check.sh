@@ -73,11 +73,12 @@ step() {  # step NAME TIME_LIMIT_S COMMAND...
 SANITIZED='
 import torch, build_ext, test_nanopaged as t
 ops = build_ext.load_kernels()
-for name in ("varlen-fp16-d128-bs8-g8-split64", "decode-bf16-d128-bs16-g4"):
+for name in ("varlen-fp16-d128-bs8-g8-split64", "decode-bf16-d128-bs16-g4", "window-varlen-fp16-d64-bs8-g3-w37-split64"):
     case = t.CASES[name]
     q, k_cache, v_cache, tables, seq_lens, qsl = t.make_batch(case, "cuda")
     ops.paged_attention(q, k_cache, v_cache, tables.cuda(), seq_lens.cuda(), qsl.cuda(), case.head_dim ** -0.5,
-                        max(n for n, _ in case.pairs), max(n for _, n in case.pairs), case.partition_size)
+                        max(n for n, _ in case.pairs), max(n for _, n in case.pairs), window=case.window,
+                        partition_size=case.partition_size)
 t.check_write_kv(ops, torch.bfloat16, "cuda")
 t.check_copy_blocks(ops, torch.bfloat16, "cuda")
 torch.cuda.synchronize()

@@ -20,6 +20,7 @@
 // sequence b sits at position seq_len - q_len + j and attends causally to
 // positions 0 ..= seq_len - q_len + j. Decode is q_len = 1; prefill and chunked
 // prefill have q_len > 1 with part of the context (maybe none) already cached.
+// With a sliding window W, the query at position p sees only p - W + 1 ..= p.
 // With grouped-query attention, query head h reads kv head h / G, G = H / KVH.
 //
 // The algorithm: online softmax
@@ -59,6 +60,7 @@
 // · KV write and block copy · planning and launching.
 
 #include <cuda_runtime_api.h>
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 
@@ -86,6 +88,8 @@ struct PagedAttentionArgs {
   int num_tokens, num_seqs, num_heads, num_kv_heads, head_dim;
   int block_size;                   // a power of two
   int max_blocks_per_seq;
+  int window;                       // sliding window, in positions (0: none; the
+                                    // kernels see INT_MAX, an endless one)
   float scale;                      // softmax scale, usually 1 / sqrt(D)
   KvDtype dtype;
 };
@@ -107,7 +111,7 @@ bool paged_attention_supported(KvDtype dtype, int head_dim);
 // small partitions to exercise the merge.
 AttentionPlan plan_paged_attention(int num_tokens, int num_seqs, int num_heads,
                                    int num_kv_heads, int max_query_len,
-                                   int max_seq_len, int num_sms,
+                                   int max_seq_len, int window, int num_sms,
                                    int partition_size);
 
 // Workspace (partial_*) must hold T * H * P * (D + 2) floats when P > 1.
@@ -288,14 +292,17 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
   const int table_keys = a.max_blocks_per_seq * a.block_size;
 
   // Row r is query token tok0 + r / GH, query head head0 + r % GH. Each row has
-  // its own causal limit: keys t < limit[r] are visible to it (kNoRow: no row).
-  // A row with limit 0 sees no key — only metadata where seq_len < q_len gives
+  // its own causal limit: keys t < limit[r] are visible to it (kNoRow: no row),
+  // and of those only t >= limit[r] - window. (No window is an endless one,
+  // INT_MAX: limit - INT_MAX does not overflow, as limit >= -1.) A row with limit 0 sees no key — only metadata where seq_len < q_len gives
   // one — and its output is 0 / 0 = NaN, as the torch reference's.
   // q is loaded once, pre-multiplied by scale * log2(e) (see online softmax).
   const float q_scale = a.scale * kLog2e;
   float q[ROWS][VEC];
   int limit[ROWS];
-  int cta_limit = 0;  // keys any row of the CTA may see
+  int cta_limit = 0;           // keys any row of the CTA may see end here,
+  int cta_first = table_keys;  // and begin here;
+  int window_end = 0;          // below this, some row's window may hide a key
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int j = tok0 + r / GH, head = head0 + r % GH;
@@ -303,6 +310,10 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
                        q_start + j >= 0 && q_start + j < a.num_tokens;
     limit[r] = valid ? max(min(cached + j + 1, table_keys), 0) : kNoRow;
     cta_limit = max(cta_limit, limit[r]);
+    if (valid) {
+      cta_first = min(cta_first, max(limit[r] - a.window, 0));
+      window_end = max(window_end, limit[r] - a.window);
+    }
     uint4 raw = make_uint4(0, 0, 0, 0);
     if (valid)
       raw = load16(static_cast<const T*>(a.q) + (q_start + j) * a.q_token_stride +
@@ -312,14 +323,17 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
     for (int i = 0; i < VEC; ++i) q[r][i] *= q_scale;
   }
 
+  cta_first = min(cta_first, cta_limit);  // (a CTA with no row: an empty range)
+
   const int partition = blockIdx.z;
   const int key_begin = partition * plan.partition_size;
-  // Every row ends before this partition. (Partition 0 goes on to write its
-  // rows even when they see no key at all: NaN, see above.)
-  if (key_begin >= cta_limit && partition > 0) return;
   const int key_end = partition == plan.num_partitions - 1
                           ? cta_limit  // the last partition takes all the rest
                           : min(key_begin + plan.partition_size, cta_limit);
+  // Every row ends before this partition, or every row's window begins after
+  // it: nothing to do, nothing the merge will read. (Partition 0 goes on to
+  // write its rows even when they see no key at all: NaN, see above.)
+  if ((key_begin >= cta_limit || key_end <= cta_first) && partition > 0) return;
 
   // --- 2. stream the partition's keys through online softmax ---------------
   // Paging: position t lives in block table[t >> block_shift] at offset
@@ -383,7 +397,10 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
         for (int offset = LANES_PER_KEY / 2; offset > 0; offset /= 2)
           dot += __shfl_xor_sync(kFullMask, dot, offset);
         const int t = tile0 + u * KEYS_PER_STEP + key_in_step;
-        s[u][r] = (!MASKED || (t < key_end && t < limit[r])) ? dot : -INFINITY;  // causal mask
+        // limit - window <= t < limit (causal, inside the window), in one unsigned
+        // comparison: t >= limit wraps around to a huge number.
+        const bool visible = t < key_end && (unsigned)(limit[r] - 1 - t) < (unsigned)a.window;
+        s[u][r] = (!MASKED || visible) ? dot : -INFINITY;
       }
     }
 
@@ -416,15 +433,17 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
     }
   };
 
-  // Tiles below `unmasked_end` hold no key any row must not see. (A row that is
-  // no row may see them all: it is never written.) Both loop
-  // conditions depend on the warp only, so all 32 lanes run the same
-  // iterations: the shuffles need every lane of the warp present.
+  // The keys begin at the partition's start or the first any row's window
+  // shows, whichever is later. Tiles from `window_end` up to `unmasked_end` hold
+  // no key any row must not see. (A row that is no row may see them all: it is
+  // never written.) The loop conditions depend on the warp only, so all 32
+  // lanes run the same iterations: the shuffles need every lane of the warp.
   int unmasked_end = key_end;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
     if (limit[r] != kNoRow) unmasked_end = min(unmasked_end, limit[r]);
-  int tile0 = key_begin + warp * TILE;
+  int tile0 = max(key_begin, cta_first) + warp * TILE;
+  for (; tile0 < window_end && tile0 < key_end; tile0 += kNumWarps * TILE) tile_step(tile0, std::true_type{});
   for (; tile0 + TILE <= unmasked_end; tile0 += kNumWarps * TILE) tile_step(tile0, std::false_type{});
   for (; tile0 < key_end; tile0 += kNumWarps * TILE) tile_step(tile0, std::true_type{});
 
@@ -515,10 +534,12 @@ __global__ void merge_partitions_kernel(const PagedAttentionArgs a, const Attent
   const int q_len = __ldg(a.query_start_loc + seq + 1) - q_start;
   const int keys = min(__ldg(a.seq_lens + seq) - q_len + (token - q_start) + 1,  // causal,
                        a.max_blocks_per_seq * a.block_size);  // as the attention kernel caps it
-  // Only partitions that hold at least one of this row's keys were written.
+  // Only partitions that hold at least one of this row's keys were written: from
+  // the one where its window begins to the one where its keys end.
   const int P = plan.num_partitions;
   const int64_t touched = ((int64_t)keys + plan.partition_size - 1) / plan.partition_size;
   const int used = touched < P ? (int)touched : P;
+  const int first = keys > a.window ? (keys - a.window) / plan.partition_size : 0;
 
   const float* part_max = a.partial_max + row * P;
   const float* part_sum = a.partial_sum + row * P;
@@ -527,10 +548,10 @@ __global__ void merge_partitions_kernel(const PagedAttentionArgs a, const Attent
   // once: a decode of one long sequence has a hundred partitions or more.
   float row_max = -INFINITY;
 #pragma unroll 8
-  for (int p = 0; p < used; ++p) row_max = fmaxf(row_max, part_max[p]);
+  for (int p = first; p < used; ++p) row_max = fmaxf(row_max, part_max[p]);
   float row_sum = 0.f, row_acc = 0.f;
 #pragma unroll 8
-  for (int p = 0; p < used; ++p) {
+  for (int p = first; p < used; ++p) {
     const float weight = exp2f(part_max[p] - row_max);
     row_sum += part_sum[p] * weight;
     row_acc += part_out[(int64_t)p * a.head_dim] * weight;
@@ -609,7 +630,7 @@ bool paged_attention_supported(KvDtype dtype, int head_dim) {
 
 AttentionPlan plan_paged_attention(int num_tokens, int num_seqs, int num_heads,
                                    int num_kv_heads, int max_query_len,
-                                   int max_seq_len, int num_sms,
+                                   int max_seq_len, int window, int num_sms,
                                    int partition_size) {
   AttentionPlan plan;
   const int group = num_heads / num_kv_heads;
@@ -630,13 +651,17 @@ AttentionPlan plan_paged_attention(int num_tokens, int num_seqs, int num_heads,
   const int seq_len = max_seq_len > 1 ? max_seq_len : 1;
   if (partition_size <= 0) {
     // Split only as far as needed to give every SM several CTAs, and never
-    // into partitions shorter than kMinPartitionKeys.
+    // into partitions shorter than kMinPartitionKeys. A sliding window leaves
+    // a row at most window + max_query_len - 1 keys to split: partitions
+    // before a row's window exit at once.
+    int64_t span = seq_len;
+    if (window > 0 && (int64_t)window + max_query_len - 1 < span) span = (int64_t)window + max_query_len - 1;
     const int64_t busy_ctas = (int64_t)busy_tiles * num_kv_heads * plan.head_chunks;
     int parts = ceil_div((int64_t)kTargetCtasPerSm * num_sms, busy_ctas > 0 ? busy_ctas : 1);
-    const int by_length = ceil_div(seq_len, kMinPartitionKeys);
+    const int by_length = ceil_div(span, kMinPartitionKeys);
     if (parts > by_length) parts = by_length;
     if (parts < 1) parts = 1;
-    partition_size = ceil_div(ceil_div(seq_len, parts), kPartitionAlign) * kPartitionAlign;
+    partition_size = ceil_div(ceil_div(span, parts), kPartitionAlign) * kPartitionAlign;
   }
   // More keys than the longest context is one partition; capping it here keeps
   // key_begin + partition_size inside an int.
@@ -648,8 +673,10 @@ AttentionPlan plan_paged_attention(int num_tokens, int num_seqs, int num_heads,
   return plan;
 }
 
-cudaError_t launch_paged_attention(const PagedAttentionArgs& a, const AttentionPlan& plan,
+cudaError_t launch_paged_attention(const PagedAttentionArgs& args, const AttentionPlan& plan,
                                    cudaStream_t stream) {
+  PagedAttentionArgs a = args;
+  if (a.window <= 0) a.window = INT_MAX;  // no window: one longer than any context
   if (!paged_attention_supported(a.dtype, a.head_dim) || a.block_size <= 0 ||
       (a.block_size & (a.block_size - 1)) != 0)
     return cudaErrorInvalidValue;

@@ -7,11 +7,12 @@ A forward pass sees one flat batch: the tokens of every scheduled sequence laid 
 which token belongs to which sequence, so the model does not do attention itself: every
 layer hands its q, k, v to the `attn` object it was given,
 
-    out = attn(layer_idx, q, k, v)      q (T, H, D), k and v (T, KVH, D) -> out (T, H, D)
+    out = attn(layer_idx, q, k, v[, window])      q (T, H, D), k and v (T, KVH, D) -> out (T, H, D)
 
 and that object (nanopaged's PagedAttention, on the torch path or the CUDA kernel; the
-tests pass a dense reference) writes k, v
-into the KV cache and attends. The model knows nothing about pages.
+tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
+context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen layers), to the
+last W positions up to each query. The model knows nothing about pages.
 
 Chapters: config, tokenizers, layers, Llama, GPT-2, loading, GGUF conversion.
 """
@@ -122,12 +123,19 @@ class ModelConfig:
     qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
     o_bias: bool = False              # o_proj has a bias (attention_bias)
     qk_norm: bool = False             # RMSNorm over each head's q and k before RoPE (Qwen 3)
-    sliding_window: int | None = None  # the window that capped max_position_embeddings, if one did
+    # Sliding-window attention: the windowed layers' query at position p sees only positions
+    # p - sliding_window + 1 ..= p (HF's masks); the other layers see all of 0 ..= p.
+    sliding_window: int | None = None
+    window_layers: range | tuple = ()  # the windowed layers (a range: no list of every layer made)
     bos_token_id: int | None = None   # as config.json says; a prompt's BOS comes from Tokenizer.prefix_ids
     eos_token_id: list[int] = field(default_factory=list)  # always a list
     # generation_config.json's sampling values, named as SamplingParams names them: vLLM's LLM
     # samples with these when a request brings no SamplingParams
     sampling_defaults: dict = field(default_factory=dict)
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The window of this layer's attention, None for full attention."""
+        return self.sliding_window if layer_idx in self.window_layers else None
 
     @classmethod
     def from_json(cls, path) -> "ModelConfig":
@@ -177,20 +185,17 @@ class ModelConfig:
             # all four one; Mistral has none. Qwen 3 normalizes each head's q and k.
             attention_bias = model_type in ("llama", "qwen3") and _flag(d, "attention_bias")
             max_position = _positive(d, "max_position_embeddings", default=2048)
-            window = _sliding_window(d, model_type)
+            window, window_layers = _sliding_window(d, model_type)
             if window and window >= max_position:
-                window = None  # a window as long as the context changes nothing
+                window, window_layers = None, ()  # a window as long as the context changes nothing
             fields = dict(
                 hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                intermediate_size=_positive(d, "intermediate_size"),
-                # Within its window, sliding-window attention *is* full attention: capping the
-                # context at the window keeps every number exact without a windowed kernel.
-                max_position_embeddings=window or max_position,
+                intermediate_size=_positive(d, "intermediate_size"), max_position_embeddings=max_position,
                 norm_eps=_positive(d, "rms_norm_eps", float, 1e-6), rope_theta=rope_theta,
                 rope_scaling=rope_scaling, tie_word_embeddings=_flag(d, "tie_word_embeddings"),
                 qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
-                qk_norm=model_type == "qwen3", sliding_window=window)
+                qk_norm=model_type == "qwen3", sliding_window=window, window_layers=window_layers)
             default_token_id = None
         elif model_type == "gpt2":
             if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -229,29 +234,31 @@ def _flag(d: dict, key: str) -> bool:
     return bool(value)
 
 
-def _sliding_window(d: dict, model_type: str) -> int | None:
-    """How many past tokens a position attends to, where some layers see only a window
-    (None: all see everything), read as HF's config classes read it. Mistral windows every
-    layer when sliding_window is set. Qwen windows only with use_sliding_window, and then
-    the layers layer_types names (by default, those from max_window_layers on). Phi-3
-    windows as Mistral. Llama has no window."""
+def _sliding_window(d: dict, model_type: str) -> tuple[int | None, range | tuple]:
+    """The window and the layers that use it ((None, ()): every layer sees everything), read
+    as HF's config classes read them. Mistral and Phi-3 window every layer when sliding_window
+    is set. Qwen windows only with use_sliding_window, and then the layers layer_types names
+    "sliding_attention" (by default, those from max_window_layers on). Llama has no window."""
     if model_type == "llama" or d.get("sliding_window") is None:
-        return None
-    if model_type not in ("mistral", "phi3"):
-        if not _flag(d, "use_sliding_window"):
-            return None
-        kinds = d.get("layer_types")
-        if kinds is None:   # the layers from max_window_layers on are windowed: are there any?
-            first = d.get("max_window_layers")
-            if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-                raise ModelError(f"'max_window_layers' is {first!r}, expected an integer >= 0")
-            if first >= _positive(d, "num_hidden_layers"):
-                return None
-        elif not isinstance(kinds, list):
-            raise ModelError(f"'layer_types' is {kinds!r}, expected a list")
-        elif "sliding_attention" not in kinds:
-            return None
-    return _positive(d, "sliding_window")
+        return None, ()
+    layers = _positive(d, "num_hidden_layers")
+    if model_type in ("mistral", "phi3"):
+        windowed = range(layers)
+    elif not _flag(d, "use_sliding_window"):
+        return None, ()
+    elif (kinds := d.get("layer_types")) is None:
+        first = d.get("max_window_layers")
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ModelError(f"'max_window_layers' is {first!r}, expected an integer >= 0")
+        windowed = range(min(first, layers), layers)
+    elif not isinstance(kinds, list):
+        raise ModelError(f"'layer_types' is {kinds!r}, expected a list")
+    elif len(kinds) != layers or not set(kinds) <= {"full_attention", "sliding_attention"}:
+        raise ModelError(f"'layer_types' must name each of the {layers} layers 'full_attention' or "
+                         f"'sliding_attention', got {reprlib.repr(kinds)}")
+    else:
+        windowed = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    return (_positive(d, "sliding_window"), windowed) if windowed else (None, ())
 
 
 def _positive(d: dict, key: str, kind: type = int, default=None):
@@ -1235,7 +1242,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx, self.window = layer_idx, config.layer_window(layer_idx)
         self.H, self.KVH, self.D = (config.num_attention_heads, config.num_key_value_heads,
                                     config.head_dim)
         # q_proj, k_proj and v_proj all read the same input, so the loader stacks their
@@ -1258,7 +1265,7 @@ class LlamaAttention(nn.Module):
         q = apply_rope(q, cos, sin)                    # (T, H, D)
         k = apply_rope(k, cos, sin)                    # (T, KVH, D)
         v = v.view(T, KVH, D)                          # (T, KVH, D), a view into qkv: no copy
-        out = attn(self.layer_idx, q, k, v)            # (T, H, D)
+        out = attn(self.layer_idx, q, k, v, self.window)  # (T, H, D)
         return self.o_proj(out.reshape(T, H * D))      # (T, C)
 
 

@@ -307,7 +307,7 @@ def swap_blocks(src_pool, dst_pool, pairs):
         dst_cache[dst] = src_cache[src].to(dst_cache.device)
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=None):
     """The chapter's algorithm, written to be read: walk each sequence's blocks through its
     block table, and fold them into the output one block at a time with online softmax.
 
@@ -317,6 +317,9 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
         p = exp(s - m_new);      l = l * alpha + sum(p);   acc = acc * alpha + p @ V_block
     and at the end out = acc / l: the softmax over the whole context, without ever
     holding more than one block of scores.
+
+    With a sliding window W, the query at position p sees only positions p - W + 1 ..= p:
+    blocks wholly before the first query's window are never read.
     """
     T, H, D = q.shape
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -332,18 +335,25 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
         m = torch.full((q_len, H), float("-inf"), device=q.device)
         l = torch.zeros(q_len, H, device=q.device)
         acc = torch.zeros(q_len, H, D, device=q.device)
-        for i in range(-(-seq_len // block_size)):                    # logical blocks in order
+        first = 0 if window is None else max(seq_len - q_len - window + 1, 0)  # first visible position
+        for i in range(first // block_size, -(-seq_len // block_size)):  # logical blocks in order
             block = int(block_tables[b, i])                           # -> physical block
+            lo = max(first - i * block_size, 0)                       # (a window may start mid-block)
             n = min(block_size, seq_len - i * block_size)             # filled slots of this block
-            kb = k_cache[block, :n].float().repeat_interleave(group, dim=1)  # (n, H, D)
-            vb = v_cache[block, :n].float().repeat_interleave(group, dim=1)  # (n, H, D)
-            s = torch.einsum("qhd,khd->qhk", qb, kb) * scale          # (q_len, H, n)
-            k_pos = torch.arange(i * block_size, i * block_size + n, device=q.device)
-            causal = k_pos[None, :] <= q_pos[:, None]                 # (q_len, n)
-            s = s.masked_fill(~causal[:, None, :], float("-inf"))
+            kb = k_cache[block, lo:n].float().repeat_interleave(group, dim=1)  # (n - lo, H, D)
+            vb = v_cache[block, lo:n].float().repeat_interleave(group, dim=1)  # (n - lo, H, D)
+            s = torch.einsum("qhd,khd->qhk", qb, kb) * scale          # (q_len, H, n - lo)
+            k_pos = torch.arange(i * block_size + lo, i * block_size + n, device=q.device)
+            visible = k_pos[None, :] <= q_pos[:, None]                # (q_len, n - lo) causal
+            if window is not None:
+                visible &= k_pos[None, :] > q_pos[:, None] - window
+            s = s.masked_fill(~visible[:, None, :], float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))                  # (q_len, H)
-            alpha = torch.exp(m - m_new)        # m is finite after block 0: position 0 is visible to all
-            p = torch.exp(s - m_new[..., None])                       # (q_len, H, n)
+            # A query may see nothing yet (its window starts in a later block): m_new is -inf,
+            # and -inf - -inf would be NaN. Subtracting 0 instead keeps its l and acc at 0.
+            base = m_new.masked_fill(m_new == float("-inf"), 0)
+            alpha = torch.exp(m - base)
+            p = torch.exp(s - base[..., None])                        # (q_len, H, n - lo)
             l = l * alpha + p.sum(dim=-1)
             acc = acc * alpha[..., None] + torch.einsum("qhk,khd->qhd", p, vb)
             m = m_new
@@ -361,27 +371,35 @@ class AttentionPlan:
     by context length and stacked, DECODE_BUCKET at a time, into padded batches: sorting
     first keeps the padding small, since neighbours have similar lengths. Sequences with
     several queries (prefill chunks) get one call each. The gather indices point only at
-    slots inside a context: positions past a sequence's end are clamped to its position 0
-    and masked out, so padding never reads a slot the sequence does not own (a NaN there
-    would leak in through 0 * NaN).
+    slots inside a context: positions past a sequence's end are clamped to its first
+    gathered position and masked out, so padding never reads a slot the sequence does not
+    own (a NaN there would leak in through 0 * NaN).
+
+    With a sliding window (a plan per window: the layers of a step share it too), only the
+    positions some query can see are gathered, from the first query's window start on:
+    a decode step of a windowed layer reads at most `window` positions, however long the
+    context.
     """
 
     DECODE_BUCKET = 8  # decode sequences per padded batch (8 measured best on a 2-core CPU)
 
-    def __init__(self, block_tables, seq_lens, query_start_loc, block_size):
+    def __init__(self, block_tables, seq_lens, query_start_loc, block_size, window=None):
         device = block_tables.device
         lens = seq_lens.tolist()
         qsl = query_start_loc.tolist()
         q_lens = [qsl[b + 1] - qsl[b] for b in range(len(lens))]
+        # the first position any query of sequence b can see
+        firsts = [0 if window is None else max(lens[b] - q_lens[b] - window + 1, 0) for b in range(len(lens))]
         # Decode buckets: (q rows, slots (n * Lmax,) to gather, (n, 1, 1, Lmax) length mask,
-        # n, Lmax) each.
-        decode = sorted((b for b, n in enumerate(q_lens) if n == 1), key=lambda b: lens[b])
+        # n, Lmax) each; Lmax is the bucket's longest gather.
+        decode = sorted((b for b, n in enumerate(q_lens) if n == 1), key=lambda b: lens[b] - firsts[b])
         self.decode_buckets = []
         for i in range(0, len(decode), self.DECODE_BUCKET):
             seqs = decode[i:i + self.DECODE_BUCKET]
             idx = torch.tensor(seqs, device=device)
-            L = max(lens[b] for b in seqs)
-            slots, valid = self._slots(block_tables[idx], seq_lens[idx].long(), L, block_size)
+            L = max(lens[b] - firsts[b] for b in seqs)
+            starts = torch.tensor([firsts[b] for b in seqs], device=device)
+            slots, valid = self._slots(block_tables[idx], starts, seq_lens[idx].long(), L, block_size)
             rows = query_start_loc[idx].long()
             self.decode_buckets.append((rows, slots.reshape(-1), valid[:, None, None, :], len(seqs), L))
         # The gathered K and V, (2, n * Lmax, KVH, D) for the largest bucket, allocated by the
@@ -389,36 +407,43 @@ class AttentionPlan:
         # gather would cost more in page faults than the gather itself.
         self.workspace = None
         self.workspace_rows = max((n * L for *_, n, L in self.decode_buckets), default=0)
-        # Prefill sequences: (row range, slots, causal mask or None) each. The mask is
-        # aligned bottom-right: the queries are the *last* q_len positions of the context.
-        # With nothing cached before them (q_len == context) it is plain causal attention,
-        # which SDPA does without a mask tensor.
+        # Prefill sequences: (row range, slots, mask or None) each. The mask is aligned
+        # bottom-right: the queries are the *last* q_len positions of the context. With
+        # nothing cached before them (q_len == context) and no window cutting in, it is plain
+        # causal attention, which SDPA does without a mask tensor.
         self.prefills = []
         for b, n in enumerate(q_lens):
             if n <= 1:
                 continue
-            L = lens[b]
-            slots, _ = self._slots(block_tables[b:b + 1], seq_lens[b:b + 1].long(), L, block_size)
+            L, first = lens[b], firsts[b]
+            starts = torch.tensor([first], device=device)
+            slots, _ = self._slots(block_tables[b:b + 1], starts, seq_lens[b:b + 1].long(), L - first, block_size)
             mask = None
-            if n < L:
-                q_pos = torch.arange(L - n, L, device=device)
-                mask = torch.arange(L, device=device)[None, :] <= q_pos[:, None]   # (q_len, L)
+            if n < L or (window is not None and window < L):
+                q_pos = torch.arange(L - n, L, device=device)[:, None]       # (q_len, 1)
+                k_pos = torch.arange(first, L, device=device)[None, :]       # (1, L - first)
+                mask = k_pos <= q_pos                                        # (q_len, L - first)
+                if window is not None:
+                    mask &= k_pos > q_pos - window
             self.prefills.append((qsl[b], qsl[b + 1], slots[0], mask))
 
     @staticmethod
-    def _slots(tables, lens, max_len, block_size):
-        """Slot of every context position (B, max_len), positions past the end clamped to 0."""
-        pos = torch.arange(max_len, device=tables.device)[None, :]   # (1, L)
+    def _slots(tables, starts, lens, max_len, block_size):
+        """Slots of the positions starts[b] .. starts[b] + max_len - 1 of each sequence
+        (B, max_len), and which of them lie before its end; those past it are clamped to
+        starts[b]."""
+        pos = starts[:, None] + torch.arange(max_len, device=tables.device)[None, :]  # (B, L)
         valid = pos < lens[:, None]                                    # (B, L)
-        pos = torch.where(valid, pos, 0)
+        pos = torch.where(valid, pos, starts[:, None])
         blocks = tables.long().gather(1, pos // block_size)           # (B, L) physical block ids
         return blocks * block_size + pos % block_size, valid
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan=None):
-    """The fast torch path: same inputs and result as paged_attention_ref."""
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=None, plan=None):
+    """The fast torch path: same inputs and result as paged_attention_ref (a plan, if given,
+    made for the same window)."""
     if plan is None:
-        plan = AttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+        plan = AttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], window)
     T, H, D = q.shape
     kvh = k_cache.shape[2]
     group = H // kvh
@@ -450,12 +475,15 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
 
 
 class PagedAttention:
-    """The attention object the model calls: out = attn(layer_idx, q, k, v).
+    """The attention object the model calls: out = attn(layer_idx, q, k, v, window).
 
-    The model hands over its new q (T, H, D), k and v (T, KVH, D); this writes k and v into
-    the paged cache at the step's slot_mapping, then attends over each sequence's blocks.
-    The engine calls begin_step() with the flat batch's metadata before each forward pass.
-    The backend is chosen once: "torch" (the fast torch path above) or "cuda" (kernels.cu).
+    The model hands over its new q (T, H, D), k and v (T, KVH, D) and its sliding window
+    (None: full attention); this writes k and v into the paged cache at the step's
+    slot_mapping, then attends over each sequence's blocks. Every position stays cached,
+    windowed or not: a production engine frees the blocks that slid out of every layer's
+    window; here they are freed with the sequence. The engine calls begin_step() with the
+    flat batch's metadata before each forward pass. The backend is chosen once: "torch"
+    (the fast torch path above) or "cuda" (kernels.cu).
     """
 
     def __init__(self, pool: BlockPool, scale: float, ops=None):
@@ -466,19 +494,21 @@ class PagedAttention:
         self.slot_mapping, self.block_tables = slot_mapping, block_tables
         self.seq_lens, self.query_start_loc = seq_lens, query_start_loc
         self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
-        if self.ops is None:  # the torch path's gather plan is shared by all layers of the step
-            self.plan = AttentionPlan(block_tables, seq_lens, query_start_loc, self.pool.block_size)
+        self.plans = {}  # the torch path's gather plans by window, shared by all layers of the step
 
-    def __call__(self, layer_idx: int, q, k, v):
+    def __call__(self, layer_idx: int, q, k, v, window: int | None = None):
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
         if self.ops is not None:
             self.ops.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
             return self.ops.paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
                                             self.query_start_loc, self.scale,
-                                            self.max_query_len, self.max_seq_len)
+                                            self.max_query_len, self.max_seq_len, window=window or 0)  # 0: none
         write_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        if window not in self.plans:
+            self.plans[window] = AttentionPlan(self.block_tables, self.seq_lens, self.query_start_loc,
+                                               self.pool.block_size, window)
         return paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
-                               self.query_start_loc, self.scale, plan=self.plan)
+                               self.query_start_loc, self.scale, plan=self.plans[window])
 
     def copy_blocks(self, copies):
         """Copy-on-write's block copies, in every layer, before the forward pass reads them."""
@@ -727,15 +757,11 @@ class LLM:
                              f"{e}; LLM(generation_config='vllm') ignores it") from None
         if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
-                             f"{cfg.max_position_embeddings} tokens (max_position_embeddings"
-                             + (", capped by its sliding window" if cfg.sliding_window else "") + ")")
+                             f"{cfg.max_position_embeddings} tokens (max_position_embeddings)")
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.model = load_model(model_dir, dtype=dtype, device=device, dummy=(load_format == "dummy"))
         self.tokenizer = load_tokenizer(model_dir)
         self.config = cfg = self.model.config
-        if cfg.sliding_window and max_model_len is None:
-            print(f"nanopaged: note: {cfg.model_type}'s sliding window of {cfg.sliding_window} tokens caps its "
-                  f"context there (within its window, windowed attention is full attention)", file=sys.stderr)
 
         # The KV cache: sized by a block count, or by a memory budget in bytes.
         self.bytes_per_block = BlockPool.bytes_per_block(cfg.num_hidden_layers, block_size,

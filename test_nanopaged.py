@@ -78,12 +78,13 @@ def smollm2_tokenizer(smollm2_dir):
 
 class DenseAttention:
     """Causal attention over one sequence that grows across calls: each call appends the
-    new k, v of a layer and attends the new queries to everything so far."""
+    new k, v of a layer and attends the new queries to everything so far (with a sliding
+    window W, to the last W positions up to each query)."""
 
     def __init__(self):
         self.k, self.v = {}, {}
 
-    def __call__(self, layer_idx, q, k, v):
+    def __call__(self, layer_idx, q, k, v, window=None):
         k = self.k[layer_idx] = torch.cat([self.k.get(layer_idx, k[:0]), k])  # (S, KVH, D)
         v = self.v[layer_idx] = torch.cat([self.v.get(layer_idx, v[:0]), v])
         T, H, D = q.shape
@@ -91,8 +92,9 @@ class DenseAttention:
         k = k.repeat_interleave(H // k.shape[1], dim=1)  # (S, H, D)
         v = v.repeat_interleave(H // v.shape[1], dim=1)
         scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(D)
-        future = torch.arange(S)[None, :] > torch.arange(S - T, S)[:, None]  # (T, S)
-        scores = scores.masked_fill(future, float("-inf"))
+        k_pos, q_pos = torch.arange(S)[None, :], torch.arange(S - T, S)[:, None]
+        hidden = (k_pos > q_pos) | (k_pos <= q_pos - window if window else False)  # (T, S)
+        scores = scores.masked_fill(hidden, float("-inf"))
         return torch.einsum("hts,shd->thd", scores.softmax(-1), v)  # (T, H, D)
 
 
@@ -299,6 +301,10 @@ LLAMA_FAMILY_VARIANTS = {
     "mistral": llama_config(model_type="mistral", tied=False, sliding_window=64),
     "llama_attention_bias": llama_config(attention_bias=True),            # q/k/v and o biases
     "phi3": llama_config(model_type="phi3", tied=False, sliding_window=64, pad_token_id=None),   # q/k/v, gate/up fused
+    # sliding windows shorter than IDS: every layer's (Mistral, Phi-3), the last layer's (Qwen 2)
+    "mistral_window": llama_config(model_type="mistral", tied=False, sliding_window=4),
+    "phi3_window": llama_config(model_type="phi3", tied=False, sliding_window=5, pad_token_id=None),
+    "qwen2_window": llama_config(model_type="qwen2", sliding_window=3, use_sliding_window=True, max_window_layers=1),
 }
 
 
@@ -312,57 +318,58 @@ def test_llama_family_matches_transformers(tmp_path, variant):
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("change, window", [
-    ({"model_type": "mistral", "sliding_window": 64}, 64),
-    ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["full_attention"] * 2}, 64),  # HF ignores it
-    ({"model_type": "mistral", "sliding_window": None}, None),          # Mistral 7B v0.2 on
-    ({"model_type": "mistral", "sliding_window": 128}, None),           # no shorter than the context
-    ({"model_type": "mistral", "max_position_embeddings": 8192}, 4096),  # MistralConfig's default window
-    ({"model_type": "qwen2", "sliding_window": 64}, None),              # use_sliding_window is off by default
+@pytest.mark.parametrize("change, windows", [
+    ({"model_type": "mistral", "sliding_window": 64}, (64, 64)),
+    ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["full_attention"] * 2}, (64, 64)),  # HF ignores it
+    ({"model_type": "mistral", "sliding_window": None}, (None, None)),  # Mistral 7B v0.2 on
+    ({"model_type": "mistral", "sliding_window": 128}, (None, None)),   # no shorter than the context
+    ({"model_type": "mistral", "max_position_embeddings": 8192}, (4096, 4096)),  # MistralConfig's default window
+    ({"model_type": "qwen2", "sliding_window": 64}, (None, None)),      # use_sliding_window is off by default
     # on: the layers from max_window_layers (28 by default, of 2 here) on are windowed
-    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, None),
-    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1}, 64),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, (None, None)),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1}, (None, 64)),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 0,
-      "num_hidden_layers": 10**18}, 64),   # (no list of 10**18 layers made to say so)
+      "num_hidden_layers": 10**18}, (64, 64)),   # (no list of 10**18 layers made to say so)
     ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,    # or the list of layers says
-      "layer_types": ["full_attention", "sliding_attention"]}, 64),
-    ({"model_type": "qwen3", "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]}, None),
-    ({"model_type": "llama", "sliding_window": 64, "use_sliding_window": True}, None),   # Llama has none
-    ({"model_type": "phi3", "sliding_window": 64}, 64),                 # Phi-3 windows as Mistral (mini-4k: 2047)
+      "layer_types": ["sliding_attention", "full_attention"]}, (64, None)),
+    ({"model_type": "qwen3", "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]},
+     (None, None)),
+    ({"model_type": "llama", "sliding_window": 64, "use_sliding_window": True}, (None, None)),   # Llama has none
+    ({"model_type": "phi3", "sliding_window": 64}, (64, 64)),            # Phi-3 windows as Mistral (mini-4k: 2047)
 ])
-def test_a_sliding_window_caps_the_context(change, window):
-    """Within its window, windowed attention is full attention: the context stops there.
-    Windows are read as transformers' config classes read them."""
+def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
+    """Which layers attend through a sliding window, and how wide: as transformers' config
+    classes say. A window does not shorten the context."""
     c = ModelConfig.from_dict(llama_config() | change)   # max_position_embeddings 128
-    context = change.get("max_position_embeddings", 128)
-    assert (c.sliding_window, c.max_position_embeddings) == (window, window or context)
+    assert (c.layer_window(0), c.layer_window(c.num_hidden_layers - 1)) == windows
+    assert c.max_position_embeddings == change.get("max_position_embeddings", 128)
     # the family's own defaults where config.json is silent
     assert ModelConfig.from_dict({k: v for k, v in llama_config(model_type="qwen3").items()
                                   if k != "max_position_embeddings"}).max_position_embeddings == 32768
 
 
-def test_llama_family_in_the_engine(tmp_path, capsys):
-    """Qwen 3 (q/k norms, biases) and a windowed Mistral through the paged engine: chunked
-    prefill, decode, prefix hits; the same greedy tokens as dense forward passes, and a
-    windowed model's context ends at its window, with a note saying why."""
+@pytest.mark.parametrize("variant, window", [("qwen3_attention_bias", None), ("mistral_window", 10),
+                                             ("mistral_window", 4), ("qwen2_window", 3)])
+def test_llama_family_in_the_engine(tmp_path, variant, window):
+    """Qwen 3 (q/k norms, biases) and windowed models through the paged engine: chunked
+    prefill, decode, prefix hits; the same greedy tokens as dense forward passes. Windows
+    end mid-block and inside chunks, in every layer (Mistral) or the last only (Qwen 2),
+    and do not shorten the context."""
     vocab, _ = byte_vocab()
-    for variant in ("qwen3_attention_bias", "mistral"):
-        c = LLAMA_FAMILY_VARIANTS[variant] | {"vocab_size": 256, "eos_token_id": 0}
-        model_dir = write_tokenizer_json(tmp_path / variant, {"type": "ByteLevel"}, vocab, [])
-        write_checkpoint(model_dir, c, llama_tensors(c, seed=1))
-        llm = LLM(model_dir, block_size=4, max_num_batched_tokens=16, num_blocks=64)
-        prompts = [[(5 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 23, 40))]
-        prompts.append(prompts[2][:30] + [7, 8])   # shares 7 full blocks with the third
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-        for prompt, out in zip(prompts, outs):
-            assert out.outputs[0].token_ids == reference_penalized_greedy(llm.model, prompt, 12)
-        assert llm.stats.prefix_hit_tokens > 0
-        assert_nothing_leaked(llm)
-    # the Mistral's window of 64 tokens, shorter than its 128 positions
-    assert llm.max_model_len == 64
-    assert "mistral's sliding window of 64 tokens caps its context" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="exceeds the model's context of 64 tokens"):
-        llm.generate([1] * 60, SamplingParams(max_tokens=5))
+    c = LLAMA_FAMILY_VARIANTS[variant] | {"vocab_size": 256, "eos_token_id": 0}
+    if window:
+        c["sliding_window"] = window
+    model_dir = write_tokenizer_json(tmp_path / variant, {"type": "ByteLevel"}, vocab, [])
+    write_checkpoint(model_dir, c, llama_tensors(c, seed=1))
+    llm = LLM(model_dir, block_size=4, max_num_batched_tokens=16, num_blocks=96)
+    assert llm.max_model_len == 128
+    prompts = [[(5 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 23, 40, 100))]
+    prompts.append(prompts[2][:30] + [7, 8])   # shares 7 full blocks with the third
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == reference_penalized_greedy(llm.model, prompt, 12)
+    assert llm.stats.prefix_hit_tokens > 0
+    assert_nothing_leaked(llm)
 
 
 @pytest.mark.parametrize("prefix", ["transformer.", ""])  # GPT2LMHeadModel / GPT2Model saves
@@ -405,7 +412,7 @@ def test_flat_batch_and_logits_indices(tmp_path):
     a, b = IDS[:6], IDS[6:]
     calls = []
 
-    def two_sequences(layer_idx, q, k, v):  # dense attention within each sequence
+    def two_sequences(layer_idx, q, k, v, window):  # dense attention within each sequence
         calls.append(layer_idx)
         return torch.cat([DenseAttention()(layer_idx, q[:6], k[:6], v[:6]),
                           DenseAttention()(layer_idx, q[6:], k[6:], v[6:])])
@@ -931,6 +938,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"rms_norm_eps": 10**400}, "'rms_norm_eps' is 1000.*, expected a positive number"),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": -1},
      "'max_window_layers' is -1, expected an integer >= 0"),
+    ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True, "layer_types": ["full_attention"]},
+     r"'layer_types' must name each of the 2 layers 'full_attention' or 'sliding_attention', got \['full"),
+    ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
+      "layer_types": ["full_attention", "chunked_attention"]}, "'layer_types' must name each of the 2 layers"),
     # an EOS past the vocabulary could never be drawn (the model would never stop)
     ({"eos_token_id": 101}, r"'eos_token_id' is 101: 101 is past the vocabulary \(vocab_size 101\)"),
     ({"eos_token_id": [101, 2**31 - 1]}, r"'eos_token_id' is \[101, 2147483647\]: 101 is past"),
@@ -1579,7 +1590,7 @@ def test_qwen_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
 
 def test_tiny_gguf_loads(tmp_path, own_cache):
     path = write_gguf(tmp_path / "ok.gguf", L=2)
-    logits = load_model(path)(torch.tensor([1, 2, 3]), torch.arange(3), lambda i, q, k, v: q)
+    logits = load_model(path)(torch.tensor([1, 2, 3]), torch.arange(3), lambda i, q, k, v, window: q)
     assert logits.shape == (3, 256) and load_tokenizer(path).encode("ab") == [97, 98]
     # the padding llama.cpp writes past the vocab (Qwen's "[PAD151665]"...) is no token: decode skips it
     padded = write_gguf(tmp_path / "padded.gguf", pad=4)
@@ -1607,13 +1618,13 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
     """llama.cpp keeps Phi-3's fused q/k/v ("attn_qkv") and gate/up ("ffn_up") as HF's, and
     rotates its RoPE as HF does: no rows to unpermute. The same weights as a GGUF and as an
     HF checkpoint (whose logits test_llama_family_matches_transformers checks) give the same
-    logits, and the same sliding window caps the context."""
+    logits, and the same sliding window."""
     c = LLAMA_FAMILY_VARIANTS["phi3"] | {"vocab_size": 256, "max_position_embeddings": 64}
     w = llama_tensors(c)
     hf = load_model(write_checkpoint(tmp_path / "hf", c, w))
     path = write_gguf(tmp_path / "phi3.gguf", C=48, H=6, KVH=2, L=2, I=80, eos=3, arch="phi3", weights=w, window=32)
     model = load_model(path)
-    assert (model.config.model_type, model.config.sliding_window, model.config.max_position_embeddings) == ("phi3", 32, 32)
+    assert (model.config.model_type, model.config.sliding_window, model.config.max_position_embeddings) == ("phi3", 32, 64)
     torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
     partial = write_gguf(tmp_path / "partial.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3", weights=w,
                          meta=[("phi3.rope.dimension_count", 6)])
@@ -1707,11 +1718,12 @@ def test_unwritable_cache_directory(tmp_path, monkeypatch):
 # The paged KV cache: paged attention against dense softmax attention
 
 
-def make_paged_batch(specs, block_size, H, KVH, D, dtype=torch.float32, seed=0, spare_blocks=5):
+def make_paged_batch(specs, block_size, H, KVH, D, dtype=torch.float32, seed=0, spare_blocks=5, window=None):
     """A flat batch over a shuffled, NaN-poisoned pool.
 
     specs: [(q_len, ctx_len)] per sequence. Returns the paged inputs and, per sequence, the
-    dense float64 (q, k, v) a plain softmax attention can check them against.
+    dense float64 (q, k, v) a plain softmax attention can check them against. With a
+    sliding window, the positions before the first query's window stay NaN too.
     """
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-ctx // block_size) for _, ctx in specs]
@@ -1731,7 +1743,7 @@ def make_paged_batch(specs, block_size, H, KVH, D, dtype=torch.float32, seed=0, 
         k = torch.randn(ctx, KVH, D, generator=g, dtype=torch.float64)
         v = torch.randn(ctx, KVH, D, generator=g, dtype=torch.float64)
         q = torch.randn(q_len, H, D, generator=g, dtype=torch.float64)
-        for t in range(ctx):
+        for t in range(0 if window is None else max(ctx - q_len - window + 1, 0), ctx):
             k_cache[ids[t // block_size], t % block_size] = k[t].to(dtype)
             v_cache[ids[t // block_size], t % block_size] = v[t].to(dtype)
         qs.append(q)
@@ -1743,24 +1755,27 @@ def make_paged_batch(specs, block_size, H, KVH, D, dtype=torch.float32, seed=0, 
     return q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dense
 
 
-def dense_attention(q, k, v, scale):
-    """Plain causal softmax attention in float64; q (n, H, D) are the last n positions."""
+def dense_attention(q, k, v, scale, window=None):
+    """Plain causal softmax attention in float64; q (n, H, D) are the last n positions; with
+    a window W, the query at position p sees p - W + 1 ..= p."""
     n, H, D = q.shape
     ctx, KVH = k.shape[0], k.shape[1]
     k = k.repeat_interleave(H // KVH, dim=1)
     v = v.repeat_interleave(H // KVH, dim=1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
     q_pos = torch.arange(ctx - n, ctx)[:, None]
-    s = s.masked_fill(torch.arange(ctx)[None, :] > q_pos, float("-inf"))
+    k_pos = torch.arange(ctx)[None, :]
+    hidden = (k_pos > q_pos) | (k_pos <= q_pos - window if window is not None else False)
+    s = s.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
-def check_against_dense(specs, block_size, H, KVH, D=16, seed=0):
-    q, kc, vc, bt, sl, qsl, dense = make_paged_batch(specs, block_size, H, KVH, D, seed=seed)
+def check_against_dense(specs, block_size, H, KVH, D=16, seed=0, window=None):
+    q, kc, vc, bt, sl, qsl, dense = make_paged_batch(specs, block_size, H, KVH, D, seed=seed, window=window)
     scale = 1 / math.sqrt(D)
-    expected = torch.cat([dense_attention(*d, scale) for d in dense])
+    expected = torch.cat([dense_attention(*d, scale, window) for d in dense])
     for fn in (paged_attention_ref, paged_attention):
-        out = fn(q, kc, vc, bt, sl, qsl, scale)
+        out = fn(q, kc, vc, bt, sl, qsl, scale, window)
         assert out.dtype == torch.float32 and out.shape == q.shape
         assert torch.isfinite(out).all(), f"{fn.__name__} read a slot outside a context"
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5,
@@ -1789,6 +1804,18 @@ def test_paged_attention_only_prefill_and_random_batches():
             ctx = rng.randint(1, 200)
             specs.append((rng.randint(1, ctx), ctx))
         check_against_dense(specs, block_size=rng.choice([1, 4, 16, 32]), H=6, KVH=3, seed=trial)
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 17, 64, 1000])
+def test_paged_attention_sliding_window(window):
+    """Each query sees only the last `window` positions up to its own. Decodes, fresh
+    prefills and chunks, contexts shorter and longer than the window; what lies before
+    every query's window is NaN, so neither path may read it."""
+    rng = random.Random(window)
+    specs = [(1, 1), (1, window), (1, window + 1), (1, 300), (7, 7), (5, 18), (20, 260), (3, window + 2)]
+    specs += [(rng.randint(1, ctx), ctx) for ctx in (rng.randint(1, 200) for _ in range(4))]
+    for block_size in (1, 4, 16):
+        check_against_dense(specs, block_size, H=6, KVH=2, seed=window + block_size, window=window)
 
 
 def test_fast_path_equals_reference_half_precision():
@@ -4119,6 +4146,7 @@ class Case:
     partition_size: int = 0    # 0: the kernel's own choice; small values force split-K
     scale: float | None = None  # None: 1/sqrt(head_dim)
     num_blocks: int = 0        # 0: just enough (with spares); more puts blocks far apart
+    window: int = 0            # a sliding window (0: none)
 
 
 def make_batch(case: Case, device, seed=0):
@@ -4127,7 +4155,8 @@ def make_batch(case: Case, device, seed=0):
     Block tables are shuffled block ids from the top of the pool (in a big pool, at large
     offsets). Every slot no sequence owns holds NaN — unused blocks and the unused tail of
     each last block — and padded block-table entries point at a NaN block: a kernel that
-    reads outside a sequence's context returns NaN. On the CPU only the top of the pool
+    reads outside a sequence's context returns NaN. With a sliding window, so do the
+    positions before the first query's window. On the CPU only the top of the pool
     that the blocks are drawn from is poisoned, the rest left as torch.empty maps it
     (lazily): a pool of gigabytes then costs only the pages the batch touches.
     """
@@ -4157,6 +4186,10 @@ def make_batch(case: Case, device, seed=0):
     k_cache[poisoned] = v_cache[poisoned] = float("nan")
     k_cache.view(-1, kvh, D)[slots] = torch.randn(len(slots), kvh, D, generator=gen).to(device, case.dtype)
     v_cache.view(-1, kvh, D)[slots] = torch.randn(len(slots), kvh, D, generator=gen).to(device, case.dtype)
+    if case.window:   # positions no query of their sequence sees
+        unseen = torch.cat([torch.arange(seq_len) < seq_len - q_len - case.window + 1 for q_len, seq_len in case.pairs])
+        k_cache.view(-1, kvh, D)[slots[unseen.to(device)]] = float("nan")
+        v_cache.view(-1, kvh, D)[slots[unseen.to(device)]] = float("nan")
 
     q_lens = [q_len for q_len, _ in case.pairs]
     q = torch.randn(sum(q_lens), H, D, generator=gen).to(device, case.dtype)
@@ -4172,10 +4205,11 @@ def check_attention(ops, case: Case, device, seed=0):
     max_query_len = max(q_len for q_len, _ in case.pairs)
     max_seq_len = max(seq_len for _, seq_len in case.pairs)
     out = ops.paged_attention(q, k_cache, v_cache, tables.to(device), seq_lens.to(device), qsl.to(device),
-                              scale, max_query_len, max_seq_len, partition_size=case.partition_size)
+                              scale, max_query_len, max_seq_len, window=case.window,
+                              partition_size=case.partition_size)
     # The reference walks the tables in Python: host copies of the metadata spare it a
     # device sync per block.
-    ref = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale, case.window or None)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not out.isnan().any(), "NaN in the output: the kernel read a slot outside a context"
     tol = 1e-4 if case.dtype == torch.float32 else 1e-2
@@ -4205,6 +4239,16 @@ CASES = {
     "varlen-fp32-d64-bs16-g16-split100": Case([(1, 300), (9, 40)], 1, 16, 64, 16, f32,
                                               partition_size=100, scale=1.0),
     "chunked-bf16-d128-bs16-g4": Case([(256, 8192), (1, 4000), (1, 17)], 2, 4, 128, 16, bf16),
+    # sliding windows: contexts shorter, as long and longer than the window (not a multiple
+    # of the block size); windows that begin mid-partition, and a window of 1 (itself only)
+    "window-decode-bf16-d128-bs16-g4-w1000": Case([(1, n) for n in (1, 999, 1000, 1001, 4096, 8192)], 2, 4, 128,
+                                                  16, bf16, window=1000),
+    "window-varlen-fp16-d64-bs8-g3-w37-split64": Case(VARLEN + [(40, 40)], 3, 3, 64, 8, f16, partition_size=64,
+                                                      window=37),
+    "window-varlen-fp32-d64-bs16-g16-w1-split100": Case([(1, 300), (9, 40)], 1, 16, 64, 16, f32,
+                                                        partition_size=100, window=1),
+    "chunked-window-bf16-d128-bs16-g4-w4096": Case([(256, 8192), (1, 4000), (1, 5000)], 2, 4, 128, 16, bf16,
+                                                   window=4096),
 }
 
 
@@ -4237,6 +4281,8 @@ def emulated_ops():
 # chunked prefill (minutes there) shrinks; bash gpu_check.sh runs the full one.
 EMULATED_CASES = {name: case for name, case in CASES.items() if not name.startswith("chunked")}
 EMULATED_CASES["chunked-bf16-d128-bs16-g4-short"] = Case([(16, 1100), (1, 700), (1, 17)], 2, 4, 128, 16, bf16)
+EMULATED_CASES["chunked-window-bf16-d128-bs16-g4-w300"] = Case([(16, 1100), (1, 700), (1, 17)], 2, 4, 128, 16, bf16,
+                                                               window=300)
 
 
 @pytest.mark.parametrize("name", list(EMULATED_CASES))
@@ -4343,7 +4389,9 @@ def check_bad_input(ops, device, elsewhere):
            ("no sequence", dict(block_tables=tables[:0], seq_lens=seq_lens[:0],
                                 query_start_loc=qsl[:1])),           # tokens owned by nobody
            ("partition_size must be", dict(partition_size=-1)),
-           ("partition_size must be", dict(partition_size=2**32 + 1))]   # would wrap to 1 in an int
+           ("partition_size must be", dict(partition_size=2**32 + 1)),   # would wrap to 1 in an int
+           ("window must be", dict(window=-1)),
+           ("window must be", dict(window=2**32 + 5))]
     for message, change in bad:
         with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
             ops.paged_attention(**{**args, **change})
@@ -4377,7 +4425,8 @@ def check_contradictory_metadata(ops, device):
     ref = paged_attention_ref(q, k_cache, v_cache, tables, short, qsl, 0.125)
     assert ref[:10].isnan().all() and not ref[10:].isnan().any()
     for partition_size in (0, 8, 2**31 - 1):   # auto (one partition), split, and more keys than any context
-        out = ops.paged_attention(q, k_cache, v_cache, *to(tables, short, qsl), 0.125, 40, 30, partition_size)
+        out = ops.paged_attention(q, k_cache, v_cache, *to(tables, short, qsl), 0.125, 40, 30,
+                                  partition_size=partition_size)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4, equal_nan=True)
 
 
@@ -4401,15 +4450,19 @@ def test_emulated_bad_input_names_the_tensor(emulated_ops):
 
 # --- the engine end to end on the kernels ---
 
-def tiny_llama_dir(tmp_path):
-    """A byte-level tokenizer and a 4-layer GQA config, for random (dummy) weights."""
+# the tiny model's layers 2 and 3 see a sliding window of 24 positions, layers 0 and 1 everything
+WINDOWED = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 24, "max_window_layers": 2}
+
+
+def tiny_llama_dir(tmp_path, **change):
+    """A byte-level tokenizer and a 4-layer GQA config (with `change`), for random (dummy) weights."""
     vocab, _ = byte_vocab()
     model_dir = write_tokenizer_json(tmp_path / "tiny", {"type": "ByteLevel"}, vocab, [])
     (model_dir / "config.json").write_text(json.dumps({
         "model_type": "llama", "vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 4,
         "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-        "eos_token_id": 0}))
+        "eos_token_id": 0} | change))
     return model_dir
 
 
@@ -4438,18 +4491,19 @@ def engine_tokens(llm, lengths, max_tokens):
 @needs_cuda
 def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
     """Random (dummy) weights, as on a GPU machine no checkpoint reaches: the same greedy
-    tokens with the kernel as with the torch path."""
-    model_dir = tiny_llama_dir(tmp_path)
-    results = {}
-    for backend in ("cuda", "torch"):
-        llm = LLM(model_dir, device="cuda", dtype="float32", load_format="dummy", attn_backend=backend,
-                  max_num_batched_tokens=256, num_blocks=400)
-        assert llm.attn.backend == backend
-        results[backend] = engine_tokens(llm, (5, 40, 300, 17, 1000), max_tokens=24)
-    assert results["cuda"][0] == results["torch"][0]
-    assert results["cuda"][1] == pytest.approx(results["torch"][1], abs=1e-3)
+    tokens with the kernel as with the torch path, with and without sliding windows."""
+    for change in ({}, WINDOWED):
+        model_dir = tiny_llama_dir(tmp_path / str(len(change)), **change)
+        results = {}
+        for backend in ("cuda", "torch"):
+            llm = LLM(model_dir, device="cuda", dtype="float32", load_format="dummy", attn_backend=backend,
+                      max_num_batched_tokens=256, num_blocks=400)
+            assert llm.attn.backend == backend
+            results[backend] = engine_tokens(llm, (5, 40, 300, 17, 1000), max_tokens=24)
+        assert results["cuda"][0] == results["torch"][0]
+        assert results["cuda"][1] == pytest.approx(results["torch"][1], abs=1e-3)
     # preempted by swapping (a pool of 72 blocks, where the five need 94), through CPU memory:
-    # the same tokens
+    # the same tokens (the windowed model's)
     llm = LLM(model_dir, device="cuda", dtype="float32", load_format="dummy", attn_backend="cuda",
               max_num_batched_tokens=256, num_blocks=72, preemption_mode="swap", swap_space=0.25)
     prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 40, 300, 17, 1000))]
@@ -4457,10 +4511,12 @@ def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
     assert [[c.token_ids for c in o.outputs] for o in outs] == results["torch"][0][:5] and llm.stats.swapped_out > 0
 
 
-def test_emulated_kernels_drive_the_engine(tmp_path, emulated_ops):
+@pytest.mark.parametrize("change", [{}, WINDOWED], ids=["full", "windowed"])
+def test_emulated_kernels_drive_the_engine(tmp_path, emulated_ops, change):
     """The engine's side of the kernel interface (slot_mapping, block tables, seq_lens,
-    query_start_loc, copy-on-write pairs) on the CPU: the same tokens as the torch path."""
-    model_dir = tiny_llama_dir(tmp_path)
+    query_start_loc, copy-on-write pairs, the layers' windows) on the CPU: the same tokens
+    as the torch path."""
+    model_dir = tiny_llama_dir(tmp_path, **change)
     results = {}
     for backend in ("emulated", "torch"):
         llm = LLM(model_dir, device="cpu", dtype="float32", load_format="dummy", max_num_batched_tokens=64,
