@@ -195,12 +195,24 @@ class BlockTable:
 
     num_tokens counts the slots handed out so far; token t of the sequence lives in
     slot block_ids[t // block_size] * block_size + t % block_size.
+
+    Under a sliding window in every layer, the first num_dropped blocks have slid out of the
+    window: freed, their entries DROPPED (so that logical block i stays entry i), never
+    read again by any attention path.
     """
+
+    DROPPED = -1
 
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self.block_ids: list[int] = []
         self.num_tokens = 0
+        self.num_dropped = 0
+
+    @property
+    def num_held(self) -> int:
+        """Blocks this table holds (a reference on each)."""
+        return len(self.block_ids) - self.num_dropped
 
     def _last_block_is_shared_and_partial(self) -> bool:
         return (self.num_tokens % self.pool.block_size != 0
@@ -245,18 +257,37 @@ class BlockTable:
     def fork(self) -> "BlockTable":
         """A second table sharing every block (ref_count + 1 each, nothing allocated)."""
         child = BlockTable(self.pool)
-        for block in self.block_ids:
+        for block in self.block_ids[self.num_dropped:]:
             self.pool.incref(block)
         child.block_ids, child.num_tokens = list(self.block_ids), self.num_tokens
+        child.num_dropped = self.num_dropped
         return child
 
     def release(self):
         """Give back every block. Freed last-block-first, so that when cached blocks are later
         evicted (least recently used first), a prefix's tail goes before its head: the head is
         what other requests are most likely to share."""
-        for block in reversed(self.block_ids):
+        for block in reversed(self.block_ids[self.num_dropped:]):
             self.pool.free(block)
-        self.block_ids, self.num_tokens = [], 0
+        self.block_ids, self.num_tokens, self.num_dropped = [], 0, 0
+
+    def drop_before(self, position: int) -> list[int]:
+        """Sliding window: free the blocks that hold only positions before `position`, which
+        no query sees any more (every layer's window begins at or after it), and return them.
+        Blocks still in the prefix cache stay there, evictable."""
+        end = min(max(position, 0) // self.pool.block_size, len(self.block_ids))
+        dropped = self.block_ids[self.num_dropped:end]
+        for i in range(self.num_dropped, end):
+            self.pool.free(self.block_ids[i])
+            self.block_ids[i] = self.DROPPED
+        self.num_dropped = max(self.num_dropped, end)
+        return dropped
+
+    def skip_dropped(self, n: int):
+        """Begin an empty table (a sequence's, moved between pools) with n blocks dropped."""
+        assert not self.block_ids, "only an empty table skips blocks"
+        self.block_ids, self.num_dropped = [self.DROPPED] * n, n
+        self.num_tokens = n * self.pool.block_size
 
 
 # -----------------------------------------------------------------------------
@@ -479,11 +510,10 @@ class PagedAttention:
 
     The model hands over its new q (T, H, D), k and v (T, KVH, D) and its sliding window
     (None: full attention); this writes k and v into the paged cache at the step's
-    slot_mapping, then attends over each sequence's blocks. Every position stays cached,
-    windowed or not: a production engine frees the blocks that slid out of every layer's
-    window; here they are freed with the sequence. The engine calls begin_step() with the
-    flat batch's metadata before each forward pass. The backend is chosen once: "torch"
-    (the fast torch path above) or "cuda" (kernels.cu).
+    slot_mapping, then attends over each sequence's blocks (with a window, only those that
+    the scheduler has not dropped: see BlockTable.drop_before). The engine calls begin_step()
+    with the flat batch's metadata before each forward pass. The backend is chosen once:
+    "torch" (the fast torch path above) or "cuda" (kernels.cu).
     """
 
     def __init__(self, pool: BlockPool, scale: float, ops=None):
@@ -796,8 +826,12 @@ class LLM:
         # and, as vLLM, the tokenizer's own, where those lists leave it out
         eos = self.tokenizer.eos_token_id
         eos_token_ids = cfg.eos_token_id + ([eos] if eos is not None and eos not in cfg.eos_token_id else [])
+        # Where every layer looks through the same sliding window, the blocks that slid out of
+        # it are freed as a sequence goes on (a layer that sees everything needs them all).
+        everywhere = cfg.sliding_window and len(cfg.window_layers) == cfg.num_hidden_layers
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                   enable_prefix_caching, eos_token_ids, self.swap_pool)
+                                   enable_prefix_caching, eos_token_ids, self.swap_pool,
+                                   sliding_window=cfg.sliding_window if everywhere else None)
         self.attn = PagedAttention(self.pool, cfg.head_dim ** -0.5,
                                    _pick_kernels(attn_backend, device, cfg, block_size, dtype))
         self.stats = Stats()
@@ -1072,7 +1106,7 @@ class LLM:
                 prompt_indices += range(qsl[-2], qsl[-2] + end - start)
                 prompt_rows.append((seq, start + 1, end - start))
         max_blocks = max(len(s.block_table.block_ids) for s in out.seqs)
-        # padded entries (past a sequence's blocks) are never read
+        # padded entries (past a sequence's blocks) and DROPPED ones (before its window) are never read
         tables = [s.block_table.block_ids + [0] * (max_blocks - len(s.block_table.block_ids)) for s in out.seqs]
         dev = self.device
         self.attn.begin_step(
@@ -1293,8 +1327,9 @@ class LLM:
         s.peak_blocks_used = max(s.peak_blocks_used, pool.num_used)
         s.peak_running = max(s.peak_running, len(sched.running))
         for seq in sched.running:
-            s.allocated_slots += len(seq.block_table.block_ids) * pool.block_size
-            s.filled_slots += seq.block_table.num_tokens
+            table = seq.block_table
+            s.allocated_slots += table.num_held * pool.block_size
+            s.filled_slots += table.num_tokens - table.num_dropped * pool.block_size
         s.preemptions, s.swapped_out, s.prefix_hit_tokens, s.prefix_query_tokens = (
             sched.num_preemptions, sched.num_swapped_out, sched.prefix_hit_tokens, sched.prefix_query_tokens)
 
@@ -1602,7 +1637,9 @@ class LLM:
         bs, pool = self.pool.block_size, self.pool
         for seq in self.scheduler.running:
             table, cells = seq.block_table, []
-            for i, block in enumerate(table.block_ids):
+            if table.num_dropped:
+                cells.append(f"0..{table.num_dropped - 1} slid out of the window")
+            for i, block in enumerate(table.block_ids[table.num_dropped:], table.num_dropped):
                 filled = min(bs, table.num_tokens - i * bs)
                 words = "|".join(_visible(self.tokenizer.decode([t], continuation=True))
                                  for t in seq.token_ids[i * bs:i * bs + filled])

@@ -16,7 +16,8 @@ The scheduler is handed the BlockPool (nanopaged.py) as an object and uses only 
 block_size, num_blocks, num_available, ref_count, new_table, lookup, register, say, and
 pending_copies (the copy-on-write copies its allocations recorded, which schedule() moves
 into SchedulerOutput.copies for the engine to run); of each BlockTable, slots_for,
-blocks_needed, append_cached, fork, release, block_ids and num_tokens. With swapping, it is
+blocks_needed, append_cached, fork, release, block_ids and num_tokens, and under a sliding
+window drop_before, skip_dropped, num_dropped and num_held. With swapping, it is
 handed a second BlockPool in CPU memory (the swap space); swapping uses both pools'
 num_free, allocate and new_table (_move_table), and the engine copies the blocks it lists
 in SchedulerOutput.swap_out / swap_in. It never imports the engine, so
@@ -331,7 +332,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int = 2048, enable_prefix_caching: bool = True,
-                 eos_token_ids=(), swap_pool=None):
+                 eos_token_ids=(), swap_pool=None, sliding_window: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.pool = pool
@@ -342,6 +343,9 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = set(eos_token_ids)
         self.swap_pool = swap_pool   # a BlockPool in CPU memory to preempt into; None: recompute only
+        # Every layer's sliding window, if every layer has one: a sequence's blocks that slid
+        # out of it are freed before each of its steps (_slide). None: blocks are kept to the end.
+        self.sliding_window = sliding_window
         self.waiting: deque[Sequence] = deque()  # in arrival order (preempted ones go back in their place)
         self.swapped: deque[Sequence] = deque()  # swapped out, in arrival order
         # From schedule() to update() or rollback(): the full blocks that this step's sequences
@@ -435,6 +439,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            self._slide(seq)
             if not self._make_room(seq, n, out):
                 break  # seq preempted itself: it was the newest, nothing after it is left
             self._place(seq, n, out)
@@ -458,7 +463,8 @@ class Scheduler:
                 hits, hashes = self._cached_prefix(seq)
                 done = len(hits) * self.block_size
             n = min(seq.num_tokens - done, budget)
-            need = -(-(done + n) // self.block_size) - len(hits)  # ceil division
+            kept = seq.block_table.num_dropped + len(hits)   # (dropped: slid out of the window)
+            need = -(-(done + n) // self.block_size) - kept  # ceil division
             revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
             fits = need <= self.pool.num_available - revived
             if not fits or seats + seq.pending_samples > self.max_num_seqs:
@@ -480,6 +486,7 @@ class Scheduler:
                 self._adopt_cached_prefix(seq, hits, hashes)
                 seq.status = Status.RUNNING
                 bisect.insort(self.running, seq, key=lambda s: s.order)
+            self._slide(seq)
             self._place(seq, n, out)
             budget -= n
             seats += seq.pending_samples
@@ -503,6 +510,17 @@ class Scheduler:
                 self.in_flight.setdefault(h, (seq.block_table.block_ids[i], tokens))
                 seq.block_hashes.append(h)
 
+    def _slide(self, seq: Sequence):
+        """Sliding window: free seq's blocks before the window of this step's first query
+        (at position num_computed_tokens: it sees from num_computed_tokens - window + 1 on).
+        No later query looks further back. A long request then holds about window /
+        block_size blocks, however long it grows."""
+        if self.sliding_window is None:
+            return
+        dropped = seq.block_table.drop_before(seq.num_computed_tokens - self.sliding_window + 1)
+        if dropped:
+            self.pool.say(f"{seq}: blocks {dropped} slid out of the window of {self.sliding_window} tokens: freed")
+
     def _parked_beam_newer_than(self, seq: Sequence) -> Sequence | None:
         """The newest running beam that is parked (computed to its end, waiting for its
         siblings; see LLM._beam_step) and arrived after seq, if any."""
@@ -522,7 +540,7 @@ class Scheduler:
             out.preempted.append(victim)
             # Swap when there is swap space left, but not a parked beam (nothing left to compute:
             # brought back, it would be a step of no work): it is recomputed, to its candidates
-            if (self.swap_pool is not None and self.swap_pool.num_free >= len(victim.block_table.block_ids)
+            if (self.swap_pool is not None and self.swap_pool.num_free >= victim.block_table.num_held
                     and not victim.parked):
                 self._swap_out(victim, out)
             else:
@@ -535,13 +553,16 @@ class Scheduler:
         """Give seq a table in pool (the swap space, or back) for the blocks it holds, which it
         releases: the blocks of pool in hits for its first ones (their K/V there already: see
         _still_cached), fresh ones for the rest. Returns the (old, new) block pairs whose data
-        the engine copies. (Full blocks released here stay in the prefix cache, evictable.)"""
+        the engine copies. (Full blocks released here stay in the prefix cache, evictable.)
+        Blocks that slid out of the window stay dropped: nothing to move."""
         old, new = seq.block_table, pool.new_table()
+        new.skip_dropped(old.num_dropped)
         for block in hits:
             new.append_cached(block)
-        new.block_ids += pool.allocate(len(old.block_ids) - len(hits))
+        kept = old.num_dropped + len(hits)
+        new.block_ids += pool.allocate(len(old.block_ids) - kept)
         new.num_tokens = old.num_tokens
-        pairs = list(zip(old.block_ids[len(hits):], new.block_ids[len(hits):]))
+        pairs = list(zip(old.block_ids[kept:], new.block_ids[kept:]))
         old.release()
         seq.block_table = new
         return pairs
@@ -577,7 +598,7 @@ class Scheduler:
                          if hits else ""))
         # The full blocks copied back enter the prefix cache once the step has happened (in
         # update(), as in_flight blocks), and serve later sequences of this step already.
-        for i in range(len(hits), len(seq.block_hashes)):
+        for i in range(seq.block_table.num_dropped + len(hits), len(seq.block_hashes)):
             self.in_flight.setdefault(seq.block_hashes[i], (seq.block_table.block_ids[i], self._block_tokens(seq, i)))
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.order)
@@ -639,12 +660,14 @@ class Scheduler:
 
     def _still_cached(self, seq: Sequence) -> list[int]:
         """For a swapped-out seq: the blocks here that hold its leading full blocks' K/V
-        (found by the prefix hashes it computed): its own, released when it was swapped out
-        and not evicted since, or a sharer's, or blocks this step computes or copies back
-        (_find_cached). Swapped in, it adopts them, and only the rest is copied back."""
+        (found by the prefix hashes it computed; from the first it has not dropped): its own,
+        released when it was swapped out and not evicted since, or a sharer's, or blocks this
+        step computes or copies back (_find_cached). Swapped in, it adopts them, and only the
+        rest is copied back."""
         hits = []
         if self.enable_prefix_caching:
-            for i, h in enumerate(seq.block_hashes):
+            for i in range(seq.block_table.num_dropped, len(seq.block_hashes)):
+                h = seq.block_hashes[i]
                 block = self._find_cached(h, self._block_tokens(seq, i))
                 if block is None:
                     break

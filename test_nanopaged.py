@@ -40,7 +40,7 @@ import nanopaged as nanopaged_module
 import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
                    load_tokenizer, resolve_model_dir)
-from nanopaged import (LLM, BlockPool, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks, PagedAttention,
+from nanopaged import (LLM, BlockPool, BlockTable, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks, PagedAttention,
                        StopStringScan, bad_words_token_ids, copy_blocks, logprob_dicts, main, paged_attention,
                        paged_attention_ref, render_chat, sampling_probs, write_kv)
 from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status
@@ -370,6 +370,40 @@ def test_llama_family_in_the_engine(tmp_path, variant, window):
         assert out.outputs[0].token_ids == reference_penalized_greedy(llm.model, prompt, 12)
     assert llm.stats.prefix_hit_tokens > 0
     assert_nothing_leaked(llm)
+
+
+def test_blocks_that_slide_out_of_the_window_are_freed(tmp_path):
+    """Every layer windowed (a Mistral): a long request holds about window / block_size
+    blocks, not its whole context, and gives the dense reference's greedy tokens. Forks, a
+    beam search, prefix hits, constraints and logprobs (engine_tokens) come out as when every
+    block is kept, and requests that preempt each other, recomputed or swapped, as in a
+    roomy pool."""
+    model_dir = tiny_llama_dir(tmp_path, model_type="mistral", sliding_window=12)
+    llm = LLM(model_dir, dtype="float32", load_format="dummy", max_num_batched_tokens=64, num_blocks=100)
+    prompt = [(3 * j) % 250 + 1 for j in range(300)]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == reference_penalized_greedy(llm.model, prompt, 20)
+    # 320 tokens are 20 blocks of 16; a 64-token chunk and the 11 positions before it: 5 at most
+    assert llm.stats.peak_blocks_used <= 5
+    assert_nothing_leaked(llm)
+    dropping = engine_tokens(llm, (5, 40, 300, 17), max_tokens=12)
+    llm.scheduler.sliding_window = None   # every block kept to the end
+    assert engine_tokens(llm, (5, 40, 300, 17), max_tokens=12) == dropping
+
+    model_dir = tiny_llama_dir(tmp_path / "40", model_type="mistral", sliding_window=40)
+    prompts = [[(5 * i + j) % 250 + 1 for j in range(150)] for i in range(8)]
+    results = {}
+    for num_blocks, mode in ((400, "recompute"), (24, "recompute"), (24, "swap")):
+        llm = LLM(model_dir, dtype="float32", load_format="dummy", max_num_batched_tokens=64, num_blocks=num_blocks,
+                  preemption_mode=mode, swap_space=0.01)
+        said = []
+        llm.pool.trace = said.append
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        results[num_blocks, mode] = [o.outputs[0].token_ids for o in outs]
+        if num_blocks == 24:
+            assert any(line.startswith("swap out" if mode == "swap" else "preempt") for line in said)
+        assert_nothing_leaked(llm)
+    assert results[24, "recompute"] == results[24, "swap"] == results[400, "recompute"]
 
 
 @pytest.mark.parametrize("prefix", ["transformer.", ""])  # GPT2LMHeadModel / GPT2Model saves
@@ -1849,7 +1883,8 @@ def check_pool_invariants(pool, tables):
     """Each block's ref_count is the number of tables holding it; free + used + cached = total."""
     holders = [0] * pool.num_blocks
     for t in tables:
-        for b in t.block_ids:
+        assert t.block_ids[:t.num_dropped] == [BlockTable.DROPPED] * t.num_dropped
+        for b in t.block_ids[t.num_dropped:]:
             holders[b] += 1
     assert pool.ref_count == holders
     assert pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks
@@ -1857,6 +1892,28 @@ def check_pool_invariants(pool, tables):
     assert set(pool.free_list).isdisjoint(pool.evictable)
     assert all(pool.ref_count[b] == 0 for b in (*pool.free_list, *pool.evictable))
     assert all(b in pool.block_hash for b in pool.evictable)
+
+
+def test_block_table_drops_what_slid_out_of_the_window():
+    """drop_before frees the blocks wholly before a position (once), keeps logical block i at
+    entry i, and fork, release and a table started with skip_dropped all leave them alone."""
+    pool = tiny_pool(8, 4)
+    table = pool.new_table()
+    table.slots_for(10)                                   # blocks for positions 0..9
+    b0, b1, b2 = table.block_ids
+    assert table.drop_before(3) == [] and table.drop_before(9) == [b0, b1] and table.drop_before(9) == []
+    assert table.block_ids == [BlockTable.DROPPED, BlockTable.DROPPED, b2] and table.num_held == 1
+    assert table.slots_for(3) == [b2 * 4 + 2, b2 * 4 + 3, table.block_ids[3] * 4]   # positions 10..12
+    child = table.fork()
+    check_pool_invariants(pool, [table, child])
+    assert pool.ref_count[b2] == 2 and pool.num_used == 2
+    moved = pool.new_table()
+    moved.skip_dropped(2)
+    assert moved.num_tokens == 8 and moved.num_held == 0
+    for t in (table, child):
+        t.release()
+    check_pool_invariants(pool, [moved])
+    assert pool.num_used == 0
 
 
 def test_allocate_free_counts_and_all_or_nothing():
@@ -2031,7 +2088,8 @@ class SimulatedKV:
     """What the engine does to the cache in a step, with (position, token id) standing for a
     token's K/V: the swaps, then the copy-on-write copies, then each scheduled token written
     into its slot. check() then finds every computed token of every sequence in its slot,
-    in the pool or, swapped out, in the swap space."""
+    in the pool or, swapped out, in the swap space; under a sliding window, every one from
+    the first its next query sees (what slid out before is freed)."""
 
     def __init__(self, sched):
         self.sched, self.pool, self.swap = sched, {}, {}   # slot -> (position, token id)
@@ -2050,9 +2108,12 @@ class SimulatedKV:
         bs = self.sched.block_size
         for seqs, data in ((self.sched.running, self.pool), (self.sched.swapped, self.swap)):
             for seq in seqs:
-                ids = seq.block_table.block_ids
-                assert [data.get(ids[t // bs] * bs + t % bs) for t in range(seq.num_computed_tokens)] == [
-                    (t, seq.token_ids[t]) for t in range(seq.num_computed_tokens)], seq
+                ids, first = seq.block_table.block_ids, 0
+                if self.sched.sliding_window is not None:
+                    first = max(seq.num_computed_tokens - self.sched.sliding_window + 1, 0)
+                    assert seq.block_table.num_dropped * bs <= first, seq   # nothing it still sees
+                assert [data.get(ids[t // bs] * bs + t % bs) for t in range(first, seq.num_computed_tokens)] == [
+                    (t, seq.token_ids[t]) for t in range(first, seq.num_computed_tokens)], seq
 
 
 def run_step(sched, check=True, token=fake_token, kv=None, fail=None):
@@ -2105,13 +2166,16 @@ def finished_outputs(seqs):
     return {(s.request_id, s.sample_index): (s.output_token_ids, s.finish_reason) for s in seqs}
 
 
-@pytest.mark.parametrize("swap_blocks", [0, 10, 1000])   # no swapping; a swap space often full; a roomy one
-def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks):
+# no swapping; a swap space often full; a roomy one; sliding windows (blocks freed as they slide out)
+@pytest.mark.parametrize("swap_blocks, window", [(0, None), (10, None), (1000, None), (0, 6), (10, 9)])
+def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks, window):
     for seed in range(3):
         rng = random.Random(seed)
-        sched = make_sched(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=20,
-                           swap_pool=tiny_pool(swap_blocks, 4) if swap_blocks else None)
-        kv = SimulatedKV(sched)
+        sched = make_sched(num_blocks=24, block_size=4, max_num_seqs=6 if window is None else 16,
+                           max_num_batched_tokens=20, swap_pool=tiny_pool(swap_blocks, 4) if swap_blocks else None,
+                           sliding_window=window)
+        kv, said = SimulatedKV(sched), []
+        sched.pool.trace = said.append
         seqs, next_id, steps = [], 0, 0
         while next_id < 60 or sched.has_unfinished():
             if next_id < 60 and rng.random() < 0.3:
@@ -2129,6 +2193,7 @@ def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks):
             steps += 1
             assert steps < 20_000
         assert sched.num_preemptions > 0 and sched.prefix_hit_tokens > 0   # the workload bit
+        assert any("slid out of the window" in line for line in said) == (window is not None)
         assert (sched.num_swapped_out > 0) == bool(swap_blocks)
         if swap_blocks == 10:
             assert sched.num_swapped_out < sched.num_preemptions   # some recomputed: no swap space left
