@@ -110,7 +110,8 @@ def bench_attention(args):
     plan = AttentionPlan(tables, seq_lens, qsl, bs)
     WINDOW = 512
     window_plan = AttentionPlan(tables, seq_lens, qsl, bs, WINDOW)
-    slots, valid = AttentionPlan._slots(tables, torch.zeros(B, dtype=torch.long), seq_lens.long(), max(lens), bs)  # (B, Lmax)
+    starts = torch.zeros(B, dtype=torch.long)
+    slots, valid = AttentionPlan._slots(tables, starts, seq_lens.long(), max(lens), bs)   # (B, Lmax)
     k_dense = k_cache.view(-1, KVH, D)[slots].transpose(1, 2).contiguous()
     v_dense = v_cache.view(-1, KVH, D)[slots].transpose(1, 2).contiguous()
     mask = valid[:, None, None, :]

@@ -294,8 +294,9 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
   // Row r is query token tok0 + r / GH, query head head0 + r % GH. Each row has
   // its own causal limit: keys t < limit[r] are visible to it (kNoRow: no row),
   // and of those only t >= limit[r] - window. (No window is an endless one,
-  // INT_MAX: limit - INT_MAX does not overflow, as limit >= -1.) A row with limit 0 sees no key — only metadata where seq_len < q_len gives
-  // one — and its output is 0 / 0 = NaN, as the torch reference's.
+  // INT_MAX: limit - INT_MAX does not overflow, as limit >= -1.) A row with
+  // limit 0 sees no key — only metadata where seq_len < q_len gives one — and
+  // its output is 0 / 0 = NaN, as the torch reference's.
   // q is loaded once, pre-multiplied by scale * log2(e) (see online softmax).
   const float q_scale = a.scale * kLog2e;
   float q[ROWS][VEC];
@@ -443,7 +444,8 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
   for (int r = 0; r < ROWS; ++r)
     if (limit[r] != kNoRow) unmasked_end = min(unmasked_end, limit[r]);
   int tile0 = max(key_begin, cta_first) + warp * TILE;
-  for (; tile0 < window_end && tile0 < key_end; tile0 += kNumWarps * TILE) tile_step(tile0, std::true_type{});
+  for (; tile0 < window_end && tile0 < key_end; tile0 += kNumWarps * TILE)
+    tile_step(tile0, std::true_type{});
   for (; tile0 + TILE <= unmasked_end; tile0 += kNumWarps * TILE) tile_step(tile0, std::false_type{});
   for (; tile0 < key_end; tile0 += kNumWarps * TILE) tile_step(tile0, std::true_type{});
 
@@ -655,7 +657,8 @@ AttentionPlan plan_paged_attention(int num_tokens, int num_seqs, int num_heads,
     // a row at most window + max_query_len - 1 keys to split: partitions
     // before a row's window exit at once.
     int64_t span = seq_len;
-    if (window > 0 && (int64_t)window + max_query_len - 1 < span) span = (int64_t)window + max_query_len - 1;
+    if (window > 0 && (int64_t)window + max_query_len - 1 < span)
+      span = (int64_t)window + max_query_len - 1;
     const int64_t busy_ctas = (int64_t)busy_tiles * num_kv_heads * plan.head_chunks;
     int parts = ceil_div((int64_t)kTargetCtasPerSm * num_sms, busy_ctas > 0 ? busy_ctas : 1);
     const int by_length = ceil_div(span, kMinPartitionKeys);

@@ -40,9 +40,9 @@ import nanopaged as nanopaged_module
 import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
                    load_tokenizer, resolve_model_dir)
-from nanopaged import (LLM, BlockPool, BlockTable, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks, PagedAttention,
-                       StopStringScan, bad_words_token_ids, copy_blocks, logprob_dicts, main, paged_attention,
-                       paged_attention_ref, render_chat, sampling_probs, write_kv)
+from nanopaged import (LLM, BlockPool, BlockTable, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks,
+                       PagedAttention, StopStringScan, bad_words_token_ids, copy_blocks, logprob_dicts, main,
+                       paged_attention, paged_attention_ref, render_chat, sampling_probs, write_kv)
 from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status
 
 HERE = Path(__file__).resolve().parent
@@ -1658,7 +1658,8 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
     hf = load_model(write_checkpoint(tmp_path / "hf", c, w))
     path = write_gguf(tmp_path / "phi3.gguf", C=48, H=6, KVH=2, L=2, I=80, eos=3, arch="phi3", weights=w, window=32)
     model = load_model(path)
-    assert (model.config.model_type, model.config.sliding_window, model.config.max_position_embeddings) == ("phi3", 32, 64)
+    cfg = model.config
+    assert (cfg.model_type, cfg.sliding_window, cfg.max_position_embeddings) == ("phi3", 32, 64)
     torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
     partial = write_gguf(tmp_path / "partial.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3", weights=w,
                          meta=[("phi3.rope.dimension_count", 6)])
