@@ -573,13 +573,13 @@ def paged_batch(pairs: list[tuple[int, int]], gen: torch.Generator, heads: int =
     return q, k_cache, v_cache, tables, seq_lens, query_start_loc, kv_bytes
 
 
-def torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale):
+def torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window=None):
     """The torch fast path's time (its per-step plan built beforehand, as the engine does)
     and its output on the first batch; (None, reason) when it cannot run here."""
     try:
-        plans = [AttentionPlan(t, seq_lens, qsl, BLOCK_SIZE) for t in tables]
+        plans = [AttentionPlan(t, seq_lens, qsl, BLOCK_SIZE, window) for t in tables]
         run = lambda i: paged_attention(q, k_cache, v_cache, tables[i % len(tables)], seq_lens,  # noqa: E731
-                                        qsl, scale, plan=plans[i % len(tables)])
+                                        qsl, scale, window, plan=plans[i % len(tables)])
         out = run(0)
         return cuda_time_us(run, calls=3, repeats=3), out
     except Exception as e:  # the comparison is optional: an OOM or API change must not end the run
@@ -587,18 +587,20 @@ def torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
 
 
-def kernel_vs_torch(ops, pairs, heads, gen, calls):
+def kernel_vs_torch(ops, pairs, heads, gen, calls, window=None):
     """One step's batch of (query tokens, context) pairs, on the kernel and on the torch
-    path: the kernel's time, the K/V bytes it reads, and the torch path's columns of a table
-    row (its time, the kernel's speedup, their largest difference: MISMATCH past bf16's
-    tolerance)."""
+    path: the kernel's time, the K/V bytes it reads (with a sliding window, only the
+    positions some query sees), and the torch path's columns of a table row (its time, the
+    kernel's speedup, their largest difference: MISMATCH past bf16's tolerance)."""
     q, k_cache, v_cache, tables, seq_lens, qsl, kv_bytes = paged_batch(pairs, gen, heads)
+    if window:
+        kv_bytes = kv_bytes * sum(min(n, window + q_len - 1) for q_len, n in pairs) // sum(n for _, n in pairs)
     try:
         scale, max_q, longest = HEAD_DIM ** -0.5, max(n for n, _ in pairs), max(n for _, n in pairs)
         call = lambda i: ops.paged_attention(q, k_cache, v_cache, tables[i % len(tables)], seq_lens,  # noqa: E731
-                                             qsl, scale, max_q, longest)
+                                             qsl, scale, max_q, longest, window=window or 0)
         kernel_us = cuda_time_us(call, calls=calls)
-        torch_us, torch_out = torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
+        torch_us, torch_out = torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window)
         if torch_us is None:
             return kernel_us, kv_bytes, ("n/a", "", f"({torch_out})")
         max_diff = (call(0).float() - torch_out.float()).abs().max().item()
@@ -616,18 +618,23 @@ def failed(e: Exception) -> str:
 # Beyond decode: attn_backend="auto" runs every step on the kernel, prefill too. A prefill
 # has many query rows per key, where the torch path's SDPA (tensor cores) may win; a GQA
 # group of 8 takes the kernel's 8-row variant, which keeps fewer loads in flight.
-OTHER_STEPS = [("prefill 1 x 8192", [(8192, 8192)], HEADS),
-               ("chunk 2048 of 8192 + 63 decodes x 4096", [(2048, 8192)] + [(1, 4096)] * 63, HEADS),
-               ("decode 64 x 4096, 64 q heads (G=8)", [(1, 4096)] * 64, 64)]
+# A sliding window (Mistral's 4096) reads only the window: a decode of 8 x 32k then reads
+# as much as 8 x 4k, and should take about as long.
+OTHER_STEPS = [("prefill 1 x 8192", [(8192, 8192)], HEADS, None),
+               ("chunk 2048 of 8192 + 63 decodes x 4096", [(2048, 8192)] + [(1, 4096)] * 63, HEADS, None),
+               ("decode 64 x 4096, 64 q heads (G=8)", [(1, 4096)] * 64, 64, None),
+               ("decode 8 x 32768, window 4096", [(1, 32768)] * 8, HEADS, 4096),
+               ("decode 8 x 4096", [(1, 4096)] * 8, HEADS, None)]
 
 
 def other_steps(ops, copy_gbs, gen) -> int:
     print(f"\n{'other steps':>40} {'kernel us':>10} {'GB/s':>7} {'of copy':>8} {'torch us':>10} "
           f"{'speedup':>8} {'max|diff|':>10}")
     status = 0
-    for label, pairs, heads in OTHER_STEPS:
+    for label, pairs, heads, window in OTHER_STEPS:
         try:
-            kernel_us, kv_bytes, (torch_col, speedup, diff) = kernel_vs_torch(ops, pairs, heads, gen, calls=5)
+            kernel_us, kv_bytes, (torch_col, speedup, diff) = kernel_vs_torch(ops, pairs, heads, gen, calls=5,
+                                                                              window=window)
         except Exception as e:  # report the step and go on with the next one
             print(f"{label:>40}  {failed(e)}")
             status = 1

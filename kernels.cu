@@ -536,12 +536,14 @@ __global__ void merge_partitions_kernel(const PagedAttentionArgs a, const Attent
   const int q_len = __ldg(a.query_start_loc + seq + 1) - q_start;
   const int keys = min(__ldg(a.seq_lens + seq) - q_len + (token - q_start) + 1,  // causal,
                        a.max_blocks_per_seq * a.block_size);  // as the attention kernel caps it
-  // Only partitions that hold at least one of this row's keys were written: from
-  // the one where its window begins to the one where its keys end.
+  // Read only the partitions that hold some of this row's keys (the others may
+  // not have been written): from the one where its window begins to the one
+  // where its keys end. (The last partition takes every key past the others:
+  // with a max_seq_len shorter than the context, `first` may lie beyond it.)
   const int P = plan.num_partitions;
   const int64_t touched = ((int64_t)keys + plan.partition_size - 1) / plan.partition_size;
   const int used = touched < P ? (int)touched : P;
-  const int first = keys > a.window ? (keys - a.window) / plan.partition_size : 0;
+  const int first = keys > a.window ? min((keys - a.window) / plan.partition_size, max(used - 1, 0)) : 0;
 
   const float* part_max = a.partial_max + row * P;
   const float* part_sum = a.partial_sum + row * P;
@@ -655,16 +657,17 @@ AttentionPlan plan_paged_attention(int num_tokens, int num_seqs, int num_heads,
     // Split only as far as needed to give every SM several CTAs, and never
     // into partitions shorter than kMinPartitionKeys. A sliding window leaves
     // a row at most window + max_query_len - 1 keys to split: partitions
-    // before a row's window exit at once.
+    // before a row's window exit at once. (One partition is the whole
+    // context: its CTAs start at their rows' first visible key anyway.)
     int64_t span = seq_len;
     if (window > 0 && (int64_t)window + max_query_len - 1 < span)
-      span = (int64_t)window + max_query_len - 1;
+      span = (int64_t)window + (max_query_len > 1 ? max_query_len : 1) - 1;
     const int64_t busy_ctas = (int64_t)busy_tiles * num_kv_heads * plan.head_chunks;
     int parts = ceil_div((int64_t)kTargetCtasPerSm * num_sms, busy_ctas > 0 ? busy_ctas : 1);
     const int by_length = ceil_div(span, kMinPartitionKeys);
     if (parts > by_length) parts = by_length;
     if (parts < 1) parts = 1;
-    partition_size = ceil_div(ceil_div(span, parts), kPartitionAlign) * kPartitionAlign;
+    partition_size = parts == 1 ? seq_len : ceil_div(ceil_div(span, parts), kPartitionAlign) * kPartitionAlign;
   }
   // More keys than the longest context is one partition; capping it here keeps
   // key_begin + partition_size inside an int.

@@ -352,6 +352,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     With a sliding window W, the query at position p sees only positions p - W + 1 ..= p:
     blocks wholly before the first query's window are never read.
     """
+    check_window(window)
     T, H, D = q.shape
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     group = H // kvh
@@ -392,6 +393,13 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
+def check_window(window):
+    """A sliding window is None (full attention) or a number of positions, at least 1 (each
+    query sees itself). The kernel's binding spells None as 0."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+
+
 class AttentionPlan:
     """What the fast torch path derives from a step's metadata, once per step rather than
     once per layer (every layer of the step shares it). Not the kernel's AttentionPlan in
@@ -415,6 +423,7 @@ class AttentionPlan:
     DECODE_BUCKET = 8  # decode sequences per padded batch (8 measured best on a 2-core CPU)
 
     def __init__(self, block_tables, seq_lens, query_start_loc, block_size, window=None):
+        check_window(window)
         device = block_tables.device
         lens = seq_lens.tolist()
         qsl = query_start_loc.tolist()

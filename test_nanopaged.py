@@ -1851,6 +1851,8 @@ def test_paged_attention_sliding_window(window):
     specs += [(rng.randint(1, ctx), ctx) for ctx in (rng.randint(1, 200) for _ in range(4))]
     for block_size in (1, 4, 16):
         check_against_dense(specs, block_size, H=6, KVH=2, seed=window + block_size, window=window)
+    with pytest.raises(ValueError, match="window must be None or an int >= 1, got 0"):
+        paged_attention(*make_paged_batch([(1, 5)], 4, 2, 2, 8)[:6], 0.1, 0)
 
 
 def test_fast_path_equals_reference_half_precision():
@@ -4494,11 +4496,31 @@ def check_contradictory_metadata(ops, device):
         out = ops.paged_attention(q, k_cache, v_cache, *to(tables, short, qsl), 0.125, 40, 30,
                                   partition_size=partition_size)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4, equal_nan=True)
+    # with a window: a max_seq_len shorter than the context (the last partition takes the
+    # rest, where the window begins past it), and a max_query_len of 0 (the planner's span)
+    case = Case([(1, 1000)], 2, 2, 64, 16, f32)
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(case, device)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125, 100)
+    for max_query_len, max_seq_len, partition_size in ((1, 500, 100), (0, 1000, 0), (-5, 1000, 0)):
+        out = ops.paged_attention(q, k_cache, v_cache, *to(tables, seq_lens, qsl), 0.125, max_query_len, max_seq_len,
+                                  window=100, partition_size=partition_size)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 @needs_cuda
 def test_cuda_contradictory_metadata_stays_in_bounds(ops):
     check_contradictory_metadata(ops, "cuda")
+
+
+def test_emulated_planner_splits_the_window_not_the_context(emulated_ops):
+    """Split-K with a sliding window (the emulator plans for 132 SMs): a few long decodes
+    split their window finely (the partitions before it exit at once); a step that fills the
+    GPU without splitting is not split at all, since one partition starts at the window anyway."""
+    plan = lambda *shape, **kw: emulated_ops.describe_plan(*shape, **kw)   # noqa: E731
+    assert plan(8, 8, 32, 8, 1, 32768)["partition_size"] == 1024
+    assert plan(8, 8, 32, 8, 1, 32768, window=1024)["partition_size"] == 256
+    assert plan(512, 512, 32, 8, 1, 131072, window=128)["grid"][2] == 1        # 512 decodes
+    assert plan(2048, 1, 32, 8, 2048, 131072, window=4096)["grid"][2] == 1     # a 2048-token chunk
 
 
 def test_emulated_contradictory_metadata_stays_in_bounds(emulated_ops):
