@@ -421,7 +421,7 @@ def bench_beam(args):
             for r in llm.step():
                 results["forked"] = [c.token_ids for c in r.outputs[:1]]
             peak_used = max(peak_used, llm.pool.num_used)
-            peak_listed = max(peak_listed, sum(len(s.block_table.block_ids) for s in llm.scheduler.running))
+            peak_listed = max(peak_listed, sum(s.block_table.num_held for s in llm.scheduler.running))
         results["forked peaks"], results["length"] = (peak_used, peak_listed), len(ids)
 
     def by_requests():

@@ -409,7 +409,8 @@ class Scheduler:
         seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.perf_counter()
         # Full blocks that were registered stay in the prefix cache (ref_count 0, evictable).
         where = "CPU blocks" if seq.block_table.pool is self.swap_pool else "blocks"
-        self.pool.say(f"{seq} finished ({reason}): releases {where} {seq.block_table.block_ids}")
+        table = seq.block_table
+        self.pool.say(f"{seq} finished ({reason}): releases {where} {table.block_ids[table.num_dropped:]}")
         seq.block_table.release()
         siblings = self.requests[seq.request_id]
         siblings.remove(seq)
@@ -431,6 +432,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.in_flight = {}
+        # 0. Under a sliding window, what slid out of every running sequence's window is freed
+        #    first: a preemption below then never evicts a sequence for blocks nobody reads.
+        for seq in self.running:
+            self._slide(seq)
         # 1. Running sequences first, oldest first: a decode token, or the next prefill chunk.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -439,7 +444,6 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            self._slide(seq)
             if not self._make_room(seq, n, out):
                 break  # seq preempted itself: it was the newest, nothing after it is left
             self._place(seq, n, out)
@@ -457,6 +461,9 @@ class Scheduler:
             swapped = bool(self.swapped) and (not self.waiting or self.swapped[0].order < self.waiting[0].order)
             seq = self.swapped[0] if swapped else self.waiting[0]
             if swapped:   # (its computed tokens are in the swap space, or still here: hits)
+                # What slid out of its window while it was away is dropped first: nothing to
+                # copy back, and nothing freed may be offered to this step (in_flight)
+                self._slide(seq)
                 hits = self._still_cached(seq)
                 done = seq.num_computed_tokens
             else:
@@ -511,10 +518,11 @@ class Scheduler:
                 seq.block_hashes.append(h)
 
     def _slide(self, seq: Sequence):
-        """Sliding window: free seq's blocks before the window of this step's first query
-        (at position num_computed_tokens: it sees from num_computed_tokens - window + 1 on).
-        No later query looks further back. A long request then holds about window /
-        block_size blocks, however long it grows."""
+        """Sliding window: free seq's blocks before the window of its next query (at position
+        num_computed_tokens: it sees from num_computed_tokens - window + 1 on). No later query
+        looks further back. A long request then holds about window / block_size blocks,
+        however long it grows. Called for the running sequences, and for the others as they
+        come in (a swapped one before anything of it is copied back)."""
         if self.sliding_window is None:
             return
         dropped = seq.block_table.drop_before(seq.num_computed_tokens - self.sliding_window + 1)

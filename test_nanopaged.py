@@ -2252,6 +2252,25 @@ def test_swap_in_adopts_blocks_still_cached_and_caches_the_ones_it_copies():
     assert finished_outputs([a, b, c]) == finished_outputs(same)
 
 
+def test_a_swapped_sequence_drops_what_slid_out_before_it_comes_back():
+    """b is swapped out, then swapped back after a has grown: the blocks that slid out of its
+    window meanwhile are dropped before anything is copied back or offered to the step's
+    other sequences, so c, with b's prompt, adopts only blocks that hold b's tokens. (They
+    were offered once: a freed block went on to hold other K/V under b's prefix hash.)"""
+    sched = make_sched(num_blocks=5, block_size=2, max_num_batched_tokens=16, swap_pool=tiny_pool(100, 2),
+                       sliding_window=5)
+    kv = SimulatedKV(sched)
+    sched.add("a", [34, 23, 40], SamplingParams(max_tokens=7, ignore_eos=True))
+    run_step(sched, kv=kv)
+    sched.add("b", [20, 45, 28, 15, 32, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    while not run_step(sched, kv=kv).swap_in:
+        pass
+    for block, tokens in sched.pool.block_tokens.items():   # every cached block holds its tokens
+        assert [kv.pool.get(block * 2 + i, (None, None))[1] for i in range(2)] == list(tokens)
+    sched.add("c", [20, 45, 28], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_all(sched, kv=kv)
+
+
 def test_a_rolled_back_swap_out_counts_as_one_recompute():
     sched, a, b = swapping_pair()
     while not (out := sched.schedule()).swap_out:
