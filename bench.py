@@ -106,10 +106,10 @@ def bench_attention(args):
     qsl = torch.arange(B + 1, dtype=torch.int32)
     q = torch.randn(B, H, D)
     scale = D ** -0.5
-    # the same data stored contiguously, padded to the longest sequence: (B, KVH, Lmax, D)
     plan = AttentionPlan(tables, seq_lens, qsl, bs)
-    WINDOW = 512
-    window_plan = AttentionPlan(tables, seq_lens, qsl, bs, WINDOW)
+    window = 512   # a sliding window's row (another result): it gathers at most 512 positions
+    window_plan = AttentionPlan(tables, seq_lens, qsl, bs, window)
+    # the same data stored contiguously, padded to the longest sequence: (B, KVH, Lmax, D)
     starts = torch.zeros(B, dtype=torch.long)
     slots, valid = AttentionPlan._slots(tables, starts, seq_lens.long(), max(lens), bs)   # (B, Lmax)
     k_dense = k_cache.view(-1, KVH, D)[slots].transpose(1, 2).contiguous()
@@ -128,9 +128,8 @@ def bench_attention(args):
          lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale)),
         ("paged fast path (plan + workspace shared)",
          lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, plan=plan)),
-        # not the same result: a layer with a sliding window of 512 reads at most 512 positions
-        (f"  same, sliding window of {WINDOW} positions",
-         lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, WINDOW, plan=window_plan)),
+        (f"  same, sliding window of {window} positions",
+         lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window, plan=window_plan)),
     ]
     rows = list(zip([name for name, _ in variants], median_times([fn for _, fn in variants], args.repeats)))
     rows.append(("paged reference (online softmax, loops)", median_times(

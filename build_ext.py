@@ -14,7 +14,9 @@ below checks every tensor — device, dtype, shape, contiguity, alignment — wi
 message that names it, then calls the kernels on torch's current CUDA stream.
 Values on the GPU it does not read (that would cost a sync per call): seq_lens and
 query_start_loc that contradict the tensors are made harmless in the kernel, but block
-ids are trusted to lie in [0, num_blocks), as the engine's BlockPool hands them out.
+ids are trusted to lie in [0, num_blocks), as the engine's BlockPool hands them out (but
+for the entries wholly before every query's sliding window, which may be -1, dropped:
+the kernel never reads those).
 torch.utils.cpp_extension.load() compiles both with nvcc and ninja and caches the
 result under ~/.cache/nanopaged/kernels (or $NANOPAGED_CACHE/kernels); it
 rebuilds only when a source or flag changes.

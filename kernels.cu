@@ -78,7 +78,8 @@ struct PagedAttentionArgs {
   const void* q;                    // [T, H, D], rows q_token_stride elements apart
   const void* k_cache;              // [num_blocks, block_size, KVH, D]
   const void* v_cache;              // [num_blocks, block_size, KVH, D]
-  const int32_t* block_tables;      // [B, max_blocks_per_seq]
+  const int32_t* block_tables;      // [B, max_blocks_per_seq]; entries wholly before
+                                    // every row's window may be -1 (dropped): never read
   const int32_t* seq_lens;          // [B], context length including this step's tokens
   const int32_t* query_start_loc;   // [B + 1]
   float* partial_out;               // [T, H, P, D]  split-K workspace (P > 1 only)
@@ -358,7 +359,8 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
 
   // One tile of keys through online softmax. `masked` is a compile-time bool
   // (std::true_type or std::false_type): most tiles lie wholly inside the
-  // partition and below every row's causal limit, and for those the bounds
+  // partition, below every row's causal limit and inside every row's window,
+  // and for those the bounds
   // checks and the mask are compiled out — a sixth of the loop's instructions,
   // in a loop that must keep pace with the memory system.
   auto tile_step = [&](int tile0, auto masked) {
@@ -507,8 +509,8 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
       static_cast<T*>(a.out)[row * D + d] = S::round(row_acc / row_sum);
     } else {
       // Leave the unnormalised state for the merge kernel. (A row whose keys
-      // all lie before this partition stores m = -inf, l = 0; the merge never
-      // reads it.)
+      // all lie before this partition, or whose window begins after it, stores
+      // m = -inf, l = 0; the merge never reads it.)
       const int64_t slot = row * plan.num_partitions + partition;
       a.partial_out[slot * D + d] = row_acc;
       if (d == 0) {
@@ -659,9 +661,9 @@ AttentionPlan plan_paged_attention(int num_tokens, int num_seqs, int num_heads,
     // a row at most window + max_query_len - 1 keys to split: partitions
     // before a row's window exit at once. (One partition is the whole
     // context: its CTAs start at their rows' first visible key anyway.)
+    const int queries = max_query_len > 1 ? max_query_len : 1;
     int64_t span = seq_len;
-    if (window > 0 && (int64_t)window + max_query_len - 1 < span)
-      span = (int64_t)window + (max_query_len > 1 ? max_query_len : 1) - 1;
+    if (window > 0 && (int64_t)window + queries - 1 < span) span = (int64_t)window + queries - 1;
     const int64_t busy_ctas = (int64_t)busy_tiles * num_kv_heads * plan.head_chunks;
     int parts = ceil_div((int64_t)kTargetCtasPerSm * num_sms, busy_ctas > 0 ? busy_ctas : 1);
     const int by_length = ceil_div(span, kMinPartitionKeys);

@@ -7,7 +7,7 @@ A forward pass sees one flat batch: the tokens of every scheduled sequence laid 
 which token belongs to which sequence, so the model does not do attention itself: every
 layer hands its q, k, v to the `attn` object it was given,
 
-    out = attn(layer_idx, q, k, v[, window])      q (T, H, D), k and v (T, KVH, D) -> out (T, H, D)
+    out = attn(layer_idx, q, k, v, window)      q (T, H, D), k and v (T, KVH, D) -> out (T, H, D)
 
 and that object (nanopaged's PagedAttention, on the torch path or the CUDA kernel; the
 tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
@@ -136,6 +136,12 @@ class ModelConfig:
     def layer_window(self, layer_idx: int) -> int | None:
         """The window of this layer's attention, None for full attention."""
         return self.sliding_window if layer_idx in self.window_layers else None
+
+    @property
+    def window_everywhere(self) -> int | None:
+        """The window, if every layer has it (then a position that slid out of it is never
+        read again); None if some layer sees the whole context."""
+        return self.sliding_window if len(self.window_layers) == self.num_hidden_layers else None
 
     @classmethod
     def from_json(cls, path) -> "ModelConfig":
@@ -1385,7 +1391,7 @@ class GPT2Attention(nn.Module):
     def forward(self, x, attn):
         T, H, D = x.shape[0], self.H, self.D
         q, k, v = self.c_attn(x).view(T, 3, H, D).unbind(1)  # (T, H, D) each, views: no copy
-        out = attn(self.layer_idx, q, k, v)                  # (T, H, D)
+        out = attn(self.layer_idx, q, k, v, None)            # (T, H, D), no window
         return self.c_proj(out.reshape(T, H * D))            # (T, C)
 
 

@@ -198,7 +198,8 @@ class BlockTable:
 
     Under a sliding window in every layer, the first num_dropped blocks have slid out of the
     window: freed, their entries DROPPED (so that logical block i stays entry i), never
-    read again by any attention path.
+    read again by any attention path. (-1 is a valid Python index: code that reads the
+    table must start at num_dropped, or past the window.)
     """
 
     DROPPED = -1
@@ -298,12 +299,13 @@ class BlockTable:
 #   k_cache/v_cache (num_blocks, block_size, KVH, D)   one layer's cache
 #   slot_mapping    (T,) int64   the cache slot of each query token's k, v (write_kv):
 #                                block * block_size + offset
-#   block_tables    (B, max_blocks) int32   padded entries are never read
+#   block_tables    (B, max_blocks) int32   padded and DROPPED entries are never read
 #   seq_lens        (B,) int32   context length of each sequence, this step's tokens included
 #   query_start_loc (B+1,) int32 sequence b owns rows query_start_loc[b]:query_start_loc[b+1]
 # Query j of a sequence with q_len queries sits at position seq_len - q_len + j and sees
-# context positions 0..that position (causal). With grouped-query attention, query head h
-# reads kv head h // (H // KVH).
+# context positions 0..that position (causal); with a sliding window W, only that position
+# - W + 1..that position. With grouped-query attention, query head h reads kv head
+# h // (H // KVH).
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -346,8 +348,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     unnormalized output acc. When a block with scores s arrives:
         m_new = max(m, max(s));  alpha = exp(m - m_new)        (rescales what we had)
         p = exp(s - m_new);      l = l * alpha + sum(p);   acc = acc * alpha + p @ V_block
-    and at the end out = acc / l: the softmax over the whole context, without ever
-    holding more than one block of scores.
+    and at the end out = acc / l: the softmax over every position the query sees, without
+    ever holding more than one block of scores.
 
     With a sliding window W, the query at position p sees only positions p - W + 1 ..= p:
     blocks wholly before the first query's window are never read.
@@ -424,6 +426,7 @@ class AttentionPlan:
 
     def __init__(self, block_tables, seq_lens, query_start_loc, block_size, window=None):
         check_window(window)
+        self.window = window
         device = block_tables.device
         lens = seq_lens.tolist()
         qsl = query_start_loc.tolist()
@@ -481,9 +484,11 @@ class AttentionPlan:
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=None, plan=None):
     """The fast torch path: same inputs and result as paged_attention_ref (a plan, if given,
-    made for the same window)."""
+    made for the same step and window)."""
     if plan is None:
         plan = AttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], window)
+    if plan.window != window:
+        raise ValueError(f"the plan was made for window {plan.window}, not {window}")
     T, H, D = q.shape
     kvh = k_cache.shape[2]
     group = H // kvh
@@ -519,8 +524,9 @@ class PagedAttention:
 
     The model hands over its new q (T, H, D), k and v (T, KVH, D) and its sliding window
     (None: full attention); this writes k and v into the paged cache at the step's
-    slot_mapping, then attends over each sequence's blocks (with a window, only those that
-    the scheduler has not dropped: see BlockTable.drop_before). The engine calls begin_step()
+    slot_mapping, then attends over each sequence's blocks (with a window, over the positions
+    inside it only: the blocks wholly before it may be dropped, see BlockTable.drop_before).
+    The engine calls begin_step()
     with the flat batch's metadata before each forward pass. The backend is chosen once:
     "torch" (the fast torch path above) or "cuda" (kernels.cu).
     """
@@ -547,7 +553,7 @@ class PagedAttention:
             self.plans[window] = AttentionPlan(self.block_tables, self.seq_lens, self.query_start_loc,
                                                self.pool.block_size, window)
         return paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
-                               self.query_start_loc, self.scale, plan=self.plans[window])
+                               self.query_start_loc, self.scale, window, plan=self.plans[window])
 
     def copy_blocks(self, copies):
         """Copy-on-write's block copies, in every layer, before the forward pass reads them."""
@@ -837,10 +843,9 @@ class LLM:
         eos_token_ids = cfg.eos_token_id + ([eos] if eos is not None and eos not in cfg.eos_token_id else [])
         # Where every layer looks through the same sliding window, the blocks that slid out of
         # it are freed as a sequence goes on (a layer that sees everything needs them all).
-        everywhere = cfg.sliding_window and len(cfg.window_layers) == cfg.num_hidden_layers
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    enable_prefix_caching, eos_token_ids, self.swap_pool,
-                                   sliding_window=cfg.sliding_window if everywhere else None)
+                                   sliding_window=cfg.window_everywhere)
         self.attn = PagedAttention(self.pool, cfg.head_dim ** -0.5,
                                    _pick_kernels(attn_backend, device, cfg, block_size, dtype))
         self.stats = Stats()

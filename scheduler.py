@@ -520,14 +520,15 @@ class Scheduler:
     def _slide(self, seq: Sequence):
         """Sliding window: free seq's blocks before the window of its next query (at position
         num_computed_tokens: it sees from num_computed_tokens - window + 1 on). No later query
-        looks further back. A long request then holds about window / block_size blocks,
-        however long it grows. Called for the running sequences, and for the others as they
-        come in (a swapped one before anything of it is copied back)."""
+        looks further back. A long request then holds about (window + its step's chunk) /
+        block_size blocks, however long it grows. Called for the running sequences, and for
+        the others as they come in (a swapped one before anything of it is copied back)."""
         if self.sliding_window is None:
             return
         dropped = seq.block_table.drop_before(seq.num_computed_tokens - self.sliding_window + 1)
         if dropped:
-            self.pool.say(f"{seq}: blocks {dropped} slid out of the window of {self.sliding_window} tokens: freed")
+            where = "CPU blocks" if seq.block_table.pool is self.swap_pool else "blocks"
+            self.pool.say(f"{seq}: {where} {dropped} slid out of the window of {self.sliding_window} tokens: freed")
 
     def _parked_beam_newer_than(self, seq: Sequence) -> Sequence | None:
         """The newest running beam that is parked (computed to its end, waiting for its
@@ -790,8 +791,9 @@ class Scheduler:
             bisect.insort(self.running, child, key=lambda s: s.order)
             self.requests[seq.request_id].append(child)
             children.append(child)
+        table = seq.block_table
         self.pool.say(f"fork {seq} into {k + 1} {'beams' if seq.params.beam else 'samples'} "
-                      f"sharing blocks {seq.block_table.block_ids}")
+                      f"sharing blocks {table.block_ids[table.num_dropped:]}")
         return children
 
     def _append(self, seq: Sequence, token: int):

@@ -373,8 +373,8 @@ def test_llama_family_in_the_engine(tmp_path, variant, window):
 
 
 def test_blocks_that_slide_out_of_the_window_are_freed(tmp_path):
-    """Every layer windowed (a Mistral): a long request holds about window / block_size
-    blocks, not its whole context, and gives the dense reference's greedy tokens. Forks, a
+    """Every layer windowed (a Mistral): a long request holds about (window + its step's
+    chunk) / block_size blocks, not its whole context, and gives the dense reference's greedy tokens. Forks, a
     beam search, prefix hits, constraints and logprobs (engine_tokens) come out as when every
     block is kept, and requests that preempt each other, recomputed or swapped, as in a
     roomy pool."""
@@ -4243,7 +4243,8 @@ def make_batch(case: Case, device, seed=0):
     offsets). Every slot no sequence owns holds NaN — unused blocks and the unused tail of
     each last block — and padded block-table entries point at a NaN block: a kernel that
     reads outside a sequence's context returns NaN. With a sliding window, so do the
-    positions before the first query's window. On the CPU only the top of the pool
+    positions before the first query's window, and the table entries of the blocks wholly
+    before it are -1 (dropped, as the engine leaves them). On the CPU only the top of the pool
     that the blocks are drawn from is poisoned, the rest left as torch.empty maps it
     (lazily): a pool of gigabytes then costs only the pages the batch touches.
     """
@@ -4273,10 +4274,12 @@ def make_batch(case: Case, device, seed=0):
     k_cache[poisoned] = v_cache[poisoned] = float("nan")
     k_cache.view(-1, kvh, D)[slots] = torch.randn(len(slots), kvh, D, generator=gen).to(device, case.dtype)
     v_cache.view(-1, kvh, D)[slots] = torch.randn(len(slots), kvh, D, generator=gen).to(device, case.dtype)
-    if case.window:   # positions no query of their sequence sees
+    if case.window:   # positions no query of their sequence sees; the blocks wholly before them dropped
         unseen = torch.cat([torch.arange(seq_len) < seq_len - q_len - case.window + 1 for q_len, seq_len in case.pairs])
         k_cache.view(-1, kvh, D)[slots[unseen.to(device)]] = float("nan")
         v_cache.view(-1, kvh, D)[slots[unseen.to(device)]] = float("nan")
+        for b, (q_len, seq_len) in enumerate(case.pairs):
+            tables[b, :max(seq_len - q_len - case.window + 1, 0) // bs] = BlockTable.DROPPED
 
     q_lens = [q_len for q_len, _ in case.pairs]
     q = torch.randn(sum(q_lens), H, D, generator=gen).to(device, case.dtype)
@@ -4557,8 +4560,10 @@ def test_emulated_bad_input_names_the_tensor(emulated_ops):
 
 # --- the engine end to end on the kernels ---
 
-# the tiny model's layers 2 and 3 see a sliding window of 24 positions, layers 0 and 1 everything
+# the tiny model's layers 2 and 3 see a sliding window of 24 positions, layers 0 and 1 everything;
+# or all four do, and the blocks that slide out of it are dropped
 WINDOWED = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 24, "max_window_layers": 2}
+WINDOWED_EVERYWHERE = {"model_type": "mistral", "sliding_window": 24}
 
 
 def tiny_llama_dir(tmp_path, **change):
@@ -4599,8 +4604,8 @@ def engine_tokens(llm, lengths, max_tokens):
 def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
     """Random (dummy) weights, as on a GPU machine no checkpoint reaches: the same greedy
     tokens with the kernel as with the torch path, with and without sliding windows."""
-    for change in ({}, WINDOWED):
-        model_dir = tiny_llama_dir(tmp_path / str(len(change)), **change)
+    for i, change in enumerate(({}, WINDOWED, WINDOWED_EVERYWHERE)):
+        model_dir = tiny_llama_dir(tmp_path / str(i), **change)
         results = {}
         for backend in ("cuda", "torch"):
             llm = LLM(model_dir, device="cuda", dtype="float32", load_format="dummy", attn_backend=backend,
@@ -4610,7 +4615,7 @@ def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
         assert results["cuda"][0] == results["torch"][0]
         assert results["cuda"][1] == pytest.approx(results["torch"][1], abs=1e-3)
     # preempted by swapping (a pool of 72 blocks, where the five need 94), through CPU memory:
-    # the same tokens (the windowed model's)
+    # the same tokens (the last model's, which drops the blocks that slide out of its window)
     llm = LLM(model_dir, device="cuda", dtype="float32", load_format="dummy", attn_backend="cuda",
               max_num_batched_tokens=256, num_blocks=72, preemption_mode="swap", swap_space=0.25)
     prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 40, 300, 17, 1000))]
@@ -4618,7 +4623,7 @@ def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
     assert [[c.token_ids for c in o.outputs] for o in outs] == results["torch"][0][:5] and llm.stats.swapped_out > 0
 
 
-@pytest.mark.parametrize("change", [{}, WINDOWED], ids=["full", "windowed"])
+@pytest.mark.parametrize("change", [{}, WINDOWED, WINDOWED_EVERYWHERE], ids=["full", "windowed", "dropping"])
 def test_emulated_kernels_drive_the_engine(tmp_path, emulated_ops, change):
     """The engine's side of the kernel interface (slot_mapping, block tables, seq_lens,
     query_start_loc, copy-on-write pairs, the layers' windows) on the CPU: the same tokens
