@@ -926,10 +926,14 @@ class LLM:
         # apart from its siblings shares no partial block with them, and they wait for it (parked)
         beams = params.n if params.beam else 1
         if advised or params.max_tokens is None:   # a max_tokens the caller never wrote (generation_config.json's),
-            # or None (vLLM's "up to the context"), stops at the context, or at what the whole pool holds
-            room = min(self.max_model_len, self.pool.num_blocks // beams * self.pool.block_size) - len(ids)
+            # or None (vLLM's "up to the context"), stops at the context, or at what the whole pool
+            # holds (under a sliding window, the whole context may take fewer blocks than the pool)
+            limit = self.max_model_len
+            if beams * self.scheduler.blocks_at_most(limit) > self.pool.num_blocks:
+                limit = min(limit, self.pool.num_blocks // beams * self.pool.block_size)
+            room = limit - len(ids)
             params.max_tokens = max(min(params.max_tokens or room, room), 1)
-        need = beams * -(-(len(ids) + params.max_tokens) // self.pool.block_size)   # ceil division
+        need = beams * self.scheduler.blocks_at_most(len(ids) + params.max_tokens)
         if params.beam and need > self.pool.num_blocks:
             raise ValueError(f"beam_width = {beams} beams of prompt + max_tokens = {len(ids) + params.max_tokens} "
                              f"tokens need up to {need} KV blocks, but the whole pool has {self.pool.num_blocks}")

@@ -379,7 +379,7 @@ class Scheduler:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the model's context of {self.max_model_len} tokens")
-        blocks = -(-total // self.block_size)  # ceil division
+        blocks = self.blocks_at_most(total)
         if blocks > self.pool.num_blocks:
             raise ValueError(f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks, but the "
                              f"whole pool has {self.pool.num_blocks}")
@@ -389,6 +389,16 @@ class Scheduler:
         self.requests[request_id] = [seq]
         self.next_sample_index[request_id] = 1
         return seq
+
+    def blocks_at_most(self, num_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once: one per block_size
+        tokens; under a sliding window, at most those of a step's chunk (up to the token budget)
+        and of the window before it, one more where the window begins mid-block and one for a
+        copy-on-write. A request must fit the whole pool in this sense (add)."""
+        blocks = -(-num_tokens // self.block_size)   # ceil division
+        if self.sliding_window is not None:
+            blocks = min(blocks, (self.sliding_window + self.max_num_batched_tokens - 2) // self.block_size + 3)
+        return blocks
 
     def abort(self, request_id):
         """Stop a request now, wherever it is; its blocks return to the pool at once."""
@@ -469,10 +479,13 @@ class Scheduler:
             else:
                 hits, hashes = self._cached_prefix(seq)
                 done = len(hits) * self.block_size
+            # Under a sliding window, the hits before its next query's window are not taken:
+            # they would be dropped at once (they count as computed all the same)
+            skip = self._first_visible(done) // self.block_size if not swapped else 0
             n = min(seq.num_tokens - done, budget)
             kept = seq.block_table.num_dropped + len(hits)   # (dropped: slid out of the window)
             need = -(-(done + n) // self.block_size) - kept  # ceil division
-            revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
+            revived = sum(1 for b in hits[skip:] if self.pool.ref_count[b] == 0)  # cached blocks we'd take
             fits = need <= self.pool.num_available - revived
             if not fits or seats + seq.pending_samples > self.max_num_seqs:
                 # A parked beam makes no progress until its siblings run: it must not hold
@@ -490,7 +503,7 @@ class Scheduler:
                 self._swap_in(seq, hits, out)
             else:
                 self.waiting.popleft()
-                self._adopt_cached_prefix(seq, hits, hashes)
+                self._adopt_cached_prefix(seq, hits, hashes, skip)
                 seq.status = Status.RUNNING
                 bisect.insort(self.running, seq, key=lambda s: s.order)
             self._slide(seq)
@@ -525,10 +538,14 @@ class Scheduler:
         the others as they come in (a swapped one before anything of it is copied back)."""
         if self.sliding_window is None:
             return
-        dropped = seq.block_table.drop_before(seq.num_computed_tokens - self.sliding_window + 1)
+        dropped = seq.block_table.drop_before(self._first_visible(seq.num_computed_tokens))
         if dropped:
             where = "CPU blocks" if seq.block_table.pool is self.swap_pool else "blocks"
             self.pool.say(f"{seq}: {where} {dropped} slid out of the window of {self.sliding_window} tokens: freed")
+
+    def _first_visible(self, num_computed: int) -> int:
+        """The first position the query at position num_computed sees (0 without a window)."""
+        return 0 if self.sliding_window is None else max(num_computed - self.sliding_window + 1, 0)
 
     def _parked_beam_newer_than(self, seq: Sequence) -> Sequence | None:
         """The newest running beam that is parked (computed to its end, waiting for its
@@ -542,8 +559,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until seq's n tokens fit. False if seq itself
-        had to go. The oldest sequence always fits (add() checked it fits the whole pool), so
-        it always makes progress: no livelock."""
+        had to go. The oldest sequence always fits (add() checked that the most it holds at
+        once, blocks_at_most, fits the whole pool), so it always makes progress: no livelock."""
         while seq.block_table.blocks_needed(n) > self.pool.num_available:
             victim = self.running[-1]
             out.preempted.append(victim)
@@ -683,8 +700,11 @@ class Scheduler:
                 hits.append(block)
         return hits
 
-    def _adopt_cached_prefix(self, seq: Sequence, hits: list[int], hashes: list[int]):
-        for block in hits:
+    def _adopt_cached_prefix(self, seq: Sequence, hits: list[int], hashes: list[int], skip: int = 0):
+        """seq (waiting, holding no block) takes the cached blocks that start it, but the first
+        `skip`, which lie before its window: those are dropped from the start."""
+        seq.block_table.skip_dropped(skip)
+        for block in hits[skip:]:
             seq.block_table.append_cached(block)
         seq.block_hashes = hashes
         seq.num_computed_tokens = len(hits) * self.block_size
@@ -696,9 +716,10 @@ class Scheduler:
             self.prefix_hit_tokens += seq.num_cached_tokens
         if hits:
             computing = {block for block, _ in self.in_flight.values()}
-            in_step = [b for b in hits if b in computing]
-            self.pool.say(f"prefix-cache hit for {seq}: blocks {hits} ({seq.num_computed_tokens} tokens not "
-                          f"recomputed{f'; {in_step} are being computed in this step' if in_step else ''})")
+            in_step = [b for b in hits[skip:] if b in computing]
+            self.pool.say(f"prefix-cache hit for {seq}: blocks {hits[skip:]} ({seq.num_computed_tokens} tokens not "
+                          f"recomputed{f'; the {skip} blocks before its window not taken' if skip else ''}"
+                          f"{f'; {in_step} are being computed in this step' if in_step else ''})")
 
     def _unhashed_full_blocks(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int, tuple]]:
         """(index, prefix hash, token ids) of each of seq's blocks that its first num_tokens

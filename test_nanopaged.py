@@ -386,6 +386,13 @@ def test_blocks_that_slide_out_of_the_window_are_freed(tmp_path):
     # 320 tokens are 20 blocks of 16; a 64-token chunk and the 11 positions before it: 5 at most
     assert llm.stats.peak_blocks_used <= 5
     assert_nothing_leaked(llm)
+    # so a pool of 8 blocks (128 token slots) serves it, and "up to the context" of 400 tokens
+    small = LLM(model_dir, dtype="float32", load_format="dummy", max_num_batched_tokens=64, num_blocks=8,
+                max_model_len=400)
+    assert small.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].token_ids \
+        == out.outputs[0].token_ids
+    assert len(small.generate(prompt, SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0].token_ids) == 100
+    assert_nothing_leaked(small)
     dropping = engine_tokens(llm, (5, 40, 300, 17), max_tokens=12)
     llm.scheduler.sliding_window = None   # every block kept to the end
     assert engine_tokens(llm, (5, 40, 300, 17), max_tokens=12) == dropping
@@ -2185,6 +2192,8 @@ def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks, window
                 n = rng.choice([1, 1, 1, 2, 3])
                 p = SamplingParams(n=n, max_tokens=rng.randint(1, 25), ignore_eos=rng.random() < 0.5)
                 prompt = [rng.randint(2, 50) for _ in range(rng.randint(1, 40))]
+                if window is not None and rng.random() < 0.15:   # longer than the pool holds
+                    prompt *= -(-120 // len(prompt))
                 if rng.random() < 0.3:                 # a shared prefix for the prefix cache
                     prompt = [5] * 12 + prompt
                 seqs.append(sched.add(next_id, prompt, p))
@@ -2269,6 +2278,23 @@ def test_a_swapped_sequence_drops_what_slid_out_before_it_comes_back():
         assert [kv.pool.get(block * 2 + i, (None, None))[1] for i in range(2)] == list(tokens)
     sched.add("c", [20, 45, 28], SamplingParams(max_tokens=2, ignore_eos=True))
     run_all(sched, kv=kv)
+
+
+def test_a_long_windowed_request_takes_only_the_cached_blocks_its_window_reads():
+    """b (74 tokens, more than the pool's 48 slots: with a window of 6 it holds 6 blocks at
+    most) finds a's 11 blocks in the prefix cache, but takes only the 2 its next query's
+    window reads: taking all 11 would leave no room for its own (it would wait for good)."""
+    sched = make_sched(num_blocks=12, block_size=4, max_num_batched_tokens=8, sliding_window=6)
+    kv, said = SimulatedKV(sched), []
+    sched.pool.trace = said.append
+    prompt = list(range(2, 46))
+    sched.add("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    run_all(sched, kv=kv)
+    assert sched.pool.num_cached == 11
+    b = sched.add("b", prompt + list(range(50, 80)), SamplingParams(max_tokens=4, ignore_eos=True))
+    run_all(sched, kv=kv, max_steps=100)
+    assert b.num_cached_tokens == 44 and b.finish_reason == "length"
+    assert any("the 9 blocks before its window not taken" in line for line in said)
 
 
 def test_a_rolled_back_swap_out_counts_as_one_recompute():
