@@ -394,7 +394,9 @@ class Scheduler:
         """The most blocks a sequence of num_tokens tokens holds at once: one per block_size
         tokens; under a sliding window, at most those of a step's chunk (up to the token budget)
         and of the window before it, one more where the window begins mid-block and one for a
-        copy-on-write. A request must fit the whole pool in this sense (add)."""
+        copy-on-write. (A safe bound, a block or two above the tightest, (W + B - 3) // bs + 2,
+        which a reviewer's brute force found exact: the oldest sequence never copies on write.)
+        A request must fit the whole pool in this sense (add)."""
         blocks = -(-num_tokens // self.block_size)   # ceil division
         if self.sliding_window is not None:
             blocks = min(blocks, (self.sliding_window + self.max_num_batched_tokens - 2) // self.block_size + 3)
@@ -718,7 +720,7 @@ class Scheduler:
             computing = {block for block, _ in self.in_flight.values()}
             in_step = [b for b in hits[skip:] if b in computing]
             self.pool.say(f"prefix-cache hit for {seq}: blocks {hits[skip:]} ({seq.num_computed_tokens} tokens not "
-                          f"recomputed{f'; the {skip} blocks before its window not taken' if skip else ''}"
+                          f"recomputed{f'; the {skip} before its window not taken' if skip else ''}"
                           f"{f'; {in_step} are being computed in this step' if in_step else ''})")
 
     def _unhashed_full_blocks(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int, tuple]]:
