@@ -508,7 +508,6 @@ class Scheduler:
                 self._adopt_cached_prefix(seq, hits, hashes, skip)
                 seq.status = Status.RUNNING
                 bisect.insort(self.running, seq, key=lambda s: s.order)
-            self._slide(seq)
             self._place(seq, n, out)
             budget -= n
             seats += seq.pending_samples
@@ -536,8 +535,9 @@ class Scheduler:
         """Sliding window: free seq's blocks before the window of its next query (at position
         num_computed_tokens: it sees from num_computed_tokens - window + 1 on). No later query
         looks further back. A long request then holds about (window + its step's chunk) /
-        block_size blocks, however long it grows. Called for the running sequences, and for
-        the others as they come in (a swapped one before anything of it is copied back)."""
+        block_size blocks, however long it grows. Called for the running sequences, and for a
+        swapped one before anything of it is copied back (a waiting one skips the hits before
+        its window: _adopt_cached_prefix)."""
         if self.sliding_window is None:
             return
         dropped = seq.block_table.drop_before(self._first_visible(seq.num_computed_tokens))
