@@ -285,7 +285,8 @@ class BlockTable:
         return dropped
 
     def skip_dropped(self, n: int):
-        """Begin an empty table (a sequence's, moved between pools) with n blocks dropped."""
+        """Begin an empty table with n blocks dropped: a sequence's, moved between pools, or
+        one that takes only the prefix-cache hits its window reads (Scheduler._adopt_cached_prefix)."""
         assert not self.block_ids, "only an empty table skips blocks"
         self.block_ids, self.num_dropped = [self.DROPPED] * n, n
         self.num_tokens = n * self.pool.block_size
