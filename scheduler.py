@@ -476,18 +476,15 @@ class Scheduler:
                 # What slid out of its window while it was away is dropped first: nothing to
                 # copy back, and nothing freed may be offered to this step (in_flight)
                 self._slide(seq)
-                hits = self._still_cached(seq)
+                hits, skip = self._still_cached(seq), 0
                 done = seq.num_computed_tokens
-            else:
-                hits, hashes = self._cached_prefix(seq)
-                done = len(hits) * self.block_size
-            # Under a sliding window, the hits before its next query's window are not taken:
-            # they would be dropped at once (they count as computed all the same)
-            skip = self._first_visible(done) // self.block_size if not swapped else 0
+            else:   # (under a sliding window, the blocks before its window are not taken)
+                hits, hashes, skip = self._cached_prefix(seq)
+                done = len(hashes) * self.block_size
             n = min(seq.num_tokens - done, budget)
-            kept = seq.block_table.num_dropped + len(hits)   # (dropped: slid out of the window)
+            kept = seq.block_table.num_dropped + skip + len(hits)   # (dropped, skipped: before the window)
             need = -(-(done + n) // self.block_size) - kept  # ceil division
-            revived = sum(1 for b in hits[skip:] if self.pool.ref_count[b] == 0)  # cached blocks we'd take
+            revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
             fits = need <= self.pool.num_available - revived
             if not fits or seats + seq.pending_samples > self.max_num_seqs:
                 # A parked beam makes no progress until its siblings run: it must not hold
@@ -655,23 +652,35 @@ class Scheduler:
                       f"({self.pool.num_available} blocks available)")
 
     # --- prefix caching ---
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """The longest chain of cached blocks that starts seq, and their prefix hashes. Only
-        blocks that end before the last token count, so at least one token is computed and
-        yields logits. A request that asks for its prompt's logprobs takes none until it has
-        sampled: a cached token is never computed, so it would have no logits to score."""
-        hits, hashes = [], []
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int], int]:
+        """The cached blocks seq can start from: the most full blocks d whose K/V its next
+        query reads are all cached. Returns (those blocks, the prefix hashes of its first d
+        blocks, skip): without a window, the longest chain of cached blocks from its first
+        (skip = 0); under a sliding window, only the blocks from its next query's window on
+        (from index skip) must be cached, and those before may be gone: a long sequence's
+        first blocks slid out of its window first, so they are evicted first, while the ones
+        its window reads are still there. (The hashes depend on the tokens alone: a block's
+        is known whether the blocks before it are cached or not.) Only blocks that end before
+        the last token count, so at least one token is computed and yields logits. A request
+        that asks for its prompt's logprobs takes none until it has sampled: a cached token
+        is never computed, so it would have no logits to score."""
+        hashes, found = [], []   # per full block: its prefix hash, its cached block or None
+        best = last_miss = -1    # the most blocks seq can take (minus one); the last block not cached
         scores_prompt = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
         if self.enable_prefix_caching and not scores_prompt:
             for i in range((seq.num_tokens - 1) // self.block_size):
                 tokens = self._block_tokens(seq, i)
-                h = hash_block(hashes[-1] if hashes else ROOT_HASH, tokens)
-                block = self._find_cached(h, tokens)
-                if block is None:
-                    break
-                hits.append(block)
-                hashes.append(h)
-        return hits, hashes
+                hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, tokens))
+                found.append(self._find_cached(hashes[-1], tokens))
+                if found[-1] is None:
+                    last_miss = i
+                    if self.sliding_window is None:
+                        break   # (no later block can serve without this one)
+                elif last_miss < self._first_visible((i + 1) * self.block_size) // self.block_size:
+                    best = i    # every block from the window of the query after block i on is here
+        done = best + 1
+        skip = self._first_visible(done * self.block_size) // self.block_size
+        return found[skip:done], hashes[:done], skip
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple:
         """The token ids of seq's full block i: what its prefix hash covers, with the hashes
@@ -702,14 +711,15 @@ class Scheduler:
                 hits.append(block)
         return hits
 
-    def _adopt_cached_prefix(self, seq: Sequence, hits: list[int], hashes: list[int], skip: int = 0):
-        """seq (waiting, holding no block) takes the cached blocks that start it, but the first
-        `skip`, which lie before its window: those are dropped from the start."""
+    def _adopt_cached_prefix(self, seq: Sequence, hits: list[int], hashes: list[int], skip: int):
+        """seq (waiting, holding no block) takes the cached blocks that start it (hits, the
+        K/V of its blocks skip .. len(hashes) - 1; from _cached_prefix). Its first `skip`
+        blocks lie before its window: they are dropped from the start, cached or not."""
         seq.block_table.skip_dropped(skip)
-        for block in hits[skip:]:
+        for block in hits:
             seq.block_table.append_cached(block)
         seq.block_hashes = hashes
-        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = len(hashes) * self.block_size
         # The hit rate is about prompts: a preempted sequence finding its own blocks again
         # on its way back (a recompute made cheaper) is not counted.
         if self.enable_prefix_caching and seq.num_preemptions == 0:
@@ -718,9 +728,9 @@ class Scheduler:
             self.prefix_hit_tokens += seq.num_cached_tokens
         if hits:
             computing = {block for block, _ in self.in_flight.values()}
-            in_step = [b for b in hits[skip:] if b in computing]
-            self.pool.say(f"prefix-cache hit for {seq}: blocks {hits[skip:]} ({seq.num_computed_tokens} tokens not "
-                          f"recomputed{f'; the {skip} before its window not taken' if skip else ''}"
+            in_step = [b for b in hits if b in computing]
+            self.pool.say(f"prefix-cache hit for {seq}: blocks {hits} ({seq.num_computed_tokens} tokens not "
+                          f"recomputed{f'; the {skip} before its window not needed' if skip else ''}"
                           f"{f'; {in_step} are being computed in this step' if in_step else ''})")
 
     def _unhashed_full_blocks(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int, tuple]]:

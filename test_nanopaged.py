@@ -2283,18 +2283,31 @@ def test_a_swapped_sequence_drops_what_slid_out_before_it_comes_back():
 def test_a_long_windowed_request_takes_only_the_cached_blocks_its_window_reads():
     """b (74 tokens, more than the pool's 48 slots: with a window of 6 it holds 6 blocks at
     most) finds a's 11 blocks in the prefix cache, but takes only the 2 its next query's
-    window reads: taking all 11 would leave no room for its own (it would wait for good)."""
-    sched = make_sched(num_blocks=12, block_size=4, max_num_batched_tokens=8, sliding_window=6)
-    kv, said = SimulatedKV(sched), []
-    sched.pool.trace = said.append
-    prompt = list(range(2, 46))
-    sched.add("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-    run_all(sched, kv=kv)
-    assert sched.pool.num_cached == 11
-    b = sched.add("b", prompt + list(range(50, 80)), SamplingParams(max_tokens=4, ignore_eos=True))
-    run_all(sched, kv=kv, max_steps=100)
-    assert b.num_cached_tokens == 44 and b.finish_reason == "length"
-    assert any("the 9 before its window not taken" in line for line in said)
+    window reads: taking all 11 would leave no room for its own (it would wait for good).
+    And it finds them when a's first blocks, which slid out of a's window first, have been
+    evicted since: the blocks before its window need not be cached."""
+    for evict in (False, True):
+        sched = make_sched(num_blocks=12, block_size=4, max_num_batched_tokens=8, sliding_window=6)
+        kv, said = SimulatedKV(sched), []
+        sched.pool.trace = said.append
+        prompt = list(range(2, 46))
+        a = sched.add("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        run_all(sched, kv=kv)
+        assert sched.pool.num_cached == 11
+        a_blocks = [sched.pool.lookup(h, tuple(prompt[4 * i:4 * i + 4])) for i, h in enumerate(a.block_hashes)]
+        if evict:   # c's 3 blocks: the free one, then a's first two (the least recently used)
+            sched.add("c", list(range(100, 112)), SamplingParams(max_tokens=1, ignore_eos=True))
+            run_all(sched, kv=kv)
+            assert sum("evict block" in line for line in said) == 2
+            assert [sched.pool.lookup(h, tuple(prompt[4 * i:4 * i + 4])) for i, h in enumerate(a.block_hashes)][:2] \
+                == [None, None]
+        b = sched.add("b", prompt + list(range(50, 80)), SamplingParams(max_tokens=4, ignore_eos=True))
+        run_step(sched, kv=kv)
+        assert b.block_table.block_ids[:11] == [BlockTable.DROPPED] * 9 + a_blocks[9:]   # (b's own after them)
+        run_all(sched, kv=kv, max_steps=100)
+        assert b.num_cached_tokens == 44 and b.finish_reason == "length"
+        assert any(f"blocks {a_blocks[9:]} (44 tokens not recomputed; the 9 before its window not needed" in line
+                   for line in said)
 
 
 def test_a_rolled_back_swap_out_counts_as_one_recompute():
