@@ -98,7 +98,7 @@ LLAMA_FAMILY = {
     "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
     "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128},
-    "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
 }
 
 
@@ -118,7 +118,8 @@ class ModelConfig:
     max_position_embeddings: int
     norm_eps: float                   # HF's rms_norm_eps (llama) / layer_norm_epsilon (gpt2)
     rope_theta: float = 10000.0       # llama only
-    rope_scaling: dict | None = None  # llama only: None, or the llama3 parameters
+    rope_scaling: dict | None = None  # llama only: None, or the llama3 or longrope parameters
+    partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim of each head's D (Phi-4-mini: 0.75)
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
     qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
     o_bias: bool = False              # o_proj has a bias (attention_bias)
@@ -132,6 +133,11 @@ class ModelConfig:
     # generation_config.json's sampling values, named as SamplingParams names them: vLLM's LLM
     # samples with these when a request brings no SamplingParams
     sampling_defaults: dict = field(default_factory=dict)
+
+    @property
+    def rotary_dim(self) -> int:
+        """R: how many of each head's D dimensions RoPE rotates (the first R); the rest pass."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, layer_idx: int) -> int | None:
         """The window of this layer's attention, None for full attention."""
@@ -185,12 +191,12 @@ class ModelConfig:
                 raise ModelError(f"head_dim {head_dim} is odd, but RoPE rotates pairs" + (
                     "" if d.get("head_dim") else f" (head_dim = hidden_size {hidden} // "
                                                   f"num_attention_heads {heads})"))
-            rope_theta, rope_scaling = _rope_config(d)
+            max_position = _positive(d, "max_position_embeddings", default=2048)
+            rope_theta, rope_scaling, partial = _rope_config(d, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
             # Qwen 2 gives q, k and v a bias (not o); Llama's and Qwen 3's attention_bias gives
             # all four one; Mistral has none. Qwen 3 normalizes each head's q and k.
             attention_bias = model_type in ("llama", "qwen3") and _flag(d, "attention_bias")
-            max_position = _positive(d, "max_position_embeddings", default=2048)
             window, window_layers = _sliding_window(d, model_type)
             if window and window >= max_position:
                 window, window_layers = None, ()  # a window as long as the context changes nothing
@@ -199,7 +205,8 @@ class ModelConfig:
                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                 intermediate_size=_positive(d, "intermediate_size"), max_position_embeddings=max_position,
                 norm_eps=_positive(d, "rms_norm_eps", float, 1e-6), rope_theta=rope_theta,
-                rope_scaling=rope_scaling, tie_word_embeddings=_flag(d, "tie_word_embeddings"),
+                rope_scaling=rope_scaling, partial_rotary_factor=partial,
+                tie_word_embeddings=_flag(d, "tie_word_embeddings"),
                 qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
                 qk_norm=model_type == "qwen3", sliding_window=window, window_layers=window_layers)
             default_token_id = None
@@ -331,22 +338,32 @@ LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
 
 
-def _rope_config(d: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either spelling of a Llama config: `rope_theta` +
-    `rope_scaling` (transformers < 5) or one `rope_parameters` dict (newer releases)."""
+def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> tuple[float, dict | None, float]:
+    """(rope_theta, rope_scaling, partial_rotary_factor) from either spelling of a Llama
+    config: `rope_theta` + `rope_scaling` (transformers < 5) or one `rope_parameters` dict
+    (newer releases)."""
     for key in ("rope_parameters", "rope_scaling"):
         if not isinstance(d.get(key), dict | None):
             raise ModelError(f"{key!r} is {d[key]!r}, expected an object or null")
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     theta = _positive(params if "rope_theta" in params else d, "rope_theta", float, 10000.0)
-    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:   # (Phi-4-mini: RoPE on part of each head)
-        raise ModelError(f"partial_rotary_factor {partial!r} is not supported (only 1.0: RoPE over whole heads)")
+    partial = _positive(params if "partial_rotary_factor" in params else d, "partial_rotary_factor", float, 1.0)
+    if partial != 1.0 and model_type != "phi3":   # (of the family, only HF's Phi-3 splits heads: Phi-4-mini)
+        raise ModelError(f"partial_rotary_factor {partial!r} is not supported for {model_type} "
+                         f"(only 1.0: RoPE over whole heads; Phi-3's may turn part of each)")
+    rotary_dim = int(head_dim * partial)   # (as HF rounds it)
+    if partial > 1 or rotary_dim < 2 or rotary_dim % 2:
+        raise ModelError(f"partial_rotary_factor {partial!r} of head_dim {head_dim} gives {rotary_dim} "
+                         f"rotated dimensions: RoPE turns an even number of them, at least 2, at most head_dim")
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if model_type == "phi3" and rope_type in ("su", "yarn"):   # (Phi-3's old names for it, as HF reads them)
+        rope_type = "longrope"
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial
+    if rope_type == "longrope":
+        return theta, _longrope_config(d, params, rotary_dim, max_position), partial
     if rope_type != "llama3":
-        raise ModelError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
+        raise ModelError(f"rope type {rope_type!r} is not supported (supported: default, llama3, longrope)")
     missing = [k for k in LLAMA3_ROPE_KEYS if params.get(k) is None]
     if missing:
         raise ModelError(f"llama3 rope scaling lacks {', '.join(map(repr, missing))}")
@@ -354,7 +371,30 @@ def _rope_config(d: dict) -> tuple[float, dict | None]:
     if scaling["low_freq_factor"] >= scaling["high_freq_factor"]:   # (the blend divides by their difference)
         raise ModelError(f"llama3 rope scaling needs low_freq_factor < high_freq_factor, got "
                          f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
-    return theta, scaling
+    return theta, scaling, partial
+
+
+def _longrope_config(d: dict, params: dict, rotary_dim: int, max_position: int) -> dict:
+    """LongRoPE's parameters (Phi-3 128k, Phi-3.5, Phi-4-mini), as transformers reads them:
+    a factor per frequency for contexts within the original one (short_factor) and for
+    longer ones (long_factor); cos and sin scaled by attention_factor, by default
+    sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original unless
+    given. (Phi-3's original_max_position_embeddings is a top-level key: it comes first.)"""
+    original = _positive(d if "original_max_position_embeddings" in d else params,
+                         "original_max_position_embeddings", default=max_position)
+    if original < 2:   # (the attention factor divides by its log)
+        raise ModelError(f"longrope's original_max_position_embeddings is {original}, expected 2 or more")
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": original}
+    for key in ("short_factor", "long_factor"):
+        factors = params.get(key)
+        if not (isinstance(factors, list) and len(factors) == rotary_dim // 2):
+            raise ModelError(f"longrope's {key} is {reprlib.repr(factors)}, expected a list of {rotary_dim // 2} "
+                             f"numbers (one per frequency of the {rotary_dim} rotated dimensions)")
+        scaling[key] = [_positive({key: x}, key, float) for x in factors]
+    factor = _positive(params, "factor", float, default=max_position / original)
+    default = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    scaling["attention_factor"] = _positive(params, "attention_factor", float, default)
+    return scaling
 
 
 # ----------------------------------------------------------------------------------------
@@ -1200,21 +1240,36 @@ def load_tokenizer(model=None) -> Tokenizer:
 # ----------------------------------------------------------------------------------------
 # layers
 
-def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every (position, frequency) angle, each (max_position_embeddings, D/2),
-    computed once so that a forward pass just picks rows by position. Float32 and in the
-    same order of operations as HF, whose numbers the checkpoints were evaluated with.
-    device="cpu" explicitly: real numbers even while the model is built on 'meta'."""
-    D = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, D, 2, device="cpu").float() / D)
-    if config.rope_scaling:
-        inv_freq = _llama3_inv_freq(inv_freq, config.rope_scaling)
+def rope_tables(config: ModelConfig, max_model_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, frequency) angle, each (P, R/2) for the P =
+    max_model_len (default max_position_embeddings) positions served and the R = rotary_dim
+    rotated dimensions, computed once so that a forward pass just picks rows by position.
+    Float32 and in the same order of operations as HF, whose numbers the checkpoints were
+    evaluated with. device="cpu" explicitly: real numbers even while the model is built on
+    'meta'."""
+    R, s = config.rotary_dim, config.rope_scaling or {}
+    P = max_model_len or config.max_position_embeddings
+    wavelengths = config.rope_theta ** (torch.arange(0, R, 2, device="cpu").float() / R)  # (R/2,), each / 2 pi
+    inv_freq, attention_factor = 1.0 / wavelengths, 1.0
+    if s.get("rope_type") == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, s)
+    elif s.get("rope_type") == "longrope":
+        # LongRoPE: each frequency slowed by a factor of its own, one set for contexts
+        # within the original one, another beyond. HF picks by the length of each forward
+        # pass (and recomputes a sequence's cache when it crosses over); here, as in vLLM and
+        # llama.cpp, one set for the whole run, by the longest sequence it serves, so a
+        # cache never mixes the two: pass max_model_len <= original_max_position_embeddings
+        # for the short factors.
+        factors = s["long_factor"] if P > s["original_max_position_embeddings"] else s["short_factor"]
+        inv_freq, attention_factor = 1.0 / (torch.tensor(factors, device="cpu") * wavelengths), s["attention_factor"]
     if not torch.isfinite(inv_freq).all():   # (a rope_theta of 1e-300 underflows: 1 / 0)
         raise ModelError(f"rope_theta {config.rope_theta} and rope_scaling {config.rope_scaling} give RoPE "
                          f"frequencies that are not finite numbers")
-    positions = torch.arange(config.max_position_embeddings, device="cpu").float()
-    angles = torch.outer(positions, inv_freq)  # (P, D/2)
-    return angles.cos(), angles.sin()
+    positions = torch.arange(P, device="cpu").float()
+    angles = torch.outer(positions, inv_freq)  # (P, R/2)
+    # (LongRoPE's attention factor scales q and k, so their product by its square: only
+    # the rotated dimensions, as in HF)
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -1228,11 +1283,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the pairs (x[i], x[i + D/2]) of each head by their position's angles: HF's
-    "rotate half" layout. (llama.cpp rotates neighbouring pairs instead; see GGUF below.)
-    x (T, h, D); cos, sin (T, 1, D/2)."""
-    x1, x2 = x.chunk(2, dim=-1)  # (T, h, D/2) each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, h, D)
+    """Rotate the pairs (x[i], x[i + R/2]) of each head's first R dimensions by their
+    position's angles: HF's "rotate half" layout. The other D - R pass unchanged (R < D:
+    partial rotary, Phi-4-mini). (llama.cpp rotates neighbouring pairs instead; see GGUF
+    below.) x (T, h, D); cos, sin (T, 1, R/2)."""
+    R = 2 * cos.shape[-1]
+    x1, x2 = x[..., :R].chunk(2, dim=-1)  # (T, h, R/2) each
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, h, R)
+    return rotated if R == x.shape[-1] else torch.cat((rotated, x[..., R:]), dim=-1)  # (T, h, D)
 
 
 def embedding(num: int, dim: int) -> nn.Embedding:
@@ -1303,7 +1361,9 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, max_model_len: int | None = None):
+        """max_model_len: the longest sequence it will serve (default: its whole context);
+        the RoPE tables cover that many positions."""
         super().__init__()
         self.config = config
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
@@ -1312,14 +1372,14 @@ class Llama(nn.Module):
         # Tied embeddings: the LM head *is* the embedding matrix, no module of its own.
         self.lm_head = (None if config.tie_word_embeddings else
                         nn.Linear(config.hidden_size, config.vocab_size, bias=False))
-        cos, sin = rope_tables(config)
+        cos, sin = rope_tables(config, max_model_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, input_ids, positions, attn, logits_indices=None):
         x = self.embed_tokens(input_ids)               # (T, C)
-        cos = self.rope_cos[positions].unsqueeze(1)    # (T, 1, D/2): same angles for all heads
-        sin = self.rope_sin[positions].unsqueeze(1)    # (T, 1, D/2)
+        cos = self.rope_cos[positions].unsqueeze(1)    # (T, 1, R/2): same angles for all heads
+        sin = self.rope_sin[positions].unsqueeze(1)    # (T, 1, R/2)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         # The LM head is a step's biggest matmul (vocab_size rows): run it only on the
@@ -1496,10 +1556,11 @@ def resolve_model_dir(model=None) -> Path:
     return path
 
 
-def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False) -> nn.Module:
+def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_model_len=None) -> nn.Module:
     """Load `model` (None: the default SmolLM2; a HF directory; a .gguf file) in `dtype`
     on `device`. dummy=True reads only config.json and fills the weights with random
-    numbers: for benchmarks on machines the real weights cannot reach."""
+    numbers: for benchmarks on machines the real weights cannot reach. max_model_len: the
+    longest sequence it will serve (Llama's RoPE tables; LongRoPE picks its factors by it)."""
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_json(model_dir / "config.json")
     arch = ARCHITECTURES[config.model_type]
@@ -1512,7 +1573,7 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False) -> nn
     # 135M parameters costs longer than reading them); assign=True then adopts the loaded
     # tensors as parameters instead of copying into them.
     with torch.device("meta"), _in_file(model_dir / "config.json"):   # (the RoPE tables check its numbers)
-        net = arch(config)
+        net = arch(config) if arch is GPT2 else arch(config, max_model_len)   # (GPT-2's positions are learned)
     net.load_state_dict(arch.from_checkpoint(hf, config), assign=True)
     net.to(device=device, dtype=dtype)  # moves what isn't a weight: the RoPE tables
     return net.eval().requires_grad_(False)  # no autograd bookkeeping in inference
@@ -1755,6 +1816,51 @@ def convert_gguf(gguf_path: Path) -> Path:
     return out
 
 
+# llama.cpp's RoPE factors, one per frequency (a frequency is divided by its factor): Llama
+# 3.1's scaled frequencies, and LongRoPE's two sets (Phi-3 128k, Phi-3.5, Phi-4-mini)
+GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -> dict:
+    """config.json's RoPE keys for what a GGUF says of it beyond the frequencies' base: how
+    much of each head it turns (rope.dimension_count; Phi-4-mini 3/4 of it), and its factors.
+    Both factor tensors become LongRoPE's lists, which mean the same (one divisor per
+    frequency): Llama 3.1's one set for every length (the very numbers HF's llama3 scaling
+    computes), Phi-3's two with the original context and attention factor that the file
+    holds."""
+    import gguf
+    config, dims = {}, meta.get(f"{arch}.rope.dimension_count", c.head_dim)
+    if dims != c.head_dim:
+        partial = dims / c.head_dim if isinstance(dims, int) and not isinstance(dims, bool) else -1.0
+        if int(c.head_dim * partial) != dims:   # (a factor that does not give dims back)
+            raise ModelError(f"{gguf_path}: {arch}.rope.dimension_count is {dims!r}, expected a number of "
+                             f"dimensions up to head_dim {c.head_dim}")
+        config["partial_rotary_factor"] = partial
+    factors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
+               for t in reader.tensors if t.name in GGUF_ROPE_TENSORS}
+    if "rope_freqs.weight" in factors:
+        if len(factors) > 1:
+            raise ModelError(f"{gguf_path}: holds both rope_freqs and LongRoPE's rope_factors: which one?")
+        original = c.max_position_embeddings
+        config["rope_scaling"] = {"rope_type": "longrope", "short_factor": factors["rope_freqs.weight"],
+                                  "long_factor": factors["rope_freqs.weight"], "attention_factor": 1.0,
+                                  "original_max_position_embeddings": original}
+    elif factors:
+        for which in ("long", "short"):
+            if f"rope_factors_{which}.weight" not in factors:
+                raise ModelError(f"{gguf_path}: LongRoPE's tensor rope_factors_{which}.weight is missing")
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise ModelError(f"{gguf_path}: LongRoPE's {arch}.rope.scaling.original_context_length is missing")
+        config["rope_scaling"] = {"rope_type": "longrope", "short_factor": factors["rope_factors_short.weight"],
+                                  "long_factor": factors["rope_factors_long.weight"],
+                                  "original_max_position_embeddings": original,
+                                  "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}
+    if factors:   # (also where Phi-3's config.json has it, which comes first: PhiConfig's default is 4096)
+        config["original_max_position_embeddings"] = original
+    return config
+
+
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's reordering of Q or K rows. llama.cpp rotates neighbouring pairs
     (x0, x1), (x2, x3), ... where HF rotates (x[i], x[i + D/2]), so its converter moved row
@@ -1863,9 +1969,9 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     # A config.json's checks, before anything is computed from it; then the defaults filled in.
     with _in_file(gguf_path):
         c = ModelConfig.from_dict(config)
-    if meta.get(f"{arch}.rope.dimension_count", c.head_dim) != c.head_dim:   # (Phi-4-mini's 0.75 of a head)
-        raise ModelError(f"{gguf_path}: {arch}.rope.dimension_count {meta[f'{arch}.rope.dimension_count']!r} "
-                         f"is not head_dim {c.head_dim}: RoPE on part of each head is not supported")
+    config |= _gguf_rope(gguf_path, reader, meta, arch, c)
+    with _in_file(gguf_path):
+        c = ModelConfig.from_dict(config)
     config |= {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                "rms_norm_eps": f32(c.norm_eps), "rope_theta": f32(c.rope_theta)}
     tokenizer_config = {"chat_template": meta.get("tokenizer.chat_template")}
@@ -1905,8 +2011,8 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     shapes = Llama.checkpoint_shapes(c)
     hf_name = {_gguf_name(name): name for name in shapes}
     for t in reader.tensors:
-        if t.name.startswith("rope_factors"):   # (how llama.cpp stores longrope: Phi-3 128k, Phi-3.5)
-            raise ModelError(f"{gguf_path}: tensor {t.name!r}: rope scaling 'longrope' is not supported")
+        if t.name in GGUF_ROPE_TENSORS:   # (read by _gguf_rope: config.json's numbers)
+            continue
         if t.name not in hf_name:
             raise ModelError(f"{gguf_path}: unexpected tensor {t.name!r} (not in a {arch} of "
                              f"this config)")
@@ -1923,6 +2029,8 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     print(notice, file=sys.stderr)
     weights = {}
     for t in reader.tensors:
+        if t.name in GGUF_ROPE_TENSORS:
+            continue
         name = hf_name[t.name]
         w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name]),
                          dtype=torch.float32)

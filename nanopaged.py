@@ -805,7 +805,8 @@ class LLM:
             raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
                              f"{cfg.max_position_embeddings} tokens (max_position_embeddings)")
         self.max_model_len = max_model_len or cfg.max_position_embeddings
-        self.model = load_model(model_dir, dtype=dtype, device=device, dummy=(load_format == "dummy"))
+        self.model = load_model(model_dir, dtype=dtype, device=device, dummy=(load_format == "dummy"),
+                                max_model_len=self.max_model_len)
         self.tokenizer = load_tokenizer(model_dir)
         self.config = cfg = self.model.config
 
@@ -1945,8 +1946,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat", action="store_true",
                     help="a conversation: each line typed (or read from stdin) is a turn, answered in a stream; "
                          "the earlier turns stay in the prompt, and their blocks in the prefix cache")
-    ap.add_argument("--model", help="a local Hugging Face layout directory (Llama, Mistral, Qwen 2/2.5/3, GPT-2) "
-                                    "or a Llama or Qwen .gguf file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", help="a local Hugging Face layout directory (Llama, Mistral, Qwen 2/2.5/3, Phi-3/3.5/4-mini, "
+                                    "GPT-2) or a Llama, Qwen or Phi-3 .gguf file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate, at most (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 is greedy (default); --top-k, --top-p, --min-p, --seed and distinct --n samples need > 0")
@@ -1970,6 +1971,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", help="float32 (CPU default), bfloat16 (GPU default), float16")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    ap.add_argument("--max-model-len", type=int, help="the longest prompt + output served (default: the model's "
+                                                      "context; for Phi-3.5 / Phi-4-mini, at most 4096 keeps "
+                                                      "LongRoPE's short factors)")
     ap.add_argument("--num-blocks", type=int, help="KV blocks in the pool (default: as many as 2 GiB hold on "
                                                    "the CPU, 40%% of free memory on a GPU)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
@@ -2051,7 +2055,7 @@ def main(argv=None) -> int:
         if any(not p.strip() for p in args.prompt):
             raise ValueError("a --prompt is empty")
         for flag, value in (("--max-tokens", args.max_tokens), ("--block-size", args.block_size),
-                            ("--num-blocks", args.num_blocks)):
+                            ("--num-blocks", args.num_blocks), ("--max-model-len", args.max_model_len)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         try:
@@ -2065,7 +2069,8 @@ def main(argv=None) -> int:
             name = str(e).split()[0]   # SamplingParams' messages start with the field's name
             raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
         llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                  num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
+                  num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+                  enable_prefix_caching=not args.no_prefix_caching,
                   attn_backend=args.attn_backend, preemption_mode=args.preemption_mode)
         tok = llm.get_tokenizer()
         chat = tok.chat_template is not None and not args.raw

@@ -305,6 +305,21 @@ LLAMA_FAMILY_VARIANTS = {
     "mistral_window": llama_config(model_type="mistral", tied=False, sliding_window=4),
     "phi3_window": llama_config(model_type="phi3", tied=False, sliding_window=5, pad_token_id=None),
     "qwen2_window": llama_config(model_type="qwen2", sliding_window=3, use_sliding_window=True, max_window_layers=1),
+    # LongRoPE on 12 of each head's 16 dimensions (Phi-4-mini's shape), past its original
+    # context of 8 (IDS has 11 tokens): HF takes the long factors, as nanopaged does for a
+    # max_model_len past 8; the attention factor is derived, sqrt(1 + ln(128 / 8) / ln 8)
+    "phi3_longrope_partial": llama_config(
+        model_type="phi3", tied=False, pad_token_id=None, hidden_size=64, num_attention_heads=4,
+        partial_rotary_factor=0.75, original_max_position_embeddings=8,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 4.0],
+                      "long_factor": [1.0, 1.5, 2.5, 4.5, 9.0, 20.0]}),
+    # within its original context: the short factors; Phi-3 128k's old name for the type, "su",
+    # and an attention factor given
+    "phi3_longrope_short": llama_config(
+        model_type="phi3", tied=False, pad_token_id=None, original_max_position_embeddings=32,
+        max_position_embeddings=32, rope_scaling={"type": "su", "short_factor": [1.0, 1.7, 3.0, 6.0],
+                                                  "long_factor": [2.0, 2.0, 5.0, 9.0], "attention_factor": 1.3,
+                                                  "original_max_position_embeddings": 32}),
 }
 
 
@@ -316,6 +331,29 @@ def test_llama_family_matches_transformers(tmp_path, variant):
     model = load_model(write_checkpoint(tmp_path / variant, c, llama_tensors(c)))
     torch.testing.assert_close(forward_all(model, IDS), torch.tensor(expected["logits"]),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_longrope_takes_one_set_of_factors_for_the_whole_run(tmp_path):
+    """LongRoPE's short factors where max_model_len is within the original context (8 here),
+    its long ones past it: one set for every sequence of the run, as vLLM and llama.cpp
+    choose (HF picks by each forward pass's length), so that a cache never mixes the two.
+    The engine hands its max_model_len to the model."""
+    c = LLAMA_FAMILY_VARIANTS["phi3_longrope_partial"]
+    w = llama_tensors(c)
+    as_short = c | {"rope_scaling": c["rope_scaling"] | {"long_factor": c["rope_scaling"]["short_factor"]}}
+    model_dir, short_dir = write_checkpoint(tmp_path / "a", c, w), write_checkpoint(tmp_path / "b", as_short, w)
+    short = forward_all(load_model(short_dir), IDS[:8])
+    torch.testing.assert_close(forward_all(load_model(model_dir, max_model_len=8), IDS[:8]), short, rtol=0, atol=0)
+    assert (forward_all(load_model(model_dir, max_model_len=9), IDS[:8]) - short).abs().max() > 1e-2
+    rope = {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 16,
+            "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [4.0] * 16}}
+    model_dir = tiny_llama_dir(tmp_path, model_type="phi3", **rope)
+    for max_model_len, factor in ((16, 1.0), (17, 4.0)):
+        llm = LLM(model_dir, load_format="dummy", max_model_len=max_model_len, num_blocks=8)
+        positions = torch.arange(max_model_len).float()[:, None]
+        inv_freq = 1.0 / (factor * 10000.0 ** (torch.arange(0, 32, 2).float() / 32))
+        attention_factor = math.sqrt(1 + math.log(4096 / 16) / math.log(16))   # (context 4096 / 16)
+        torch.testing.assert_close(llm.model.rope_cos, (positions * inv_freq).cos() * attention_factor)
 
 
 @pytest.mark.parametrize("change, windows", [
@@ -741,11 +779,16 @@ def test_converted_dir_is_plain_hf_layout(smollm2_dir, nanopaged_cache):
     assert not [p for p in nanopaged_cache.iterdir() if p.name.startswith(".")]  # no temp dirs
 
 
-def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache):
-    """A tiny Llama GGUF (Q/K rows permuted the llama.cpp way) loads like its HF original."""
+@pytest.mark.parametrize("llama3", [False, True])
+def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, llama3):
+    """A tiny Llama GGUF (Q/K rows permuted the llama.cpp way) loads like its HF original; with
+    Llama 3.1's rope scaling too, which llama.cpp's converter writes as a tensor of one factor
+    per frequency (rope_freqs.weight)."""
     import gguf
     import numpy as np
-    c = llama_config(kv_heads=2, tied=False)
+    s = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 128}   # (frequencies kept, blended and slowed down)
+    c = llama_config(kv_heads=2, tied=False, **({"rope_scaling": s} if llama3 else {}))
     w = llama_tensors(c)
     H, KVH, D = 6, 2, 8
 
@@ -790,13 +833,30 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache):
         else:
             gname = names[name]
         writer.add_tensor(gname, t.numpy().astype(np.float32))
+    if llama3:   # the factors as llama.cpp's converter computes them: what divides each frequency
+        factors = []
+        for freq in 1.0 / 10000.0 ** (np.arange(0, D, 2) / D):
+            wavelength, original = 2 * math.pi / freq, s["original_max_position_embeddings"]
+            if wavelength < original / s["high_freq_factor"]:
+                factors.append(1.0)
+            elif wavelength > original / s["low_freq_factor"]:
+                factors.append(s["factor"])
+            else:
+                smooth = (original / wavelength - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+                factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+        assert len(set(factors)) == 3
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
-    expected = forward_all(load_model(write_checkpoint(tmp_path / "hf", c, w)), IDS)
-    torch.testing.assert_close(forward_all(load_model(path), IDS), expected, rtol=1e-5, atol=1e-5)
+    ids = list(range(1, 100))   # (long enough for the slowed-down frequencies to matter)
+    expected = forward_all(load_model(write_checkpoint(tmp_path / "hf", c, w)), ids)
+    torch.testing.assert_close(forward_all(load_model(path), ids), expected, rtol=1e-5, atol=1e-5)
+    if llama3:
+        unscaled = forward_all(load_model(write_checkpoint(tmp_path / "plain", llama_config(kv_heads=2, tied=False), w)), ids)
+        assert (expected - unscaled).abs().max() > 1e-2
     tok = load_tokenizer(path)
     assert tok.encode("<s>\x02") == [0, 3] and tok.eos_token_id == 0
     # the template's bos_token comes from the file's tokenizer.ggml.bos_token_id
@@ -958,12 +1018,25 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' is 'false', expected true or false"),
     ({"attention_bias": "true"}, "'attention_bias' is 'true', expected true or false"),
     ({"mlp_bias": True}, "mlp_bias is not supported"),
-    # RoPE on part of each head (Phi-4-mini), in either place transformers reads it from
-    ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
-    ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
-     "partial_rotary_factor 0.75 is not supported"),
-    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}},
-     "rope type 'longrope' is not supported"),   # (Phi-3 128k, Phi-3.5)
+    # RoPE on part of each head: Phi-3's (Phi-4-mini), in either place transformers reads it
+    # from, and no other's (transformers' Llama, Mistral, Qwen turn whole heads)
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported for llama"),
+    ({"model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor 0.5 is not supported for qwen2"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.2}, "partial_rotary_factor 0.2 of head_dim 8 gives 1 rotated"),
+    ({"model_type": "phi3", "partial_rotary_factor": 2}, "partial_rotary_factor 2.0 of head_dim 8 gives 16 rotated"),
+    ({"model_type": "phi3", "partial_rotary_factor": "0.5"}, "'partial_rotary_factor' is '0.5', expected a positive"),
+    # LongRoPE (Phi-3 128k, Phi-3.5): one factor per frequency, each a positive number
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0] * 4}},
+     r"longrope's long_factor is \[1.0\], expected a list of 4 numbers \(one per frequency of the 8 rotated"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "long_factor": [1.0, 2, -1, 1], "short_factor": [1] * 4}},
+     "'long_factor' is -1, expected a positive number"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "long_factor": [1] * 4, "short_factor": [1] * 4,
+                                             "attention_factor": 0}}, "'attention_factor' is 0"),
+    ({"model_type": "phi3", "original_max_position_embeddings": 1,
+      "rope_scaling": {"type": "longrope", "long_factor": [1] * 4, "short_factor": [1] * 4}},
+     "longrope's original_max_position_embeddings is 1, expected 2 or more"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),   # (only Phi-3's "yarn" is LongRoPE)
     ({"model_type": "mistral", "sliding_window": 0}, "'sliding_window' is 0"),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": "yes"},
      "'use_sliding_window' is 'yes', expected true or false"),
@@ -1549,6 +1622,7 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     """A tiny Llama GGUF: the 256 byte tokens (and `pad` padding ones after them, as llama.cpp
     writes an embedding matrix longer than the vocab), random float32 weights (tied
     embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
+    (`extra` maps a name to a shape, filled at random, or to the array itself);
     `dtypes` maps a tensor's name to another numpy dtype to store it in; `meta`, more
     (key, array, integer or string) metadata; `block_count`, another layer count than the L layers it holds.
     sentencepiece: the SentencePiece tokenizer of testdata/llama2_tokenizer instead, with its
@@ -1586,7 +1660,8 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
     for key, value in meta:
-        {int: writer.add_uint32, str: writer.add_string}.get(type(value), writer.add_array)(key, value)
+        {int: writer.add_uint32, str: writer.add_string, float: writer.add_float32}.get(type(value), writer.add_array)(
+            key, value)
     D = C // max(H, 1)  # any D when H is 0
     shapes = {"token_embd.weight": (len(tokens), C), "output_norm.weight": (C,)}
     for i in range(L):
@@ -1598,7 +1673,8 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     shapes = {name: shape for name, shape in shapes.items() if name not in skip} | dict(extra)
     rng = np.random.default_rng(0)
     for name, shape in shapes.items() if weights is None else extra:
-        writer.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype((dtypes or {}).get(name, np.float32)))
+        array = shape if isinstance(shape, np.ndarray) else 0.02 * rng.standard_normal(shape)
+        writer.add_tensor(name, array.astype((dtypes or {}).get(name, np.float32)))
     for name, tensor in (weights or {}).items():
         writer.add_tensor(model_module._gguf_name(name), tensor.numpy())
     writer.write_header_to_file()
@@ -1668,17 +1744,40 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
     cfg = model.config
     assert (cfg.model_type, cfg.sliding_window, cfg.max_position_embeddings) == ("phi3", 32, 64)
     torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
-    partial = write_gguf(tmp_path / "partial.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3", weights=w,
-                         meta=[("phi3.rope.dimension_count", 6)])
-    with pytest.raises(ModelError, match="phi3.rope.dimension_count 6 is not head_dim 8"):
-        load_model(partial)
-    # llama.cpp writes a window of 0 for Phi-4 (none); its longrope models hold rope factors
+    # llama.cpp writes a window of 0 for Phi-4 (none)
     assert load_model(write_gguf(tmp_path / "phi4.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3", weights=w,
                                  window=0)).config.sliding_window is None
-    longrope = write_gguf(tmp_path / "longrope.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3", weights=w,
-                          extra=[("rope_factors_long.weight", (4,))])
-    with pytest.raises(ModelError, match="'rope_factors_long.weight': rope scaling 'longrope' is not supported"):
-        load_model(longrope)
+    # Phi-4-mini's RoPE on part of each head (rope.dimension_count) and LongRoPE's factors
+    # (Phi-3 128k, Phi-3.5), as llama.cpp's converter writes them: the factors as tensors,
+    # the original context and the attention factor as metadata
+    short, long = [1.0, 1.3, 2.5], [1.0, 4.0, 15.0]
+    c |= {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 8,
+          "rope_scaling": {"rope_type": "longrope", "short_factor": short, "long_factor": long, "attention_factor": 1.2}}
+    rope_meta = [("phi3.rope.dimension_count", 6), ("phi3.rope.scaling.original_context_length", 8),
+                 ("phi3.rope.scaling.attn_factor", 1.2)]
+    rope_tensors = [("rope_factors_short.weight", np.array(short)), ("rope_factors_long.weight", np.array(long))]
+    path = write_gguf(tmp_path / "longrope.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3", weights=w,
+                      meta=rope_meta, extra=rope_tensors)
+    hf_dir = write_checkpoint(tmp_path / "hf_longrope", c, w)
+    for max_model_len in (None, 8):   # (the long factors, the short ones)
+        torch.testing.assert_close(forward_all(load_model(path, max_model_len=max_model_len), IDS[:8]),
+                                   forward_all(load_model(hf_dir, max_model_len=max_model_len), IDS[:8]),
+                                   rtol=1e-5, atol=1e-5)
+    for i, (meta, extra, message) in enumerate((
+            (rope_meta, rope_tensors[:1], "LongRoPE's tensor rope_factors_long.weight is missing"),
+            (rope_meta[:2], rope_tensors + [("rope_freqs.weight", np.ones(3))], "holds both rope_freqs and LongRoPE"),
+            (rope_meta[:1], rope_tensors, "phi3.rope.scaling.original_context_length is missing"),
+            (rope_meta[:1], [], None), ([("phi3.rope.dimension_count", "six")], [], "dimension_count is 'six', expected"),
+            ([("phi3.rope.dimension_count", 9)], [], "partial_rotary_factor 1.125 of head_dim 8 gives 9 rotated dim"),
+            (rope_meta, [(name, np.ones(4)) for name, _ in rope_tensors], "longrope's short_factor is .*, expected "
+                                                                           "a list of 3 numbers"))):
+        path = write_gguf(tmp_path / f"bad{i}.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3",
+                          weights=w, meta=meta, extra=extra)
+        if message is None:   # (partial rotary, no factors)
+            assert load_model(path).config.rotary_dim == 6
+            continue
+        with pytest.raises(ModelError, match=message):
+            load_model(path)
 
 
 def test_phi3_gguf_chat_tokens_drop_the_whitespace_after_them(tmp_path, own_cache):
@@ -3944,6 +4043,7 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--device", "gpu"], "unknown device"),
     (["--prompt", "hi", "--block-size", "0"], "--block-size"),
     (["--prompt", "hi", "--block-size", "0", "--seed", "3"], "--block-size"),   # (and no greedy note first)
+    (["--prompt", "hi", "--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
     (["--prompt", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'"),      # argparse's own
     (["--prompt", "hi", "--seed", "99999999999999999999"], "--seed must be an integer in [0, 2**63)"),
     (["--prompt", "hi", "--logprobs", "21"], "--logprobs must be None or an integer in [0, 20]"),
