@@ -11,7 +11,7 @@ layer hands its q, k, v to the `attn` object it was given,
 
 and that object (nanopaged's PagedAttention, on the torch path or the CUDA kernel; the
 tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
-context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen layers), to the
+context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen, SmolLM3 layers), to the
 last W positions up to each query. The model knows nothing about pages.
 
 Chapters: config, tokenizers, layers, Llama, GPT-2, loading, GGUF conversion.
@@ -99,6 +99,7 @@ LLAMA_FAMILY = {
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
     "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
+    "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4},
 }
 
 
@@ -118,12 +119,13 @@ class ModelConfig:
     max_position_embeddings: int
     norm_eps: float                   # HF's rms_norm_eps (llama) / layer_norm_epsilon (gpt2)
     rope_theta: float = 10000.0       # llama only
-    rope_scaling: dict | None = None  # llama only: None, or the llama3 or longrope parameters
+    rope_scaling: dict | None = None  # Llama's family only: None, or the llama3 or longrope parameters
     partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim of each head's D (Phi-4-mini: 0.75)
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
     qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
     o_bias: bool = False              # o_proj has a bias (attention_bias)
     qk_norm: bool = False             # RMSNorm over each head's q and k before RoPE (Qwen 3)
+    nope_layers: range | tuple = ()   # the layers whose attention has no RoPE (SmolLM3: every 4th)
     # Sliding-window attention: the windowed layers' query at position p sees only positions
     # p - sliding_window + 1 ..= p (HF's masks); the other layers see all of 0 ..= p.
     sliding_window: int | None = None
@@ -196,8 +198,9 @@ class ModelConfig:
             # The family's differences from Llama, as HF's modeling files hard-code them:
             # Qwen 2 gives q, k and v a bias (not o); Llama's and Qwen 3's attention_bias gives
             # all four one; Mistral has none. Qwen 3 normalizes each head's q and k.
-            attention_bias = model_type in ("llama", "qwen3") and _flag(d, "attention_bias")
-            window, window_layers = _sliding_window(d, model_type)
+            attention_bias = model_type in ("llama", "qwen3", "smollm3") and _flag(d, "attention_bias")
+            nope_layers = _nope_layers(d, model_type)
+            window, window_layers = _sliding_window(d, model_type, nope_layers)
             if window and window >= max_position:
                 window, window_layers = None, ()  # a window as long as the context changes nothing
             fields = dict(
@@ -208,7 +211,8 @@ class ModelConfig:
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings"),
                 qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
-                qk_norm=model_type == "qwen3", sliding_window=window, window_layers=window_layers)
+                qk_norm=model_type == "qwen3", nope_layers=nope_layers, sliding_window=window,
+                window_layers=window_layers)
             default_token_id = None
         elif model_type == "gpt2":
             if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -247,11 +251,30 @@ def _flag(d: dict, key: str) -> bool:
     return bool(value)
 
 
-def _sliding_window(d: dict, model_type: str) -> tuple[int | None, range | tuple]:
+def _nope_layers(d: dict, model_type: str) -> range | tuple:
+    """SmolLM3's layers without RoPE ("NoPE": their attention sees no positions but the causal
+    mask's order), as its HF config class reads them: no_rope_layers holds a 1 for each layer
+    that rotates and a 0 for each that does not; without it, every no_rope_layer_interval-th
+    layer goes without. Every other model turns RoPE in every layer."""
+    if model_type != "smollm3":
+        return ()
+    layers = _positive(d, "num_hidden_layers")
+    if (flags := d.get("no_rope_layers")) is None:
+        interval = _positive(d, "no_rope_layer_interval")
+        return range(interval - 1, layers, interval)   # (a range: no list of every layer made)
+    if not (isinstance(flags, list) and len(flags) == layers and all(f in (0, 1) and not isinstance(f, bool)
+                                                                       for f in flags)):
+        raise ModelError(f"'no_rope_layers' is {reprlib.repr(flags)}, expected a 1 (RoPE) or 0 (none) "
+                         f"for each of the {layers} layers")
+    return tuple(i for i, rotates in enumerate(flags) if not rotates)
+
+
+def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tuple[int | None, range | tuple]:
     """The window and the layers that use it ((None, ()): every layer sees everything), read
     as HF's config classes read them. Mistral and Phi-3 window every layer when sliding_window
-    is set. Qwen windows only with use_sliding_window, and then the layers layer_types names
-    "sliding_attention" (by default, those from max_window_layers on). Llama has no window."""
+    is set. Qwen and SmolLM3 window only with use_sliding_window, and then the layers
+    layer_types names "sliding_attention" (by default, Qwen's from max_window_layers on,
+    SmolLM3's NoPE layers). Llama has no window."""
     if model_type == "llama" or d.get("sliding_window") is None:
         return None, ()
     layers = _positive(d, "num_hidden_layers")
@@ -259,7 +282,9 @@ def _sliding_window(d: dict, model_type: str) -> tuple[int | None, range | tuple
         windowed = range(layers)
     elif not _flag(d, "use_sliding_window"):
         return None, ()
-    elif (kinds := d.get("layer_types")) is None:
+    elif (kinds := d.get("layer_types")) is None and model_type == "smollm3":
+        windowed = nope_layers
+    elif kinds is None:
         first = d.get("max_window_layers")
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ModelError(f"'max_window_layers' is {first!r}, expected an integer >= 0")
@@ -341,22 +366,22 @@ LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
 def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> tuple[float, dict | None, float]:
     """(rope_theta, rope_scaling, partial_rotary_factor) from either spelling of a Llama
     config: `rope_theta` + `rope_scaling` (transformers < 5) or one `rope_parameters` dict
-    (newer releases)."""
+    (newer releases; given both, transformers takes rope_scaling)."""
     for key in ("rope_parameters", "rope_scaling"):
         if not isinstance(d.get(key), dict | None):
             raise ModelError(f"{key!r} is {d[key]!r}, expected an object or null")
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    params = d.get("rope_scaling") or d.get("rope_parameters") or {}
     theta = _positive(params if "rope_theta" in params else d, "rope_theta", float, 10000.0)
     partial = _positive(params if "partial_rotary_factor" in params else d, "partial_rotary_factor", float, 1.0)
     if partial != 1.0 and model_type != "phi3":   # (of the family, only HF's Phi-3 splits heads: Phi-4-mini)
-        raise ModelError(f"partial_rotary_factor {partial!r} is not supported for {model_type} "
-                         f"(only 1.0: RoPE over whole heads; Phi-3's may turn part of each)")
+        raise ModelError(f"partial_rotary_factor {partial!r} is not supported for {model_type}: its "
+                         f"transformers class turns whole heads, ignoring it (only Phi-3's turns part of each)")
     rotary_dim = int(head_dim * partial)   # (as HF rounds it)
     if partial > 1 or rotary_dim < 2 or rotary_dim % 2:
         raise ModelError(f"partial_rotary_factor {partial!r} of head_dim {head_dim} gives {rotary_dim} "
                          f"rotated dimensions: RoPE turns an even number of them, at least 2, at most head_dim")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if model_type == "phi3" and rope_type in ("su", "yarn"):   # (Phi-3's old names for it, as HF reads them)
+    if model_type == "phi3" and rope_type in ("su", "yarn"):   # (Phi-3's old names for it; transformers renames them too)
         rope_type = "longrope"
     if rope_type == "default":
         return theta, None, partial
@@ -1307,6 +1332,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx, self.window = layer_idx, config.layer_window(layer_idx)
+        self.rope = layer_idx not in config.nope_layers
         self.H, self.KVH, self.D = (config.num_attention_heads, config.num_key_value_heads,
                                     config.head_dim)
         # q_proj, k_proj and v_proj all read the same input, so the loader stacks their
@@ -1326,8 +1352,9 @@ class LlamaAttention(nn.Module):
         q, k = q.view(T, H, D), k.view(T, KVH, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin)                    # (T, H, D)
-        k = apply_rope(k, cos, sin)                    # (T, KVH, D)
+        if self.rope:
+            q = apply_rope(q, cos, sin)                # (T, H, D)
+            k = apply_rope(k, cos, sin)                # (T, KVH, D)
         v = v.view(T, KVH, D)                          # (T, KVH, D), a view into qkv: no copy
         out = attn(self.layer_idx, q, k, v, self.window)  # (T, H, D)
         return self.o_proj(out.reshape(T, H * D))      # (T, C)
@@ -1565,7 +1592,8 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
     config = ModelConfig.from_json(model_dir / "config.json")
     arch = ARCHITECTURES[config.model_type]
     where = None if dummy else _tensor_files(model_dir)
-    check_size(model_dir, config, arch, dtype, device, stored=None if dummy else len(where))
+    check_size(model_dir, config, arch, dtype, device, stored=None if dummy else len(where),
+               max_model_len=max_model_len)
     shapes = arch.checkpoint_shapes(config)
     hf = (_random_weights(shapes, dtype, device) if dummy
           else _read_safetensors(model_dir, where, shapes, dtype, device))
@@ -1623,11 +1651,13 @@ def checkpoint_size(arch, config: ModelConfig) -> tuple[int, int, int]:
     return t0 + layers * (t1 - t0), p0 + layers * (p1 - p0), t1 - t0
 
 
-def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | None = None):
+def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | None = None,
+               max_model_len: int | None = None):
     """Refuse, before anything is allocated, a model that could never load: one whose config
     needs more tensors than its checkpoint holds (stored: their count), or whose weights and
-    RoPE tables outgrow the device's whole memory. A few zeros too many in a config would
-    otherwise loop over a billion layers, or fail deep inside the allocator."""
+    RoPE tables (max_model_len positions, default the whole context) outgrow the device's
+    whole memory. A few zeros too many in a config would otherwise loop over a billion
+    layers, or fail deep inside the allocator."""
     device, (tensors, params, per_layer) = torch.device(device), checkpoint_size(arch, config)
     # (A layer or less short, the name-by-name check that follows says which tensor is missing.)
     if stored is not None and tensors > stored + per_layer:
@@ -1635,12 +1665,13 @@ def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | N
                          f"checkpoint holds {stored:,}")
     memory = _memory_bytes(device)
     weights = params * dtype.itemsize
-    # the angles, their cos and their sin, (max_position_embeddings, D/2) float32 each (rope_tables)
-    rope = 0 if arch is GPT2 else config.max_position_embeddings * config.head_dim // 2 * 4 * 3
+    # the angles, their cos and their sin, (P, R/2) float32 each (rope_tables)
+    positions = max_model_len or config.max_position_embeddings
+    rope = 0 if arch is GPT2 else positions * (config.rotary_dim // 2) * 4 * 3
     if memory is not None and weights + rope > memory:
         parts = {f"the weights ({params:,} parameters in {dtype}: {config.num_hidden_layers:,} layers, hidden_size "
                  f"{config.hidden_size:,}, vocab_size {config.vocab_size:,})": weights,
-                 f"the RoPE tables ({config.max_position_embeddings:,} positions)": rope}
+                 f"the RoPE tables ({positions:,} positions)": rope}
         shown = [f"{what} need {size / 2**30:,.1f} GiB" for what, size in parts.items()
                  if size >= (weights + rope) / 100]   # (the parts that matter)
         raise ModelError(f"{source}: {' and '.join(shown)}, more than all {memory / 2**30:,.1f} GiB of the "
@@ -1825,16 +1856,17 @@ def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -
     """config.json's RoPE keys for what a GGUF says of it beyond the frequencies' base: how
     much of each head it turns (rope.dimension_count; Phi-4-mini 3/4 of it), and its factors.
     Both factor tensors become LongRoPE's lists, which mean the same (one divisor per
-    frequency): Llama 3.1's one set for every length (the very numbers HF's llama3 scaling
-    computes), Phi-3's two with the original context and attention factor that the file
-    holds."""
+    frequency): Llama 3.1's one set for every length (HF's llama3 scaling in other words, up
+    to float32 rounding), Phi-3's two with the original context and attention factor that
+    the file holds."""
     import gguf
     config, dims = {}, meta.get(f"{arch}.rope.dimension_count", c.head_dim)
     if dims != c.head_dim:
-        partial = dims / c.head_dim if isinstance(dims, int) and not isinstance(dims, bool) else -1.0
-        if int(c.head_dim * partial) != dims:   # (a factor that does not give dims back)
-            raise ModelError(f"{gguf_path}: {arch}.rope.dimension_count is {dims!r}, expected a number of "
-                             f"dimensions up to head_dim {c.head_dim}")
+        if isinstance(dims, bool) or not isinstance(dims, int) or dims < 1:
+            raise ModelError(f"{gguf_path}: {arch}.rope.dimension_count is {dims!r}, expected a number of dimensions")
+        partial = dims / c.head_dim
+        if int(c.head_dim * partial) < dims:   # (44 / 30 * 30 rounds to 43.99...: the next float up gives 44)
+            partial = math.nextafter(partial, math.inf)
         config["partial_rotary_factor"] = partial
     factors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
                for t in reader.tensors if t.name in GGUF_ROPE_TENSORS}
@@ -1856,7 +1888,7 @@ def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -
                                   "long_factor": factors["rope_factors_long.weight"],
                                   "original_max_position_embeddings": original,
                                   "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}
-    if factors:   # (also where Phi-3's config.json has it, which comes first: PhiConfig's default is 4096)
+    if factors:   # (also where Phi-3's config.json has it, which comes first: Phi3Config's default is 4096)
         config["original_max_position_embeddings"] = original
     return config
 

@@ -247,6 +247,7 @@ class Sequence:
         self.error: str | None = None           # with "error": why (the engine's words)
         self.num_computed_tokens = 0            # tokens whose K/V are in the cache
         self.num_cached_tokens = 0              # prompt tokens found in the prefix cache at admission
+                                                # (under a window, with those before the window's hits)
         self.num_preemptions = 0                # times it was preempted (recomputed or swapped)
         self.block_table = block_table
         self.block_hashes: list[int] = []       # prefix hash of each full block, computed or in this step
@@ -533,8 +534,8 @@ class Scheduler:
         num_computed_tokens: it sees from num_computed_tokens - window + 1 on). No later query
         looks further back. A long request then holds about (window + its step's chunk) /
         block_size blocks, however long it grows. Called for the running sequences, and for a
-        swapped one before anything of it is copied back (a waiting one skips the hits before
-        its window: _adopt_cached_prefix)."""
+        swapped one before anything of it is copied back (a waiting one starts with the blocks
+        before its window dropped: _adopt_cached_prefix)."""
         if self.sliding_window is None:
             return
         dropped = seq.block_table.drop_before(self._first_visible(seq.num_computed_tokens))
@@ -653,11 +654,12 @@ class Scheduler:
 
     # --- prefix caching ---
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int], int]:
-        """The cached blocks seq can start from: the most full blocks d whose K/V its next
-        query reads are all cached. Returns (those blocks, the prefix hashes of its first d
-        blocks, skip): without a window, the longest chain of cached blocks from its first
-        (skip = 0); under a sliding window, only the blocks from its next query's window on
-        (from index skip) must be cached, and those before may be gone: a long sequence's
+        """The cached blocks seq can start from: the most full blocks d, the last of them
+        cached, whose K/V its next query reads are all cached. Returns (those blocks, the
+        prefix hashes of its first d blocks, skip): without a window, the longest chain of
+        cached blocks from its first (skip = 0); under a sliding window, only the blocks from
+        its next query's window on (from index skip) must be cached, and those before may be
+        gone (they count as cached tokens all the same: they are not computed either): a long sequence's
         first blocks slid out of its window first, so they are evicted first, while the ones
         its window reads are still there. (The hashes depend on the tokens alone: a block's
         is known whether the blocks before it are cached or not.) Only blocks that end before
@@ -665,7 +667,7 @@ class Scheduler:
         that asks for its prompt's logprobs takes none until it has sampled: a cached token
         is never computed, so it would have no logits to score."""
         hashes, found = [], []   # per full block: its prefix hash, its cached block or None
-        best = last_miss = -1    # the most blocks seq can take (minus one); the last block not cached
+        best = last_miss = -1    # the most blocks seq can count as computed, minus one; the last block not cached
         scores_prompt = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
         if self.enable_prefix_caching and not scores_prompt:
             for i in range((seq.num_tokens - 1) // self.block_size):

@@ -305,6 +305,11 @@ LLAMA_FAMILY_VARIANTS = {
     "mistral_window": llama_config(model_type="mistral", tied=False, sliding_window=4),
     "phi3_window": llama_config(model_type="phi3", tied=False, sliding_window=5, pad_token_id=None),
     "qwen2_window": llama_config(model_type="qwen2", sliding_window=3, use_sliding_window=True, max_window_layers=1),
+    # SmolLM3: its second layer without RoPE ("NoPE"), q/k/v/o biases; then its first layer
+    # NoPE, which use_sliding_window windows
+    "smollm3": llama_config(model_type="smollm3", no_rope_layer_interval=2, attention_bias=True, pad_token_id=None),
+    "smollm3_window": llama_config(model_type="smollm3", tied=False, no_rope_layers=[0, 1], pad_token_id=None,
+                                   use_sliding_window=True, sliding_window=3),
     # LongRoPE on 12 of each head's 16 dimensions (Phi-4-mini's shape), past its original
     # context of 8 (IDS has 11 tokens): HF takes the long factors, as nanopaged does for a
     # max_model_len past 8; the attention factor is derived, sqrt(1 + ln(128 / 8) / ln 8)
@@ -374,6 +379,15 @@ def test_longrope_takes_one_set_of_factors_for_the_whole_run(tmp_path):
      (None, None)),
     ({"model_type": "llama", "sliding_window": 64, "use_sliding_window": True}, (None, None)),   # Llama has none
     ({"model_type": "phi3", "sliding_window": 64}, (64, 64)),            # Phi-3 windows as Mistral (mini-4k: 2047)
+    # SmolLM3 as Qwen, its NoPE layers by default (every 4th, of 2 here none; every 2nd)
+    ({"model_type": "smollm3", "sliding_window": 64}, (None, None)),
+    ({"model_type": "smollm3", "sliding_window": 64, "use_sliding_window": True}, (None, None)),
+    ({"model_type": "smollm3", "sliding_window": 64, "use_sliding_window": True, "no_rope_layer_interval": 2},
+     (None, 64)),
+    ({"model_type": "smollm3", "sliding_window": 64, "use_sliding_window": True, "no_rope_layers": [0, 1]},
+     (64, None)),
+    ({"model_type": "smollm3", "sliding_window": 64, "use_sliding_window": True, "no_rope_layers": [0, 1],
+      "layer_types": ["full_attention", "sliding_attention"]}, (None, 64)),
 ])
 def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
     """Which layers attend through a sliding window, and how wide: as transformers' config
@@ -387,12 +401,14 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
 
 
 @pytest.mark.parametrize("variant, window", [("qwen3_attention_bias", None), ("mistral_window", 10),
-                                             ("mistral_window", 4), ("qwen2_window", 3)])
+                                             ("mistral_window", 4), ("qwen2_window", 3), ("smollm3_window", 10),
+                                             ("phi3_longrope_partial", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
-    """Qwen 3 (q/k norms, biases) and windowed models through the paged engine: chunked
-    prefill, decode, prefix hits; the same greedy tokens as dense forward passes. Windows
-    end mid-block and inside chunks, in every layer (Mistral) or the last only (Qwen 2),
-    and do not shorten the context."""
+    """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed) and
+    LongRoPE on part of each head through the paged engine: chunked prefill, decode, prefix
+    hits; the same greedy tokens as dense forward passes. Windows end mid-block and inside
+    chunks, in every layer (Mistral) or one only (Qwen 2, SmolLM3), and do not shorten the
+    context."""
     vocab, _ = byte_vocab()
     c = LLAMA_FAMILY_VARIANTS[variant] | {"vocab_size": 256, "eos_token_id": 0}
     if window:
@@ -886,7 +902,7 @@ def test_bad_config(tmp_path):
     with pytest.raises(ModelError, match=r"config\.json: no 'hidden_size'"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "mamba"}))
-    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gpt2, llama, mistral, phi3, qwen2, qwen3\)"):
+    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gpt2, llama, mistral, phi3, qwen2, qwen3, smollm3\)"):
         load_model(tmp_path)
     for rope, message in [({"rope_theta": 1e-300}, "rope_theta 1e-300 and rope_scaling None give RoPE frequencies "
                                                    "that are not finite numbers"),   # (1 / 0, once underflowed)
@@ -933,6 +949,8 @@ def test_a_model_too_big_for_its_checkpoint_or_the_memory_is_refused_at_once(tmp
         (tmp_path / "dummy" / "config.json").write_text(json.dumps(c | change))
         with pytest.raises(ModelError, match=message):
             load_model(tmp_path / "dummy", dummy=True)
+    # the RoPE tables cover the positions served: a trillion-token context served up to 1,000
+    assert load_model(tmp_path / "dummy", dummy=True, max_model_len=1000).rope_cos.shape == (1000, 4)
 
 
 def test_bad_tensors(tmp_path, capsys):
@@ -1036,8 +1054,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"model_type": "phi3", "original_max_position_embeddings": 1,
       "rope_scaling": {"type": "longrope", "long_factor": [1] * 4, "short_factor": [1] * 4}},
      "longrope's original_max_position_embeddings is 1, expected 2 or more"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),   # (only Phi-3's "yarn" is LongRoPE)
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    # given both spellings, transformers reads rope_scaling
+    ({"rope_scaling": {"type": "yarn"}, "rope_parameters": {"rope_type": "default"}}, "rope type 'yarn'"),   # (only Phi-3's "yarn" is LongRoPE)
     ({"model_type": "mistral", "sliding_window": 0}, "'sliding_window' is 0"),
+    ({"model_type": "smollm3", "no_rope_layers": [1]}, r"'no_rope_layers' is \[1\], expected a 1 \(RoPE\) or 0 "
+                                                       r"\(none\) for each of the 2 layers"),
+    ({"model_type": "smollm3", "no_rope_layers": [1, 2]}, r"'no_rope_layers' is \[1, 2\]"),
+    ({"model_type": "smollm3", "no_rope_layers": [True, False]}, r"'no_rope_layers' is \[True, False\]"),
+    ({"model_type": "smollm3", "no_rope_layer_interval": 0}, "'no_rope_layer_interval' is 0"),
+    ({"model_type": "smollm3", "mlp_bias": True}, "mlp_bias is not supported"),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": "yes"},
      "'use_sliding_window' is 'yes', expected true or false"),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "layer_types": "full_attention"},
@@ -1778,6 +1804,12 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
             continue
         with pytest.raises(ModelError, match=message):
             load_model(path)
+    # a share of the head that comes back from a float one short (30 / 44 * 44 < 30) is nudged up
+    c = LLAMA_FAMILY_VARIANTS["phi3"] | {"vocab_size": 256, "max_position_embeddings": 64, "hidden_size": 44,
+                                         "num_attention_heads": 1, "num_key_value_heads": 1}
+    path = write_gguf(tmp_path / "d44.gguf", C=44, H=1, KVH=1, L=2, I=80, arch="phi3", weights=llama_tensors(c),
+                      meta=[("phi3.rope.dimension_count", 30)])
+    assert load_model(path).config.rotary_dim == 30
 
 
 def test_phi3_gguf_chat_tokens_drop_the_whitespace_after_them(tmp_path, own_cache):
