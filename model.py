@@ -359,8 +359,7 @@ def _sampling_defaults(d: dict) -> dict:
     return defaults
 
 
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                    "original_max_position_embeddings")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
 def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> tuple[float, dict | None, float]:
@@ -387,16 +386,54 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
         return theta, None, partial
     if rope_type == "longrope":
         return theta, _longrope_config(d, params, rotary_dim, max_position), partial
-    if rope_type != "llama3":
-        raise ModelError(f"rope type {rope_type!r} is not supported (supported: default, llama3, longrope)")
-    missing = [k for k in LLAMA3_ROPE_KEYS if params.get(k) is None]
+    if rope_type not in ("llama3", "yarn", "linear"):
+        raise ModelError(f"rope type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, "
+                         f"longrope)")
+    keys = LLAMA3_ROPE_KEYS if rope_type == "llama3" else ("factor",)
+    missing = [k for k in keys if params.get(k) is None]
     if missing:
-        raise ModelError(f"llama3 rope scaling lacks {', '.join(map(repr, missing))}")
-    scaling = {"rope_type": "llama3", **{k: _positive(params, k, float) for k in LLAMA3_ROPE_KEYS}}
+        raise ModelError(f"{rope_type} rope scaling lacks {', '.join(map(repr, missing))}")
+    scaling = {"rope_type": rope_type, **{k: _positive(params, k, float) for k in keys}}
+    if rope_type == "linear":   # (every frequency slowed down by factor: positions squeezed)
+        return theta, scaling, partial
+    scaling["original_max_position_embeddings"] = _original_context(d, params, max_position)
+    if rope_type == "yarn":
+        return theta, _yarn_config(params, scaling), partial
     if scaling["low_freq_factor"] >= scaling["high_freq_factor"]:   # (the blend divides by their difference)
         raise ModelError(f"llama3 rope scaling needs low_freq_factor < high_freq_factor, got "
                          f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
     return theta, scaling, partial
+
+
+def _original_context(d: dict, params: dict, max_position: int) -> int:
+    """The context a scaled RoPE was trained in (original_max_position_embeddings), where
+    transformers finds it: a top-level key first (Phi-3's place), then the scaling's own, else
+    max_position_embeddings."""
+    return _positive(d if "original_max_position_embeddings" in d else params,
+                     "original_max_position_embeddings", default=max_position)
+
+
+def _yarn_config(params: dict, scaling: dict) -> dict:
+    """YaRN's parameters (Qwen 2.5 and 3 past 32k tokens, SmolLM3 past 64k), as transformers
+    reads them, added to scaling (its factor and original context): beta_fast and beta_slow
+    (32 and 1), the rotations per original context between which the frequencies go from
+    kept to slowed down by factor; truncate (true), whether that band is widened to whole
+    dimensions; attention_factor, by default 0.1 ln(factor) + 1 (or DeepSeek's ratio of two
+    such with mscale and mscale_all_dim), scaling cos and sin."""
+    factor = scaling["factor"]
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        default = mscale(_positive(params, "mscale", float)) / mscale(_positive(params, "mscale_all_dim", float))
+    else:
+        default = mscale(1.0)
+    scaling |= {"attention_factor": _positive(params, "attention_factor", float, default),
+                "beta_fast": _positive(params, "beta_fast", float, 32.0),
+                "beta_slow": _positive(params, "beta_slow", float, 1.0), "truncate": params.get("truncate", True)}
+    if not isinstance(scaling["truncate"], bool):
+        raise ModelError(f"yarn's 'truncate' is {reprlib.repr(scaling['truncate'])}, expected true or false")
+    return scaling
 
 
 def _longrope_config(d: dict, params: dict, rotary_dim: int, max_position: int) -> dict:
@@ -404,9 +441,8 @@ def _longrope_config(d: dict, params: dict, rotary_dim: int, max_position: int) 
     a factor per frequency for contexts within the original one (short_factor) and for
     longer ones (long_factor); cos and sin scaled by attention_factor, by default
     sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original unless
-    given. (Phi-3's original_max_position_embeddings is a top-level key: it comes first.)"""
-    original = _positive(d if "original_max_position_embeddings" in d else params,
-                         "original_max_position_embeddings", default=max_position)
+    given."""
+    original = _original_context(d, params, max_position)
     if original < 2:   # (the attention factor divides by its log)
         raise ModelError(f"longrope's original_max_position_embeddings is {original}, expected 2 or more")
     scaling = {"rope_type": "longrope", "original_max_position_embeddings": original}
@@ -1278,6 +1314,10 @@ def rope_tables(config: ModelConfig, max_model_len: int | None = None) -> tuple[
     inv_freq, attention_factor = 1.0 / wavelengths, 1.0
     if s.get("rope_type") == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, s)
+    elif s.get("rope_type") == "linear":
+        inv_freq = inv_freq / s["factor"]
+    elif s.get("rope_type") == "yarn":
+        inv_freq, attention_factor = _yarn_inv_freq(wavelengths, config.rope_theta, s), s["attention_factor"]
     elif s.get("rope_type") == "longrope":
         # LongRoPE: each frequency slowed by a factor of its own, one set for contexts
         # within the original one, another beyond. HF picks by the length of each forward
@@ -1305,6 +1345,26 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     keep = ((wavelengths_in_context - s["low_freq_factor"])
             / (s["high_freq_factor"] - s["low_freq_factor"])).clamp(0, 1)  # 0: slow, 1: keep
     return (1 - keep) * inv_freq / s["factor"] + keep * inv_freq
+
+
+def _yarn_inv_freq(wavelengths: torch.Tensor, theta: float, s: dict) -> torch.Tensor:
+    """YaRN: the frequencies that turn more than beta_fast times over the original context
+    are kept, those that turn fewer than beta_slow times are slowed down by `factor` (as
+    linear scaling would slow them all), and a linear ramp over the dimensions between
+    blends the two. wavelengths (R/2,): theta^(2i/R), as rope_tables makes them."""
+    R = 2 * len(wavelengths)
+
+    def dimension(turns: float) -> float:   # the (fractional) dimension whose frequency turns `turns` times
+        return R * math.log(s["original_max_position_embeddings"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dimension(s["beta_fast"]), dimension(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, R - 1)
+    if low == high:
+        high += 0.001   # (as HF: no division by zero)
+    ramp = ((torch.arange(R // 2, device="cpu", dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp   # (R/2,): 1 where a frequency is kept, 0 where it is slowed down
+    return 1.0 / (s["factor"] * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -1847,6 +1907,11 @@ def convert_gguf(gguf_path: Path) -> Path:
     return out
 
 
+def _f32(x) -> float:
+    """A GGUF's float32 as the original config wrote it: 9.999999747e-06 -> 1e-05."""
+    return float(str(np.float32(x)))
+
+
 # llama.cpp's RoPE factors, one per frequency (a frequency is divided by its factor): Llama
 # 3.1's scaled frequencies, and LongRoPE's two sets (Phi-3 128k, Phi-3.5, Phi-4-mini)
 GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -1854,7 +1919,8 @@ GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_fact
 
 def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -> dict:
     """config.json's RoPE keys for what a GGUF says of it beyond the frequencies' base: how
-    much of each head it turns (rope.dimension_count; Phi-4-mini 3/4 of it), and its factors.
+    much of each head it turns (rope.dimension_count; Phi-4-mini 3/4 of it), its scaling
+    (rope.scaling.type linear or yarn, as Qwen's long-context setting), and its factors.
     Both factor tensors become LongRoPE's lists, which mean the same (one divisor per
     frequency): Llama 3.1's one set for every length (HF's llama3 scaling in other words, up
     to float32 rounding), Phi-3's two with the original context and attention factor that
@@ -1870,6 +1936,21 @@ def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -
         config["partial_rotary_factor"] = partial
     factors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
                for t in reader.tensors if t.name in GGUF_ROPE_TENSORS}
+    key = f"{arch}.rope.scaling."   # (the keys of llama.cpp's scalings, all floats but the context)
+    scaling = {"rope_type": meta.get(key + "type", "none"), "factor": meta.get(key + "factor"),
+               "original_max_position_embeddings": meta.get(key + "original_context_length"),
+               "beta_fast": meta.get(key + "yarn_beta_fast"), "beta_slow": meta.get(key + "yarn_beta_slow")}
+    if scaling["rope_type"] not in ("none", "linear", "yarn"):
+        raise ModelError(f"{gguf_path}: rope scaling {scaling['rope_type']!r} is not supported (supported: "
+                         f"linear, yarn)")
+    if scaling["rope_type"] != "none":
+        # (llama.cpp multiplies YaRN's attention factor by its own: DeepSeek's, left out here)
+        extra = [k for k in ("attn_factor", "yarn_log_multiplier") if key + k in meta]
+        if factors or extra:
+            raise ModelError(f"{gguf_path}: rope scaling {scaling['rope_type']!r} with "
+                             f"{', '.join(extra) or 'rope factor tensors'} is not supported")
+        config["rope_scaling"] = {k: _f32(v) if isinstance(v, float) else v
+                                  for k, v in scaling.items() if v is not None}
     if "rope_freqs.weight" in factors:
         if len(factors) > 1:
             raise ModelError(f"{gguf_path}: holds both rope_freqs and LongRoPE's rope_factors: which one?")
@@ -1955,16 +2036,10 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
             raise ModelError(f"{gguf_path}: GGUF metadata has no {key!r}")
         return meta[key]
 
-    def f32(x):  # GGUF stores float32: 9.999999747e-06 -> 1e-05, as the original config said
-        return float(str(np.float32(x)))
-
     arch = need("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
-    if meta.get(f"{arch}.rope.scaling.type", "none") != "none":
-        raise ModelError(f"{gguf_path}: rope scaling {meta[f'{arch}.rope.scaling.type']!r} "
-                         f"is not supported")
     tokenizer_model, pre = need("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if tokenizer_model not in ("gpt2", "llama"):
         raise ModelError(f"{gguf_path}: tokenizer {tokenizer_model!r} is not supported (supported: gpt2, "
@@ -2005,7 +2080,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     with _in_file(gguf_path):
         c = ModelConfig.from_dict(config)
     config |= {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-               "rms_norm_eps": f32(c.norm_eps), "rope_theta": f32(c.rope_theta)}
+               "rms_norm_eps": _f32(c.norm_eps), "rope_theta": _f32(c.rope_theta)}
     tokenizer_config = {"chat_template": meta.get("tokenizer.chat_template")}
     for role in ("bos", "eos"):
         if (i := config[f"{role}_token_id"]) is not None:   # (in the vocab: checked above)

@@ -310,6 +310,14 @@ LLAMA_FAMILY_VARIANTS = {
     "smollm3": llama_config(model_type="smollm3", no_rope_layer_interval=2, attention_bias=True, pad_token_id=None),
     "smollm3_window": llama_config(model_type="smollm3", tied=False, no_rope_layers=[0, 1], pad_token_id=None,
                                    use_sliding_window=True, sliding_window=3),
+    # YaRN as Qwen's model cards turn it on (defaults: betas 32 and 1, truncated, attention factor
+    # 0.1 ln 4 + 1); with DeepSeek's mscales, other betas, not truncated, in rope_parameters; linear
+    "qwen2_yarn": llama_config(model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                 "original_max_position_embeddings": 8}),
+    "llama_yarn": {k: v for k, v in llama_config(head_dim=16).items() if k != "rope_theta"} | {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 500.0, "factor": 8.0, "original_max_position_embeddings": 16, "mscale": 0.8,
+        "mscale_all_dim": 0.5, "beta_fast": 8.0, "beta_slow": 2.0, "truncate": False}},
+    "mistral_linear": llama_config(model_type="mistral", tied=False, rope_scaling={"rope_type": "linear", "factor": 3.0}),
     # LongRoPE on 12 of each head's 16 dimensions (Phi-4-mini's shape), past its original
     # context of 8 (IDS has 11 tokens): HF takes the long factors, as nanopaged does for a
     # max_model_len past 8; the attention factor is derived, sqrt(1 + ln(128 / 8) / ln 8)
@@ -795,16 +803,19 @@ def test_converted_dir_is_plain_hf_layout(smollm2_dir, nanopaged_cache):
     assert not [p for p in nanopaged_cache.iterdir() if p.name.startswith(".")]  # no temp dirs
 
 
-@pytest.mark.parametrize("llama3", [False, True])
-def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, llama3):
+@pytest.mark.parametrize("scaling", [None, "llama3", "yarn", "linear"])
+def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, scaling):
     """A tiny Llama GGUF (Q/K rows permuted the llama.cpp way) loads like its HF original; with
-    Llama 3.1's rope scaling too, which llama.cpp's converter writes as a tensor of one factor
-    per frequency (rope_freqs.weight)."""
+    RoPE scalings too: Llama 3.1's, which llama.cpp's converter writes as a tensor of one factor
+    per frequency (rope_freqs.weight), and YaRN's (Qwen's long contexts) and linear's, which it
+    writes as metadata."""
     import gguf
     import numpy as np
-    s = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 128}   # (frequencies kept, blended and slowed down)
-    c = llama_config(kv_heads=2, tied=False, **({"rope_scaling": s} if llama3 else {}))
+    s = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 128},   # (frequencies kept, blended and slowed down)
+         "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+         "linear": {"rope_type": "linear", "factor": 2.5}, None: None}[scaling]
+    c = llama_config(kv_heads=2, tied=False, **({"rope_scaling": s} if scaling else {}))
     w = llama_tensors(c)
     H, KVH, D = 6, 2, 8
 
@@ -849,7 +860,12 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, llama3):
         else:
             gname = names[name]
         writer.add_tensor(gname, t.numpy().astype(np.float32))
-    if llama3:   # the factors as llama.cpp's converter computes them: what divides each frequency
+    if scaling in ("yarn", "linear"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType(scaling))
+        writer.add_rope_scaling_factor(s["factor"])
+        if scaling == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(s["original_max_position_embeddings"])
+    if scaling == "llama3":   # the factors as llama.cpp's converter computes them: what divides each frequency
         factors = []
         for freq in 1.0 / 10000.0 ** (np.arange(0, D, 2) / D):
             wavelength, original = 2 * math.pi / freq, s["original_max_position_embeddings"]
@@ -870,7 +886,7 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, llama3):
     ids = list(range(1, 100))   # (long enough for the slowed-down frequencies to matter)
     expected = forward_all(load_model(write_checkpoint(tmp_path / "hf", c, w)), ids)
     torch.testing.assert_close(forward_all(load_model(path), ids), expected, rtol=1e-5, atol=1e-5)
-    if llama3:
+    if scaling:
         unscaled = forward_all(load_model(write_checkpoint(tmp_path / "plain", llama_config(kv_heads=2, tied=False), w)), ids)
         assert (expected - unscaled).abs().max() > 1e-2
     tok = load_tokenizer(path)
@@ -911,9 +927,9 @@ def test_bad_config(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(llama_config() | rope))
         with pytest.raises(ModelError, match=r"config\.json: .*" + message):
             load_model(tmp_path, dummy=True)
-    yarn = llama_config(rope_scaling={"rope_type": "yarn"})
-    (tmp_path / "config.json").write_text(json.dumps(yarn))
-    with pytest.raises(ModelError, match="rope type 'yarn'"):
+    dynamic = llama_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    (tmp_path / "config.json").write_text(json.dumps(dynamic))
+    with pytest.raises(ModelError, match="rope type 'dynamic'"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelError, match="not valid JSON"):
@@ -1054,9 +1070,14 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"model_type": "phi3", "original_max_position_embeddings": 1,
       "rope_scaling": {"type": "longrope", "long_factor": [1] * 4, "short_factor": [1] * 4}},
      "longrope's original_max_position_embeddings is 1, expected 2 or more"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    # (dynamic NTK scaling changes with each forward pass's length: not one cache for all)
+    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "rope type 'dynamic' is not supported"),
     # given both spellings, transformers reads rope_scaling
-    ({"rope_scaling": {"type": "yarn"}, "rope_parameters": {"rope_type": "default"}}, "rope type 'yarn'"),   # (only Phi-3's "yarn" is LongRoPE)
+    ({"rope_scaling": {"type": "dynamic"}, "rope_parameters": {"rope_type": "default"}}, "rope type 'dynamic'"),
+    ({"rope_scaling": {"type": "yarn"}}, "yarn rope scaling lacks 'factor'"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4, "truncate": "no"}}, "yarn's 'truncate' is 'no', expected true"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4, "beta_fast": -1}}, "'beta_fast' is -1"),
+    ({"rope_scaling": {"type": "linear", "factor": 0}}, "'factor' is 0"),
     ({"model_type": "mistral", "sliding_window": 0}, "'sliding_window' is 0"),
     ({"model_type": "smollm3", "no_rope_layers": [1]}, r"'no_rope_layers' is \[1\], expected a 1 \(RoPE\) or 0 "
                                                        r"\(none\) for each of the 2 layers"),
@@ -1855,6 +1876,12 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     ({"meta": [("tokenizer.chat_template", ["a", "b"])]}, r"GGUF metadata 'tokenizer.chat_template' is \['a', 'b'\], "
                                                           "not a string"),
     ({"meta": [("tokenizer.ggml.bos_token_id", [1, 2])]}, "'tokenizer.ggml.bos_token_id' is .*, not a token id"),
+    ({"meta": [("llama.rope.scaling.type", "longrope")]}, "rope scaling 'longrope' is not supported \\(supported: "
+                                                          "linear, yarn\\)"),
+    ({"meta": [("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0),
+               ("llama.rope.scaling.attn_factor", 1.2)]}, "rope scaling 'yarn' with attn_factor is not supported"),
+    ({"meta": [("llama.rope.scaling.type", "linear")]}, "linear rope scaling lacks 'factor'"),
+    ({"meta": [("llama.rope.scaling.type", "linear"), ("llama.rope.scaling.factor", "x")]}, "'factor' is 'x'"),
 ])
 def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, capsys, kwargs, message):
     path = write_gguf(tmp_path / "bad.gguf", **kwargs)
