@@ -1823,9 +1823,12 @@ HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}   # (Phi-3's fused ones)
 # GGUF's architectures: config.json's architectures entry for each. llama.cpp rotates
 # Llama's RoPE pairs as neighbours, so its converter permuted Llama's Q and K rows (see
-# _unpermute); Qwen's and Phi-3's it rotates as HF does ("NEOX"), and stores them as they are.
+# _unpermute), and SmolLM3's, which it converts as a Llama's; Qwen's and Phi-3's it rotates
+# as HF does ("NEOX"), and stores them as they are. (A SmolLM3 GGUF does not say which layers
+# go without RoPE: llama.cpp takes every 4th, as SmolLM3Config's default does.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+GGUF_PERMUTED = ("llama", "smollm3")
 
 # GGUF's pre-tokenizer names, as the tokenizer.json pre_tokenizer each one stands for.
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
@@ -2141,7 +2144,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         name = hf_name[t.name]
         w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name]),
                          dtype=torch.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in GGUF_PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         weights[name] = w
 

@@ -803,12 +803,13 @@ def test_converted_dir_is_plain_hf_layout(smollm2_dir, nanopaged_cache):
     assert not [p for p in nanopaged_cache.iterdir() if p.name.startswith(".")]  # no temp dirs
 
 
-@pytest.mark.parametrize("scaling", [None, "llama3", "yarn", "linear"])
-def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, scaling):
+@pytest.mark.parametrize("arch, scaling", [("llama", None), ("llama", "llama3"), ("llama", "yarn"),
+                                           ("llama", "linear"), ("smollm3", None)])
+def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, arch, scaling):
     """A tiny Llama GGUF (Q/K rows permuted the llama.cpp way) loads like its HF original; with
     RoPE scalings too: Llama 3.1's, which llama.cpp's converter writes as a tensor of one factor
     per frequency (rope_freqs.weight), and YaRN's (Qwen's long contexts) and linear's, which it
-    writes as metadata."""
+    writes as metadata. And a SmolLM3's, converted as a Llama's, its every 4th layer without RoPE."""
     import gguf
     import numpy as np
     s = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -816,6 +817,8 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, scaling):
          "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
          "linear": {"rope_type": "linear", "factor": 2.5}, None: None}[scaling]
     c = llama_config(kv_heads=2, tied=False, **({"rope_scaling": s} if scaling else {}))
+    if arch == "smollm3":
+        c |= {"model_type": "smollm3", "num_hidden_layers": 4}   # (its last layer without RoPE)
     w = llama_tensors(c)
     H, KVH, D = 6, 2, 8
 
@@ -830,8 +833,8 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, scaling):
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down"}
     path = tmp_path / "tiny.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(2)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(c["num_hidden_layers"])
     writer.add_context_length(128)
     writer.add_embedding_length(48)
     writer.add_feed_forward_length(80)
@@ -886,6 +889,9 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, scaling):
     ids = list(range(1, 100))   # (long enough for the slowed-down frequencies to matter)
     expected = forward_all(load_model(write_checkpoint(tmp_path / "hf", c, w)), ids)
     torch.testing.assert_close(forward_all(load_model(path), ids), expected, rtol=1e-5, atol=1e-5)
+    if arch == "smollm3":   # (RoPE in every layer would differ)
+        assert (forward_all(load_model(write_checkpoint(tmp_path / "all", c | {"model_type": "llama"}, w)), ids)
+                - expected).abs().max() > 1e-2
     if scaling:
         unscaled = forward_all(load_model(write_checkpoint(tmp_path / "plain", llama_config(kv_heads=2, tied=False), w)), ids)
         assert (expected - unscaled).abs().max() > 1e-2
