@@ -99,7 +99,8 @@ LLAMA_FAMILY = {
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
     "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
-    "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4},
+    "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
+                "rope_theta": 2_000_000.0},
 }
 
 
@@ -119,7 +120,7 @@ class ModelConfig:
     max_position_embeddings: int
     norm_eps: float                   # HF's rms_norm_eps (llama) / layer_norm_epsilon (gpt2)
     rope_theta: float = 10000.0       # llama only
-    rope_scaling: dict | None = None  # Llama's family only: None, or the llama3 or longrope parameters
+    rope_scaling: dict | None = None  # Llama's family only: None, or linear, llama3, yarn or longrope parameters
     partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim of each head's D (Phi-4-mini: 0.75)
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
     qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
@@ -280,8 +281,8 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     layers = _positive(d, "num_hidden_layers")
     if model_type in ("mistral", "phi3"):
         windowed = range(layers)
-    elif not _flag(d, "use_sliding_window"):
-        return None, ()
+    elif not _flag(d, "use_sliding_window") and not (model_type == "smollm3" and d.get("layer_types") is not None):
+        return None, ()   # (SmolLM3's masks follow its layer_types even so, as transformers runs it)
     elif (kinds := d.get("layer_types")) is None and model_type == "smollm3":
         windowed = nope_layers
     elif kinds is None:
@@ -387,8 +388,10 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
     if rope_type == "longrope":
         return theta, _longrope_config(d, params, rotary_dim, max_position), partial
     if rope_type not in ("llama3", "yarn", "linear"):
-        raise ModelError(f"rope type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, "
-                         f"longrope)")
+        why = (": its frequencies change with each forward pass's length, which no cache computed before could "
+               "follow" if rope_type == "dynamic" else "")
+        raise ModelError(f"rope type {rope_type!r} is not supported{why} (supported: default, linear, llama3, "
+                         f"yarn, longrope)")
     keys = LLAMA3_ROPE_KEYS if rope_type == "llama3" else ("factor",)
     missing = [k for k in keys if params.get(k) is None]
     if missing:
@@ -398,6 +401,8 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
         return theta, scaling, partial
     scaling["original_max_position_embeddings"] = _original_context(d, params, max_position)
     if rope_type == "yarn":
+        if theta <= 1:   # (its band of dimensions is found through log(rope_theta))
+            raise ModelError(f"yarn rope scaling needs a rope_theta above 1, got {theta}")
         return theta, _yarn_config(params, scaling), partial
     if scaling["low_freq_factor"] >= scaling["high_freq_factor"]:   # (the blend divides by their difference)
         raise ModelError(f"llama3 rope scaling needs low_freq_factor < high_freq_factor, got "
@@ -418,8 +423,8 @@ def _yarn_config(params: dict, scaling: dict) -> dict:
     reads them, added to scaling (its factor and original context): beta_fast and beta_slow
     (32 and 1), the rotations per original context between which the frequencies go from
     kept to slowed down by factor; truncate (true), whether that band is widened to whole
-    dimensions; attention_factor, by default 0.1 ln(factor) + 1 (or DeepSeek's ratio of two
-    such with mscale and mscale_all_dim), scaling cos and sin."""
+    dimensions; attention_factor, by default 0.1 ln(factor) + 1 (1 for a factor up to 1; or
+    DeepSeek's ratio of two such with mscale and mscale_all_dim), scaling cos and sin."""
     factor = scaling["factor"]
 
     def mscale(m: float) -> float:
@@ -1332,8 +1337,8 @@ def rope_tables(config: ModelConfig, max_model_len: int | None = None) -> tuple[
                          f"frequencies that are not finite numbers")
     positions = torch.arange(P, device="cpu").float()
     angles = torch.outer(positions, inv_freq)  # (P, R/2)
-    # (LongRoPE's attention factor scales q and k, so their product by its square: only
-    # the rotated dimensions, as in HF)
+    # (YaRN's and LongRoPE's attention factor scales q and k, so their product by its
+    # square: only the rotated dimensions, as in HF)
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
@@ -1939,16 +1944,19 @@ def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -
         config["partial_rotary_factor"] = partial
     factors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
                for t in reader.tensors if t.name in GGUF_ROPE_TENSORS}
-    key = f"{arch}.rope.scaling."   # (the keys of llama.cpp's scalings, all floats but the context)
+    key = f"{arch}.rope.scaling."   # (llama.cpp's scaling keys, as HF's names)
     scaling = {"rope_type": meta.get(key + "type", "none"), "factor": meta.get(key + "factor"),
                "original_max_position_embeddings": meta.get(key + "original_context_length"),
-               "beta_fast": meta.get(key + "yarn_beta_fast"), "beta_slow": meta.get(key + "yarn_beta_slow")}
+               "beta_fast": meta.get(key + "yarn_beta_fast"), "beta_slow": meta.get(key + "yarn_beta_slow"),
+               "attention_factor": meta.get(key + "yarn_attn_factor")}
     if scaling["rope_type"] not in ("none", "linear", "yarn"):
         raise ModelError(f"{gguf_path}: rope scaling {scaling['rope_type']!r} is not supported (supported: "
                          f"linear, yarn)")
     if scaling["rope_type"] != "none":
-        # (llama.cpp multiplies YaRN's attention factor by its own: DeepSeek's, left out here)
+        # (llama.cpp multiplies YaRN's attention factor by attn_factor and yarn_log_multiplier,
+        # and moves its ramp by yarn_ext_factor: DeepSeek's and others' settings, left out here)
         extra = [k for k in ("attn_factor", "yarn_log_multiplier") if key + k in meta]
+        extra += ["yarn_ext_factor"] if meta.get(key + "yarn_ext_factor", 1.0) != 1.0 else []
         if factors or extra:
             raise ModelError(f"{gguf_path}: rope scaling {scaling['rope_type']!r} with "
                              f"{', '.join(extra) or 'rope factor tensors'} is not supported")

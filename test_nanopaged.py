@@ -396,6 +396,9 @@ def test_longrope_takes_one_set_of_factors_for_the_whole_run(tmp_path):
      (64, None)),
     ({"model_type": "smollm3", "sliding_window": 64, "use_sliding_window": True, "no_rope_layers": [0, 1],
       "layer_types": ["full_attention", "sliding_attention"]}, (None, 64)),
+    # (SmolLM3's masks follow layer_types with use_sliding_window off too, where Qwen's do not)
+    ({"model_type": "smollm3", "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
+     (64, None)),
 ])
 def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
     """Which layers attend through a sliding window, and how wide: as transformers' config
@@ -406,6 +409,8 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
     # the family's own defaults where config.json is silent
     assert ModelConfig.from_dict({k: v for k, v in llama_config(model_type="qwen3").items()
                                   if k != "max_position_embeddings"}).max_position_embeddings == 32768
+    assert ModelConfig.from_dict({k: v for k, v in llama_config(model_type="smollm3").items()
+                                  if k != "rope_theta"}).rope_theta == 2_000_000.0   # (SmolLM3Config's)
 
 
 @pytest.mark.parametrize("variant, window", [("qwen3_attention_bias", None), ("mistral_window", 10),
@@ -814,7 +819,7 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, arch, scaling
     import numpy as np
     s = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                     "original_max_position_embeddings": 128},   # (frequencies kept, blended and slowed down)
-         "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+         "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "attention_factor": 1.5},
          "linear": {"rope_type": "linear", "factor": 2.5}, None: None}[scaling]
     c = llama_config(kv_heads=2, tied=False, **({"rope_scaling": s} if scaling else {}))
     if arch == "smollm3":
@@ -868,6 +873,7 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, arch, scaling
         writer.add_rope_scaling_factor(s["factor"])
         if scaling == "yarn":
             writer.add_rope_scaling_orig_ctx_len(s["original_max_position_embeddings"])
+            writer.add_float32(f"{arch}.rope.scaling.yarn_attn_factor", s["attention_factor"])
     if scaling == "llama3":   # the factors as llama.cpp's converter computes them: what divides each frequency
         factors = []
         for freq in 1.0 / 10000.0 ** (np.arange(0, D, 2) / D):
@@ -1077,7 +1083,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
       "rope_scaling": {"type": "longrope", "long_factor": [1] * 4, "short_factor": [1] * 4}},
      "longrope's original_max_position_embeddings is 1, expected 2 or more"),
     # (dynamic NTK scaling changes with each forward pass's length: not one cache for all)
-    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "rope type 'dynamic' is not supported"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "rope type 'dynamic' is not supported: its frequencies "
+                                                          "change with each forward pass's length"),
+    ({"rope_theta": 1.0, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "yarn rope scaling needs a rope_theta above 1"),
     # given both spellings, transformers reads rope_scaling
     ({"rope_scaling": {"type": "dynamic"}, "rope_parameters": {"rope_type": "default"}}, "rope type 'dynamic'"),
     ({"rope_scaling": {"type": "yarn"}}, "yarn rope scaling lacks 'factor'"),
@@ -1887,6 +1895,8 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     ({"meta": [("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0),
                ("llama.rope.scaling.attn_factor", 1.2)]}, "rope scaling 'yarn' with attn_factor is not supported"),
     ({"meta": [("llama.rope.scaling.type", "linear")]}, "linear rope scaling lacks 'factor'"),
+    ({"meta": [("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0),
+               ("llama.rope.scaling.yarn_ext_factor", 0.5)]}, "rope scaling 'yarn' with yarn_ext_factor is not"),
     ({"meta": [("llama.rope.scaling.type", "linear"), ("llama.rope.scaling.factor", "x")]}, "'factor' is 'x'"),
 ])
 def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, capsys, kwargs, message):
