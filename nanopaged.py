@@ -2091,6 +2091,13 @@ def main(argv=None) -> int:
             notes += [f"--n {args.n} gives {args.n} identical samples"] if args.n > 1 else []
             if notes:
                 print(f"nanopaged: note: at --temperature 0 (greedy), {'; '.join(notes)}", file=sys.stderr)
+        rope = llm.config.rope_scaling or {}
+        if (rope.get("rope_type") == "longrope" and rope["long_factor"] != rope["short_factor"]
+                and llm.max_model_len > (original := rope["original_max_position_embeddings"])):
+            # (one set of factors for every request: model.rope_tables says why)
+            print(f"nanopaged: note: LongRoPE turns with its long-context factors, the context served "
+                  f"({llm.max_model_len} tokens) being past its original one; --max-model-len {original} "
+                  f"takes the short ones, as transformers does for shorter texts", file=sys.stderr)
         if args.trace:
             print(llm.describe_kv_cache())
             llm.enable_trace()

@@ -4220,6 +4220,21 @@ def test_cli_interrupt_starts_its_own_line(capsys, smollm2_dir, monkeypatch):
         assert code == 130 and out == "".join(pieces) and err == err_expected
 
 
+def test_cli_says_which_longrope_factors_it_takes(tmp_path, capsys):
+    """A context served past LongRoPE's original one takes its long factors for every request:
+    the CLI says so, and how to take the short ones (its --max-model-len)."""
+    path = tiny_tokenizer_dir(tmp_path / "m")
+    config = LLAMA_FAMILY_VARIANTS["phi3_longrope_partial"] | {"vocab_size": 258}   # (original context: 8)
+    write_checkpoint(path, config, llama_tensors(config))
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--raw")
+    assert code == 0 and err == ("nanopaged: note: LongRoPE turns with its long-context factors, the context "
+                                 "served (128 tokens) being past its original one; --max-model-len 8 takes the "
+                                 "short ones, as transformers does for shorter texts\n")
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--raw",
+                             "--max-model-len", "8")
+    assert code == 0 and err == ""
+
+
 def test_cli_renders_the_models_chat_template(tmp_path, capsys, monkeypatch):
     """Any chat template, BOS once (the template writes it, the tokenizer would too); a
     template that fails is one error line; --raw skips it."""
