@@ -140,7 +140,25 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         """R: how many of each head's D dimensions RoPE rotates (the first R); the rest pass."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        return _rotary_dim(self.head_dim, self.partial_rotary_factor)
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence it serves: max_position_embeddings, or as far as YaRN or linear
+        scaling stretches RoPE (factor x the original context: Qwen's 32k x 4 with its model
+        card's YaRN), as vLLM derives it."""
+        s = self.rope_scaling or {}
+        if s.get("rope_type") == "yarn":
+            return max(self.max_position_embeddings, int(s["original_max_position_embeddings"] * s["factor"]))
+        if s.get("rope_type") == "linear":
+            return max(self.max_position_embeddings, int(self.max_position_embeddings * s["factor"]))
+        return self.max_position_embeddings
+
+    def longrope_long(self, max_model_len: int) -> bool:
+        """Whether LongRoPE rotates by its long-context factors, serving up to max_model_len
+        tokens: one set of factors for every request (see rope_tables)."""
+        s = self.rope_scaling or {}
+        return s.get("rope_type") == "longrope" and max_model_len > s["original_max_position_embeddings"]
 
     def layer_window(self, layer_idx: int) -> int | None:
         """The window of this layer's attention, None for full attention."""
@@ -263,8 +281,7 @@ def _nope_layers(d: dict, model_type: str) -> range | tuple:
     if (flags := d.get("no_rope_layers")) is None:
         interval = _positive(d, "no_rope_layer_interval")
         return range(interval - 1, layers, interval)   # (a range: no list of every layer made)
-    if not (isinstance(flags, list) and len(flags) == layers and all(f in (0, 1) and not isinstance(f, bool)
-                                                                       for f in flags)):
+    if not (isinstance(flags, list) and len(flags) == layers and all(type(f) is int and f in (0, 1) for f in flags)):
         raise ModelError(f"'no_rope_layers' is {reprlib.repr(flags)}, expected a 1 (RoPE) or 0 (none) "
                          f"for each of the {layers} layers")
     return tuple(i for i, rotates in enumerate(flags) if not rotates)
@@ -376,7 +393,7 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
     if partial != 1.0 and model_type != "phi3":   # (of the family, only HF's Phi-3 splits heads: Phi-4-mini)
         raise ModelError(f"partial_rotary_factor {partial!r} is not supported for {model_type}: its "
                          f"transformers class turns whole heads, ignoring it (only Phi-3's turns part of each)")
-    rotary_dim = int(head_dim * partial)   # (as HF rounds it)
+    rotary_dim = _rotary_dim(head_dim, partial)
     if partial > 1 or rotary_dim < 2 or rotary_dim % 2:
         raise ModelError(f"partial_rotary_factor {partial!r} of head_dim {head_dim} gives {rotary_dim} "
                          f"rotated dimensions: RoPE turns an even number of them, at least 2, at most head_dim")
@@ -408,6 +425,11 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
         raise ModelError(f"llama3 rope scaling needs low_freq_factor < high_freq_factor, got "
                          f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
     return theta, scaling, partial
+
+
+def _rotary_dim(head_dim: int, partial_rotary_factor: float) -> int:
+    """The dimensions of a head RoPE rotates, rounded down as transformers rounds them."""
+    return int(head_dim * partial_rotary_factor)
 
 
 def _original_context(d: dict, params: dict, max_position: int) -> int:
@@ -456,7 +478,7 @@ def _longrope_config(d: dict, params: dict, rotary_dim: int, max_position: int) 
         if not (isinstance(factors, list) and len(factors) == rotary_dim // 2):
             raise ModelError(f"longrope's {key} is {reprlib.repr(factors)}, expected a list of {rotary_dim // 2} "
                              f"numbers (one per frequency of the {rotary_dim} rotated dimensions)")
-        scaling[key] = [_positive({key: x}, key, float) for x in factors]
+        scaling[key] = [_positive({f"{key}[{i}]": x}, f"{key}[{i}]", float) for i, x in enumerate(factors)]
     factor = _positive(params, "factor", float, default=max_position / original)
     default = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     scaling["attention_factor"] = _positive(params, "attention_factor", float, default)
@@ -1314,15 +1336,15 @@ def rope_tables(config: ModelConfig, max_model_len: int | None = None) -> tuple[
     evaluated with. device="cpu" explicitly: real numbers even while the model is built on
     'meta'."""
     R, s = config.rotary_dim, config.rope_scaling or {}
-    P = max_model_len or config.max_position_embeddings
-    wavelengths = config.rope_theta ** (torch.arange(0, R, 2, device="cpu").float() / R)  # (R/2,), each / 2 pi
-    inv_freq, attention_factor = 1.0 / wavelengths, 1.0
+    P = max_model_len or config.context_length
+    powers = config.rope_theta ** (torch.arange(0, R, 2, device="cpu").float() / R)  # (R/2,): theta^(2i/R)
+    inv_freq, attention_factor = 1.0 / powers, 1.0
     if s.get("rope_type") == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, s)
     elif s.get("rope_type") == "linear":
         inv_freq = inv_freq / s["factor"]
     elif s.get("rope_type") == "yarn":
-        inv_freq, attention_factor = _yarn_inv_freq(wavelengths, config.rope_theta, s), s["attention_factor"]
+        inv_freq, attention_factor = _yarn_inv_freq(powers, config.rope_theta, s), s["attention_factor"]
     elif s.get("rope_type") == "longrope":
         # LongRoPE: each frequency slowed by a factor of its own, one set for contexts
         # within the original one, another beyond. HF picks by the length of each forward
@@ -1330,8 +1352,8 @@ def rope_tables(config: ModelConfig, max_model_len: int | None = None) -> tuple[
         # llama.cpp, one set for the whole run, by the longest sequence it serves, so a
         # cache never mixes the two: pass max_model_len <= original_max_position_embeddings
         # for the short factors.
-        factors = s["long_factor"] if P > s["original_max_position_embeddings"] else s["short_factor"]
-        inv_freq, attention_factor = 1.0 / (torch.tensor(factors, device="cpu") * wavelengths), s["attention_factor"]
+        factors = s["long_factor"] if config.longrope_long(P) else s["short_factor"]
+        inv_freq, attention_factor = 1.0 / (torch.tensor(factors, device="cpu") * powers), s["attention_factor"]
     if not torch.isfinite(inv_freq).all():   # (a rope_theta of 1e-300 underflows: 1 / 0)
         raise ModelError(f"rope_theta {config.rope_theta} and rope_scaling {config.rope_scaling} give RoPE "
                          f"frequencies that are not finite numbers")
@@ -1352,12 +1374,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return (1 - keep) * inv_freq / s["factor"] + keep * inv_freq
 
 
-def _yarn_inv_freq(wavelengths: torch.Tensor, theta: float, s: dict) -> torch.Tensor:
+def _yarn_inv_freq(powers: torch.Tensor, theta: float, s: dict) -> torch.Tensor:
     """YaRN: the frequencies that turn more than beta_fast times over the original context
     are kept, those that turn fewer than beta_slow times are slowed down by `factor` (as
     linear scaling would slow them all), and a linear ramp over the dimensions between
-    blends the two. wavelengths (R/2,): theta^(2i/R), as rope_tables makes them."""
-    R = 2 * len(wavelengths)
+    blends the two. powers (R/2,): theta^(2i/R), as rope_tables makes them."""
+    R = 2 * len(powers)
 
     def dimension(turns: float) -> float:   # the (fractional) dimension whose frequency turns `turns` times
         return R * math.log(s["original_max_position_embeddings"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
@@ -1369,7 +1391,8 @@ def _yarn_inv_freq(wavelengths: torch.Tensor, theta: float, s: dict) -> torch.Te
         high += 0.001   # (as HF: no division by zero)
     ramp = ((torch.arange(R // 2, device="cpu", dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     kept = 1 - ramp   # (R/2,): 1 where a frequency is kept, 0 where it is slowed down
-    return 1.0 / (s["factor"] * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
+    # (1 - kept rather than ramp: HF's order of operations, to its last bit)
+    return 1.0 / (s["factor"] * powers) * (1 - kept) + 1.0 / powers * kept
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -1397,7 +1420,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx, self.window = layer_idx, config.layer_window(layer_idx)
-        self.rope = layer_idx not in config.nope_layers
+        self.rotates = layer_idx not in config.nope_layers   # (SmolLM3's NoPE layers do not)
         self.H, self.KVH, self.D = (config.num_attention_heads, config.num_key_value_heads,
                                     config.head_dim)
         # q_proj, k_proj and v_proj all read the same input, so the loader stacks their
@@ -1417,7 +1440,7 @@ class LlamaAttention(nn.Module):
         q, k = q.view(T, H, D), k.view(T, KVH, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope:
+        if self.rotates:
             q = apply_rope(q, cos, sin)                # (T, H, D)
             k = apply_rope(k, cos, sin)                # (T, KVH, D)
         v = v.view(T, KVH, D)                          # (T, KVH, D), a view into qkv: no copy
@@ -1731,7 +1754,7 @@ def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | N
     memory = _memory_bytes(device)
     weights = params * dtype.itemsize
     # the angles, their cos and their sin, (P, R/2) float32 each (rope_tables)
-    positions = max_model_len or config.max_position_embeddings
+    positions = max_model_len or config.context_length
     rope = 0 if arch is GPT2 else positions * (config.rotary_dim // 2) * 4 * 3
     if memory is not None and weights + rope > memory:
         parts = {f"the weights ({params:,} parameters in {dtype}: {config.num_hidden_layers:,} layers, hidden_size "
@@ -1939,7 +1962,7 @@ def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -
         if isinstance(dims, bool) or not isinstance(dims, int) or dims < 1:
             raise ModelError(f"{gguf_path}: {arch}.rope.dimension_count is {dims!r}, expected a number of dimensions")
         partial = dims / c.head_dim
-        if int(c.head_dim * partial) < dims:   # (44 / 30 * 30 rounds to 43.99...: the next float up gives 44)
+        if _rotary_dim(c.head_dim, partial) < dims:   # (30 / 44 * 44 is 29.99...: the next float up gives 30)
             partial = math.nextafter(partial, math.inf)
         config["partial_rotary_factor"] = partial
     factors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
@@ -1973,13 +1996,13 @@ def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -
         for which in ("long", "short"):
             if f"rope_factors_{which}.weight" not in factors:
                 raise ModelError(f"{gguf_path}: LongRoPE's tensor rope_factors_{which}.weight is missing")
-        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        original = meta.get(key + "original_context_length")
         if original is None:
             raise ModelError(f"{gguf_path}: LongRoPE's {arch}.rope.scaling.original_context_length is missing")
         config["rope_scaling"] = {"rope_type": "longrope", "short_factor": factors["rope_factors_short.weight"],
                                   "long_factor": factors["rope_factors_long.weight"],
                                   "original_max_position_embeddings": original,
-                                  "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}
+                                  "attention_factor": meta.get(key + "attn_factor")}
     if factors:   # (also where Phi-3's config.json has it, which comes first: Phi3Config's default is 4096)
         config["original_max_position_embeddings"] = original
     return config

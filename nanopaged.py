@@ -611,8 +611,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    num_cached_tokens: int     # prompt tokens found in the prefix cache (not computed; under a
-                               # sliding window, with those before the window its blocks found there)
+    num_cached_tokens: int     # prompt tokens not computed thanks to the prefix cache (under a
+                               # sliding window, those before the window too: not read, not cached)
     ttft: float                # seconds from arrival to first token
     latency: float             # seconds from arrival to the last sample's finish
     # with SamplingParams.prompt_logprobs = k: the same per prompt token, None for the first
@@ -802,10 +802,11 @@ class LLM:
         except ValueError as e:
             raise ValueError(f"the model's generation_config.json advises {advice} (in SamplingParams' names): "
                              f"{e}; LLM(generation_config='vllm') ignores it") from None
-        if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+        if max_model_len is not None and max_model_len > cfg.context_length:
             raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
-                             f"{cfg.max_position_embeddings} tokens (max_position_embeddings)")
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
+                             f"{cfg.context_length} tokens (max_position_embeddings"
+                             f"{', stretched by its rope scaling' if cfg.context_length > cfg.max_position_embeddings else ''})")
+        self.max_model_len = max_model_len or cfg.context_length
         self.model = load_model(model_dir, dtype=dtype, device=device, dummy=(load_format == "dummy"),
                                 max_model_len=self.max_model_len)
         self.tokenizer = load_tokenizer(model_dir)
@@ -1973,8 +1974,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     ap.add_argument("--max-model-len", type=int, help="the longest prompt + output served (default: the model's "
-                                                      "context; for Phi-3.5 / Phi-4-mini, at most 4096 keeps "
-                                                      "LongRoPE's short factors)")
+                                                      "context; at most the original context, 4096 for Phi-3 128k "
+                                                      "/ 3.5 / 4-mini, keeps LongRoPE's short factors)")
     ap.add_argument("--num-blocks", type=int, help="KV blocks in the pool (default: as many as 2 GiB hold on "
                                                    "the CPU, 40%% of free memory on a GPU)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
@@ -2069,10 +2070,13 @@ def main(argv=None) -> int:
         except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
             name = str(e).split()[0]   # SamplingParams' messages start with the field's name
             raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                  num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-                  enable_prefix_caching=not args.no_prefix_caching,
-                  attn_backend=args.attn_backend, preemption_mode=args.preemption_mode)
+        try:
+            llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                      num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+                      enable_prefix_caching=not args.no_prefix_caching,
+                      attn_backend=args.attn_backend, preemption_mode=args.preemption_mode)
+        except ValueError as e:   # (the flag's name, not the argument's)
+            raise ValueError(str(e).replace("max_model_len = ", "--max-model-len ", 1)) from None
         tok = llm.get_tokenizer()
         chat = tok.chat_template is not None and not args.raw
         if args.chat and not chat:
@@ -2092,12 +2096,13 @@ def main(argv=None) -> int:
             if notes:
                 print(f"nanopaged: note: at --temperature 0 (greedy), {'; '.join(notes)}", file=sys.stderr)
         rope = llm.config.rope_scaling or {}
-        if (rope.get("rope_type") == "longrope" and rope["long_factor"] != rope["short_factor"]
-                and llm.max_model_len > (original := rope["original_max_position_embeddings"])):
+        if llm.config.longrope_long(llm.max_model_len) and rope["long_factor"] != rope["short_factor"]:
             # (one set of factors for every request: model.rope_tables says why)
-            print(f"nanopaged: note: LongRoPE turns with its long-context factors, the context served "
-                  f"({llm.max_model_len} tokens) being past its original one; --max-model-len {original} "
-                  f"takes the short ones, as transformers does for shorter texts", file=sys.stderr)
+            original = rope["original_max_position_embeddings"]
+            print(f"nanopaged: note: LongRoPE uses its long-context factors for every request (the context "
+                  f"served, {llm.max_model_len} tokens, exceeds the original {original}); --max-model-len "
+                  f"{original} uses the short ones, as transformers does for texts up to {original} tokens",
+                  file=sys.stderr)
         if args.trace:
             print(llm.describe_kv_cache())
             llm.enable_trace()

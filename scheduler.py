@@ -246,8 +246,8 @@ class Sequence:
                                                 # a beam that fell out of its beam search
         self.error: str | None = None           # with "error": why (the engine's words)
         self.num_computed_tokens = 0            # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0              # prompt tokens found in the prefix cache at admission
-                                                # (under a window, with those before the window's hits)
+        self.num_cached_tokens = 0              # prompt tokens not computed thanks to the prefix cache
+                                                # (under a window, those before the window too)
         self.num_preemptions = 0                # times it was preempted (recomputed or swapped)
         self.block_table = block_table
         self.block_hashes: list[int] = []       # prefix hash of each full block, computed or in this step
@@ -379,7 +379,7 @@ class Scheduler:
             raise ValueError(f"n = {params.n} samples exceed max_num_seqs = {self.max_num_seqs}")
         if total > self.max_model_len:
             raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds the model's context of {self.max_model_len} tokens")
+                             f"exceeds the context served, max_model_len = {self.max_model_len} tokens")
         blocks = self.blocks_at_most(total)
         if blocks > self.pool.num_blocks:
             raise ValueError(f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks, but the "
@@ -654,8 +654,8 @@ class Scheduler:
 
     # --- prefix caching ---
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int], int]:
-        """The cached blocks seq can start from: the most full blocks d, the last of them
-        cached, whose K/V its next query reads are all cached. Returns (those blocks, the
+        """The cached blocks seq can start from: the largest d such that block d - 1 and every
+        block the query at position d * block_size reads are cached. Returns (those blocks, the
         prefix hashes of its first d blocks, skip): without a window, the longest chain of
         cached blocks from its first (skip = 0); under a sliding window, only the blocks from
         its next query's window on (from index skip) must be cached, and those before may be
@@ -667,7 +667,7 @@ class Scheduler:
         that asks for its prompt's logprobs takes none until it has sampled: a cached token
         is never computed, so it would have no logits to score."""
         hashes, found = [], []   # per full block: its prefix hash, its cached block or None
-        best = last_miss = -1    # the most blocks seq can count as computed, minus one; the last block not cached
+        done, last_miss = 0, -1  # the most blocks seq can count as computed; the last block not cached
         scores_prompt = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
         if self.enable_prefix_caching and not scores_prompt:
             for i in range((seq.num_tokens - 1) // self.block_size):
@@ -676,11 +676,12 @@ class Scheduler:
                 found.append(self._find_cached(hashes[-1], tokens))
                 if found[-1] is None:
                     last_miss = i
+                    # (under a window the scan goes on: a later block's window may begin past
+                    # this miss. Hashing a long waiting prompt each step costs a few ms)
                     if self.sliding_window is None:
                         break   # (no later block can serve without this one)
                 elif last_miss < self._first_visible((i + 1) * self.block_size) // self.block_size:
-                    best = i    # every block from the window of the query after block i on is here
-        done = best + 1
+                    done = i + 1   # every block from the window of the query after block i on is here
         skip = self._first_visible(done * self.block_size) // self.block_size
         return found[skip:done], hashes[:done], skip
 

@@ -369,6 +369,23 @@ def test_longrope_takes_one_set_of_factors_for_the_whole_run(tmp_path):
         torch.testing.assert_close(llm.model.rope_cos, (positions * inv_freq).cos() * attention_factor)
 
 
+def test_yarn_and_linear_scaling_stretch_the_context_served(tmp_path):
+    """A YaRN model serves factor x its original context, past max_position_embeddings (as
+    Qwen's model card's YaRN does: 32k x 4), as vLLM derives it; linear scaling factor x
+    max_position_embeddings. Its RoPE tables cover that much."""
+    for scaling, context in (({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 256),
+                             ({"rope_type": "linear", "factor": 2.5}, 160)):
+        model_dir = tiny_llama_dir(tmp_path / scaling["rope_type"], model_type="qwen2", max_position_embeddings=64,
+                                   rope_scaling=scaling)
+        llm = LLM(model_dir, load_format="dummy", num_blocks=24)
+        assert llm.max_model_len == context and llm.model.rope_cos.shape == (context, 32)
+        out = llm.generate([list(range(1, context - 8))], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == 8
+        with pytest.raises(ValueError, match=f"exceeds the model's context of {context} tokens "
+                                             r"\(max_position_embeddings, stretched by its rope scaling\)"):
+            LLM(model_dir, load_format="dummy", max_model_len=context + 1)
+
+
 @pytest.mark.parametrize("change, windows", [
     ({"model_type": "mistral", "sliding_window": 64}, (64, 64)),
     ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["full_attention"] * 2}, (64, 64)),  # HF ignores it
@@ -1076,7 +1093,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0] * 4}},
      r"longrope's long_factor is \[1.0\], expected a list of 4 numbers \(one per frequency of the 8 rotated"),
     ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "long_factor": [1.0, 2, -1, 1], "short_factor": [1] * 4}},
-     "'long_factor' is -1, expected a positive number"),
+     r"'long_factor\[2\]' is -1, expected a positive number"),
     ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "long_factor": [1] * 4, "short_factor": [1] * 4,
                                              "attention_factor": 0}}, "'attention_factor' is 0"),
     ({"model_type": "phi3", "original_max_position_embeddings": 1,
@@ -1097,6 +1114,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                        r"\(none\) for each of the 2 layers"),
     ({"model_type": "smollm3", "no_rope_layers": [1, 2]}, r"'no_rope_layers' is \[1, 2\]"),
     ({"model_type": "smollm3", "no_rope_layers": [True, False]}, r"'no_rope_layers' is \[True, False\]"),
+    ({"model_type": "smollm3", "no_rope_layers": [1.0, 0]}, r"'no_rope_layers' is \[1.0, 0\]"),
     ({"model_type": "smollm3", "no_rope_layer_interval": 0}, "'no_rope_layer_interval' is 0"),
     ({"model_type": "smollm3", "mlp_bias": True}, "mlp_bias is not supported"),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": "yes"},
@@ -2678,7 +2696,7 @@ def test_scheduler_bad_input_is_refused_and_nothing_leaks():
     sched = make_sched(num_blocks=4, block_size=4, max_model_len=20)
     with pytest.raises(ValueError, match="prompt is empty"):
         sched.add(1, [], SamplingParams())
-    with pytest.raises(ValueError, match="context of 20"):
+    with pytest.raises(ValueError, match="max_model_len = 20 tokens"):
         sched.add(2, [3] * 15, SamplingParams(max_tokens=6))
     with pytest.raises(ValueError, match="whole pool has 4"):
         make_sched(num_blocks=4, block_size=4).add(3, [3] * 15, SamplingParams(max_tokens=2))
@@ -3600,7 +3618,7 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
     assert llm.generate([np.array(ids)], greedy(4))[0].outputs[0].token_ids == as_list
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate("hi", SamplingParams(max_tokens=-3))
-    with pytest.raises(ValueError, match="exceeds the model's context of 8192"):
+    with pytest.raises(ValueError, match="exceeds the context served, max_model_len = 8192 tokens"):
         llm.generate([5] * 8000, greedy(500))
     with pytest.raises(ValueError, match="unknown request id"):
         llm.abort("nope")
@@ -3610,9 +3628,9 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
     # a refused request leaves the engine as it was: the last run's stats, the next request id
     stats, next_id = llm.stats, llm.add_request("hi", greedy(1))
     step_to_the_end(llm)
-    with pytest.raises(ValueError, match="prompt 1: .* exceeds the model's context"):
+    with pytest.raises(ValueError, match="prompt 1: .* exceeds the context served"):
         llm.generate(["hi", [5] * 8000], greedy(500))
-    with pytest.raises(ValueError, match="exceeds the model's context"):
+    with pytest.raises(ValueError, match="exceeds the context served"):
         llm.add_request([5] * 8000, greedy(500))
     assert llm.stats is stats and llm.add_request("hi", greedy(1)) == next_id + 1
     step_to_the_end(llm)
@@ -4150,6 +4168,8 @@ def test_cli_streams_and_batches(capsys, smollm2_dir):
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", GOLDEN[0]["user_text"],
                              "--prompt", "Hi", "--max-tokens", "8", "--ignore-eos", "--stats")
     assert code == 0 and "(length)" in out and "(stop)" not in out and "16 + " in err   # 2 x 8 output tokens
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-model-len", "99999")
+    assert code == 2 and err.startswith("nanopaged: error: --max-model-len 99999 exceeds the model's context of 8192")
 
 
 def test_cli_beam_search(capsys, smollm2_dir, llm):
@@ -4227,9 +4247,9 @@ def test_cli_says_which_longrope_factors_it_takes(tmp_path, capsys):
     config = LLAMA_FAMILY_VARIANTS["phi3_longrope_partial"] | {"vocab_size": 258}   # (original context: 8)
     write_checkpoint(path, config, llama_tensors(config))
     code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--raw")
-    assert code == 0 and err == ("nanopaged: note: LongRoPE turns with its long-context factors, the context "
-                                 "served (128 tokens) being past its original one; --max-model-len 8 takes the "
-                                 "short ones, as transformers does for shorter texts\n")
+    assert code == 0 and err == ("nanopaged: note: LongRoPE uses its long-context factors for every request (the "
+                                 "context served, 128 tokens, exceeds the original 8); --max-model-len 8 uses the "
+                                 "short ones, as transformers does for texts up to 8 tokens\n")
     code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--raw",
                              "--max-model-len", "8")
     assert code == 0 and err == ""
