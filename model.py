@@ -147,12 +147,7 @@ class ModelConfig:
         """The longest sequence it serves: max_position_embeddings, or as far as YaRN or linear
         scaling stretches RoPE (factor x the original context: Qwen's 32k x 4 with its model
         card's YaRN), as vLLM derives it."""
-        s = self.rope_scaling or {}
-        if s.get("rope_type") == "yarn":
-            return max(self.max_position_embeddings, int(s["original_max_position_embeddings"] * s["factor"]))
-        if s.get("rope_type") == "linear":
-            return max(self.max_position_embeddings, int(self.max_position_embeddings * s["factor"]))
-        return self.max_position_embeddings
+        return _context_length(self.max_position_embeddings, self.rope_scaling)
 
     def longrope_long(self, max_model_len: int) -> bool:
         """Whether LongRoPE rotates by its long-context factors, serving up to max_model_len
@@ -220,7 +215,7 @@ class ModelConfig:
             attention_bias = model_type in ("llama", "qwen3", "smollm3") and _flag(d, "attention_bias")
             nope_layers = _nope_layers(d, model_type)
             window, window_layers = _sliding_window(d, model_type, nope_layers)
-            if window and window >= max_position:
+            if window and window >= _context_length(max_position, rope_scaling):
                 window, window_layers = None, ()  # a window as long as the context changes nothing
             fields = dict(
                 hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
@@ -425,6 +420,16 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
         raise ModelError(f"llama3 rope scaling needs low_freq_factor < high_freq_factor, got "
                          f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
     return theta, scaling, partial
+
+
+def _context_length(max_position: int, rope_scaling: dict | None) -> int:
+    """ModelConfig.context_length, from the two values it derives from."""
+    s = rope_scaling or {}
+    if s.get("rope_type") == "yarn":
+        return max(max_position, int(s["original_max_position_embeddings"] * s["factor"]))
+    if s.get("rope_type") == "linear":
+        return max(max_position, int(max_position * s["factor"]))
+    return max_position
 
 
 def _rotary_dim(head_dim: int, partial_rotary_factor: float) -> int:

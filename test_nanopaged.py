@@ -404,6 +404,9 @@ def test_yarn_and_linear_scaling_stretch_the_context_served(tmp_path):
      (None, None)),
     ({"model_type": "llama", "sliding_window": 64, "use_sliding_window": True}, (None, None)),   # Llama has none
     ({"model_type": "phi3", "sliding_window": 64}, (64, 64)),            # Phi-3 windows as Mistral (mini-4k: 2047)
+    # a window past max_position_embeddings but within the context YaRN stretches it to (4 x 128)
+    ({"model_type": "mistral", "sliding_window": 300,
+      "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}, (300, 300)),
     # SmolLM3 as Qwen, its NoPE layers by default (every 4th, of 2 here none; every 2nd)
     ({"model_type": "smollm3", "sliding_window": 64}, (None, None)),
     ({"model_type": "smollm3", "sliding_window": 64, "use_sliding_window": True}, (None, None)),
