@@ -148,31 +148,51 @@ def bench_attention(args):
 
 def bench_scheduler(args):
     """schedule() + update() with 256 sequences decoding, a fake token for each: the
-    scheduler's own cost per step, to set against the model's step time."""
+    scheduler's own cost per step, to set against the model's step time. Then a step under a
+    sliding window while a 32k-token request waits: the prefix-cache lookup scans all its
+    blocks each step (under a window a miss does not end it), its hashes kept from the first."""
     pool = BlockPool(num_blocks=256 * 80, block_size=16, num_layers=1, num_kv_heads=1, head_dim=1)
     sched = Scheduler(pool, max_num_seqs=256, max_num_batched_tokens=256 * 600, max_model_len=4096)
     rng = random.Random(0)
     for i in range(256):
         sched.add(i, [rng.randint(3, 999) for _ in range(rng.randint(16, 512))],
                   SamplingParams(max_tokens=1000, ignore_eos=True))
-
-    def step():
-        out = sched.schedule()
-        sampled = {seq: [7] for i, seq in enumerate(out.seqs) if out.samples[i]}
-        sched.update(out, sampled)
-        return out
-
-    step()  # the prefill step
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        out = step()
-        times.append(time.perf_counter() - t)
+    sched_step(sched)  # the prefill step
+    med, out = median_step(sched, args.steps)
     assert len(out.seqs) == 256 and all(n == 1 for n in out.num_tokens)
-    med = statistics.median(times)
     print(f"scheduler, 256 running sequences decoding (block size 16, prefix caching on): "
           f"median {1000 * med:.2f} ms per step over {args.steps} steps "
           f"({1e6 * med / 256:.1f} us per sequence)")
+
+    # A 4,500-token request holds most of a 400-block pool (its window of 4,096 and a chunk);
+    # the 32k-token one behind it does not fit until it ends.
+    pool = BlockPool(num_blocks=400, block_size=16, num_layers=1, num_kv_heads=1, head_dim=1)
+    sched = Scheduler(pool, max_num_batched_tokens=512, max_model_len=40_000, sliding_window=4096)
+    sched.add("long", [rng.randint(3, 999) for _ in range(4500)], SamplingParams(max_tokens=30_000, ignore_eos=True))
+    for _ in range(12):
+        sched_step(sched)
+    sched.add("waits", [rng.randint(3, 999) for _ in range(32_768)], SamplingParams(max_tokens=1, ignore_eos=True))
+    med, out = median_step(sched, args.steps)
+    assert [s.request_id for s in out.seqs] == ["long"] and sched.waiting[0].request_id == "waits"
+    print(f"scheduler, 1 sequence decoding under a window of 4,096 while a 32,768-token request waits: "
+          f"median {1000 * med:.2f} ms per step over {args.steps} steps")
+
+
+def sched_step(sched):
+    """A step with a fake model: token 7 for every sequence that samples."""
+    out = sched.schedule()
+    sched.update(out, {seq: [7] for i, seq in enumerate(out.seqs) if out.samples[i]})
+    return out
+
+
+def median_step(sched, steps):
+    """(median seconds per step over `steps` steps, the last step's SchedulerOutput)."""
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        out = sched_step(sched)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
 
 
 # -----------------------------------------------------------------------------

@@ -250,7 +250,9 @@ class Sequence:
                                                 # (under a window, those before the window too)
         self.num_preemptions = 0                # times it was preempted (recomputed or swapped)
         self.block_table = block_table
-        self.block_hashes: list[int] = []       # prefix hash of each full block, computed or in this step
+        self.block_hashes: list[int] = []       # prefix hash of each full block hashed so far: a memo
+                                                # (Scheduler._prefix_hashes), true for good since the
+                                                # tokens only grow; kept through preemption
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -480,8 +482,8 @@ class Scheduler:
                 hits, skip = self._still_cached(seq), 0
                 done = seq.num_computed_tokens
             else:   # (under a sliding window, the blocks before its window are not taken)
-                hits, hashes, skip = self._cached_prefix(seq)
-                done = len(hashes) * self.block_size
+                hits, done_blocks, skip = self._cached_prefix(seq)
+                done = done_blocks * self.block_size
             n = min(seq.num_tokens - done, budget)
             kept = seq.block_table.num_dropped + skip + len(hits)   # (dropped, skipped: before the window)
             need = -(-(done + n) // self.block_size) - kept  # ceil division
@@ -503,7 +505,7 @@ class Scheduler:
                 self._swap_in(seq, hits, out)
             else:
                 self.waiting.popleft()
-                self._adopt_cached_prefix(seq, hits, hashes, skip)
+                self._adopt_cached_prefix(seq, hits, done_blocks, skip)
                 seq.status = Status.RUNNING
                 bisect.insort(self.running, seq, key=lambda s: s.order)
             self._place(seq, n, out)
@@ -525,9 +527,10 @@ class Scheduler:
             # they are there when that sequence's queries look. (They enter the prefix cache
             # proper only in update(), once the step has happened; the hashes are taken here,
             # once, and update() reads them from seq.block_hashes.)
-            for i, h, tokens in self._unhashed_full_blocks(seq, seq.num_computed_tokens + n):
-                self.in_flight.setdefault(h, (seq.block_table.block_ids[i], tokens))
-                seq.block_hashes.append(h)
+            first, end = seq.num_computed_tokens // self.block_size, (seq.num_computed_tokens + n) // self.block_size
+            hashes = self._prefix_hashes(seq, end)
+            for i in range(first, end):   # the blocks this step fills
+                self.in_flight.setdefault(hashes[i], (seq.block_table.block_ids[i], self._block_tokens(seq, i)))
 
     def _slide(self, seq: Sequence):
         """Sliding window: free seq's blocks before the window of its next query (at position
@@ -624,7 +627,7 @@ class Scheduler:
                          if hits else ""))
         # The full blocks copied back enter the prefix cache once the step has happened (in
         # update(), as in_flight blocks), and serve later sequences of this step already.
-        for i in range(seq.block_table.num_dropped + len(hits), len(seq.block_hashes)):
+        for i in range(seq.block_table.num_dropped + len(hits), seq.num_computed_tokens // self.block_size):
             self.in_flight.setdefault(seq.block_hashes[i], (seq.block_table.block_ids[i], self._block_tokens(seq, i)))
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.order)
@@ -642,7 +645,6 @@ class Scheduler:
             self.running.remove(seq)
             seq.block_table.release()
         seq.num_computed_tokens = 0
-        seq.block_hashes = []
         seq.status = Status.WAITING
         # back in arrival order: usually the head, being older than every waiting sequence; but
         # a rollback or a parked beam's preemption may send back one newer than some
@@ -653,37 +655,36 @@ class Scheduler:
                       f"({self.pool.num_available} blocks available)")
 
     # --- prefix caching ---
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int], int]:
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], int, int]:
         """The cached blocks seq can start from: the largest d such that block d - 1 and every
-        block the query at position d * block_size reads are cached. Returns (those blocks, the
-        prefix hashes of its first d blocks, skip): without a window, the longest chain of
+        block the query at position d * block_size reads are cached. Returns (those blocks, d,
+        skip): without a window, the longest chain of
         cached blocks from its first (skip = 0); under a sliding window, only the blocks from
         its next query's window on (from index skip) must be cached, and those before may be
         gone (they count as cached tokens all the same: they are not computed either): a long sequence's
         first blocks slid out of its window first, so they are evicted first, while the ones
         its window reads are still there. (The hashes depend on the tokens alone: a block's
-        is known whether the blocks before it are cached or not.) Only blocks that end before
+        is known whether the blocks before it are cached or not; and _prefix_hashes keeps
+        them, so a long head waiting under a window is hashed once, not every step.) Only blocks that end before
         the last token count, so at least one token is computed and yields logits. A request
         that asks for its prompt's logprobs takes none until it has sampled: a cached token
         is never computed, so it would have no logits to score."""
-        hashes, found = [], []   # per full block: its prefix hash, its cached block or None
+        found = []               # per full block: its cached block or None
         done, last_miss = 0, -1  # the most blocks seq can count as computed; the last block not cached
         scores_prompt = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
         if self.enable_prefix_caching and not scores_prompt:
             for i in range((seq.num_tokens - 1) // self.block_size):
-                tokens = self._block_tokens(seq, i)
-                hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, tokens))
-                found.append(self._find_cached(hashes[-1], tokens))
+                found.append(self._find_cached(self._prefix_hashes(seq, i + 1)[i], self._block_tokens(seq, i)))
                 if found[-1] is None:
                     last_miss = i
                     # (under a window the scan goes on: a later block's window may begin past
-                    # this miss. Hashing a long waiting prompt each step costs a few ms)
+                    # this miss)
                     if self.sliding_window is None:
                         break   # (no later block can serve without this one)
                 elif last_miss < self._first_visible((i + 1) * self.block_size) // self.block_size:
                     done = i + 1   # every block from the window of the query after block i on is here
         skip = self._first_visible(done * self.block_size) // self.block_size
-        return found[skip:done], hashes[:done], skip
+        return found[skip:done], done, skip
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple:
         """The token ids of seq's full block i: what its prefix hash covers, with the hashes
@@ -706,23 +707,21 @@ class Scheduler:
         rest is copied back."""
         hits = []
         if self.enable_prefix_caching:
-            for i in range(seq.block_table.num_dropped, len(seq.block_hashes)):
-                h = seq.block_hashes[i]
-                block = self._find_cached(h, self._block_tokens(seq, i))
+            for i in range(seq.block_table.num_dropped, seq.num_computed_tokens // self.block_size):
+                block = self._find_cached(seq.block_hashes[i], self._block_tokens(seq, i))
                 if block is None:
                     break
                 hits.append(block)
         return hits
 
-    def _adopt_cached_prefix(self, seq: Sequence, hits: list[int], hashes: list[int], skip: int):
+    def _adopt_cached_prefix(self, seq: Sequence, hits: list[int], done: int, skip: int):
         """seq (waiting, holding no block) takes the cached blocks that start it (hits, the
-        K/V of its blocks skip .. len(hashes) - 1; from _cached_prefix). Its first `skip`
-        blocks lie before its window: they are dropped from the start, cached or not."""
+        K/V of its blocks skip .. done - 1; from _cached_prefix). Its first `skip` blocks lie
+        before its window: they are dropped from the start, cached or not."""
         seq.block_table.skip_dropped(skip)
         for block in hits:
             seq.block_table.append_cached(block)
-        seq.block_hashes = hashes
-        seq.num_computed_tokens = len(hashes) * self.block_size
+        seq.num_computed_tokens = done * self.block_size
         # The hit rate is about prompts: a preempted sequence finding its own blocks again
         # on its way back (a recompute made cheaper) is not counted.
         if self.enable_prefix_caching and seq.num_preemptions == 0:
@@ -736,16 +735,15 @@ class Scheduler:
                           f"recomputed{f'; the {skip} before its window not needed' if skip else ''}"
                           f"{f'; {in_step} are being computed in this step' if in_step else ''})")
 
-    def _unhashed_full_blocks(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int, tuple]]:
-        """(index, prefix hash, token ids) of each of seq's blocks that its first num_tokens
-        tokens fill and that has no hash in seq.block_hashes yet."""
-        blocks = []
-        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
-        for i in range(len(seq.block_hashes), num_tokens // self.block_size):
-            tokens = self._block_tokens(seq, i)
-            parent = hash_block(parent, tokens)
-            blocks.append((i, parent, tokens))
-        return blocks
+    def _prefix_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """seq.block_hashes, extended to cover its first num_blocks full blocks. A memo: a
+        block's prefix hash depends on the tokens alone, and a sequence's tokens only grow,
+        so each is hashed once, however often the sequence is looked up, waits or is
+        preempted."""
+        hashes = seq.block_hashes
+        for i in range(len(hashes), num_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, self._block_tokens(seq, i)))
+        return hashes
 
     def _register_full_blocks(self, seq: Sequence, first: int):
         """Enter the blocks from index first on that this step filled into the prefix cache

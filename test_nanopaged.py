@@ -2505,6 +2505,31 @@ def test_a_long_windowed_request_takes_only_the_cached_blocks_its_window_reads()
                    for line in said)
 
 
+def test_each_block_is_hashed_once_however_long_it_waits_or_often_it_is_preempted(monkeypatch):
+    """Under a window the prefix-cache lookup scans a waiting request's every block (a miss
+    does not end it): the hashes are kept on the sequence, so a 100-block request waiting
+    step after step behind a long prefill, then preempted and recomputed, hashes each block once."""
+    hashed = []
+    real = scheduler_module.hash_block
+    monkeypatch.setattr(scheduler_module, "hash_block", lambda parent, tokens: hashed.append(tuple(tokens)) or
+                        real(parent, tokens))
+    sched = make_sched(num_blocks=20, block_size=4, max_num_batched_tokens=16, sliding_window=8)
+    kv = SimulatedKV(sched)
+    a = sched.add("a", list(range(1000, 1200)), SamplingParams(max_tokens=10, ignore_eos=True))
+    run_step(sched, kv=kv)
+    b = sched.add("b", list(range(2, 402)), SamplingParams(max_tokens=3, ignore_eos=True))
+    waited = 0
+    while b.status is Status.WAITING:
+        run_step(sched, kv=kv)
+        waited += 1
+    assert waited >= 5
+    sched._preempt(b)   # (as the pool running dry would)
+    run_all(sched, kv=kv, max_steps=400)
+    assert b.num_preemptions == 1 and a.finish_reason == b.finish_reason == "length"
+    assert len(hashed) == len(set(hashed))   # (every block of a and b holds other tokens)
+    assert len(b.block_hashes) == b.num_tokens // 4 and set(hashed) >= {tuple(range(2, 6)), tuple(range(398, 402))}
+
+
 def test_a_rolled_back_swap_out_counts_as_one_recompute():
     sched, a, b = swapping_pair()
     while not (out := sched.schedule()).swap_out:
