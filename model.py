@@ -11,7 +11,7 @@ layer hands its q, k, v to the `attn` object it was given,
 
 and that object (nanopaged's PagedAttention, on the torch path or the CUDA kernel; the
 tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
-context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen, SmolLM3 layers), to the
+context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen, SmolLM3, Gemma 3 layers), to the
 last W positions up to each query. The model knows nothing about pages.
 
 Chapters: config, tokenizers, layers, Llama, GPT-2, loading, GGUF conversion.
@@ -101,7 +101,25 @@ LLAMA_FAMILY = {
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
                 "rope_theta": 2_000_000.0},
+    "gemma3_text": {"max_position_embeddings": 131072, "tie_word_embeddings": True, "head_dim": 256,
+                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window": 4096,
+                    "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "bos_token_id": 2, "eos_token_id": 1},
 }
+
+
+@dataclass(frozen=True)
+class LayersBut:
+    """The layers 0 .. n - 1 but those in `but`: Gemma 3's windowed layers, all but every
+    6th, held without a list of every layer (a config may claim billions)."""
+    n: int
+    but: range
+
+    def __contains__(self, i) -> bool:
+        return 0 <= i < self.n and i not in self.but
+
+    def __len__(self) -> int:
+        return self.n - len(self.but)
 
 
 @dataclass
@@ -125,12 +143,20 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
     qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
     o_bias: bool = False              # o_proj has a bias (attention_bias)
-    qk_norm: bool = False             # RMSNorm over each head's q and k before RoPE (Qwen 3)
+    qk_norm: bool = False             # RMSNorm over each head's q and k before RoPE (Qwen 3, Gemma 3)
+    # Gemma 3: its RMSNorms scale by (1 + weight), in float32; norms after attention and the
+    # MLP as well as before ("sandwich"); embeddings scaled by sqrt(C); a GELU-gated MLP; the
+    # attention scaled by query_pre_attn_scalar^-1/2; the windowed layers' RoPE of its own base
+    gemma: bool = False
+    hidden_act: str = "silu"          # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scores times its -1/2 power (None: D^-1/2)
+    rope_local_base_freq: float | None = None   # the windowed layers' RoPE base, unscaled (Gemma 3)
+    final_logit_softcapping: float | None = None  # logits squashed to (-cap, cap): cap * tanh(x / cap)
     nope_layers: range | tuple = ()   # the layers whose attention has no RoPE (SmolLM3: every 4th)
     # Sliding-window attention: the windowed layers' query at position p sees only positions
     # p - sliding_window + 1 ..= p (HF's masks); the other layers see all of 0 ..= p.
     sliding_window: int | None = None
-    window_layers: range | tuple = ()  # the windowed layers (a range: no list of every layer made)
+    window_layers: range | tuple | LayersBut = ()  # the windowed layers (no list of every layer made)
     bos_token_id: int | None = None   # as config.json says; a prompt's BOS comes from Tokenizer.prefix_ids
     eos_token_id: list[int] = field(default_factory=list)  # always a list
     # generation_config.json's sampling values, named as SamplingParams names them: vLLM's LLM
@@ -147,7 +173,12 @@ class ModelConfig:
         """The longest sequence it serves: max_position_embeddings, or as far as YaRN or linear
         scaling stretches RoPE (factor x the original context: Qwen's 32k x 4 with its model
         card's YaRN), as vLLM derives it."""
-        return _context_length(self.max_position_embeddings, self.rope_scaling)
+        return _context_length(self.max_position_embeddings, self.rope_scaling, self.model_type)
+
+    @property
+    def attn_scale(self) -> float:
+        """What attention multiplies q.k by: D^-1/2, or Gemma's query_pre_attn_scalar^-1/2."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def longrope_long(self, max_model_len: int) -> bool:
         """Whether LongRoPE rotates by its long-context factors, serving up to max_model_len
@@ -190,7 +221,8 @@ class ModelConfig:
         model_type = d.get("model_type")
         if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
             d = LLAMA_FAMILY[model_type] | d
-            if d.get("hidden_act", "silu") != "silu":
+            gemma, rope = _gemma3_fields(d) if model_type == "gemma3_text" else ({}, d)
+            if not gemma and d.get("hidden_act", "silu") != "silu":
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
             if d.get("mlp_bias"):
                 raise ModelError("mlp_bias is not supported")
@@ -208,15 +240,18 @@ class ModelConfig:
                     "" if d.get("head_dim") else f" (head_dim = hidden_size {hidden} // "
                                                   f"num_attention_heads {heads})"))
             max_position = _positive(d, "max_position_embeddings", default=2048)
-            rope_theta, rope_scaling, partial = _rope_config(d, model_type, head_dim, max_position)
+            rope_theta, rope_scaling, partial = _rope_config(rope, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
-            # Qwen 2 gives q, k and v a bias (not o); Llama's and Qwen 3's attention_bias gives
-            # all four one; Mistral has none. Qwen 3 normalizes each head's q and k.
-            attention_bias = model_type in ("llama", "qwen3", "smollm3") and _flag(d, "attention_bias")
+            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's and Gemma 3's
+            # attention_bias gives all four one; Mistral has none. Qwen 3 and Gemma 3 normalize
+            # each head's q and k.
+            attention_bias = model_type in ("llama", "qwen3", "smollm3", "gemma3_text") and _flag(d, "attention_bias")
             nope_layers = _nope_layers(d, model_type)
             window, window_layers = _sliding_window(d, model_type, nope_layers)
-            if window and window >= _context_length(max_position, rope_scaling):
-                window, window_layers = None, ()  # a window as long as the context changes nothing
+            # A window as long as the context changes nothing. (Gemma 3's is kept: it also says
+            # which layers take the local RoPE.)
+            if window and window >= _context_length(max_position, rope_scaling, model_type) and not gemma:
+                window, window_layers = None, ()
             fields = dict(
                 hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
@@ -225,8 +260,8 @@ class ModelConfig:
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings"),
                 qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
-                qk_norm=model_type == "qwen3", nope_layers=nope_layers, sliding_window=window,
-                window_layers=window_layers)
+                qk_norm=model_type in ("qwen3", "gemma3_text"), nope_layers=nope_layers, sliding_window=window,
+                window_layers=window_layers, **gemma)
             default_token_id = None
         elif model_type == "gpt2":
             if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -248,7 +283,10 @@ class ModelConfig:
                 norm_eps=_positive(d, "layer_norm_epsilon", float, 1e-5), tie_word_embeddings=True)
             default_token_id = 50256  # <|endoftext|>
         else:
-            raise ModelError(f"model_type {model_type!r} is not supported "
+            why = {"gemma3": " (Gemma 3 4B and larger, with a vision tower: nanopaged runs the text-only "
+                             "gemma3_text, Gemma 3 270M and 1B)",
+                   "gemma2": " (its attention logits are softcapped: nanopaged's attention has no softcap)"}
+            raise ModelError(f"model_type {model_type!r} is not supported{why.get(str(model_type), '')} "
                              f"(supported: {', '.join(sorted(ARCHITECTURES))})")
         vocab_size = _positive(d, "vocab_size")
         bos = _token_ids(d, "bos_token_id", vocab_size, default_token_id, many=False)
@@ -263,6 +301,40 @@ def _flag(d: dict, key: str) -> bool:
     if not isinstance(value, bool | None):
         raise ModelError(f"{key!r} is {value!r}, expected true or false")
     return bool(value)
+
+
+def _gemma3_fields(d: dict) -> tuple[dict, dict]:
+    """ModelConfig's Gemma 3 fields, read as transformers' Gemma3TextConfig reads them, and d
+    with its RoPE written as _rope_config reads a Llama's: the full attention layers'
+    rope_theta and any scaling (the 4B and larger: linear, 8), from rope_theta + rope_scaling
+    or transformers 5's rope_parameters["full_attention"]; the windowed layers' base from
+    rope_local_base_freq or rope_parameters["sliding_attention"], never scaled. Refused: Gemma 2's attention softcapping (the kernels have none), and the
+    bidirectional attention of its embedding models."""
+    if d.get("hidden_activation") not in ("gelu_pytorch_tanh", "gelu_new"):   # (both the tanh GELU)
+        raise ModelError(f"hidden_activation {d.get('hidden_activation')!r} is not supported "
+                         f"(only the tanh GELU: 'gelu_pytorch_tanh')")
+    if d.get("attn_logit_softcapping") is not None:
+        raise ModelError("attn_logit_softcapping (Gemma 2's) is not supported: nanopaged's attention "
+                         "has no softcap")
+    if _flag(d, "use_bidirectional_attention"):
+        raise ModelError("use_bidirectional_attention (an embedding model's) is not supported: "
+                         "a generating model's attention is causal")
+    nested = d.get("rope_parameters")
+    if nested is not None and not (isinstance(nested, dict) and set(nested) <= {"full_attention", "sliding_attention"}
+                                   and all(isinstance(v, dict | None) for v in nested.values())):
+        raise ModelError(f"'rope_parameters' is {reprlib.repr(nested)}, expected Gemma 3's "
+                         f"{{'full_attention': {{...}}, 'sliding_attention': {{...}}}}")
+    full, local = (nested or {}).get("full_attention") or {}, (nested or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ModelError(f"rope type {local['rope_type']!r} for the sliding-window layers is not supported "
+                         f"(Gemma 3 scales only its full-attention layers' RoPE)")
+    local_theta = (_positive(local, "rope_theta", float) if "rope_theta" in local
+                   else _positive(d, "rope_local_base_freq", float))
+    cap = d.get("final_logit_softcapping")
+    fields = dict(gemma=True, hidden_act="gelu_tanh", query_pre_attn_scalar=_positive(d, "query_pre_attn_scalar", float),
+                  rope_local_base_freq=local_theta,
+                  final_logit_softcapping=None if cap is None else _positive(d, "final_logit_softcapping", float))
+    return fields, d | {"rope_parameters": full or None}
 
 
 def _nope_layers(d: dict, model_type: str) -> range | tuple:
@@ -282,18 +354,23 @@ def _nope_layers(d: dict, model_type: str) -> range | tuple:
     return tuple(i for i, rotates in enumerate(flags) if not rotates)
 
 
-def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tuple[int | None, range | tuple]:
+def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tuple[int | None, range | tuple | LayersBut]:
     """The window and the layers that use it ((None, ()): every layer sees everything), read
     as HF's config classes read them. Mistral and Phi-3 window every layer when sliding_window
     is set. Qwen and SmolLM3 window only with use_sliding_window, and then the layers
     layer_types names "sliding_attention" (by default, Qwen's from max_window_layers on,
-    SmolLM3's NoPE layers). Llama has no window."""
+    SmolLM3's NoPE layers). Gemma 3 windows the layers layer_types names so, by default all but
+    every sliding_window_pattern-th (6). Llama has no window."""
     if model_type == "llama" or d.get("sliding_window") is None:
         return None, ()
     layers = _positive(d, "num_hidden_layers")
     if model_type in ("mistral", "phi3"):
         windowed = range(layers)
-    elif not _flag(d, "use_sliding_window") and not (model_type == "smollm3" and d.get("layer_types") is not None):
+    elif model_type == "gemma3_text" and d.get("layer_types") is None:
+        pattern = _positive(d, "sliding_window_pattern", default=6)
+        windowed = LayersBut(layers, range(pattern - 1, layers, pattern))
+    elif (not _flag(d, "use_sliding_window") and model_type != "gemma3_text"
+          and not (model_type == "smollm3" and d.get("layer_types") is not None)):
         return None, ()   # (SmolLM3's masks follow its layer_types even so, as transformers runs it)
     elif (kinds := d.get("layer_types")) is None and model_type == "smollm3":
         windowed = nope_layers
@@ -422,9 +499,10 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
     return theta, scaling, partial
 
 
-def _context_length(max_position: int, rope_scaling: dict | None) -> int:
-    """ModelConfig.context_length, from the two values it derives from."""
-    s = rope_scaling or {}
+def _context_length(max_position: int, rope_scaling: dict | None, model_type: str) -> int:
+    """ModelConfig.context_length, from the values it derives from. (Gemma 3's linear scaling
+    is already counted in its max_position_embeddings, 128k: vLLM makes the same exception.)"""
+    s = {} if rope_scaling is None or model_type == "gemma3_text" else rope_scaling
     if s.get("rope_type") == "yarn":
         return max(max_position, int(s["original_max_position_embeddings"] * s["factor"]))
     if s.get("rope_type") == "linear":
@@ -1080,10 +1158,12 @@ def _strips_first_space(decoder) -> bool:
 
 
 def _space_scheme(tj: dict, vocab: dict[str, int], path: Path) -> str:
-    """How a SentencePiece tokenizer.json writes spaces (Tokenizer.sentencepiece). Two shapes
+    """How a SentencePiece tokenizer.json writes spaces (Tokenizer.sentencepiece). Three shapes
     are in use: transformers' "legacy" conversion (TinyLlama, Mistral 7B v0.1), a normalizer
-    Prepend("▁") + Replace(" ", "▁"), and the newer Metaspace pre-tokenizer, whose
-    prepend_scheme says where a "▁" goes first."""
+    Prepend("▁") + Replace(" ", "▁"); the newer Metaspace pre-tokenizer, whose
+    prepend_scheme says where a "▁" goes first; and Gemma's, a normalizer Replace(" ", "▁")
+    with no "▁" prepended, as Metaspace's "never" (its pre-tokenizer, Split(" "), finds no
+    space left to split at)."""
     missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in vocab]
     if missing:
         raise ModelError(f"{path}: a byte_fallback BPE needs the 256 byte tokens <0x00>...<0xFF>; "
@@ -1093,12 +1173,15 @@ def _space_scheme(tj: dict, vocab: dict[str, int], path: Path) -> str:
     legacy = [{"type": "Prepend", "prepend": SPACE}, {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]
     if pre is None and steps == legacy:
         return "legacy"
+    gemma_split = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
+    if normalizer == legacy[1] and pre in (None, gemma_split):
+        return "never"
     if (normalizer is None and pre and pre.get("type") == "Metaspace" and pre.get("replacement") == SPACE
             and pre.get("split", True) is False and pre.get("prepend_scheme") in ("first", "always", "never")):
         return pre["prepend_scheme"]
     raise ModelError(f"{path}: normalizer {normalizer!r} with pre_tokenizer {pre!r} is not a supported "
-                     f"SentencePiece BPE (supported: normalizer Prepend(\"▁\") + Replace(\" \", \"▁\"), or "
-                     f"pre_tokenizer Metaspace without split)")
+                     f"SentencePiece BPE (supported: normalizer Prepend(\"▁\") + Replace(\" \", \"▁\"), "
+                     f"normalizer Replace(\" \", \"▁\") (Gemma's), or pre_tokenizer Metaspace without split)")
 
 
 def _hf_pattern(pre: dict | None, path: Path) -> str:
@@ -1333,23 +1416,25 @@ def load_tokenizer(model=None) -> Tokenizer:
 # ----------------------------------------------------------------------------------------
 # layers
 
-def rope_tables(config: ModelConfig, max_model_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: ModelConfig, max_model_len: int | None = None,
+                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, frequency) angle, each (P, R/2) for the P =
     max_model_len (default max_position_embeddings) positions served and the R = rotary_dim
     rotated dimensions, computed once so that a forward pass just picks rows by position.
     Float32 and in the same order of operations as HF, whose numbers the checkpoints were
     evaluated with. device="cpu" explicitly: real numbers even while the model is built on
-    'meta'."""
-    R, s = config.rotary_dim, config.rope_scaling or {}
+    'meta'. local: the tables of Gemma 3's windowed layers (rope_local_base_freq, unscaled)."""
+    R = config.rotary_dim
+    theta, s = (config.rope_local_base_freq, {}) if local else (config.rope_theta, config.rope_scaling or {})
     P = max_model_len or config.context_length
-    powers = config.rope_theta ** (torch.arange(0, R, 2, device="cpu").float() / R)  # (R/2,): theta^(2i/R)
+    powers = theta ** (torch.arange(0, R, 2, device="cpu").float() / R)  # (R/2,): theta^(2i/R)
     inv_freq, attention_factor = 1.0 / powers, 1.0
     if s.get("rope_type") == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, s)
     elif s.get("rope_type") == "linear":
         inv_freq = inv_freq / s["factor"]
     elif s.get("rope_type") == "yarn":
-        inv_freq, attention_factor = _yarn_inv_freq(powers, config.rope_theta, s), s["attention_factor"]
+        inv_freq, attention_factor = _yarn_inv_freq(powers, theta, s), s["attention_factor"]
     elif s.get("rope_type") == "longrope":
         # LongRoPE: each frequency slowed by a factor of its own, one set for contexts
         # within the original one, another beyond. HF picks by the length of each forward
@@ -1360,7 +1445,7 @@ def rope_tables(config: ModelConfig, max_model_len: int | None = None) -> tuple[
         factors = s["long_factor"] if config.longrope_long(P) else s["short_factor"]
         inv_freq, attention_factor = 1.0 / (torch.tensor(factors, device="cpu") * powers), s["attention_factor"]
     if not torch.isfinite(inv_freq).all():   # (a rope_theta of 1e-300 underflows: 1 / 0)
-        raise ModelError(f"rope_theta {config.rope_theta} and rope_scaling {config.rope_scaling} give RoPE "
+        raise ModelError(f"rope_theta {theta} and rope_scaling {s or None} give RoPE "
                          f"frequencies that are not finite numbers")
     positions = torch.arange(P, device="cpu").float()
     angles = torch.outer(positions, inv_freq)  # (P, R/2)
@@ -1419,7 +1504,23 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 
 # ----------------------------------------------------------------------------------------
-# Llama
+# Llama (and its family: Mistral, Qwen 2/3, Phi-3, SmolLM3, Gemma 3)
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: its weights are offsets from 1 (it scales by 1 + weight, so a weight of
+    zero keeps x), and it computes in float32, casting back only at the end, as HF's does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.empty(dim))
+
+    def forward(self, x):
+        return (F.rms_norm(x.float(), x.shape[-1:], eps=self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+
+def rms_norm(config: ModelConfig, dim: int) -> nn.Module:
+    return GemmaRMSNorm(dim, config.norm_eps) if config.gemma else nn.RMSNorm(dim, eps=config.norm_eps)
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -1434,10 +1535,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, (self.H + 2 * self.KVH) * self.D,
                                   bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.H * self.D, config.hidden_size, bias=config.o_bias)
-        # Qwen 3 normalizes every head's q and k (one (D,) scale shared by all heads) before
-        # RoPE, which keeps the attention logits in range without a softcap.
-        self.q_norm = nn.RMSNorm(self.D, eps=config.norm_eps) if config.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.D, eps=config.norm_eps) if config.qk_norm else None
+        # Qwen 3 and Gemma 3 normalize every head's q and k (one (D,) scale shared by all heads)
+        # before RoPE, which keeps the attention logits in range without a softcap.
+        self.q_norm = rms_norm(config, self.D) if config.qk_norm else None
+        self.k_norm = rms_norm(config, self.D) if config.qk_norm else None
 
     def forward(self, x, cos, sin, attn):
         T, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
@@ -1454,28 +1555,40 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); Gemma's GeGLU takes the tanh GELU of the gate."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         # gate and up read the same input: fused into one matmul like q/k/v above.
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gelu = config.hidden_act == "gelu_tanh"
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
-        return self.down_proj(F.silu(gate) * up)          # (T, C)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * up)                  # (T, C)
 
 
 class LlamaBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        C = config.hidden_size
+        self.input_layernorm = rms_norm(config, C)
         self.self_attn = LlamaAttention(config, layer_idx)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        # Llama's post_attention_layernorm normalizes the MLP's input; Gemma's (HF's names)
+        # the attention's output, then two more wrap the MLP: a "sandwich" of norms.
+        self.post_attention_layernorm = rms_norm(config, C)
         self.mlp = LlamaMLP(config)
+        self.sandwich = config.gemma
+        if self.sandwich:
+            self.pre_feedforward_layernorm = rms_norm(config, C)
+            self.post_feedforward_layernorm = rms_norm(config, C)
 
     def forward(self, x, cos, sin, attn):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -1488,26 +1601,41 @@ class Llama(nn.Module):
         self.config = config
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = rms_norm(config, config.hidden_size)
         # Tied embeddings: the LM head *is* the embedding matrix, no module of its own.
         self.lm_head = (None if config.tie_word_embeddings else
                         nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         cos, sin = rope_tables(config, max_model_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if config.rope_local_base_freq is not None:   # Gemma 3's windowed layers turn by a base of their own
+            cos, sin = rope_tables(config, max_model_len, local=True)
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
+        # Gemma scales the embeddings by sqrt(C), rounded to the model's dtype as HF rounds it
+        # (bfloat16: sqrt(640) = 25.3 becomes 25.25)
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5 if config.gemma else 1.0,
+                                                         device="cpu"), persistent=False)
 
     def forward(self, input_ids, positions, attn, logits_indices=None):
         x = self.embed_tokens(input_ids)               # (T, C)
-        cos = self.rope_cos[positions].unsqueeze(1)    # (T, 1, R/2): same angles for all heads
-        sin = self.rope_sin[positions].unsqueeze(1)    # (T, 1, R/2)
+        if self.config.gemma:
+            x = x * self.embed_scale.to(x.dtype)
+        rope = (self.rope_cos[positions].unsqueeze(1),  # (T, 1, R/2): same angles for all heads
+                self.rope_sin[positions].unsqueeze(1))  # (T, 1, R/2)
+        local = rope if self.config.rope_local_base_freq is None else (
+            self.rope_local_cos[positions].unsqueeze(1), self.rope_local_sin[positions].unsqueeze(1))
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+            x = layer(x, *(local if layer.self_attn.window is not None else rope), attn)
         # The LM head is a step's biggest matmul (vocab_size rows): run it only on the
         # tokens whose next token is sampled, typically the last one of each sequence.
         if logits_indices is not None:
             x = x[logits_indices]                      # (S, C)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(self.norm(x), head.weight)     # (S, V)
+        logits = F.linear(self.norm(x), head.weight)   # (S, V)
+        if (cap := self.config.final_logit_softcapping) is not None:
+            logits = cap * torch.tanh(logits / cap)    # (as HF: divide, tanh, multiply)
+        return logits
 
     @staticmethod
     def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
@@ -1537,6 +1665,8 @@ class Llama(nn.Module):
             if config.qk_norm:
                 D = config.head_dim
                 shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
+            if config.gemma:
+                shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
         return shapes
 
     @staticmethod

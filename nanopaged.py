@@ -850,7 +850,7 @@ class LLM:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    enable_prefix_caching, eos_token_ids, self.swap_pool,
                                    sliding_window=cfg.window_everywhere)
-        self.attn = PagedAttention(self.pool, cfg.head_dim ** -0.5,
+        self.attn = PagedAttention(self.pool, cfg.attn_scale,
                                    _pick_kernels(attn_backend, device, cfg, block_size, dtype))
         self.stats = Stats()
         self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
@@ -1949,7 +1949,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a conversation: each line typed (or read from stdin) is a turn, answered in a stream; "
                          "the earlier turns stay in the prompt, and their blocks in the prefix cache")
     ap.add_argument("--model", help="a local Hugging Face layout directory (Llama, Mistral, Qwen 2/2.5/3, Phi-3/3.5/4-mini, "
-                                    "SmolLM3, GPT-2) or a Llama, Qwen, Phi-3 or SmolLM3 .gguf file (default: SmolLM2-135M-Instruct)")
+                                    "SmolLM3, Gemma 3 270M/1B, GPT-2) or a Llama, Qwen, Phi-3 or SmolLM3 .gguf file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate, at most (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 is greedy (default); --top-k, --top-p, --min-p, --seed and distinct --n samples need > 0")

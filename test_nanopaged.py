@@ -79,10 +79,11 @@ def smollm2_tokenizer(smollm2_dir):
 class DenseAttention:
     """Causal attention over one sequence that grows across calls: each call appends the
     new k, v of a layer and attends the new queries to everything so far (with a sliding
-    window W, to the last W positions up to each query)."""
+    window W, to the last W positions up to each query). scale: what q.k is multiplied by
+    (default D^-1/2)."""
 
-    def __init__(self):
-        self.k, self.v = {}, {}
+    def __init__(self, scale=None):
+        self.k, self.v, self.scale = {}, {}, scale
 
     def __call__(self, layer_idx, q, k, v, window=None):
         k = self.k[layer_idx] = torch.cat([self.k.get(layer_idx, k[:0]), k])  # (S, KVH, D)
@@ -91,7 +92,7 @@ class DenseAttention:
         S = k.shape[0]
         k = k.repeat_interleave(H // k.shape[1], dim=1)  # (S, H, D)
         v = v.repeat_interleave(H // v.shape[1], dim=1)
-        scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(D)
+        scores = torch.einsum("thd,shd->hts", q, k) * (self.scale or D ** -0.5)
         k_pos, q_pos = torch.arange(S)[None, :], torch.arange(S - T, S)[:, None]
         hidden = (k_pos > q_pos) | (k_pos <= q_pos - window if window else False)  # (T, S)
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -102,7 +103,7 @@ def forward_all(model, ids):
     """Logits of every position of one sequence, in one forward pass."""
     ids = torch.as_tensor(ids)
     with torch.inference_mode():
-        return model(ids, torch.arange(len(ids)), DenseAttention())
+        return model(ids, torch.arange(len(ids)), DenseAttention(model.config.attn_scale))
 
 
 def write_checkpoint(path, config, tensors, shards=1):
@@ -155,10 +156,14 @@ def llama_tensors(c, seed=0):
                        p + "self_attn.v_proj.bias": (kv,)}
         if c.get("attention_bias"):
             shapes[p + "self_attn.o_proj.bias"] = (C,)
-        if c["model_type"] == "qwen3":
+        if c["model_type"] in ("qwen3", "gemma3_text"):
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
+        if c["model_type"] == "gemma3_text":
+            shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
     tensors = {n: (1 + 0.1 * torch.randn(s, generator=g)) if n.endswith("norm.weight")
                else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
+    if c["model_type"] == "gemma3_text":   # Gemma's norm weights are offsets from 1
+        tensors = {n: t - 1 if n.endswith("norm.weight") else t for n, t in tensors.items()}
     if c["model_type"] == "phi3":   # HF's Phi-3 stores q/k/v and gate/up fused
         for i in range(c["num_hidden_layers"]):
             p = f"model.layers.{i}."
@@ -333,6 +338,20 @@ LLAMA_FAMILY_VARIANTS = {
         max_position_embeddings=32, rope_scaling={"type": "su", "short_factor": [1.0, 1.7, 3.0, 6.0],
                                                   "long_factor": [2.0, 2.0, 5.0, 9.0], "attention_factor": 1.3,
                                                   "original_max_position_embeddings": 32}),
+    # Gemma 3 (its 270M and 1B): norms of 1 + weight, before and after attention and MLP;
+    # embeddings times sqrt(C); GeGLU; per-head q/k norms; scores scaled by 12^-1/2, not 16^-1/2;
+    # layer 0 windowed (sliding_window_pattern 2) and turning by its local base 100, layer 1
+    # seeing everything by rope_theta
+    "gemma3": llama_config(model_type="gemma3_text", head_dim=16, sliding_window=4, sliding_window_pattern=2,
+                           query_pre_attn_scalar=12, rope_local_base_freq=100.0, pad_token_id=0),
+    # the 4B and larger: linear scaling (of the full layers only) in transformers 5's nested
+    # rope_parameters, layer_types, and the final logits' softcap (Gemma 2's, which 3 keeps in HF)
+    "gemma3_scaled": {k: v for k, v in llama_config(
+        model_type="gemma3_text", tied=False, kv_heads=6, head_dim=8, sliding_window=3, query_pre_attn_scalar=8,
+        layer_types=["full_attention", "sliding_attention"], final_logit_softcapping=2.0, attention_bias=True,
+        pad_token_id=0).items() if k != "rope_theta"} | {"rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}},
 }
 
 
@@ -419,6 +438,13 @@ def test_yarn_and_linear_scaling_stretch_the_context_served(tmp_path):
     # (SmolLM3's masks follow layer_types with use_sliding_window off too, where Qwen's do not)
     ({"model_type": "smollm3", "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
      (64, None)),
+    # Gemma 3: all but every sliding_window_pattern-th layer (6: both of 2 here), or as layer_types
+    # say; a window as long as the context kept, since it says which layers turn by the local RoPE
+    ({"model_type": "gemma3_text", "sliding_window": 64}, (64, 64)),
+    ({"model_type": "gemma3_text", "sliding_window": 64, "sliding_window_pattern": 2}, (64, None)),
+    ({"model_type": "gemma3_text", "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]},
+     (None, 64)),
+    ({"model_type": "gemma3_text", "sliding_window": 500}, (500, 500)),
 ])
 def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
     """Which layers attend through a sliding window, and how wide: as transformers' config
@@ -435,13 +461,13 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
 
 @pytest.mark.parametrize("variant, window", [("qwen3_attention_bias", None), ("mistral_window", 10),
                                              ("mistral_window", 4), ("qwen2_window", 3), ("smollm3_window", 10),
-                                             ("phi3_longrope_partial", None)])
+                                             ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
-    """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed) and
-    LongRoPE on part of each head through the paged engine: chunked prefill, decode, prefix
-    hits; the same greedy tokens as dense forward passes. Windows end mid-block and inside
-    chunks, in every layer (Mistral) or one only (Qwen 2, SmolLM3), and do not shorten the
-    context."""
+    """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
+    LongRoPE on part of each head and Gemma 3 (its attention's own scale, a local RoPE in its
+    windowed layer) through the paged engine: chunked prefill, decode, prefix hits; the same
+    greedy tokens as dense forward passes. Windows end mid-block and inside chunks, in every
+    layer (Mistral) or one only (Qwen 2, SmolLM3, Gemma 3), and do not shorten the context."""
     vocab, _ = byte_vocab()
     c = LLAMA_FAMILY_VARIANTS[variant] | {"vocab_size": 256, "eos_token_id": 0}
     if window:
@@ -950,7 +976,7 @@ def test_bad_config(tmp_path):
     with pytest.raises(ModelError, match=r"config\.json: no 'hidden_size'"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "mamba"}))
-    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gpt2, llama, mistral, phi3, qwen2, qwen3, smollm3\)"):
+    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gemma3_text, gpt2, llama, mistral, phi3, qwen2, qwen3, smollm3\)"):
         load_model(tmp_path)
     for rope, message in [({"rope_theta": 1e-300}, "rope_theta 1e-300 and rope_scaling None give RoPE frequencies "
                                                    "that are not finite numbers"),   # (1 / 0, once underflowed)
@@ -959,6 +985,9 @@ def test_bad_config(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(llama_config() | rope))
         with pytest.raises(ModelError, match=r"config\.json: .*" + message):
             load_model(tmp_path, dummy=True)
+    (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "gemma3"}))
+    with pytest.raises(ModelError, match=r"'gemma3' is not supported \(Gemma 3 4B and larger, with a vision tower"):
+        load_model(tmp_path)
     dynamic = llama_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     (tmp_path / "config.json").write_text(json.dumps(dynamic))
     with pytest.raises(ModelError, match="rope type 'dynamic'"):
@@ -973,6 +1002,56 @@ def test_bad_config(tmp_path):
     (tok_dir / "tokenizer_config.json").mkdir()
     with pytest.raises(ModelError, match=r"tokenizer_config.json: cannot be read \(Is a directory\)"):
         load_tokenizer(tok_dir)
+
+
+def test_gemma3_configs_are_read_as_transformers_reads_them_or_refused():
+    """Gemma 3's RoPE in either spelling: rope_theta + rope_local_base_freq + rope_scaling
+    (its hub configs), or transformers 5's rope_parameters per layer type; the scaling (its 4B
+    and larger: linear, 8) for the full-attention layers only, and already counted in
+    max_position_embeddings (the context is not stretched 8 times, as vLLM reads it too).
+    What it cannot run is refused, naming the key."""
+    base = {k: v for k, v in llama_config(model_type="gemma3_text", head_dim=16).items()
+            if k not in ("rope_theta", "eos_token_id")}
+    c = ModelConfig.from_dict(base | {"rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert (c.rope_theta, c.rope_local_base_freq, c.rope_scaling) == (1e6, 1e4, {"rope_type": "linear", "factor": 8.0})
+    assert c.context_length == 128 and c.attn_scale == 256 ** -0.5 and c.tie_word_embeddings
+    assert (c.bos_token_id, c.eos_token_id, c.hidden_act, c.final_logit_softcapping) == (2, [1], "gelu_tanh", None)
+    nested = ModelConfig.from_dict(base | {"rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 2e5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 3e3}}})
+    assert (nested.rope_theta, nested.rope_local_base_freq, nested.rope_scaling) == (2e5, 3e3, c.rope_scaling)
+    for change, message in [
+            ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping \\(Gemma 2's\\) is not supported"),
+            ({"use_bidirectional_attention": True}, "use_bidirectional_attention .* is not supported"),
+            ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
+            ({"query_pre_attn_scalar": 0}, "'query_pre_attn_scalar' is 0, expected a positive number"),
+            ({"final_logit_softcapping": -1}, "'final_logit_softcapping' is -1"),
+            ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "expected Gemma 3's {'full_attention'"),
+            ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+             "rope type 'linear' for the sliding-window layers is not supported"),
+            ({"sliding_window_pattern": 0}, "'sliding_window_pattern' is 0")]:
+        with pytest.raises(ModelError, match=message):
+            ModelConfig.from_dict(base | change)
+
+
+def test_gemma_chats_through_the_engine(tmp_path):
+    """A tiny Gemma 3 with the Gemma-shaped tokenizer and a chat template of Gemma's format
+    (testdata/gemma_tokenizer; random weights): the conversation is rendered with one <bos>,
+    <end_of_turn> ends the answer (an EOS of config.json's), and what it streams is what it
+    returns."""
+    model_dir = shutil.copytree(TESTDATA / "gemma_tokenizer", tmp_path / "gemma")
+    llm = LLM(model_dir, load_format="dummy", num_blocks=64, block_size=4)
+    tok = llm.get_tokenizer()
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hello world "}]
+    end = tok.encode("<end_of_turn>", add_special_tokens=False)
+    out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=5, logit_bias={end[0]: 100.0}))[0]
+    assert out.prompt == "<bos><start_of_turn>user\nBe brief.\n\nHello world<end_of_turn>\n<start_of_turn>model\n"
+    assert out.prompt_token_ids == tok.encode(out.prompt) and out.prompt_token_ids.count(1) == 1
+    assert out.outputs[0].token_ids == end and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == end[0]   # (not the tokenizer's <eos>: vLLM names it)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert "".join(llm.stream("Hello world", params)) == llm.generate("Hello world", params)[0].outputs[0].text
+    assert_nothing_leaked(llm)
 
 
 def test_a_model_too_big_for_its_checkpoint_or_the_memory_is_refused_at_once(tmp_path, own_cache):
@@ -1275,6 +1354,23 @@ def test_sentencepiece_tokenizers_encode_and_decode_as_hugging_face_does(shape):
     world = next(i for i in range(1, len(hello)) if tok.decode_bytes(hello[i:i + 1]).startswith(b" "))
     assert tok.decode(hello[world:]) == "world" and tok.decode(hello[world:], continuation=True) == " world"
     assert tok.decode_bytes(hello) == b" Hello world" and tok.decode(hello) == "Hello world"
+
+
+def test_gemma_tokenizer_encodes_and_decodes_as_hugging_face_does():
+    """Gemma's tokenizer.json shape: the same SentencePiece BPE, its spaces turned into "▁" by
+    a Replace normalizer with none prepended ("Hello" at the start is not "▁Hello"), <bos>
+    from the post-processor, a decoder that keeps the first space; <start_of_turn> and
+    <end_of_turn> special. Against Hugging Face tokenizers' ids and texts
+    (testdata/make_gemma_tokenizer.py)."""
+    tok = load_tokenizer(TESTDATA / "gemma_tokenizer")
+    cases = [json.loads(line) for line in (TESTDATA / "gemma_tokenizer_cases.jsonl").open(encoding="utf-8")]
+    assert len(cases) == 454 and tok.sentencepiece == "never"
+    assert not [c["text"] for c in cases if tok.encode(c["text"], add_special_tokens=False) != c["ids"]]
+    bos = tok.encode("", add_special_tokens=True)
+    assert bos == [1] and all(tok.encode(c["text"]) == bos * (c["ids"][:1] != bos) + c["ids"] for c in cases)
+    assert not [c["ids"] for c in cases if tok.decode(c["ids"]) != c["decode"]
+                or tok.decode(c["ids"], skip_special_tokens=True) != c["decode_skip"]]
+    assert tok.encode(" Hi", add_special_tokens=False)[0] != tok.encode("Hi", add_special_tokens=False)[0]
 
 
 def test_sentencepiece_outputs_keep_their_first_space(tmp_path):
