@@ -101,7 +101,9 @@ LLAMA_FAMILY = {
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
                 "rope_theta": 2_000_000.0},
-    "gemma3_text": {"max_position_embeddings": 131072, "tie_word_embeddings": True, "head_dim": 256,
+    "gemma3_text": {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131072, "tie_word_embeddings": True,
                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window": 4096,
                     "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
                     "bos_token_id": 2, "eos_token_id": 1},
@@ -219,6 +221,8 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise ModelError(f"expected a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
+        if model_type == "gemma3":   # Gemma 3 4B and larger: a vision tower and a text model
+            d, model_type = _gemma3_text_config(d), "gemma3_text"
         if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
             d = LLAMA_FAMILY[model_type] | d
             gemma, rope = _gemma3_fields(d) if model_type == "gemma3_text" else ({}, d)
@@ -283,11 +287,9 @@ class ModelConfig:
                 norm_eps=_positive(d, "layer_norm_epsilon", float, 1e-5), tie_word_embeddings=True)
             default_token_id = 50256  # <|endoftext|>
         else:
-            why = {"gemma3": " (Gemma 3 4B and larger, with a vision tower: nanopaged runs the text-only "
-                             "gemma3_text, Gemma 3 270M and 1B)",
-                   "gemma2": " (its attention logits are softcapped: nanopaged's attention has no softcap)"}
-            raise ModelError(f"model_type {model_type!r} is not supported{why.get(str(model_type), '')} "
-                             f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+            why = " (its attention logits are softcapped: nanopaged's attention has no softcap)"
+            raise ModelError(f"model_type {model_type!r} is not supported{why if model_type == 'gemma2' else ''} "
+                             f"(supported: {', '.join(sorted([*ARCHITECTURES, 'gemma3']))})")
         vocab_size = _positive(d, "vocab_size")
         bos = _token_ids(d, "bos_token_id", vocab_size, default_token_id, many=False)
         return cls(model_type=model_type, vocab_size=vocab_size, **fields,
@@ -301,6 +303,18 @@ def _flag(d: dict, key: str) -> bool:
     if not isinstance(value, bool | None):
         raise ModelError(f"{key!r} is {value!r}, expected true or false")
     return bool(value)
+
+
+def _gemma3_text_config(d: dict) -> dict:
+    """The text model's config of a Gemma 3 with a vision tower (4B and larger: model_type
+    gemma3, its text_config as a gemma3_text's; its BOS and EOS ids, which generation uses, at
+    the top). nanopaged runs the text model alone, as vLLM does a prompt without images; the
+    loader finds its weights under language_model. (_checkpoint_name)."""
+    text = d.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ModelError(f"'text_config' is {reprlib.repr(text)}, expected an object")
+    ids = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
+    return text | ids | {"model_type": "gemma3_text"}
 
 
 def _gemma3_fields(d: dict) -> tuple[dict, dict]:
@@ -1840,7 +1854,9 @@ def _open_safetensors(path: Path):
 
 
 CHECKPOINT_DTYPES = ("F16", "BF16", "F32", "F64")   # safetensors' names
-UNUSED_BUFFERS = r"\.rotary_emb\.inv_freq$|(^|\.)attn\.(masked_)?bias$|^lm_head\.weight$"
+UNUSED_BUFFERS = r"\.rotary_emb\.inv_freq$|(^|\.)attn\.(masked_)?bias$|^(language_model\.)?lm_head\.weight$"
+# and, of a Gemma 3 with a vision tower, the tower: nanopaged runs the text model alone
+VISION_TOWER = r"^(vision_tower|multi_modal_projector)\."
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
@@ -1917,10 +1933,8 @@ def _read_safetensors(model_dir: Path, where: dict[str, Path], shapes: dict, dty
     name -> file, from _tensor_files)."""
     by_file = {}
     for name in shapes:
-        # Checkpoints saved from GPT2Model / LlamaModel lack the "transformer." / "model."
-        # prefix that the *ForCausalLM classes write.
-        stored = name if name in where else name.partition(".")[2]
-        if stored not in where:
+        stored = _checkpoint_name(name, where)
+        if stored is None:
             raise ModelError(f"{model_dir}: tensor {name!r} is missing from the checkpoint")
         by_file.setdefault(where[stored], []).append((name, stored))
     # Tensors this config has no place for (a bias it does not ask for, a layer past
@@ -1928,7 +1942,8 @@ def _read_safetensors(model_dir: Path, where: dict[str, Path], shapes: dict, dty
     # Buffers that old checkpoints saved (RoPE's inv_freq, GPT-2's causal masks) and a tied
     # lm_head's copy are expected.
     used = {stored for names in by_file.values() for _, stored in names}
-    unused = sorted(k for k in where if k not in used and not re.search(UNUSED_BUFFERS, k))
+    unused = sorted(k for k in where if k not in used and not re.search(UNUSED_BUFFERS, k)
+                    and not re.search(VISION_TOWER, k))
     if unused:
         print(f"nanopaged: note: {model_dir} holds {len(unused)} tensor(s) this config has no place for, left out: "
               f"{', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}", file=sys.stderr)
@@ -1952,6 +1967,16 @@ def _read_safetensors(model_dir: Path, where: dict[str, Path], shapes: dict, dty
                 except SafetensorError as e:
                     raise ModelError(f"{path}: cannot read tensor {stored!r} ({e})") from None
     return hf
+
+
+def _checkpoint_name(name: str, where: dict) -> str | None:
+    """The name a *ForCausalLM tensor has in this checkpoint: its own; without the
+    "transformer." / "model." prefix (saved from GPT2Model / LlamaModel); or under
+    "language_model." (the text model of Gemma 3's Gemma3ForConditionalGeneration)."""
+    for stored in (name, name.partition(".")[2], "language_model." + name):
+        if stored in where:
+            return stored
+    return None
 
 
 def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
@@ -1984,13 +2009,17 @@ HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}   # (Phi-3's fused ones)
+# Gemma's four norms a layer: HF's post_attention_layernorm normalizes the attention's output,
+# and llama.cpp's ffn_norm is the MLP's input norm, HF's pre_feedforward_layernorm
+GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                       "post_feedforward_layernorm": "post_ffw_norm"}
 # GGUF's architectures: config.json's architectures entry for each. llama.cpp rotates
 # Llama's RoPE pairs as neighbours, so its converter permuted Llama's Q and K rows (see
-# _unpermute), and SmolLM3's, which it converts as a Llama's; Qwen's and Phi-3's it rotates
-# as HF does ("NEOX"), and stores them as they are. (A SmolLM3 GGUF does not say which layers
+# _unpermute), and SmolLM3's, which it converts as a Llama's; Qwen's, Phi-3's and Gemma 3's
+# it rotates as HF does ("NEOX"), and stores them as they are. (A SmolLM3 GGUF does not say which layers
 # go without RoPE: llama.cpp takes every 4th, as SmolLM3Config's default does.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 GGUF_PERMUTED = ("llama", "smollm3")
 
 # GGUF's pre-tokenizer names, as the tokenizer.json pre_tokenizer each one stands for.
@@ -2165,11 +2194,27 @@ def _dequantizable(tensor_type) -> bool:
         return False
 
 
-def _gguf_name(hf_name: str) -> str:
-    """A Llama tensor's GGUF name: model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight"""
+def _gguf_name(hf_name: str, sandwich: bool = False) -> str:
+    """A Llama tensor's GGUF name: model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight.
+    sandwich: Gemma's norms, named after where they sit."""
+    names = HF_TO_GGUF | GGUF_SANDWICH_NAMES if sandwich else HF_TO_GGUF
     base, kind = hf_name.rsplit(".", 1)
     layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
-    return (f"blk.{layer[1]}.{HF_TO_GGUF[layer[2]]}" if layer else HF_TO_GGUF[base]) + "." + kind
+    return (f"blk.{layer[1]}.{names[layer[2]]}" if layer else names[base]) + "." + kind
+
+
+def _gguf_gemma3(meta: dict, c: ModelConfig, key_length: int | None) -> dict:
+    """config.json's Gemma 3 keys, as llama.cpp runs a Gemma 3 GGUF: its converter writes the
+    window and the full layers' rope base (rope.freq_base), and llama.cpp takes the rest as
+    given: every 6th layer full, the windowed ones turning by a base of 10,000, unscaled,
+    and the scores scaled by head_dim^-1/2, but by (C / H)^-1/2 in the 27B (62 layers). A file
+    without a window (or 0) has none."""
+    window = meta.get("gemma3.attention.sliding_window") or None
+    head_dim = key_length or c.hidden_size // c.num_attention_heads   # (checked numbers: c's)
+    big = c.num_hidden_layers == 62   # (llama.cpp's test for the 27B)
+    return {"head_dim": head_dim, "sliding_window": window, "sliding_window_pattern": 6 if window else 1,
+            "rope_local_base_freq": 10_000.0, "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping"),
+            "query_pre_attn_scalar": c.hidden_size // c.num_attention_heads if big else head_dim}
 
 
 def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
@@ -2220,9 +2265,10 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
 
     tokens = need("tokenizer.ggml.tokens")
     tensors = {t.name: t for t in reader.tensors}
+    gemma = arch == "gemma3"
     # A GGUF writes no flag for tied embeddings (nor for biases): a missing tensor says it.
     config = {
-        "architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch,
+        "architectures": [GGUF_ARCHITECTURES[arch]], "model_type": "gemma3_text" if gemma else arch,
         "vocab_size": len(tokens), "hidden_size": need(f"{arch}.embedding_length"),
         "intermediate_size": need(f"{arch}.feed_forward_length"),
         "num_hidden_layers": need(f"{arch}.block_count"),
@@ -2236,15 +2282,19 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         "sliding_window": meta.get(f"{arch}.attention.sliding_window") or None if arch == "phi3" else None,
         # (only Qwen 3's: llama.cpp permutes a Llama's q/k biases too, which _unpermute does not undo)
         "attention_bias": arch == "qwen3" and "blk.0.attn_output.bias" in tensors,
-        "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
+    if not gemma:
+        config["hidden_act"] = "silu"
     for role in ("bos", "eos"):   # (named as the file names them; from_dict would say eos_token_id)
         if (i := config[f"{role}_token_id"]) is not None and i >= len(tokens):
             raise ModelError(f"{gguf_path}: tokenizer.ggml.{role}_token_id {i} is past the vocab ({len(tokens)} tokens)")
     # A config.json's checks, before anything is computed from it; then the defaults filled in.
     with _in_file(gguf_path):
         c = ModelConfig.from_dict(config)
+    if gemma:
+        config |= _gguf_gemma3(meta, c, config["head_dim"])
     config |= _gguf_rope(gguf_path, reader, meta, arch, c)
     with _in_file(gguf_path):
         c = ModelConfig.from_dict(config)
@@ -2285,7 +2335,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     # Every tensor's name and shape checked before the slow part, dequantizing (to float32).
     check_size(gguf_path, c, Llama, torch.float32, "cpu", stored=len(reader.tensors))
     shapes = Llama.checkpoint_shapes(c)
-    hf_name = {_gguf_name(name): name for name in shapes}
+    hf_name = {_gguf_name(name, sandwich=gemma): name for name in shapes}
     for t in reader.tensors:
         if t.name in GGUF_ROPE_TENSORS:   # (read by _gguf_rope: config.json's numbers)
             continue
@@ -2312,6 +2362,8 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
                          dtype=torch.float32)
         if arch in GGUF_PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
+        if gemma and name.endswith("norm.weight"):
+            w = w - 1   # (llama.cpp stores Gemma's norm weights as the 1 + weight they scale by)
         weights[name] = w
 
     # without the padding llama.cpp writes past the tokenizer's vocab ("[PAD151665]"..., type

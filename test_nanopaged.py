@@ -976,7 +976,8 @@ def test_bad_config(tmp_path):
     with pytest.raises(ModelError, match=r"config\.json: no 'hidden_size'"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "mamba"}))
-    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gemma3_text, gpt2, llama, mistral, phi3, qwen2, qwen3, smollm3\)"):
+    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gemma3, gemma3_text, gpt2, llama, mistral, phi3, qwen2, qwen3, "
+                                        r"smollm3\)"):
         load_model(tmp_path)
     for rope, message in [({"rope_theta": 1e-300}, "rope_theta 1e-300 and rope_scaling None give RoPE frequencies "
                                                    "that are not finite numbers"),   # (1 / 0, once underflowed)
@@ -985,8 +986,8 @@ def test_bad_config(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(llama_config() | rope))
         with pytest.raises(ModelError, match=r"config\.json: .*" + message):
             load_model(tmp_path, dummy=True)
-    (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "gemma3"}))
-    with pytest.raises(ModelError, match=r"'gemma3' is not supported \(Gemma 3 4B and larger, with a vision tower"):
+    (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "gemma2"}))
+    with pytest.raises(ModelError, match=r"'gemma2' is not supported \(its attention logits are softcapped"):
         load_model(tmp_path)
     dynamic = llama_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     (tmp_path / "config.json").write_text(json.dumps(dynamic))
@@ -1032,6 +1033,26 @@ def test_gemma3_configs_are_read_as_transformers_reads_them_or_refused():
             ({"sliding_window_pattern": 0}, "'sliding_window_pattern' is 0")]:
         with pytest.raises(ModelError, match=message):
             ModelConfig.from_dict(base | change)
+
+
+def test_gemma3_with_a_vision_tower_runs_its_text_model(tmp_path, capsys):
+    """Gemma 3 4B and larger (model_type gemma3): its text_config read as a gemma3_text's (the
+    text model's EOS ids from the top), its text weights found under "language_model.", the
+    vision tower's left out without a note: the logits transformers computed for the same
+    text model. (Checked by hand against transformers' Gemma3ForConditionalGeneration on
+    text, which runs the same text model: 1.8e-7 apart.)"""
+    c = LLAMA_FAMILY_VARIANTS["gemma3"]
+    tensors = {"language_model." + name: t for name, t in llama_tensors(c).items()}
+    tensors |= {"vision_tower.vision_model.post_layernorm.weight": torch.ones(8),
+                "multi_modal_projector.mm_input_projection_weight": torch.zeros(8, 48)}
+    multimodal = {"model_type": "gemma3", "text_config": c, "eos_token_id": [1, 3], "vision_config": {}}
+    model = load_model(write_checkpoint(tmp_path, multimodal, tensors))
+    assert model.config.eos_token_id == [1, 3] and model.config.model_type == "gemma3_text"
+    expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())["gemma3"]
+    torch.testing.assert_close(forward_all(model, IDS), torch.tensor(expected["logits"]), rtol=1e-4, atol=1e-4)
+    assert "left out" not in capsys.readouterr().err
+    with pytest.raises(ModelError, match="'text_config' is 'no', expected an object"):
+        ModelConfig.from_dict(multimodal | {"text_config": "no"})
 
 
 def test_gemma_chats_through_the_engine(tmp_path):
@@ -1962,6 +1983,57 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
     path = write_gguf(tmp_path / "d44.gguf", C=44, H=1, KVH=1, L=2, I=80, arch="phi3", weights=llama_tensors(c),
                       meta=[("phi3.rope.dimension_count", 30)])
     assert load_model(path).config.rotary_dim == 30
+
+
+@pytest.mark.parametrize("layers", [7, 62])
+def test_gemma3_gguf_loads_as_its_checkpoint(tmp_path, own_cache, layers):
+    """A Gemma 3 GGUF as llama.cpp's converter writes one (tensor names from the gguf
+    package's own map; norm weights stored as 1 + weight; the window, the full layers' rope
+    base and their linear scaling as metadata; SentencePiece's tokenizer without a space
+    prefix) gives its checkpoint's logits, with what llama.cpp takes as given: every 6th
+    layer full, the windowed ones turning by 10,000, scores scaled by head_dim^-1/2 but the
+    27B's (62 layers) by (C / H)^-1/2. Its tokenizer encodes as Gemma's tokenizer.json does."""
+    import gguf
+    c = {k: v for k, v in llama_config(model_type="gemma3_text", head_dim=16, num_hidden_layers=layers,
+                                       sliding_window=4, rope_theta=5e5, eos_token_id=2,
+                                       rope_scaling={"rope_type": "linear", "factor": 2.0}).items()}
+    c |= {"vocab_size": 1500, "query_pre_attn_scalar": 48 // 6 if layers == 62 else 16}
+    w = llama_tensors(c)
+    hf = load_model(write_checkpoint(tmp_path / "hf", c, w))
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.GEMMA3, layers)
+    writer = gguf.GGUFWriter(tmp_path / "gemma3.gguf", "gemma3")
+    for add, value in ((writer.add_context_length, 128), (writer.add_embedding_length, 48),
+                       (writer.add_block_count, layers), (writer.add_feed_forward_length, 80),
+                       (writer.add_head_count, 6), (writer.add_head_count_kv, 2), (writer.add_key_length, 16),
+                       (writer.add_value_length, 16), (writer.add_layer_norm_rms_eps, 1e-5),
+                       (writer.add_rope_freq_base, 5e5), (writer.add_sliding_window, 4),
+                       (writer.add_rope_scaling_type, gguf.RopeScalingType.LINEAR), (writer.add_rope_scaling_factor, 2.0)):
+        add(value)
+    tokens, types, scores = llama2_gguf_vocab()
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_add_space_prefix(False)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, t in w.items():
+        base, kind = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{kind}", (t + 1 if name.endswith("norm.weight") else t).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model = load_model(tmp_path / "gemma3.gguf")
+    cfg = model.config
+    assert (cfg.model_type, cfg.sliding_window, cfg.layer_window(5), cfg.layer_window(6)) == ("gemma3_text", 4, None, 4)
+    assert cfg.attn_scale == (8 if layers == 62 else 16) ** -0.5 and cfg.rope_local_base_freq == 10_000
+    torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
+    if layers == 7:
+        tok, gemma = load_tokenizer(tmp_path / "gemma3.gguf"), load_tokenizer(TESTDATA / "gemma_tokenizer")
+        texts = [c["text"] for c in map(json.loads, (TESTDATA / "gemma_tokenizer_cases.jsonl").open(encoding="utf-8"))
+                 if not re.search("<(s|/s|unk|bos|eos|start_of_turn|end_of_turn)>", c["text"])]
+        assert len(texts) == 369 and all(tok.encode(t) == gemma.encode(t) for t in texts)
 
 
 def test_phi3_gguf_chat_tokens_drop_the_whitespace_after_them(tmp_path, own_cache):
