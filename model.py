@@ -11,7 +11,7 @@ layer hands its q, k, v to the `attn` object it was given,
 
 and that object (nanopaged's PagedAttention, on the torch path or the CUDA kernel; the
 tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
-context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen, SmolLM3, Gemma 3 layers), to the
+context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen, SmolLM3, Gemma layers), to the
 last W positions up to each query. The model knows nothing about pages.
 
 Chapters: config, tokenizers, layers, Llama, GPT-2, loading, GGUF conversion.
@@ -91,6 +91,8 @@ def _is_id(x) -> bool:
 # ----------------------------------------------------------------------------------------
 # config
 
+GEMMAS = ("gemma2", "gemma3_text")   # (Gemma 3 with a vision tower, "gemma3", runs its gemma3_text)
+
 # model_types that run on the Llama module below (with the differences ModelConfig notes),
 # and the values their HF config classes take where a config.json leaves a key out
 LLAMA_FAMILY = {
@@ -101,6 +103,11 @@ LLAMA_FAMILY = {
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
                 "rope_theta": 2_000_000.0},
+    "gemma2": {"vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+               "tie_word_embeddings": True, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+               "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "bos_token_id": 2, "eos_token_id": 1},
     "gemma3_text": {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                     "max_position_embeddings": 131072, "tie_word_embeddings": True,
@@ -112,8 +119,9 @@ LLAMA_FAMILY = {
 
 @dataclass(frozen=True)
 class LayersBut:
-    """The layers 0 .. n - 1 but those in `but`: Gemma 3's windowed layers, all but every
-    6th, held without a list of every layer (a config may claim billions)."""
+    """The layers 0 .. n - 1 but those in `but`: Gemma's windowed layers, all but every 6th
+    (Gemma 3) or every other (Gemma 2), held without a list of every layer (a config may claim
+    billions)."""
     n: int
     but: range
 
@@ -146,14 +154,16 @@ class ModelConfig:
     qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
     o_bias: bool = False              # o_proj has a bias (attention_bias)
     qk_norm: bool = False             # RMSNorm over each head's q and k before RoPE (Qwen 3, Gemma 3)
-    # Gemma 3: its RMSNorms scale by (1 + weight), in float32; norms after attention and the
-    # MLP as well as before ("sandwich"); embeddings scaled by sqrt(C); a GELU-gated MLP; the
-    # attention scaled by query_pre_attn_scalar^-1/2; the windowed layers' RoPE of its own base
+    # Gemma (2, 3): its RMSNorms scale by (1 + weight), in float32; norms after attention and
+    # the MLP as well as before ("sandwich"); embeddings scaled by sqrt(C); a GELU-gated MLP;
+    # the attention scaled by query_pre_attn_scalar^-1/2; Gemma 2 softcaps the scores and the
+    # logits, Gemma 3's windowed layers turn by a RoPE base of their own
     gemma: bool = False
     hidden_act: str = "silu"          # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma)
     query_pre_attn_scalar: float | None = None  # attention scores times its -1/2 power (None: D^-1/2)
     rope_local_base_freq: float | None = None   # the windowed layers' RoPE base, unscaled (Gemma 3)
     final_logit_softcapping: float | None = None  # logits squashed to (-cap, cap): cap * tanh(x / cap)
+    attn_logit_softcapping: float | None = None   # attention scores squashed so, after scaling (Gemma 2)
     nope_layers: range | tuple = ()   # the layers whose attention has no RoPE (SmolLM3: every 4th)
     # Sliding-window attention: the windowed layers' query at position p sees only positions
     # p - sliding_window + 1 ..= p (HF's masks); the other layers see all of 0 ..= p.
@@ -225,7 +235,7 @@ class ModelConfig:
             d, model_type = _gemma3_text_config(d), "gemma3_text"
         if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
             d = LLAMA_FAMILY[model_type] | d
-            gemma, rope = _gemma3_fields(d) if model_type == "gemma3_text" else ({}, d)
+            gemma, rope = _gemma_fields(d, model_type) if model_type in GEMMAS else ({}, d)
             if not gemma and d.get("hidden_act", "silu") != "silu":
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
             if d.get("mlp_bias"):
@@ -246,15 +256,16 @@ class ModelConfig:
             max_position = _positive(d, "max_position_embeddings", default=2048)
             rope_theta, rope_scaling, partial = _rope_config(rope, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
-            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's and Gemma 3's
+            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's and Gemma's
             # attention_bias gives all four one; Mistral has none. Qwen 3 and Gemma 3 normalize
             # each head's q and k.
-            attention_bias = model_type in ("llama", "qwen3", "smollm3", "gemma3_text") and _flag(d, "attention_bias")
+            attention_bias = model_type in ("llama", "qwen3", "smollm3", *GEMMAS) and _flag(d, "attention_bias")
             nope_layers = _nope_layers(d, model_type)
             window, window_layers = _sliding_window(d, model_type, nope_layers)
             # A window as long as the context changes nothing. (Gemma 3's is kept: it also says
             # which layers take the local RoPE.)
-            if window and window >= _context_length(max_position, rope_scaling, model_type) and not gemma:
+            if (window and window >= _context_length(max_position, rope_scaling, model_type)
+                    and model_type != "gemma3_text"):
                 window, window_layers = None, ()
             fields = dict(
                 hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
@@ -287,8 +298,7 @@ class ModelConfig:
                 norm_eps=_positive(d, "layer_norm_epsilon", float, 1e-5), tie_word_embeddings=True)
             default_token_id = 50256  # <|endoftext|>
         else:
-            why = " (its attention logits are softcapped: nanopaged's attention has no softcap)"
-            raise ModelError(f"model_type {model_type!r} is not supported{why if model_type == 'gemma2' else ''} "
+            raise ModelError(f"model_type {model_type!r} is not supported "
                              f"(supported: {', '.join(sorted([*ARCHITECTURES, 'gemma3']))})")
         vocab_size = _positive(d, "vocab_size")
         bos = _token_ids(d, "bos_token_id", vocab_size, default_token_id, many=False)
@@ -317,22 +327,28 @@ def _gemma3_text_config(d: dict) -> dict:
     return text | ids | {"model_type": "gemma3_text"}
 
 
-def _gemma3_fields(d: dict) -> tuple[dict, dict]:
-    """ModelConfig's Gemma 3 fields, read as transformers' Gemma3TextConfig reads them, and d
-    with its RoPE written as _rope_config reads a Llama's: the full attention layers'
-    rope_theta and any scaling (the 4B and larger: linear, 8), from rope_theta + rope_scaling
-    or transformers 5's rope_parameters["full_attention"]; the windowed layers' base from
-    rope_local_base_freq or rope_parameters["sliding_attention"], never scaled. Refused: Gemma 2's attention softcapping (the kernels have none), and the
-    bidirectional attention of its embedding models."""
+def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
+    """ModelConfig's Gemma fields, read as transformers' Gemma2Config and Gemma3TextConfig
+    read them, and d with its RoPE written as _rope_config reads a Llama's. Gemma 2 has one
+    RoPE, and softcaps its attention scores and its logits. Gemma 3 has per-head q/k norms
+    instead of the scores' softcap, and two RoPEs: the full attention layers' rope_theta
+    and any scaling (the 4B and larger: linear, 8), from rope_theta + rope_scaling or
+    transformers 5's rope_parameters["full_attention"]; the windowed layers' base from
+    rope_local_base_freq or rope_parameters["sliding_attention"], never scaled. Refused: the
+    bidirectional attention of Gemma 3's embedding models."""
     if d.get("hidden_activation") not in ("gelu_pytorch_tanh", "gelu_new"):   # (both the tanh GELU)
         raise ModelError(f"hidden_activation {d.get('hidden_activation')!r} is not supported "
                          f"(only the tanh GELU: 'gelu_pytorch_tanh')")
-    if d.get("attn_logit_softcapping") is not None:
-        raise ModelError("attn_logit_softcapping (Gemma 2's) is not supported: nanopaged's attention "
-                         "has no softcap")
     if _flag(d, "use_bidirectional_attention"):
         raise ModelError("use_bidirectional_attention (an embedding model's) is not supported: "
                          "a generating model's attention is causal")
+    caps = {key: None if d.get(key) is None else _positive(d, key, float)
+            for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+    fields = dict(gemma=True, hidden_act="gelu_tanh", query_pre_attn_scalar=_positive(d, "query_pre_attn_scalar", float),
+                  **caps)
+    if model_type == "gemma2":
+        return fields, d
+    fields["attn_logit_softcapping"] = None   # (Gemma 3's attention ignores it in transformers too)
     nested = d.get("rope_parameters")
     if nested is not None and not (isinstance(nested, dict) and set(nested) <= {"full_attention", "sliding_attention"}
                                    and all(isinstance(v, dict | None) for v in nested.values())):
@@ -342,12 +358,8 @@ def _gemma3_fields(d: dict) -> tuple[dict, dict]:
     if local.get("rope_type", "default") != "default":
         raise ModelError(f"rope type {local['rope_type']!r} for the sliding-window layers is not supported "
                          f"(Gemma 3 scales only its full-attention layers' RoPE)")
-    local_theta = (_positive(local, "rope_theta", float) if "rope_theta" in local
-                   else _positive(d, "rope_local_base_freq", float))
-    cap = d.get("final_logit_softcapping")
-    fields = dict(gemma=True, hidden_act="gelu_tanh", query_pre_attn_scalar=_positive(d, "query_pre_attn_scalar", float),
-                  rope_local_base_freq=local_theta,
-                  final_logit_softcapping=None if cap is None else _positive(d, "final_logit_softcapping", float))
+    fields["rope_local_base_freq"] = (_positive(local, "rope_theta", float) if "rope_theta" in local
+                                      else _positive(d, "rope_local_base_freq", float))
     return fields, d | {"rope_parameters": full or None}
 
 
@@ -373,17 +385,18 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     as HF's config classes read them. Mistral and Phi-3 window every layer when sliding_window
     is set. Qwen and SmolLM3 window only with use_sliding_window, and then the layers
     layer_types names "sliding_attention" (by default, Qwen's from max_window_layers on,
-    SmolLM3's NoPE layers). Gemma 3 windows the layers layer_types names so, by default all but
-    every sliding_window_pattern-th (6). Llama has no window."""
+    SmolLM3's NoPE layers). Gemma windows the layers layer_types names so, by default all but
+    every other one (Gemma 2) or every sliding_window_pattern-th (Gemma 3: 6). Llama has no
+    window."""
     if model_type == "llama" or d.get("sliding_window") is None:
         return None, ()
     layers = _positive(d, "num_hidden_layers")
     if model_type in ("mistral", "phi3"):
         windowed = range(layers)
-    elif model_type == "gemma3_text" and d.get("layer_types") is None:
-        pattern = _positive(d, "sliding_window_pattern", default=6)
+    elif model_type in GEMMAS and d.get("layer_types") is None:   # (Gemma 2: every other layer)
+        pattern = 2 if model_type == "gemma2" else _positive(d, "sliding_window_pattern", default=6)
         windowed = LayersBut(layers, range(pattern - 1, layers, pattern))
-    elif (not _flag(d, "use_sliding_window") and model_type != "gemma3_text"
+    elif (not _flag(d, "use_sliding_window") and model_type not in GEMMAS
           and not (model_type == "smollm3" and d.get("layer_types") is not None)):
         return None, ()   # (SmolLM3's masks follow its layer_types even so, as transformers runs it)
     elif (kinds := d.get("layer_types")) is None and model_type == "smollm3":
@@ -1518,7 +1531,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 
 # ----------------------------------------------------------------------------------------
-# Llama (and its family: Mistral, Qwen 2/3, Phi-3, SmolLM3, Gemma 3)
+# Llama (and its family: Mistral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3)
 
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: its weights are offsets from 1 (it scales by 1 + weight, so a weight of
@@ -2015,11 +2028,12 @@ GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_f
                        "post_feedforward_layernorm": "post_ffw_norm"}
 # GGUF's architectures: config.json's architectures entry for each. llama.cpp rotates
 # Llama's RoPE pairs as neighbours, so its converter permuted Llama's Q and K rows (see
-# _unpermute), and SmolLM3's, which it converts as a Llama's; Qwen's, Phi-3's and Gemma 3's
+# _unpermute), and SmolLM3's, which it converts as a Llama's; Qwen's, Phi-3's and Gemma's
 # it rotates as HF does ("NEOX"), and stores them as they are. (A SmolLM3 GGUF does not say which layers
 # go without RoPE: llama.cpp takes every 4th, as SmolLM3Config's default does.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
 GGUF_PERMUTED = ("llama", "smollm3")
 
 # GGUF's pre-tokenizer names, as the tokenizer.json pre_tokenizer each one stands for.
@@ -2203,18 +2217,23 @@ def _gguf_name(hf_name: str, sandwich: bool = False) -> str:
     return (f"blk.{layer[1]}.{names[layer[2]]}" if layer else names[base]) + "." + kind
 
 
-def _gguf_gemma3(meta: dict, c: ModelConfig, key_length: int | None) -> dict:
-    """config.json's Gemma 3 keys, as llama.cpp runs a Gemma 3 GGUF: its converter writes the
-    window and the full layers' rope base (rope.freq_base), and llama.cpp takes the rest as
-    given: every 6th layer full, the windowed ones turning by a base of 10,000, unscaled,
-    and the scores scaled by head_dim^-1/2, but by (C / H)^-1/2 in the 27B (62 layers). A file
-    without a window (or 0) has none."""
-    window = meta.get("gemma3.attention.sliding_window") or None
+def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -> dict:
+    """config.json's Gemma keys, as llama.cpp runs a Gemma 2 or 3 GGUF: its converter writes
+    the window, Gemma 2's softcaps and Gemma 3's full layers' rope base (rope.freq_base), and
+    llama.cpp takes the rest as given: every other layer windowed (Gemma 2), or all but every
+    6th, turning by a rope base of 10,000, unscaled (Gemma 3); softcaps of 50 and 30 where a
+    Gemma 2 file has none; the scores scaled by head_dim^-1/2, but by (C / H)^-1/2 in the 27B
+    (46 layers of Gemma 2, 62 of Gemma 3). A file without a window (or 0) has none."""
+    window = meta.get(f"{arch}.attention.sliding_window") or None
     head_dim = key_length or c.hidden_size // c.num_attention_heads   # (checked numbers: c's)
-    big = c.num_hidden_layers == 62   # (llama.cpp's test for the 27B)
-    return {"head_dim": head_dim, "sliding_window": window, "sliding_window_pattern": 6 if window else 1,
-            "rope_local_base_freq": 10_000.0, "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping"),
+    big = c.num_hidden_layers == (46 if arch == "gemma2" else 62)   # (llama.cpp's test for the 27B)
+    keys = {"head_dim": head_dim, "sliding_window": window,
             "query_pre_attn_scalar": c.hidden_size // c.num_attention_heads if big else head_dim}
+    keys |= {key: meta[f"{arch}.{key}"] for key in ("attn_logit_softcapping", "final_logit_softcapping")
+             if f"{arch}.{key}" in meta}
+    if arch == "gemma3":
+        keys |= {"sliding_window_pattern": 6 if window else 1, "rope_local_base_freq": 10_000.0}
+    return keys
 
 
 def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
@@ -2265,10 +2284,10 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
 
     tokens = need("tokenizer.ggml.tokens")
     tensors = {t.name: t for t in reader.tensors}
-    gemma = arch == "gemma3"
+    gemma = arch in ("gemma2", "gemma3")
     # A GGUF writes no flag for tied embeddings (nor for biases): a missing tensor says it.
     config = {
-        "architectures": [GGUF_ARCHITECTURES[arch]], "model_type": "gemma3_text" if gemma else arch,
+        "architectures": [GGUF_ARCHITECTURES[arch]], "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "vocab_size": len(tokens), "hidden_size": need(f"{arch}.embedding_length"),
         "intermediate_size": need(f"{arch}.feed_forward_length"),
         "num_hidden_layers": need(f"{arch}.block_count"),
@@ -2294,7 +2313,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     with _in_file(gguf_path):
         c = ModelConfig.from_dict(config)
     if gemma:
-        config |= _gguf_gemma3(meta, c, config["head_dim"])
+        config |= _gguf_gemma(meta, arch, c, config["head_dim"])
     config |= _gguf_rope(gguf_path, reader, meta, arch, c)
     with _in_file(gguf_path):
         c = ModelConfig.from_dict(config)

@@ -341,7 +341,8 @@ def swap_blocks(src_pool, dst_pool, pairs):
         dst_cache[dst] = src_cache[src].to(dst_cache.device)
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=None):
+def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=None,
+                        softcap=None):
     """The chapter's algorithm, written to be read: walk each sequence's blocks through its
     block table, and fold them into the output one block at a time with online softmax.
 
@@ -353,7 +354,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     ever holding more than one block of scores.
 
     With a sliding window W, the query at position p sees only positions p - W + 1 ..= p:
-    blocks wholly before the first query's window are never read.
+    blocks wholly before the first query's window are never read. softcap (Gemma 2's): the
+    scores squashed into (-softcap, softcap), softcap * tanh(s / softcap), before the softmax.
     """
     check_window(window)
     T, H, D = q.shape
@@ -378,6 +380,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
             kb = k_cache[block, lo:n].float().repeat_interleave(group, dim=1)  # (n - lo, H, D)
             vb = v_cache[block, lo:n].float().repeat_interleave(group, dim=1)  # (n - lo, H, D)
             s = torch.einsum("qhd,khd->qhk", qb, kb) * scale          # (q_len, H, n - lo)
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
             k_pos = torch.arange(i * block_size + lo, i * block_size + n, device=q.device)
             visible = k_pos[None, :] <= q_pos[:, None]                # (q_len, n - lo) causal
             if window is not None:
@@ -483,7 +487,8 @@ class AttentionPlan:
         return blocks * block_size + pos % block_size, valid
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=None, plan=None):
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=None, plan=None,
+                    softcap=None):
     """The fast torch path: same inputs and result as paged_attention_ref (a plan, if given,
     made for the same step and window)."""
     if plan is None:
@@ -504,20 +509,34 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         torch.index_select(v_flat, 0, slots, out=vd)
         # GQA without copying K/V: the `group` query heads that share a kv head become
         # `group` query rows of that kv head: (n, KVH, group, D) against (n, KVH, L, D).
-        od = F.scaled_dot_product_attention(
-            q[rows].view(n, kvh, group, D), kd.view(n, L, kvh, D).transpose(1, 2),
-            vd.view(n, L, kvh, D).transpose(1, 2), attn_mask=mask, scale=scale)
+        od = attend(q[rows].view(n, kvh, group, D), kd.view(n, L, kvh, D).transpose(1, 2),
+                    vd.view(n, L, kvh, D).transpose(1, 2), mask, scale, softcap)
         out.index_copy_(0, rows, od.reshape(n, H, D))                  # (n, KVH, group, D) -> (n, H, D)
     for start, end, slots, mask in plan.prefills:
         qp = q[start:end].transpose(0, 1)[None]                        # (1, H, q_len, D)
         kp = k_flat[slots].transpose(0, 1)[None]                       # (1, KVH, L, D)
         vp = v_flat[slots].transpose(0, 1)[None]
-        # 4-D inputs and enable_gqa let SDPA pick its fused (flash) CPU kernel, which also
-        # reads each kv head once for its whole group of query heads.
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
-                                            scale=scale, enable_gqa=True)
+        op = attend(qp, kp, vp, mask, scale, softcap)                  # (1, H, q_len, D)
         out[start:end] = op[0].transpose(0, 1)                         # (q_len, H, D)
     return out
+
+
+def attend(q, k, v, mask, scale, softcap=None):
+    """Attention over dense tensors: q (B, H, Lq, D), k and v (B, KVH, L, D), mask broadcast
+    to (B, H, Lq, L), True where a query sees a key, or None: causal (Lq == L). SDPA does it;
+    4-D inputs and enable_gqa let it pick its fused (flash) CPU kernel, which also reads each
+    kv head once for its whole group of query heads. SDPA has no softcap: with Gemma 2's, the
+    same is written out, in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)  # (B, H, L, D)
+    s = q.float() @ k.transpose(-1, -2) * scale                        # (B, H, Lq, L)
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v).to(q.dtype)
 
 
 class PagedAttention:
@@ -532,8 +551,10 @@ class PagedAttention:
     "torch" (the fast torch path above) or "cuda" (kernels.cu).
     """
 
-    def __init__(self, pool: BlockPool, scale: float, ops=None):
-        self.pool, self.scale, self.ops = pool, scale, ops
+    def __init__(self, pool: BlockPool, scale: float, ops=None, softcap: float | None = None):
+        if ops is not None and softcap is not None:
+            raise ValueError("the CUDA kernel has no softcap for the attention scores")
+        self.pool, self.scale, self.ops, self.softcap = pool, scale, ops, softcap
         self.backend = "cuda" if ops is not None else "torch"
 
     def begin_step(self, slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len):
@@ -554,7 +575,7 @@ class PagedAttention:
             self.plans[window] = AttentionPlan(self.block_tables, self.seq_lens, self.query_start_loc,
                                                self.pool.block_size, window)
         return paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
-                               self.query_start_loc, self.scale, window, plan=self.plans[window])
+                               self.query_start_loc, self.scale, window, plan=self.plans[window], softcap=self.softcap)
 
     def copy_blocks(self, copies):
         """Copy-on-write's block copies, in every layer, before the forward pass reads them."""
@@ -850,8 +871,8 @@ class LLM:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    enable_prefix_caching, eos_token_ids, self.swap_pool,
                                    sliding_window=cfg.window_everywhere)
-        self.attn = PagedAttention(self.pool, cfg.attn_scale,
-                                   _pick_kernels(attn_backend, device, cfg, block_size, dtype))
+        self.attn = PagedAttention(self.pool, cfg.attn_scale, _pick_kernels(attn_backend, device, cfg, block_size, dtype),
+                                   softcap=cfg.attn_logit_softcapping)
         self.stats = Stats()
         self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
         self._to_report: dict = {}   # ids of requests run or aborted and not reported yet (an ordered set)
@@ -1860,8 +1881,11 @@ def _pick_kernels(backend: str, device, cfg, block_size: int, dtype: torch.dtype
     """The CUDA kernel's ops when attention should run on it, else None (the torch path)."""
     if backend == "torch" or device.type != "cuda":
         return None
-    ops = build_ext.load_kernels()   # the first use on a machine compiles it (about a minute)
-    reason = build_ext.unavailable_reason() if ops is None else None
+    if cfg.attn_logit_softcapping is not None:
+        ops, reason = None, "the kernel has no softcap for the attention scores (Gemma 2's)"
+    else:
+        ops = build_ext.load_kernels()   # the first use on a machine compiles it (about a minute)
+        reason = build_ext.unavailable_reason() if ops is None else None
     dtype_name = str(dtype).removeprefix("torch.")
     if ops is not None and dtype_name not in build_ext.SUPPORTED_DTYPES:
         ops, reason = None, f"the kernel is built for {build_ext.SUPPORTED_DTYPES}, not {dtype_name}"
@@ -1949,7 +1973,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a conversation: each line typed (or read from stdin) is a turn, answered in a stream; "
                          "the earlier turns stay in the prompt, and their blocks in the prefix cache")
     ap.add_argument("--model", help="a local Hugging Face layout directory (Llama, Mistral, Qwen 2/2.5/3, Phi-3/3.5/4-mini, "
-                                    "SmolLM3, Gemma 3, GPT-2) or a Llama, Qwen, Phi-3, SmolLM3 or Gemma 3 .gguf file "
+                                    "SmolLM3, Gemma 2/3, GPT-2) or a Llama, Qwen, Phi-3, SmolLM3 or Gemma .gguf file "
                                     "(default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate, at most (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0,

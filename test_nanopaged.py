@@ -80,10 +80,10 @@ class DenseAttention:
     """Causal attention over one sequence that grows across calls: each call appends the
     new k, v of a layer and attends the new queries to everything so far (with a sliding
     window W, to the last W positions up to each query). scale: what q.k is multiplied by
-    (default D^-1/2)."""
+    (default D^-1/2); softcap: Gemma 2's, cap * tanh(score / cap)."""
 
-    def __init__(self, scale=None):
-        self.k, self.v, self.scale = {}, {}, scale
+    def __init__(self, scale=None, softcap=None):
+        self.k, self.v, self.scale, self.softcap = {}, {}, scale, softcap
 
     def __call__(self, layer_idx, q, k, v, window=None):
         k = self.k[layer_idx] = torch.cat([self.k.get(layer_idx, k[:0]), k])  # (S, KVH, D)
@@ -93,6 +93,8 @@ class DenseAttention:
         k = k.repeat_interleave(H // k.shape[1], dim=1)  # (S, H, D)
         v = v.repeat_interleave(H // v.shape[1], dim=1)
         scores = torch.einsum("thd,shd->hts", q, k) * (self.scale or D ** -0.5)
+        if self.softcap:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
         k_pos, q_pos = torch.arange(S)[None, :], torch.arange(S - T, S)[:, None]
         hidden = (k_pos > q_pos) | (k_pos <= q_pos - window if window else False)  # (T, S)
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -103,7 +105,8 @@ def forward_all(model, ids):
     """Logits of every position of one sequence, in one forward pass."""
     ids = torch.as_tensor(ids)
     with torch.inference_mode():
-        return model(ids, torch.arange(len(ids)), DenseAttention(model.config.attn_scale))
+        return model(ids, torch.arange(len(ids)), DenseAttention(model.config.attn_scale,
+                                                                 model.config.attn_logit_softcapping))
 
 
 def write_checkpoint(path, config, tensors, shards=1):
@@ -158,11 +161,11 @@ def llama_tensors(c, seed=0):
             shapes[p + "self_attn.o_proj.bias"] = (C,)
         if c["model_type"] in ("qwen3", "gemma3_text"):
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
-        if c["model_type"] == "gemma3_text":
+        if c["model_type"] in ("gemma2", "gemma3_text"):
             shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
     tensors = {n: (1 + 0.1 * torch.randn(s, generator=g)) if n.endswith("norm.weight")
                else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
-    if c["model_type"] == "gemma3_text":   # Gemma's norm weights are offsets from 1
+    if c["model_type"] in ("gemma2", "gemma3_text"):   # Gemma's norm weights are offsets from 1
         tensors = {n: t - 1 if n.endswith("norm.weight") else t for n, t in tensors.items()}
     if c["model_type"] == "phi3":   # HF's Phi-3 stores q/k/v and gate/up fused
         for i in range(c["num_hidden_layers"]):
@@ -352,6 +355,10 @@ LLAMA_FAMILY_VARIANTS = {
         pad_token_id=0).items() if k != "rope_theta"} | {"rope_parameters": {
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}},
+    # Gemma 2: the attention scores softcapped (after scaling by 12^-1/2), and the logits; no
+    # q/k norms; layer 0 windowed, layer 1 not (every other layer)
+    "gemma2": llama_config(model_type="gemma2", head_dim=16, sliding_window=4, query_pre_attn_scalar=12,
+                           attn_logit_softcapping=1.5, final_logit_softcapping=4.0, pad_token_id=0),
 }
 
 
@@ -461,11 +468,12 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
 
 @pytest.mark.parametrize("variant, window", [("qwen3_attention_bias", None), ("mistral_window", 10),
                                              ("mistral_window", 4), ("qwen2_window", 3), ("smollm3_window", 10),
-                                             ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None)])
+                                             ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None),
+                                             ("gemma2", 6)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
-    LongRoPE on part of each head and Gemma 3 (its attention's own scale, a local RoPE in its
-    windowed layer) through the paged engine: chunked prefill, decode, prefix hits; the same
+    LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
+    windowed layer) and Gemma 2 (softcapped attention scores) through the paged engine: chunked prefill, decode, prefix hits; the same
     greedy tokens as dense forward passes. Windows end mid-block and inside chunks, in every
     layer (Mistral) or one only (Qwen 2, SmolLM3, Gemma 3), and do not shorten the context."""
     vocab, _ = byte_vocab()
@@ -976,7 +984,7 @@ def test_bad_config(tmp_path):
     with pytest.raises(ModelError, match=r"config\.json: no 'hidden_size'"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "mamba"}))
-    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gemma3, gemma3_text, gpt2, llama, mistral, phi3, qwen2, qwen3, "
+    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gemma2, gemma3, gemma3_text, gpt2, llama, mistral, phi3, qwen2, qwen3, "
                                         r"smollm3\)"):
         load_model(tmp_path)
     for rope, message in [({"rope_theta": 1e-300}, "rope_theta 1e-300 and rope_scaling None give RoPE frequencies "
@@ -986,9 +994,6 @@ def test_bad_config(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(llama_config() | rope))
         with pytest.raises(ModelError, match=r"config\.json: .*" + message):
             load_model(tmp_path, dummy=True)
-    (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "gemma2"}))
-    with pytest.raises(ModelError, match=r"'gemma2' is not supported \(its attention logits are softcapped"):
-        load_model(tmp_path)
     dynamic = llama_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     (tmp_path / "config.json").write_text(json.dumps(dynamic))
     with pytest.raises(ModelError, match="rope type 'dynamic'"):
@@ -1017,12 +1022,14 @@ def test_gemma3_configs_are_read_as_transformers_reads_them_or_refused():
     assert (c.rope_theta, c.rope_local_base_freq, c.rope_scaling) == (1e6, 1e4, {"rope_type": "linear", "factor": 8.0})
     assert c.context_length == 128 and c.attn_scale == 256 ** -0.5 and c.tie_word_embeddings
     assert (c.bos_token_id, c.eos_token_id, c.hidden_act, c.final_logit_softcapping) == (2, [1], "gelu_tanh", None)
+    # (Gemma 3's attention does not softcap, given a cap or not, in transformers either)
+    assert ModelConfig.from_dict(base | {"attn_logit_softcapping": 50.0}).attn_logit_softcapping is None
     nested = ModelConfig.from_dict(base | {"rope_parameters": {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 2e5},
         "sliding_attention": {"rope_type": "default", "rope_theta": 3e3}}})
     assert (nested.rope_theta, nested.rope_local_base_freq, nested.rope_scaling) == (2e5, 3e3, c.rope_scaling)
     for change, message in [
-            ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping \\(Gemma 2's\\) is not supported"),
+            ({"attn_logit_softcapping": -1.0}, "'attn_logit_softcapping' is -1.0, expected a positive number"),
             ({"use_bidirectional_attention": True}, "use_bidirectional_attention .* is not supported"),
             ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
             ({"query_pre_attn_scalar": 0}, "'query_pre_attn_scalar' is 0, expected a positive number"),
@@ -1985,30 +1992,40 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
     assert load_model(path).config.rotary_dim == 30
 
 
-@pytest.mark.parametrize("layers", [7, 62])
-def test_gemma3_gguf_loads_as_its_checkpoint(tmp_path, own_cache, layers):
-    """A Gemma 3 GGUF as llama.cpp's converter writes one (tensor names from the gguf
-    package's own map; norm weights stored as 1 + weight; the window, the full layers' rope
-    base and their linear scaling as metadata; SentencePiece's tokenizer without a space
-    prefix) gives its checkpoint's logits, with what llama.cpp takes as given: every 6th
-    layer full, the windowed ones turning by 10,000, scores scaled by head_dim^-1/2 but the
-    27B's (62 layers) by (C / H)^-1/2. Its tokenizer encodes as Gemma's tokenizer.json does."""
+@pytest.mark.parametrize("arch, layers", [("gemma3", 7), ("gemma3", 62), ("gemma2", 3), ("gemma2", 46)])
+def test_gemma_gguf_loads_as_its_checkpoint(tmp_path, own_cache, arch, layers):
+    """A Gemma 2 or 3 GGUF as llama.cpp's converter writes one (tensor names from the gguf
+    package's own map; norm weights stored as 1 + weight; the window, Gemma 2's softcaps,
+    Gemma 3's full layers' rope base and linear scaling as metadata; SentencePiece's tokenizer
+    without a space prefix) gives its checkpoint's logits, with what llama.cpp takes as
+    given: every other layer windowed (Gemma 2) or all but every 6th, turning by 10,000
+    (Gemma 3); scores scaled by head_dim^-1/2, but the 27B's (46 or 62 layers) by
+    (C / H)^-1/2. Its tokenizer encodes as Gemma's tokenizer.json does."""
     import gguf
-    c = {k: v for k, v in llama_config(model_type="gemma3_text", head_dim=16, num_hidden_layers=layers,
-                                       sliding_window=4, rope_theta=5e5, eos_token_id=2,
-                                       rope_scaling={"rope_type": "linear", "factor": 2.0}).items()}
-    c |= {"vocab_size": 1500, "query_pre_attn_scalar": 48 // 6 if layers == 62 else 16}
+    big = layers in (46, 62)
+    c = llama_config(model_type="gemma3_text" if arch == "gemma3" else arch, head_dim=16, num_hidden_layers=layers,
+                     sliding_window=4, eos_token_id=2, vocab_size=1500, query_pre_attn_scalar=8 if big else 16)
+    if arch == "gemma3":
+        c |= {"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    else:
+        c |= {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0}
     w = llama_tensors(c)
     hf = load_model(write_checkpoint(tmp_path / "hf", c, w))
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.GEMMA3, layers)
-    writer = gguf.GGUFWriter(tmp_path / "gemma3.gguf", "gemma3")
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.GEMMA3 if arch == "gemma3" else gguf.MODEL_ARCH.GEMMA2, layers)
+    writer = gguf.GGUFWriter(tmp_path / f"{arch}.gguf", arch)
     for add, value in ((writer.add_context_length, 128), (writer.add_embedding_length, 48),
                        (writer.add_block_count, layers), (writer.add_feed_forward_length, 80),
                        (writer.add_head_count, 6), (writer.add_head_count_kv, 2), (writer.add_key_length, 16),
                        (writer.add_value_length, 16), (writer.add_layer_norm_rms_eps, 1e-5),
-                       (writer.add_rope_freq_base, 5e5), (writer.add_sliding_window, 4),
-                       (writer.add_rope_scaling_type, gguf.RopeScalingType.LINEAR), (writer.add_rope_scaling_factor, 2.0)):
+                       (writer.add_sliding_window, 4)):
         add(value)
+    if arch == "gemma3":
+        writer.add_rope_freq_base(5e5)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(2.0)
+    else:
+        writer.add_attn_logit_softcapping(2.0)
+        writer.add_final_logit_softcapping(5.0)
     tokens, types, scores = llama2_gguf_vocab()
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -2024,13 +2041,15 @@ def test_gemma3_gguf_loads_as_its_checkpoint(tmp_path, own_cache, layers):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    model = load_model(tmp_path / "gemma3.gguf")
+    model = load_model(tmp_path / f"{arch}.gguf")
     cfg = model.config
-    assert (cfg.model_type, cfg.sliding_window, cfg.layer_window(5), cfg.layer_window(6)) == ("gemma3_text", 4, None, 4)
-    assert cfg.attn_scale == (8 if layers == 62 else 16) ** -0.5 and cfg.rope_local_base_freq == 10_000
+    full = 1 if arch == "gemma2" else 5   # (the first layer without a window)
+    assert (cfg.sliding_window, cfg.layer_window(full), cfg.layer_window(full + 1)) == (4, None, 4)
+    assert cfg.attn_scale == (8 if big else 16) ** -0.5
+    assert (cfg.rope_local_base_freq, cfg.attn_logit_softcapping) == ((10_000, None) if arch == "gemma3" else (None, 2.0))
     torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
     if layers == 7:
-        tok, gemma = load_tokenizer(tmp_path / "gemma3.gguf"), load_tokenizer(TESTDATA / "gemma_tokenizer")
+        tok, gemma = load_tokenizer(tmp_path / f"{arch}.gguf"), load_tokenizer(TESTDATA / "gemma_tokenizer")
         texts = [c["text"] for c in map(json.loads, (TESTDATA / "gemma_tokenizer_cases.jsonl").open(encoding="utf-8"))
                  if not re.search("<(s|/s|unk|bos|eos|start_of_turn|end_of_turn)>", c["text"])]
         assert len(texts) == 369 and all(tok.encode(t) == gemma.encode(t) for t in texts)
@@ -2160,14 +2179,16 @@ def make_paged_batch(specs, block_size, H, KVH, D, dtype=torch.float32, seed=0, 
     return q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dense
 
 
-def dense_attention(q, k, v, scale, window=None):
+def dense_attention(q, k, v, scale, window=None, softcap=None):
     """Plain causal softmax attention in float64; q (n, H, D) are the last n positions; with
-    a window W, the query at position p sees p - W + 1 ..= p."""
+    a window W, the query at position p sees p - W + 1 ..= p; softcap: Gemma 2's on the scores."""
     n, H, D = q.shape
     ctx, KVH = k.shape[0], k.shape[1]
     k = k.repeat_interleave(H // KVH, dim=1)
     v = v.repeat_interleave(H // KVH, dim=1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     q_pos = torch.arange(ctx - n, ctx)[:, None]
     k_pos = torch.arange(ctx)[None, :]
     hidden = (k_pos > q_pos) | (k_pos <= q_pos - window if window is not None else False)
@@ -2175,12 +2196,12 @@ def dense_attention(q, k, v, scale, window=None):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
-def check_against_dense(specs, block_size, H, KVH, D=16, seed=0, window=None):
+def check_against_dense(specs, block_size, H, KVH, D=16, seed=0, window=None, softcap=None):
     q, kc, vc, bt, sl, qsl, dense = make_paged_batch(specs, block_size, H, KVH, D, seed=seed, window=window)
     scale = 1 / math.sqrt(D)
-    expected = torch.cat([dense_attention(*d, scale, window) for d in dense])
+    expected = torch.cat([dense_attention(*d, scale, window, softcap) for d in dense])
     for fn in (paged_attention_ref, paged_attention):
-        out = fn(q, kc, vc, bt, sl, qsl, scale, window)
+        out = fn(q, kc, vc, bt, sl, qsl, scale, window, softcap=softcap)
         assert out.dtype == torch.float32 and out.shape == q.shape
         assert torch.isfinite(out).all(), f"{fn.__name__} read a slot outside a context"
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5,
@@ -2223,6 +2244,22 @@ def test_paged_attention_sliding_window(window):
         check_against_dense(specs, block_size, H=6, KVH=2, seed=window + block_size, window=window)
     with pytest.raises(ValueError, match="window must be None or an int >= 1, got 0"):
         paged_attention(*make_paged_batch([(1, 5)], 4, 2, 2, 8)[:6], 0.1, 0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_softcap(window):
+    """Gemma 2's softcap, cap * tanh(score / cap), before the softmax: decodes, fresh
+    prefills (plain causal: the fast path's SDPA cannot softcap, so it writes attention
+    out) and chunks, against dense attention; a cap of 0.5 changes every output but those
+    of a query that sees itself alone."""
+    specs = [(1, 1), (1, 40), (7, 7), (5, 18), (20, 60), (1, 3)]
+    for block_size in (1, 4, 16):
+        check_against_dense(specs, block_size, H=6, KVH=2, seed=block_size, window=window, softcap=0.5)
+    q, kc, vc, bt, sl, qsl, dense = make_paged_batch(specs, 4, 6, 2, 16, window=window)
+    capped, plain = paged_attention(q, kc, vc, bt, sl, qsl, 0.25, window, softcap=0.5), paged_attention(
+        q, kc, vc, bt, sl, qsl, 0.25, window)
+    changed = (capped - plain).abs().amax(dim=(1, 2)) > 1e-3   # (T,): all but the 2 queries that see only themselves
+    assert changed.sum() == len(q) - 2 and not changed[0] and not changed[2]
 
 
 def test_fast_path_equals_reference_half_precision():
@@ -4564,25 +4601,30 @@ def test_kernels_fall_back_without_cuda():
 
 
 def test_kernel_choice_falls_back_for_what_it_does_not_support(monkeypatch, capsys):
-    """Where the kernel built but does not cover the model (dtype, head_dim, block_size):
-    "auto" takes the torch path with a one-line reason, "cuda" is a clear error."""
+    """Where the kernel built but does not cover the model (dtype, head_dim, block_size, Gemma
+    2's softcapped scores): "auto" takes the torch path with a one-line reason, "cuda" is a
+    clear error."""
     import nanopaged
     built = object()   # stands for the compiled ops
     monkeypatch.setattr(build_ext, "load_kernels", lambda: built)
     cuda = torch.device("cuda")
-    cfg = lambda head_dim: ModelConfig.from_dict(llama_config(head_dim=head_dim))   # noqa: E731
+    cfg = lambda head_dim, **kw: ModelConfig.from_dict(llama_config(head_dim=head_dim, **kw))   # noqa: E731
     assert nanopaged._pick_kernels("auto", cuda, cfg(64), 16, torch.bfloat16) is built
     assert nanopaged._pick_kernels("torch", cuda, cfg(64), 16, torch.bfloat16) is None
-    for head_dim, block_size, dtype, reason in [
-            (64, 16, torch.float64, "is built for ('float32', 'float16', 'bfloat16'), not float64"),
-            (8, 16, torch.float32, "is built for head_dim (64, 128), not 8"),
-            (128, 12, torch.float16, "needs a power-of-two block_size, not 12")]:
-        args = (cuda, cfg(head_dim), block_size, dtype)
+    gemma2 = {"model_type": "gemma2", "attn_logit_softcapping": 50.0}
+    for head_dim, block_size, dtype, reason, kw in [
+            (64, 16, torch.float64, "is built for ('float32', 'float16', 'bfloat16'), not float64", {}),
+            (8, 16, torch.float32, "is built for head_dim (64, 128), not 8", {}),
+            (128, 12, torch.float16, "needs a power-of-two block_size, not 12", {}),
+            (128, 16, torch.bfloat16, "has no softcap for the attention scores (Gemma 2's)", gemma2)]:
+        args = (cuda, cfg(head_dim, **kw), block_size, dtype)
         assert nanopaged._pick_kernels("auto", *args) is None
         assert capsys.readouterr().err == f"nanopaged: attention runs on the torch path: the kernel {reason}\n"
         with pytest.raises(ValueError) as e:
             nanopaged._pick_kernels("cuda", *args)
         assert str(e.value) == f"attn_backend='cuda' is not available: the kernel {reason}"
+    with pytest.raises(ValueError, match="the CUDA kernel has no softcap"):
+        PagedAttention(BlockPool(4, 4, 1, 1, 8), 0.1, ops=built, softcap=50.0)
 
 
 @pytest.mark.skipif(build_ext.find_cuda_home() is None, reason="needs nvcc")
