@@ -627,7 +627,9 @@ class Scheduler:
                          if hits else ""))
         # The full blocks copied back enter the prefix cache once the step has happened (in
         # update(), as in_flight blocks), and serve later sequences of this step already.
-        for i in range(seq.block_table.num_dropped + len(hits), seq.num_computed_tokens // self.block_size):
+        # (Without the prefix cache no hash was taken: nothing to offer.)
+        for i in range(seq.block_table.num_dropped + len(hits),
+                       seq.num_computed_tokens // self.block_size if self.enable_prefix_caching else 0):
             self.in_flight.setdefault(seq.block_hashes[i], (seq.block_table.block_ids[i], self._block_tokens(seq, i)))
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.order)

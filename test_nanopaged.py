@@ -2745,6 +2745,407 @@ def test_a_rolled_back_swap_out_counts_as_one_recompute():
     check_pool_invariants(sched.swap_pool, [])
 
 
+# --- the scheduler's bookkeeping, case by case (each test names the slip it catches: a
+# mutation-testing pass of scheduler.py, BlockPool and BlockTable found none that did) ---
+
+def test_add_refuses_a_windowed_request_whose_peak_exceeds_the_pool():
+    """blocks_at_most under a window: with W=6, a budget of 9 and blocks of 4, a long request
+    holds 5 blocks at once at its peak. A 4-block pool must refuse it (else the oldest
+    sequence preempts itself for good); a pool of blocks_at_most (6: a block to spare) serves it.
+    Catches: blocks_at_most `... // block_size + 3` -> `+ 1` (too small a bound)."""
+    kw = dict(block_size=4, max_num_batched_tokens=9, sliding_window=6)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with pytest.raises(ValueError, match="whole pool has 4"):
+        make_sched(num_blocks=4, **kw).add("a", list(range(2, 47)), params)
+    sched = make_sched(num_blocks=6, **kw)
+    a = sched.add("a", list(range(2, 47)), params)
+    kv, peak = SimulatedKV(sched), 0
+    while sched.has_unfinished():
+        run_step(sched, kv=kv)
+        peak = max(peak, sched.pool.num_used)
+    assert peak == 5 and a.finish_reason == "length" and sched.pool.num_used == 0
+
+
+def test_a_step_neither_recorded_nor_rolled_back_is_undone_by_the_next_schedule():
+    """A rollback cut short (a second Ctrl-C) leaves a step planned: the next schedule()
+    undoes it first, so nothing is written one slot off and no block leaks.
+    Catches: dropping the `self.rollback()` at the top of schedule()."""
+    sched = make_sched(num_blocks=16, block_size=4)
+    a = sched.add("a", list(range(2, 12)), SamplingParams(max_tokens=4, ignore_eos=True))
+    sched.schedule()                          # planned, then abandoned
+    kv = SimulatedKV(sched)
+    run_all(sched, kv=kv)
+    assert a.num_preemptions == 1 and sched.pool.num_used == 0
+    roomy = make_sched(num_blocks=16, block_size=4)
+    same = roomy.add("a", a.prompt_token_ids, a.params)
+    run_all(roomy)
+    assert finished_outputs([a]) == finished_outputs([same])
+
+
+def test_a_token_budget_smaller_than_the_running_batch_leaves_the_rest_for_later():
+    """Three samples decoding (n=3), a budget of 2 tokens: each step schedules the 2 oldest,
+    never a sequence with 0 tokens; the third waits its turn.
+    Catches: `while i < len(self.running) and budget > 0` -> `>= 0`."""
+    sched = make_sched(num_blocks=16, block_size=4, max_num_batched_tokens=2)
+    sched.add("r", [3], SamplingParams(n=3, max_tokens=3, ignore_eos=True))
+    run_step(sched)                           # prefill, then fork into 3
+    samples = list(sched.requests["r"])
+    assert len(samples) == 3
+    while sched.has_unfinished():
+        out = run_step(sched)                 # (checks every n >= 1)
+        assert out.num_tokens == [1] * len(out.seqs) and len(out.seqs) <= 2
+    assert [s.num_output_tokens for s in samples] == [3, 3, 3]
+
+
+def test_a_request_with_n_samples_holds_n_seats_while_its_prompt_is_prefilled_in_chunks():
+    """A request with n=3 prefilled over two steps counts as 3 sequences from its first step:
+    a request arriving meanwhile is not admitted past max_num_seqs = 3.
+    Catches: `seats = sum(s.pending_samples for s in self.running)` -> `len(self.running)`."""
+    sched = make_sched(num_blocks=32, block_size=4, max_num_seqs=3, max_num_batched_tokens=8)
+    r = sched.add("r", list(range(2, 14)), SamplingParams(n=3, max_tokens=3, ignore_eos=True))
+    run_step(sched)                                   # 8 of its 12 prompt tokens
+    b = sched.add("b", [3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
+    out = run_step(sched)                             # the last 4, then it forks into 3
+    assert out.seqs == [r] and b.status is Status.WAITING
+    assert len(sched.running) == 3
+    while sched.has_unfinished():
+        run_step(sched)
+        assert len(sched.running) <= 3
+
+
+def test_max_num_seqs_sequences_run_side_by_side():
+    """max_num_seqs = 2 admits 2 requests together, not 1.
+    Catches: `seats + seq.pending_samples > self.max_num_seqs` -> `>=`."""
+    sched = make_sched(num_blocks=32, block_size=4, max_num_seqs=2)
+    seqs = [sched.add(i, [3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True)) for i in range(3)]
+    out = run_step(sched)
+    assert out.seqs == seqs[:2] and seqs[2].status is Status.WAITING
+
+
+def test_a_swapped_out_sequence_comes_back_before_a_newer_waiting_one():
+    """FCFS across the two queues: b (swapped out) is older than c (waiting): c is not
+    admitted while b waits in the swap space, even where c alone would fit.
+    Catches: `self.swapped[0].order < self.waiting[0].order` -> `>`."""
+    sched, a, b = swapping_pair()
+    kv = SimulatedKV(sched)
+    while not run_step(sched, kv=kv).swap_out:
+        pass
+    c = sched.add("c", [7], SamplingParams(max_tokens=1, ignore_eos=True))
+    while b.status is Status.SWAPPED:
+        assert c.status is Status.WAITING
+        run_step(sched, kv=kv)
+    run_all(sched, kv=kv)
+    assert b.first_token_time < c.first_token_time
+
+
+def test_preempting_a_parked_beam_for_a_seat_frees_its_seat():
+    """An older sequence waits for a seat held by parked beams (running, nothing left to
+    compute: here, sequences the fake model does not sample). Preempting the newest parked
+    one frees a seat: the older one is admitted, and the other parked one keeps running.
+    Catches: dropping `seats -= victim.pending_samples` (every parked beam is preempted, and
+    the older sequence still waits)."""
+    sched = make_sched(num_blocks=32, block_size=4, max_num_seqs=3)
+    a, b, c = (sched.add(r, [3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True)) for r in "abc")
+    out = sched.schedule()
+    sched.update(out, {a: [fake_token(a)]})            # b and c: parked
+    assert b.parked and c.parked
+    sched.max_num_seqs = 2                             # (seats now short by one)
+    sched._preempt(a)                                  # (as the pool running dry would)
+    out = sched.schedule()
+    assert a.status is Status.RUNNING and b.status is Status.RUNNING and c.status is Status.WAITING
+    assert out.seqs == [a]
+
+
+def test_a_block_is_freed_the_step_its_last_position_leaves_the_window():
+    """Window 4, blocks of 4: once 7 tokens are computed, the next query (position 7) sees
+    4..7, so block 0 (0..3) is freed before that step, not one step later.
+    Catches: _first_visible `num_computed - self.sliding_window + 1` -> `- self.sliding_window`."""
+    sched = make_sched(num_blocks=8, block_size=4, sliding_window=4)
+    a = sched.add("a", list(range(2, 9)), SamplingParams(max_tokens=3, ignore_eos=True))
+    kv = SimulatedKV(sched)
+    run_step(sched, kv=kv)                    # the 7 prompt tokens
+    assert a.block_table.num_dropped == 0
+    run_step(sched, kv=kv)                    # position 7: block 0 slid out first
+    assert a.block_table.num_dropped == 1 and a.block_table.num_held == 1
+    run_all(sched, kv=kv)
+
+
+def test_a_parked_beam_older_than_the_waiting_sequence_keeps_its_seat():
+    """Only a parked beam *newer* than the sequence waiting for room is preempted for it: an
+    older one keeps its seat (FCFS), and the newer arrival waits.
+    Catches: _parked_beam_newer_than `return None` at the first older sequence -> `continue`."""
+    sched = make_sched(num_blocks=32, block_size=4, max_num_seqs=2)
+    a, b = (sched.add(r, [3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True)) for r in "ab")
+    out = sched.schedule()
+    sched.update(out, {a: [fake_token(a)]})            # b: parked
+    c = sched.add("c", [6, 7], SamplingParams(max_tokens=1, ignore_eos=True))
+    out = sched.schedule()
+    assert out.seqs == [a] and out.preempted == [] and b.status is Status.RUNNING
+    assert c.status is Status.WAITING and b.num_preemptions == 0
+
+
+def test_a_swap_space_with_exactly_the_blocks_needed_is_used():
+    """b holds 5 blocks when a's growth evicts it: a swap space of exactly 5 free blocks
+    takes it (swapped, not recomputed).
+    Catches: `self.swap_pool.num_free >= victim.block_table.num_held` -> `>`."""
+    sched, a, b = swapping_pair()
+    sched.swap_pool = tiny_pool(5, 4)
+    kv = SimulatedKV(sched)
+    while not (out := run_step(sched, kv=kv)).preempted:
+        pass
+    assert out.swapped_out == [b] and len(out.swap_out) == 5 and b.status is Status.SWAPPED
+    assert sched.swap_pool.num_free == 0
+    run_all(sched, kv=kv)
+    assert sched.num_swapped_out == sched.num_preemptions == 1
+
+
+def test_a_parked_beam_is_recomputed_not_swapped():
+    """A parked beam (nothing left to compute) chosen as the victim is preempted by
+    recomputation even with swap space free: brought back, it would be a step of no work.
+    Catches: dropping `and not victim.parked` in _make_room."""
+    sched = make_sched(num_blocks=2, block_size=4, swap_pool=tiny_pool(10, 4))
+    a = sched.add("a", [3, 4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+    b = sched.add("b", [7, 8, 9, 10], SamplingParams(max_tokens=1, ignore_eos=True))
+    out = sched.schedule()
+    sched.update(out, {a: [fake_token(a)]})            # b: parked, a needs a 2nd block
+    assert b.parked
+    out = sched.schedule()
+    assert out.preempted == [b] and out.swap_out == [] and b.status is Status.WAITING
+    assert sched.num_swapped_out == 0 and sched.swap_pool.num_free == 10
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_until_the_first_token():
+    """A request that scores its prompt computes every prompt token (a cached one would have
+    no logits), but once it has sampled, its recompute after a preemption may start from
+    cached blocks. And the hit counters count prompts only, once: not a recompute.
+    Catches: scores_prompt forced False; scores_prompt without `num_output_tokens == 0`;
+    `seq.num_preemptions == 0` dropped; `prefix_query_tokens += ...` dropped."""
+    sched = make_sched(num_blocks=32, block_size=4)
+    prompt = list(range(2, 15))                                   # 13 tokens: 3 full blocks
+    sched.add("warm", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    run_all(sched)
+    assert (sched.prefix_query_tokens, sched.prefix_hit_tokens) == (13, 0)
+    s = sched.add("s", prompt, SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=1))
+    out = run_step(sched)
+    assert out.num_tokens == [13] and s.num_cached_tokens == 0
+    assert (sched.prefix_query_tokens, sched.prefix_hit_tokens) == (26, 0)
+    sched._preempt(s)                                             # (as the pool running dry would)
+    out = run_step(sched)                                         # its 3 full blocks are cached
+    assert out.num_tokens == [2] and s.num_output_tokens == 2
+    assert (sched.prefix_query_tokens, sched.prefix_hit_tokens) == (26, 0)   # (a recompute: not counted)
+    run_all(sched)
+    t = sched.add("t", prompt + [40], SamplingParams(max_tokens=1, ignore_eos=True))
+    run_step(sched)
+    assert t.num_cached_tokens == 12 and (sched.prefix_query_tokens, sched.prefix_hit_tokens) == (40, 12)
+
+
+def test_blocks_of_a_sequence_that_failed_alone_are_not_cached():
+    """a computes two full blocks in a step, then fails (its logits broke) and nobody adopted
+    them: they go back to the free list uncached, and a later request with a's prompt
+    computes them again (no hit on blocks whose K/V may be bad or reused).
+    Catches: update() registering in_flight blocks with `ref_count[block] >= 0`."""
+    sched = make_sched(num_blocks=16, block_size=4)
+    a = sched.add("a", list(range(2, 11)), SamplingParams(max_tokens=2, ignore_eos=True))
+    out = sched.schedule()
+    sched.finish(a, "error")                                     # as LLM._commit does
+    sched.update(out, {})
+    assert sched.pool.num_cached == 0 and sched.pool.cached_blocks == {}
+    kv = SimulatedKV(sched)
+    d = sched.add("d", a.prompt_token_ids, SamplingParams(max_tokens=2, ignore_eos=True))
+    out = run_step(sched, kv=kv)
+    assert out.num_tokens == [9] and d.num_cached_tokens == 0
+    run_all(sched, kv=kv)
+
+
+def test_register_keeps_the_first_block_of_a_prefix_and_one_prefix_per_block():
+    """Two blocks computed for the same prefix: the first registered stays the cached copy,
+    the second is not indexed (it goes to the free list when released); a block already
+    cached is not indexed under a second prefix. Both evicted later: nothing dangles.
+    Catches: register() without `prefix_hash not in self.cached_blocks`, or without
+    `block not in self.block_hash`."""
+    pool = tiny_pool(4, block_size=2)
+    t1, t2 = pool.new_table(), pool.new_table()
+    t1.slots_for(2)
+    t2.slots_for(2)
+    (b1,), (b2,) = t1.block_ids, t2.block_ids
+    pool.register(b1, 111, (1, 2))
+    pool.register(b2, 111, (1, 2))            # the same prefix, computed twice
+    pool.register(b1, 222, (3, 4))            # b1 already holds prefix 111
+    assert pool.cached_blocks == {111: b1} and pool.block_hash == {b1: 111}
+    assert pool.lookup(222, (3, 4)) is None
+    t1.release()
+    t2.release()
+    assert pool.num_cached == 1 and pool.num_free == 3
+    assert len(pool.allocate(4)) == 4         # evicts b1 too
+    assert pool.cached_blocks == {} and pool.block_hash == {} and pool.block_tokens == {}
+    assert pool.num_cached == 0 and pool.num_used == 4
+
+
+def test_incref_of_a_free_block_is_refused():
+    """Only a used or a cached block can gain a holder.
+    Catches: dropping incref's `raise ValueError` for a free block."""
+    pool = tiny_pool(4, block_size=2)
+    with pytest.raises(ValueError, match="which is free"):
+        pool.incref(0)
+    assert pool.ref_count == [0] * 4 and pool.num_free == 4
+
+
+def test_drop_before_never_takes_back_what_it_dropped():
+    """A position before what was already dropped drops nothing and forgets nothing.
+    Catches: drop_before `self.num_dropped = max(self.num_dropped, end)` -> `= end`."""
+    pool = tiny_pool(8, 4)
+    table = pool.new_table()
+    table.slots_for(10)
+    assert len(table.drop_before(9)) == 2
+    assert table.drop_before(3) == [] and table.num_dropped == 2 and table.num_held == 1
+    table.release()
+    check_pool_invariants(pool, [])
+    assert pool.num_free == 8
+
+
+def test_slots_for_zero_tokens_allocates_and_copies_nothing():
+    """blocks_needed(0) is 0 even on a shared, partial last block (no copy-on-write without
+    a write). Catches: dropping blocks_needed's `if n <= 0: return 0`."""
+    pool = tiny_pool(8, 4)
+    t = pool.new_table()
+    t.slots_for(6)
+    child = t.fork()
+    assert child.blocks_needed(0) == 0 and child.slots_for(0) == []
+    assert pool.num_free == 6 and pool.pending_copies == []
+    check_pool_invariants(pool, [t, child])
+
+
+def test_every_sample_reports_the_prompt_tokens_the_prefix_cache_saved():
+    """n samples of a prompt whose first 2 blocks are cached: the parent took them, and
+    each forked sample reports the same num_cached_tokens.
+    Catches: fork() not copying num_cached_tokens."""
+    sched = make_sched(num_blocks=32, block_size=4)
+    prompt = list(range(2, 12))                                   # 10 tokens: 2 full blocks
+    sched.add("warm", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    run_all(sched)
+    sched.add("r", prompt, SamplingParams(n=3, max_tokens=2, ignore_eos=True))
+    run_step(sched)
+    samples = list(sched.requests["r"])
+    assert len(samples) == 3 and [s.num_cached_tokens for s in samples] == [8, 8, 8]
+    run_all(sched)
+
+
+def test_a_hash_collision_with_a_block_computed_in_the_same_step_is_caught(monkeypatch):
+    """Every hash collides: y, admitted in the step where x computes its first block, must
+    not adopt x's in-flight block (its tokens differ).
+    Catches: _find_cached trusting `prefix_hash in self.in_flight` without comparing tokens."""
+    monkeypatch.setattr(scheduler_module, "hash_block", lambda parent, tokens: 42)
+    sched = make_sched(num_blocks=8, block_size=2)
+    kv = SimulatedKV(sched)
+    x = sched.add("x", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    y = sched.add("y", [8, 9, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    out = run_step(sched, kv=kv)
+    assert out.seqs == [x, y] and out.num_tokens == [3, 3] and y.num_cached_tokens == 0
+    assert x.block_table.block_ids[0] != y.block_table.block_ids[0]
+    run_all(sched, kv=kv)
+
+
+def test_a_windowed_hit_needs_only_the_blocks_its_next_query_reads():
+    """Window 6, blocks of 4: a request starting from 3 cached blocks (its next query, at
+    position 12, reads 7..12) needs blocks 1 and 2 only: with block 0 evicted it still
+    takes them. Catches: _cached_prefix testing the window of the query at i * block_size
+    instead of (i + 1) * block_size."""
+    sched = make_sched(num_blocks=8, block_size=4, sliding_window=6)
+    kv = SimulatedKV(sched)
+    prompt = list(range(2, 15))                                    # 13 tokens: 3 full blocks
+    a = sched.add("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    run_all(sched, kv=kv)
+    cached = [sched.pool.lookup(h, tuple(prompt[4 * i:4 * i + 4])) for i, h in enumerate(a.block_hashes[:3])]
+    assert None not in cached
+    touch = sched.pool.new_table()                                 # (blocks 1 and 2 used again:
+    for block in cached[1:]:                                       # block 0 is the LRU)
+        touch.append_cached(block)
+    touch.release()
+    assert next(iter(sched.pool.evictable)) == cached[0]
+    taken = sched.pool.allocate(sched.pool.num_free + 1)                           # evicts it
+    assert sched.pool.lookup(a.block_hashes[0], tuple(prompt[:4])) is None
+    for block in taken:
+        sched.pool.free(block)
+    b = sched.add("b", prompt + [99], SamplingParams(max_tokens=2, ignore_eos=True))
+    out = run_step(sched, kv=kv)
+    assert b.num_cached_tokens == 12 and out.num_tokens == [2]
+    assert b.block_table.block_ids[1:3] == cached[1:]
+    run_all(sched, kv=kv)
+
+
+def test_swapping_with_prefix_caching_off():
+    """Swap preemption without the prefix cache: b is swapped out and back, the tokens are
+    those of a roomy run, and nothing enters the prefix cache. (_swap_in once offered every
+    computed full block by its prefix hash, but without the prefix cache none is taken:
+    IndexError at the first swap-in, from LLM(enable_prefix_caching=False,
+    preemption_mode="swap") too.) Also catches: _still_cached looking blocks up with prefix
+    caching off."""
+    sched = make_sched(num_blocks=10, block_size=4, max_num_batched_tokens=64, swap_pool=tiny_pool(20, 4),
+                       enable_prefix_caching=False)
+    a = sched.add("a", [5] * 8, SamplingParams(max_tokens=28, ignore_eos=True))
+    b = sched.add("b", list(range(10, 22)), SamplingParams(max_tokens=12, ignore_eos=True))
+    run_all(sched, kv=SimulatedKV(sched))
+    assert sched.num_swapped_out >= 1 and sched.pool.num_cached == 0 and sched.pool.cached_blocks == {}
+    roomy = make_sched(num_blocks=100, block_size=4, enable_prefix_caching=False)
+    same = [roomy.add(s.request_id, s.prompt_token_ids, s.params) for s in (a, b)]
+    run_all(roomy)
+    assert finished_outputs([a, b]) == finished_outputs(same)
+
+
+def test_a_sequence_aborted_during_its_step_gets_no_token():
+    """Aborted between schedule() and update() (as LLM.abort may): its sampled token is
+    dropped, its output stays as it was, and it stays finished by the abort.
+    Catches: update() without `if seq.status is not Status.RUNNING: continue`."""
+    sched = make_sched(num_blocks=16, block_size=4)
+    a = sched.add("a", [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    b = sched.add("b", [6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    out = sched.schedule()
+    sched.abort("a")
+    sched.update(out, {a: [fake_token(a)], b: [fake_token(b)]})
+    assert a.output_token_ids == [] and a.finish_reason == "abort" and a.status is Status.FINISHED
+    assert b.num_output_tokens == 1
+    run_all(sched)
+    assert sched.pool.num_used == 0
+
+
+def test_every_fork_numbers_its_children_after_all_indices_used():
+    """A beam search forks again and again: each fork's children take sample indices never
+    used before by the request. Catches: fork() not advancing next_sample_index."""
+    sched = make_sched(num_blocks=32, block_size=4)
+    r = sched.add("r", [3, 4, 5], SamplingParams(max_tokens=5, ignore_eos=True))
+    out = sched.schedule()
+    forked = sched.update(out, {r: [7, 8, 9]})                   # 2 children
+    out = sched.schedule()
+    forked2 = sched.update(out, {s: [10, 11] if s is r else [12] for s in out.seqs})   # r forks again
+    assert [c.sample_index for c in forked[r]] == [1, 2] and [c.sample_index for c in forked2[r]] == [3]
+    assert sorted(s.sample_index for s in sched.requests["r"]) == [0, 1, 2, 3]
+
+
+def test_forked_samples_hash_their_own_blocks():
+    """Samples forked from one prompt diverge: each keeps its own prefix hashes (the memo is
+    copied at the fork, not shared), so each full block enters the prefix cache under the
+    hash of its own tokens, and a later request with one sample's tokens finds that
+    sample's blocks, with the right K/V.
+    Catches: fork() `child.block_hashes = list(seq.block_hashes)` -> `seq.block_hashes`."""
+    sched = make_sched(num_blocks=32, block_size=4)
+    kv = SimulatedKV(sched)
+    sched.add("r", [3, 4, 5, 6], SamplingParams(n=2, max_tokens=9, ignore_eos=True))
+    run_step(sched, kv=kv)
+    samples = list(sched.requests["r"])
+    run_all(sched, kv=kv)
+    assert samples[0].token_ids[4:] != samples[1].token_ids[4:]
+    for s in samples:
+        chain = []
+        for i in range(s.num_tokens // 4):
+            chain.append(scheduler_module.hash_block(chain[-1] if chain else scheduler_module.ROOT_HASH,
+                                                     s.token_ids[4 * i:4 * i + 4]))
+        assert s.block_hashes[:len(chain)] == chain
+    for s in samples:
+        d = sched.add(("d", s.sample_index), s.token_ids[:12] + [99], SamplingParams(max_tokens=1, ignore_eos=True))
+        run_step(sched, kv=kv)
+        assert d.num_cached_tokens == 12
+
+
 def test_fcfs_finish_order_and_preemption_victims():
     # equal work: requests finish in arrival order
     sched = make_sched(num_blocks=64, max_num_batched_tokens=8, max_num_seqs=2)
