@@ -318,13 +318,18 @@ def _flag(d: dict, key: str) -> bool:
 def _gemma3_text_config(d: dict) -> dict:
     """The text model's config of a Gemma 3 with a vision tower (4B and larger: model_type
     gemma3, its text_config as a gemma3_text's; its BOS and EOS ids, which generation uses, at
-    the top). nanopaged runs the text model alone, as vLLM does a prompt without images; the
-    loader finds its weights under language_model. (_checkpoint_name)."""
-    text = d.get("text_config") or {}
-    if not isinstance(text, dict):
+    the top, and whether its LM head is the embedding matrix). nanopaged runs the text model
+    alone, as vLLM does a prompt without images; the loader finds its weights under
+    language_model. (_checkpoint_name). As transformers' Gemma3ForConditionalGeneration, it
+    does not softcap the logits (its Gemma3ForCausalLM does; no Gemma 3 sets a cap)."""
+    text = d.get("text_config", {})
+    if not isinstance(text, dict | None):
         raise ModelError(f"'text_config' is {reprlib.repr(text)}, expected an object")
-    ids = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
-    return text | ids | {"model_type": "gemma3_text"}
+    if (text or {}).get("model_type", "gemma3_text") != "gemma3_text":
+        raise ModelError(f"text_config's model_type is {text['model_type']!r}, expected 'gemma3_text'")
+    top = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
+    return (text or {}) | top | {"model_type": "gemma3_text", "final_logit_softcapping": None,
+                                 "tie_word_embeddings": d.get("tie_word_embeddings", True)}
 
 
 def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
@@ -360,7 +365,11 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
                          f"(Gemma 3 scales only its full-attention layers' RoPE)")
     fields["rope_local_base_freq"] = (_positive(local, "rope_theta", float) if "rope_theta" in local
                                       else _positive(d, "rope_local_base_freq", float))
-    return fields, d | {"rope_parameters": full or None}
+    # (an old-style rope_scaling given too goes into the full layers' parameters, as transformers merges it)
+    scaling = d.get("rope_scaling")
+    if not isinstance(scaling, dict | None):
+        raise ModelError(f"'rope_scaling' is {scaling!r}, expected an object or null")
+    return fields, d | {"rope_parameters": (full | (scaling or {})) or None, "rope_scaling": None}
 
 
 def _nope_layers(d: dict, model_type: str) -> range | tuple:
@@ -388,8 +397,8 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     SmolLM3's NoPE layers). Gemma windows the layers layer_types names so, by default all but
     every other one (Gemma 2) or every sliding_window_pattern-th (Gemma 3: 6). Llama has no
     window."""
-    if model_type == "llama" or d.get("sliding_window") is None:
-        return None, ()
+    if model_type == "llama" or d.get("sliding_window") is None and model_type not in GEMMAS:
+        return None, ()   # (Gemma's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
     if model_type in ("mistral", "phi3"):
         windowed = range(layers)
@@ -2223,8 +2232,9 @@ def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -
     llama.cpp takes the rest as given: every other layer windowed (Gemma 2), or all but every
     6th, turning by a rope base of 10,000, unscaled (Gemma 3); softcaps of 50 and 30 where a
     Gemma 2 file has none; the scores scaled by head_dim^-1/2, but by (C / H)^-1/2 in the 27B
-    (46 layers of Gemma 2, 62 of Gemma 3). A file without a window (or 0) has none."""
-    window = meta.get(f"{arch}.attention.sliding_window") or None
+    (46 layers of Gemma 2, 62 of Gemma 3). A Gemma 3 file without a window (or 0) has none."""
+    # (a Gemma 2 file without one, from an early converter: llama.cpp's default, 4096)
+    window = meta.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None) or None
     head_dim = key_length or c.hidden_size // c.num_attention_heads   # (checked numbers: c's)
     big = c.num_hidden_layers == (46 if arch == "gemma2" else 62)   # (llama.cpp's test for the 27B)
     keys = {"head_dim": head_dim, "sliding_window": window,
@@ -2304,7 +2314,9 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
-    if not gemma:
+    if gemma:   # (its window and the layers it covers: _gguf_gemma, below; the family's default till then)
+        del config["sliding_window"]
+    else:
         config["hidden_act"] = "silu"
     for role in ("bos", "eos"):   # (named as the file names them; from_dict would say eos_token_id)
         if (i := config[f"{role}_token_id"]) is not None and i >= len(tokens):

@@ -1028,6 +1028,13 @@ def test_gemma3_configs_are_read_as_transformers_reads_them_or_refused():
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 2e5},
         "sliding_attention": {"rope_type": "default", "rope_theta": 3e3}}})
     assert (nested.rope_theta, nested.rope_local_base_freq, nested.rope_scaling) == (2e5, 3e3, c.rope_scaling)
+    # both spellings: transformers merges rope_scaling into the full layers' parameters
+    both = ModelConfig.from_dict(base | {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 2e5}},
+                                         "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert (both.rope_theta, both.rope_scaling) == (2e5, c.rope_scaling)
+    # windowed layers need a window (transformers fails at run time without one); full ones do not
+    full = ModelConfig.from_dict(base | {"sliding_window": None, "layer_types": ["full_attention"] * 2})
+    assert full.sliding_window is None and full.layer_window(0) is None
     for change, message in [
             ({"attn_logit_softcapping": -1.0}, "'attn_logit_softcapping' is -1.0, expected a positive number"),
             ({"use_bidirectional_attention": True}, "use_bidirectional_attention .* is not supported"),
@@ -1037,7 +1044,8 @@ def test_gemma3_configs_are_read_as_transformers_reads_them_or_refused():
             ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "expected Gemma 3's {'full_attention'"),
             ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
              "rope type 'linear' for the sliding-window layers is not supported"),
-            ({"sliding_window_pattern": 0}, "'sliding_window_pattern' is 0")]:
+            ({"sliding_window_pattern": 0}, "'sliding_window_pattern' is 0"),
+            ({"sliding_window": None}, "no 'sliding_window' \\(required for model_type 'gemma3_text'\\)")]:
         with pytest.raises(ModelError, match=message):
             ModelConfig.from_dict(base | change)
 
@@ -1058,8 +1066,16 @@ def test_gemma3_with_a_vision_tower_runs_its_text_model(tmp_path, capsys):
     expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())["gemma3"]
     torch.testing.assert_close(forward_all(model, IDS), torch.tensor(expected["logits"]), rtol=1e-4, atol=1e-4)
     assert "left out" not in capsys.readouterr().err
-    with pytest.raises(ModelError, match="'text_config' is 'no', expected an object"):
-        ModelConfig.from_dict(multimodal | {"text_config": "no"})
+    # as transformers' Gemma3ForConditionalGeneration: the top level says whether the LM head is
+    # tied (True unless it says not), and the logits are not softcapped (its Gemma3ForCausalLM's are)
+    text = c | {"tie_word_embeddings": False, "final_logit_softcapping": 2.0}
+    tied = ModelConfig.from_dict(multimodal | {"text_config": text})
+    assert tied.tie_word_embeddings and tied.final_logit_softcapping is None
+    assert not ModelConfig.from_dict(multimodal | {"tie_word_embeddings": False}).tie_word_embeddings
+    for text, message in [("no", "'text_config' is 'no', expected an object"), ([], "'text_config' is \\[\\]"),
+                          (c | {"model_type": "gemma2"}, "text_config's model_type is 'gemma2'")]:
+        with pytest.raises(ModelError, match=message):
+            ModelConfig.from_dict(multimodal | {"text_config": text})
 
 
 def test_gemma_chats_through_the_engine(tmp_path):
@@ -2048,6 +2064,14 @@ def test_gemma_gguf_loads_as_its_checkpoint(tmp_path, own_cache, arch, layers):
     assert cfg.attn_scale == (8 if big else 16) ** -0.5
     assert (cfg.rope_local_base_freq, cfg.attn_logit_softcapping) == ((10_000, None) if arch == "gemma3" else (None, 2.0))
     torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
+    # a file without a window: Gemma 3 none, Gemma 2 llama.cpp's default (4096; a 0 written: none); without
+    # Gemma 2's softcaps: llama.cpp's defaults (Gemma2Config's too)
+    keys = model_module._gguf_gemma({}, arch, cfg, 16)
+    assert keys["sliding_window"] == (4096 if arch == "gemma2" else None)
+    assert model_module._gguf_gemma({f"{arch}.attention.sliding_window": 0}, arch, cfg, 16)["sliding_window"] is None
+    plain = ModelConfig.from_dict({k: v for k, v in c.items() if not k.endswith("softcapping")} | keys)
+    assert (plain.attn_logit_softcapping, plain.final_logit_softcapping) == ((50.0, 30.0) if arch == "gemma2"
+                                                                             else (None, None))
     if layers == 7:
         tok, gemma = load_tokenizer(tmp_path / f"{arch}.gguf"), load_tokenizer(TESTDATA / "gemma_tokenizer")
         texts = [c["text"] for c in map(json.loads, (TESTDATA / "gemma_tokenizer_cases.jsonl").open(encoding="utf-8"))
