@@ -4,7 +4,8 @@ README quotes them with the command that produced them.
 
   python bench.py load        loading the default model: first run (conversion) and later runs
   python bench.py attention   paged attention on the CPU: fast path vs reference vs contiguous SDPA
-  python bench.py scheduler   the scheduler's own time per step, 256 running sequences, no model
+  python bench.py scheduler   the scheduler's own time per step, no model: 256 running sequences; and one
+                              decoding under a window of 4,096 while a 32k-token request waits
   python bench.py engine      the 64-request offline workload (+ transformers side by side), memory report
   python bench.py prefix      a ~1,000-token shared system prompt: TTFT with prefix caching on vs off
   python bench.py parallel    n = 4 parallel sampling: KV blocks with copy-on-write vs without sharing

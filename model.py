@@ -235,7 +235,7 @@ class ModelConfig:
             d, model_type = _gemma3_text_config(d), "gemma3_text"
         if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
             d = LLAMA_FAMILY[model_type] | d
-            gemma, rope = _gemma_fields(d, model_type) if model_type in GEMMAS else ({}, d)
+            gemma, d_rope = _gemma_fields(d, model_type) if model_type in GEMMAS else ({}, d)
             if not gemma and d.get("hidden_act", "silu") != "silu":
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
             if d.get("mlp_bias"):
@@ -254,7 +254,7 @@ class ModelConfig:
                     "" if d.get("head_dim") else f" (head_dim = hidden_size {hidden} // "
                                                   f"num_attention_heads {heads})"))
             max_position = _positive(d, "max_position_embeddings", default=2048)
-            rope_theta, rope_scaling, partial = _rope_config(rope, model_type, head_dim, max_position)
+            rope_theta, rope_scaling, partial = _rope_config(d_rope, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
             # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's and Gemma's
             # attention_bias gives all four one; Mistral has none. Qwen 3 and Gemma 3 normalize
@@ -363,12 +363,15 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
     if local.get("rope_type", "default") != "default":
         raise ModelError(f"rope type {local['rope_type']!r} for the sliding-window layers is not supported "
                          f"(Gemma 3 scales only its full-attention layers' RoPE)")
-    fields["rope_local_base_freq"] = (_positive(local, "rope_theta", float) if "rope_theta" in local
-                                      else _positive(d, "rope_local_base_freq", float))
+    if "rope_theta" in local:
+        with _in_file("rope_parameters['sliding_attention']"):   # (named as where the key is)
+            fields["rope_local_base_freq"] = _positive(local, "rope_theta", float)
+    else:
+        fields["rope_local_base_freq"] = _positive(d, "rope_local_base_freq", float)
     # (an old-style rope_scaling given too goes into the full layers' parameters, as transformers merges it)
     scaling = d.get("rope_scaling")
     if not isinstance(scaling, dict | None):
-        raise ModelError(f"'rope_scaling' is {scaling!r}, expected an object or null")
+        raise ModelError(f"'rope_scaling' is {reprlib.repr(scaling)}, expected an object or null")
     return fields, d | {"rope_parameters": (full | (scaling or {})) or None, "rope_scaling": None}
 
 
@@ -402,7 +405,7 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     layers = _positive(d, "num_hidden_layers")
     if model_type in ("mistral", "phi3"):
         windowed = range(layers)
-    elif model_type in GEMMAS and d.get("layer_types") is None:   # (Gemma 2: every other layer)
+    elif model_type in GEMMAS and d.get("layer_types") is None:   # (Gemma 2: every other layer; 3: 5 of 6)
         pattern = 2 if model_type == "gemma2" else _positive(d, "sliding_window_pattern", default=6)
         windowed = LayersBut(layers, range(pattern - 1, layers, pattern))
     elif (not _flag(d, "use_sliding_window") and model_type not in GEMMAS
@@ -696,7 +699,8 @@ class Tokenizer:
         self.encoding = encoding   # (a SentencePieceBPE has the methods of tiktoken's used here)
         # None for byte-level BPE; for SentencePiece, where its "▁" goes before a text: "legacy"
         # (a normalizer: before each text between added tokens, a space there or not), or a
-        # Metaspace pre-tokenizer's "first" (the text's start only), "always" or "never"
+        # Metaspace pre-tokenizer's "first" (the text's start only), "always" or "never" (or
+        # Gemma's Replace normalizer, which puts none either)
         self.sentencepiece = sentencepiece
         self.strip_space = strip_space    # decode drops the text's first space (SentencePiece's decoder)
         self.nfc = nfc                    # Unicode NFC-normalize the text between added tokens (Qwen 2)
@@ -1481,8 +1485,8 @@ def rope_tables(config: ModelConfig, max_model_len: int | None = None,
         factors = s["long_factor"] if config.longrope_long(P) else s["short_factor"]
         inv_freq, attention_factor = 1.0 / (torch.tensor(factors, device="cpu") * powers), s["attention_factor"]
     if not torch.isfinite(inv_freq).all():   # (a rope_theta of 1e-300 underflows: 1 / 0)
-        raise ModelError(f"rope_theta {theta} and rope_scaling {s or None} give RoPE "
-                         f"frequencies that are not finite numbers")
+        raise ModelError(f"{'rope_local_base_freq' if local else 'rope_theta'} {theta} and rope_scaling {s or None} "
+                         f"give RoPE frequencies that are not finite numbers")
     positions = torch.arange(P, device="cpu").float()
     angles = torch.outer(positions, inv_freq)  # (P, R/2)
     # (YaRN's and LongRoPE's attention factor scales q and k, so their product by its
@@ -1530,6 +1534,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., :R].chunk(2, dim=-1)  # (T, h, R/2) each
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, h, R)
     return rotated if R == x.shape[-1] else torch.cat((rotated, x[..., R:]), dim=-1)  # (T, h, D)
+
+
+def tanh_softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's softcap: x squashed smoothly into (-cap, cap), as HF computes it (divide,
+    tanh, multiply)."""
+    return torch.tanh(x / cap) * cap
 
 
 def embedding(num: int, dim: int) -> nn.Embedding:
@@ -1648,10 +1658,10 @@ class Llama(nn.Module):
             cos, sin = rope_tables(config, max_model_len, local=True)
             self.register_buffer("rope_local_cos", cos, persistent=False)
             self.register_buffer("rope_local_sin", sin, persistent=False)
-        # Gemma scales the embeddings by sqrt(C), rounded to the model's dtype as HF rounds it
-        # (bfloat16: sqrt(640) = 25.3 becomes 25.25)
-        self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5 if config.gemma else 1.0,
-                                                         device="cpu"), persistent=False)
+        if config.gemma:   # it scales the embeddings by sqrt(C), rounded to the model's dtype as HF
+            # rounds it (bfloat16: sqrt(640) = 25.3 becomes 25.25)
+            self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5, device="cpu"),
+                                 persistent=False)
 
     def forward(self, input_ids, positions, attn, logits_indices=None):
         x = self.embed_tokens(input_ids)               # (T, C)
@@ -1670,7 +1680,7 @@ class Llama(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = F.linear(self.norm(x), head.weight)   # (S, V)
         if (cap := self.config.final_logit_softcapping) is not None:
-            logits = cap * torch.tanh(logits / cap)    # (as HF: divide, tanh, multiply)
+            logits = tanh_softcap(logits, cap)
         return logits
 
     @staticmethod
@@ -2235,6 +2245,9 @@ def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -
     (46 layers of Gemma 2, 62 of Gemma 3). A Gemma 3 file without a window (or 0) has none."""
     # (a Gemma 2 file without one, from an early converter: llama.cpp's default, 4096)
     window = meta.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None) or None
+    if arch == "gemma2" and window is None:
+        raise ModelError(f"gemma2.attention.sliding_window is {meta['gemma2.attention.sliding_window']!r}, "
+                         f"but a Gemma 2 windows every other layer")
     head_dim = key_length or c.hidden_size // c.num_attention_heads   # (checked numbers: c's)
     big = c.num_hidden_layers == (46 if arch == "gemma2" else 62)   # (llama.cpp's test for the 27B)
     keys = {"head_dim": head_dim, "sliding_window": window,

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import build_ext
-from model import ModelConfig, load_model, load_tokenizer, resolve_model_dir
+from model import ModelConfig, load_model, load_tokenizer, resolve_model_dir, tanh_softcap
 from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, hash_block, stop_token_set
 
 # -----------------------------------------------------------------------------
@@ -381,7 +381,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
             vb = v_cache[block, lo:n].float().repeat_interleave(group, dim=1)  # (n - lo, H, D)
             s = torch.einsum("qhd,khd->qhk", qb, kb) * scale          # (q_len, H, n - lo)
             if softcap is not None:
-                s = torch.tanh(s / softcap) * softcap
+                s = tanh_softcap(s, softcap)
             k_pos = torch.arange(i * block_size + lo, i * block_size + n, device=q.device)
             visible = k_pos[None, :] <= q_pos[:, None]                # (q_len, n - lo) causal
             if window is not None:
@@ -521,22 +521,30 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     return out
 
 
+SOFTCAP_ROWS = 256   # query rows per block of scores where attention is written out (softcap)
+
+
 def attend(q, k, v, mask, scale, softcap=None):
     """Attention over dense tensors: q (B, H, Lq, D), k and v (B, KVH, L, D), mask broadcast
     to (B, H, Lq, L), True where a query sees a key, or None: causal (Lq == L). SDPA does it;
     4-D inputs and enable_gqa let it pick its fused (flash) CPU kernel, which also reads each
     kv head once for its whole group of query heads. SDPA has no softcap: with Gemma 2's, the
-    same is written out, in float32."""
+    same is written out, in float32, SOFTCAP_ROWS query rows at a time (a 2k-token chunk over
+    an 8k context would otherwise hold a (16 heads, 2k, 8k) score matrix: 1 GiB)."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     group = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)  # (B, H, L, D)
-    s = q.float() @ k.transpose(-1, -2) * scale                        # (B, H, Lq, L)
-    s = torch.tanh(s / softcap) * softcap
     if mask is None:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-    return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v).to(q.dtype)
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()   # (Lq, L)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # (B, H, Lq, D)
+    for i in range(0, q.shape[2], SOFTCAP_ROWS):
+        s = q[:, :, i:i + SOFTCAP_ROWS].float() @ k.transpose(-1, -2) * scale   # (B, H, rows, L)
+        s = tanh_softcap(s, softcap)
+        seen = mask if mask.shape[-2] == 1 else mask[..., i:i + SOFTCAP_ROWS, :]   # (a decode's: every row)
+        out[:, :, i:i + SOFTCAP_ROWS] = s.masked_fill(~seen, float("-inf")).softmax(-1) @ v
+    return out.to(q.dtype)
 
 
 class PagedAttention:

@@ -473,9 +473,10 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
-    windowed layer) and Gemma 2 (softcapped attention scores) through the paged engine: chunked prefill, decode, prefix hits; the same
-    greedy tokens as dense forward passes. Windows end mid-block and inside chunks, in every
-    layer (Mistral) or one only (Qwen 2, SmolLM3, Gemma 3), and do not shorten the context."""
+    windowed layer) and Gemma 2 (softcapped attention scores) through the paged engine:
+    chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
+    Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
+    SmolLM3, Gemma), and do not shorten the context."""
     vocab, _ = byte_vocab()
     c = LLAMA_FAMILY_VARIANTS[variant] | {"vocab_size": 256, "eos_token_id": 0}
     if window:
@@ -987,7 +988,9 @@ def test_bad_config(tmp_path):
     with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gemma2, gemma3, gemma3_text, gpt2, llama, mistral, phi3, qwen2, qwen3, "
                                         r"smollm3\)"):
         load_model(tmp_path)
-    for rope, message in [({"rope_theta": 1e-300}, "rope_theta 1e-300 and rope_scaling None give RoPE frequencies "
+    for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
+                           "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
+                          ({"rope_theta": 1e-300}, "rope_theta 1e-300 and rope_scaling None give RoPE frequencies "
                                                    "that are not finite numbers"),   # (1 / 0, once underflowed)
                           ({"rope_scaling": LLAMA3_ROPE | {"low_freq_factor": 1e307, "high_freq_factor": 1e308}},
                            "give RoPE frequencies that are not finite")]:
@@ -1032,6 +1035,9 @@ def test_gemma3_configs_are_read_as_transformers_reads_them_or_refused():
     both = ModelConfig.from_dict(base | {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 2e5}},
                                          "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert (both.rope_theta, both.rope_scaling) == (2e5, c.rope_scaling)
+    # all but every 6th layer windowed by default
+    twelve = ModelConfig.from_dict(base | {"num_hidden_layers": 12, "sliding_window": 64})
+    assert [twelve.layer_window(i) for i in range(12)] == ([64] * 5 + [None]) * 2
     # windowed layers need a window (transformers fails at run time without one); full ones do not
     full = ModelConfig.from_dict(base | {"sliding_window": None, "layer_types": ["full_attention"] * 2})
     assert full.sliding_window is None and full.layer_window(0) is None
@@ -1045,7 +1051,9 @@ def test_gemma3_configs_are_read_as_transformers_reads_them_or_refused():
             ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
              "rope type 'linear' for the sliding-window layers is not supported"),
             ({"sliding_window_pattern": 0}, "'sliding_window_pattern' is 0"),
-            ({"sliding_window": None}, "no 'sliding_window' \\(required for model_type 'gemma3_text'\\)")]:
+            ({"sliding_window": None}, "no 'sliding_window' \\(required for model_type 'gemma3_text'\\)"),
+            ({"rope_parameters": {"sliding_attention": {"rope_theta": -1}}},
+             "rope_parameters\\['sliding_attention'\\]: 'rope_theta' is -1")]:
         with pytest.raises(ModelError, match=message):
             ModelConfig.from_dict(base | change)
 
@@ -2064,11 +2072,15 @@ def test_gemma_gguf_loads_as_its_checkpoint(tmp_path, own_cache, arch, layers):
     assert cfg.attn_scale == (8 if big else 16) ** -0.5
     assert (cfg.rope_local_base_freq, cfg.attn_logit_softcapping) == ((10_000, None) if arch == "gemma3" else (None, 2.0))
     torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
-    # a file without a window: Gemma 3 none, Gemma 2 llama.cpp's default (4096; a 0 written: none); without
+    # a file without a window: Gemma 3 none, Gemma 2 llama.cpp's default (4096; a 0 written: refused); without
     # Gemma 2's softcaps: llama.cpp's defaults (Gemma2Config's too)
     keys = model_module._gguf_gemma({}, arch, cfg, 16)
     assert keys["sliding_window"] == (4096 if arch == "gemma2" else None)
-    assert model_module._gguf_gemma({f"{arch}.attention.sliding_window": 0}, arch, cfg, 16)["sliding_window"] is None
+    if arch == "gemma3":
+        assert model_module._gguf_gemma({"gemma3.attention.sliding_window": 0}, arch, cfg, 16)["sliding_window"] is None
+    else:
+        with pytest.raises(ModelError, match="gemma2.attention.sliding_window is 0, but a Gemma 2 windows every other"):
+            model_module._gguf_gemma({"gemma2.attention.sliding_window": 0}, arch, cfg, 16)
     plain = ModelConfig.from_dict({k: v for k, v in c.items() if not k.endswith("softcapping")} | keys)
     assert (plain.attn_logit_softcapping, plain.final_logit_softcapping) == ((50.0, 30.0) if arch == "gemma2"
                                                                              else (None, None))
@@ -2271,14 +2283,16 @@ def test_paged_attention_sliding_window(window):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_softcap(window):
+def test_paged_attention_softcap(window, monkeypatch):
     """Gemma 2's softcap, cap * tanh(score / cap), before the softmax: decodes, fresh
     prefills (plain causal: the fast path's SDPA cannot softcap, so it writes attention
-    out) and chunks, against dense attention; a cap of 0.5 changes every output but those
-    of a query that sees itself alone."""
+    out, a few query rows at a time) and chunks, against dense attention; a cap of 0.5
+    changes every output but those of a query that sees itself alone."""
     specs = [(1, 1), (1, 40), (7, 7), (5, 18), (20, 60), (1, 3)]
     for block_size in (1, 4, 16):
         check_against_dense(specs, block_size, H=6, KVH=2, seed=block_size, window=window, softcap=0.5)
+    monkeypatch.setattr(nanopaged_module, "SOFTCAP_ROWS", 3)   # (blocks of rows that end mid-prefill)
+    check_against_dense(specs, 4, H=6, KVH=2, seed=9, window=window, softcap=0.5)
     q, kc, vc, bt, sl, qsl, dense = make_paged_batch(specs, 4, 6, 2, 16, window=window)
     capped, plain = paged_attention(q, kc, vc, bt, sl, qsl, 0.25, window, softcap=0.5), paged_attention(
         q, kc, vc, bt, sl, qsl, 0.25, window)
@@ -3446,11 +3460,11 @@ def test_preemption_gives_the_same_tokens(smollm2_dir, llm, monkeypatch):
     assert tight.stats.prefix_hit_tokens == 0 and all(o.num_cached_tokens == 0 for o in outs)
     assert_nothing_leaked(tight)
     # Swapped to CPU memory and back instead; with a swap space of 3 blocks, some are
-    # swapped and some (when it is full) recomputed
+    # swapped and some (when it is full) recomputed; first without the prefix cache
     block_gib = tight.bytes_per_block / 2**30
-    for swap_space, all_swapped in ((4, True), (3 * block_gib, False)):
+    for swap_space, all_swapped, caching in ((4, True, False), (4, True, True), (3 * block_gib, False, True)):
         swapping = LLM(smollm2_dir, num_blocks=12, block_size=8, max_num_batched_tokens=64,
-                       preemption_mode="swap", swap_space=swap_space)
+                       preemption_mode="swap", swap_space=swap_space, enable_prefix_caching=caching)
         assert [o.outputs[0].token_ids for o in swapping.generate(prompts, greedy(24))] == roomy
         s = swapping.stats
         assert 0 < s.swapped_out and (s.swapped_out == s.preemptions) == all_swapped
