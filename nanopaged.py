@@ -534,16 +534,22 @@ def attend(q, k, v, mask, scale, softcap=None):
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
-    group = q.shape[1] // k.shape[1]
-    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)  # (B, H, L, D)
+    B, H, Lq, D = q.shape
+    KVH, L = k.shape[1], k.shape[2]
+    k, v = k.float(), v.float()                                        # (B, KVH, L, D)
     if mask is None:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()   # (Lq, L)
+        mask = torch.ones(Lq, L, dtype=torch.bool, device=q.device).tril()   # (Lq, L)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # (B, H, Lq, D)
-    for i in range(0, q.shape[2], SOFTCAP_ROWS):
-        s = q[:, :, i:i + SOFTCAP_ROWS].float() @ k.transpose(-1, -2) * scale   # (B, H, rows, L)
+    for i in range(0, Lq, SOFTCAP_ROWS):
+        rows = min(SOFTCAP_ROWS, Lq - i)
+        # GQA without repeating K/V per query head: query head h reads kv head h // group, so
+        # the rows of one kv head's group of heads stack into one matrix against that head's K.
+        qg = q[:, :, i:i + rows].float().reshape(B, KVH, -1, D)       # (B, KVH, group * rows, D)
+        s = (qg @ k.transpose(-1, -2) * scale).view(B, H, rows, L)     # (B, H, rows, L)
         s = tanh_softcap(s, softcap)
-        seen = mask if mask.shape[-2] == 1 else mask[..., i:i + SOFTCAP_ROWS, :]   # (a decode's: every row)
-        out[:, :, i:i + SOFTCAP_ROWS] = s.masked_fill(~seen, float("-inf")).softmax(-1) @ v
+        seen = mask if mask.shape[-2] == 1 else mask[..., i:i + rows, :]   # (a decode's: every row)
+        p = s.masked_fill(~seen, float("-inf")).softmax(-1).view(B, KVH, -1, L)   # (B, KVH, group * rows, L)
+        out[:, :, i:i + rows] = (p @ v).view(B, H, rows, D)
     return out.to(q.dtype)
 
 
