@@ -437,12 +437,12 @@ def _positive(d: dict, key: str, kind: type = int, default=None):
         if default is None:
             raise ModelError(f"no {key!r} (required for model_type {d.get('model_type')!r})")
         value = default
-    # bool is an int to Python, but JSON's true is no size; and an integer of 400 digits is
-    # finite, but no float holds it
+    # bool is an int to Python, but JSON's true is no size; an integer of 400 digits is
+    # finite, but no float holds it, and no tensor has a size past int64's
     if (isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float))
-            or not 0 < value < (math.inf if kind is int else sys.float_info.max)):
+            or not 0 < value < (2**63 if kind is int else sys.float_info.max)):
         raise ModelError(f"{key!r} is {reprlib.repr(value)}, expected a positive "
-                         f"{'integer' if kind is int else 'number'}")
+                         f"{'integer below 2**63' if kind is int else 'number'}")
     return kind(value)
 
 

@@ -372,6 +372,41 @@ def test_llama_family_matches_transformers(tmp_path, variant):
                                rtol=1e-4, atol=1e-4)
 
 
+# Gemma rounds as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
+BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled")
+
+
+def paged_forward_all(model, ids, block_size=4):
+    """Logits of every position of one sequence, in one forward pass through the engine's
+    PagedAttention (a pool of just enough blocks, in the model's dtype)."""
+    c, T = model.config, len(ids)
+    n = -(-T // block_size)
+    pool = BlockPool(n, block_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                     model.embed_tokens.weight.dtype)
+    attn = PagedAttention(pool, c.attn_scale, softcap=c.attn_logit_softcapping)
+    attn.begin_step(torch.arange(T), torch.arange(n, dtype=torch.int32)[None], torch.tensor([T], dtype=torch.int32),
+                    torch.tensor([0, T], dtype=torch.int32), T, T)
+    with torch.inference_mode():
+        return model(torch.tensor(ids), torch.arange(T), attn)
+
+
+@pytest.mark.parametrize("variant", BFLOAT16_VARIANTS)
+def test_gemma_in_bfloat16_rounds_as_transformers(tmp_path, variant):
+    """In bfloat16 Gemma's sqrt(C) embedding scale is rounded to bfloat16 (sqrt(48) = 6.93
+    becomes 6.94) and its RMSNorms compute in float32, as in transformers: through the paged
+    attention, the logits come out with transformers' bits (here all of them; a few may move
+    with another torch's kernels). Catches: the scale kept in full precision, or the norms
+    computed in bfloat16 (either changes about 80% of the logits)."""
+    c = LLAMA_FAMILY_VARIANTS[variant]
+    expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())[variant + "_bfloat16"]
+    assert expected["config"] == c
+    model = load_model(write_checkpoint(tmp_path / variant, c, llama_tensors(c)), dtype=torch.bfloat16)
+    logits = paged_forward_all(model, IDS)
+    assert logits.dtype == torch.bfloat16
+    differ = (logits.float() != torch.tensor(expected["logits"])).float().mean().item()
+    assert differ < 0.05, f"{differ:.0%} of the logits differ from transformers'"
+
+
 def test_longrope_takes_one_set_of_factors_for_the_whole_run(tmp_path):
     """LongRoPE's short factors where max_model_len is within the original context (8 here),
     its long ones past it: one set for every sequence of the run, as vLLM and llama.cpp
@@ -1263,6 +1298,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"hidden_size": 4}, "hidden_size 4 is smaller than num_attention_heads 6"),   # (was "'head_dim' is 0")
     ({"rope_theta": 10**400}, "'rope_theta' is 1000.*, expected a positive number"),   # (was OverflowError)
     ({"rms_norm_eps": 10**400}, "'rms_norm_eps' is 1000.*, expected a positive number"),
+    # sizes past int64's (no tensor has one): were OverflowErrors from deep inside
+    ({"head_dim": 10**400}, "'head_dim' is 1000.*, expected a positive integer below 2\\*\\*63"),
+    ({"num_hidden_layers": 2**63}, "'num_hidden_layers' is 9223372036854775808, expected a positive integer below"),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": -1},
      "'max_window_layers' is -1, expected an integer >= 0"),
     ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True, "layer_types": ["full_attention"]},
