@@ -16,18 +16,24 @@ import transformers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from test_nanopaged import IDS, LLAMA_FAMILY_VARIANTS, llama_tensors, write_checkpoint  # noqa: E402
+from test_nanopaged import BFLOAT16_VARIANTS, IDS, LLAMA_FAMILY_VARIANTS, llama_tensors, write_checkpoint  # noqa: E402
 
 out = {"transformers": transformers.__version__}
-for name, config in LLAMA_FAMILY_VARIANTS.items():
+# float32 for every variant; then bfloat16 for a few, under "<name>_bfloat16", kept exactly
+# (a bfloat16 number prints exactly in a few digits)
+runs = [(name, name, torch.float32) for name in LLAMA_FAMILY_VARIANTS]
+runs += [(name + "_bfloat16", name, torch.bfloat16) for name in BFLOAT16_VARIANTS]
+for key, name, dtype in runs:
+    config = LLAMA_FAMILY_VARIANTS[name]
     with tempfile.TemporaryDirectory() as d:
         model_dir = write_checkpoint(Path(d), config, llama_tensors(config))
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, output_loading_info=True)
+            model_dir, dtype=dtype, output_loading_info=True)
         # every tensor of the checkpoint used, none left random
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         with torch.no_grad():
             logits = model(torch.tensor([IDS])).logits[0]   # (T, V)
-    out[name] = {"config": config, "logits": [[round(x, 6) for x in row] for row in logits.tolist()]}
+    rows = logits.tolist() if dtype == torch.bfloat16 else [[round(x, 6) for x in row] for row in logits.tolist()]
+    out[key] = {"config": config, "logits": rows}
 (HERE / "llama_family_logits.json").write_text(json.dumps(out) + "\n")
 print(f"wrote {HERE / 'llama_family_logits.json'} with transformers {transformers.__version__}")
