@@ -1442,10 +1442,11 @@ def _chat_template(model_dir: Path) -> tuple[str | None, dict, dict]:
     return template, {}, tokens
 
 
-def load_tokenizer(model=None) -> Tokenizer:
-    """The tokenizer of `model` (None: the default SmolLM2, a HF directory, or a .gguf)."""
+def load_tokenizer(model=None, config: ModelConfig | None = None) -> Tokenizer:
+    """The tokenizer of `model` (None: the default SmolLM2, a HF directory, or a .gguf);
+    config: its ModelConfig, where the caller has read it already."""
     model_dir = resolve_model_dir(model)
-    config = ModelConfig.from_json(model_dir / "config.json")
+    config = config or ModelConfig.from_json(model_dir / "config.json")
     if (model_dir / "tokenizer.json").exists():
         return hf_tokenizer(model_dir, config)
     if config.model_type == "gpt2":  # every GPT-2 uses the same tokenizer
@@ -1459,7 +1460,8 @@ def load_tokenizer(model=None) -> Tokenizer:
 def rope_tables(config: ModelConfig, max_model_len: int | None = None,
                 local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, frequency) angle, each (P, R/2) for the P =
-    max_model_len (default max_position_embeddings) positions served and the R = rotary_dim
+    max_model_len (default config.context_length: max_position_embeddings, stretched by YaRN or
+    linear scaling) positions served and the R = rotary_dim
     rotated dimensions, computed once so that a forward pass just picks rows by position.
     Float32 and in the same order of operations as HF, whose numbers the checkpoints were
     evaluated with. device="cpu" explicitly: real numbers even while the model is built on
@@ -1588,8 +1590,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, attn):
         T, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
-        q, k, v = self.qkv_proj(x).split([H * D, KVH * D, KVH * D], dim=-1)
-        q, k = q.view(T, H, D), k.view(T, KVH, D)
+        q, k, v = self.qkv_proj(x).split([H * D, KVH * D, KVH * D], dim=-1)   # (T, H*D), (T, KVH*D) x 2
+        q, k = q.view(T, H, D), k.view(T, KVH, D)                              # (T, H, D), (T, KVH, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotates:
@@ -1678,7 +1680,7 @@ class Llama(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]                      # (S, C)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = F.linear(self.norm(x), head.weight)   # (S, V)
+        logits = F.linear(self.norm(x), head.weight)   # (S, V), or (T, V) without logits_indices
         if (cap := self.config.final_logit_softcapping) is not None:
             logits = tanh_softcap(logits, cap)
         return logits
@@ -1725,9 +1727,9 @@ class Llama(nn.Module):
         for i in range(unfused):
             p = f"model.layers.{i}."
             for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
-                state[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat(
+                state[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat(   # ((H + 2 KVH) * D, C), or its bias
                     [hf.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
-            state[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+            state[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(       # (2 I, C)
                 [hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")])
         # the rest keep their names: norms, o_proj, down_proj, embeddings, lm_head
         return state | {name.removeprefix("model."): hf.pop(name) for name in list(hf)}
@@ -1852,13 +1854,15 @@ def resolve_model_dir(model=None) -> Path:
     return path
 
 
-def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_model_len=None) -> nn.Module:
+def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_model_len=None,
+               config: ModelConfig | None = None) -> nn.Module:
     """Load `model` (None: the default SmolLM2; a HF directory; a .gguf file) in `dtype`
     on `device`. dummy=True reads only config.json and fills the weights with random
     numbers: for benchmarks on machines the real weights cannot reach. max_model_len: the
-    longest sequence it will serve (Llama's RoPE tables; LongRoPE picks its factors by it)."""
+    longest sequence it will serve (Llama's RoPE tables; LongRoPE picks its factors by it).
+    config: its ModelConfig, where the caller has read it already (its notes are said once)."""
     model_dir = resolve_model_dir(model)
-    config = ModelConfig.from_json(model_dir / "config.json")
+    config = config or ModelConfig.from_json(model_dir / "config.json")
     arch = ARCHITECTURES[config.model_type]
     where = None if dummy else _tensor_files(model_dir)
     check_size(model_dir, config, arch, dtype, device, stored=None if dummy else len(where),
@@ -1936,13 +1940,15 @@ def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | N
                          f"checkpoint holds {stored:,}")
     memory = _memory_bytes(device)
     weights = params * dtype.itemsize
-    # the angles, their cos and their sin, (P, R/2) float32 each (rope_tables)
+    # the angles, their cos and their sin, (P, R/2) float32 each (rope_tables); Gemma 3's
+    # windowed layers have a second set (local=True)
     positions = max_model_len or config.context_length
-    rope = 0 if arch is GPT2 else positions * (config.rotary_dim // 2) * 4 * 3
+    tables = 0 if arch is GPT2 else 2 if config.rope_local_base_freq is not None else 1
+    rope = tables * positions * (config.rotary_dim // 2) * 4 * 3
     if memory is not None and weights + rope > memory:
         parts = {f"the weights ({params:,} parameters in {dtype}: {config.num_hidden_layers:,} layers, hidden_size "
                  f"{config.hidden_size:,}, vocab_size {config.vocab_size:,})": weights,
-                 f"the RoPE tables ({positions:,} positions)": rope}
+                 f"the RoPE tables ({positions:,} positions{', two bases' if tables == 2 else ''})": rope}
         shown = [f"{what} need {size / 2**30:,.1f} GiB" for what, size in parts.items()
                  if size >= (weights + rope) / 100]   # (the parts that matter)
         raise ModelError(f"{source}: {' and '.join(shown)}, more than all {memory / 2**30:,.1f} GiB of the "
@@ -2021,7 +2027,7 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------
-# GGUF conversion: the embedded default model, and Llama, Qwen 2 and Qwen 3 GGUF files in general
+# GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-3, SmolLM3 and Gemma 2/3 GGUF files
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
 # first load converts it once into an ordinary HF-layout directory in the cache: config.json,

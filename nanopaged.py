@@ -7,7 +7,8 @@ This file is the chapter on KV-cache management, top to bottom:
   2. paged attention: the KV write, the block copy, the readable online-softmax reference
      and the fast torch path, and PagedAttention, the object the model calls
   3. the engine: LLM._step (schedule -> batch -> copies -> forward -> sample -> commit),
-     driven by generate, stream or step()
+     driven by generate, stream or step(); then beam search's bookkeeping (3b), sampling
+     (3c) and small helpers (3d)
   4. the command line
 
 The scheduler (who runs next) lives in scheduler.py, the model in model.py, the CUDA
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 import build_ext
 from model import ModelConfig, load_model, load_tokenizer, resolve_model_dir, tanh_softcap
-from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, hash_block, stop_token_set
+from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, hash_block, stop_token_set
 
 # -----------------------------------------------------------------------------
 # 1. The paged KV cache
@@ -223,7 +224,7 @@ class BlockTable:
         """How many new blocks slots_for(n) will allocate (copy-on-write included)."""
         if n <= 0:
             return 0
-        total = -(-(self.num_tokens + n) // self.pool.block_size)  # ceil division
+        total = cdiv(self.num_tokens + n, self.pool.block_size)
         cow = 1 if self._last_block_is_shared_and_partial() else 0   # copy-on-write takes a fresh block
         return total - len(self.block_ids) + cow
 
@@ -373,7 +374,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
         l = torch.zeros(q_len, H, device=q.device)
         acc = torch.zeros(q_len, H, D, device=q.device)
         first = 0 if window is None else max(seq_len - q_len - window + 1, 0)  # first visible position
-        for i in range(first // block_size, -(-seq_len // block_size)):  # logical blocks in order
+        for i in range(first // block_size, cdiv(seq_len, block_size)):  # logical blocks in order
             block = int(block_tables[b, i])                           # -> physical block
             lo = max(first - i * block_size, 0)                       # (a window may start mid-block)
             n = min(block_size, seq_len - i * block_size)             # filled slots of this block
@@ -386,7 +387,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
             visible = k_pos[None, :] <= q_pos[:, None]                # (q_len, n - lo) causal
             if window is not None:
                 visible &= k_pos[None, :] > q_pos[:, None] - window
-            s = s.masked_fill(~visible[:, None, :], float("-inf"))
+            s = s.masked_fill(~visible[:, None, :], float("-inf"))   # (q_len, 1, n - lo): every head alike
             m_new = torch.maximum(m, s.amax(dim=-1))                  # (q_len, H)
             # A query may see nothing yet (its window starts in a later block): m_new is -inf,
             # and -inf - -inf would be NaN. Subtracting 0 instead keeps its l and acc at 0.
@@ -394,7 +395,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
             alpha = torch.exp(m - base)
             p = torch.exp(s - base[..., None])                        # (q_len, H, n - lo)
             l = l * alpha + p.sum(dim=-1)
-            acc = acc * alpha[..., None] + torch.einsum("qhk,khd->qhd", p, vb)
+            acc = acc * alpha[..., None] + torch.einsum("qhk,khd->qhd", p, vb)   # (q_len, H, D)
             m = m_new
         out[start:end] = (acc / l[..., None]).to(q.dtype)
     return out
@@ -414,8 +415,9 @@ class AttentionPlan:
 
     The fast path gathers each sequence's context from its blocks into a dense tensor and
     runs scaled_dot_product_attention on it. Decode sequences (one query each) are sorted
-    by context length and stacked, DECODE_BUCKET at a time, into padded batches: sorting
-    first keeps the padding small, since neighbours have similar lengths. Sequences with
+    by the length they gather (the context, or its window) and stacked, DECODE_BUCKET at a
+    time, into padded batches: sorting first keeps the padding small, since neighbours have
+    similar lengths. Sequences with
     several queries (prefill chunks) get one call each. The gather indices point only at
     slots inside a context: positions past a sequence's end are clamped to its first
     gathered position and masked out, so padding never reads a slot the sequence does not
@@ -514,7 +516,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         out.index_copy_(0, rows, od.reshape(n, H, D))                  # (n, KVH, group, D) -> (n, H, D)
     for start, end, slots, mask in plan.prefills:
         qp = q[start:end].transpose(0, 1)[None]                        # (1, H, q_len, D)
-        kp = k_flat[slots].transpose(0, 1)[None]                       # (1, KVH, L, D)
+        kp = k_flat[slots].transpose(0, 1)[None]                       # (1, KVH, L - first, D)
         vp = v_flat[slots].transpose(0, 1)[None]
         op = attend(qp, kp, vp, mask, scale, softcap)                  # (1, H, q_len, D)
         out[start:end] = op[0].transpose(0, 1)                         # (q_len, H, D)
@@ -549,7 +551,7 @@ def attend(q, k, v, mask, scale, softcap=None):
         s = tanh_softcap(s, softcap)
         seen = mask if mask.shape[-2] == 1 else mask[..., i:i + rows, :]   # (a decode's: every row)
         p = s.masked_fill(~seen, float("-inf")).softmax(-1).view(B, KVH, -1, L)   # (B, KVH, group * rows, L)
-        out[:, :, i:i + rows] = (p @ v).view(B, H, rows, D)
+        out[:, :, i:i + rows] = (p @ v).view(B, H, rows, D)           # (B, KVH, group * rows, D) -> (B, H, rows, D)
     return out.to(q.dtype)
 
 
@@ -756,7 +758,8 @@ class Stats:
             f"time per output token {1000 * mean(self.tpots):9.1f} ms (mean)",
             f"throughput            {per_s(self.output_tokens):9.1f} output tok/s, "
             f"{per_s(self.prompt_tokens + self.output_tokens):.1f} total tok/s "
-            f"({self.output_tokens} + {self.prompt_tokens} prompt tokens in {self.elapsed:.2f} s, {self.steps} steps)",
+            f"({self.output_tokens} output + {self.prompt_tokens} prompt tokens in {self.elapsed:.2f} s, "
+            f"{self.steps} steps)",
             f"peak KV blocks used   {self.peak_blocks_used:9d} of {num_blocks}",
             f"KV waste              {waste:9.2f} % of allocated slots unfilled",
             f"prefix-cache hit rate {hit:9.1f} % of prompt tokens",
@@ -843,9 +846,9 @@ class LLM:
                              f"{', stretched by its rope scaling' if cfg.context_length > cfg.max_position_embeddings else ''})")
         self.max_model_len = max_model_len or cfg.context_length
         self.model = load_model(model_dir, dtype=dtype, device=device, dummy=(load_format == "dummy"),
-                                max_model_len=self.max_model_len)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.config = cfg = self.model.config
+                                max_model_len=self.max_model_len, config=cfg)
+        self.tokenizer = load_tokenizer(model_dir, cfg)
+        self.config = cfg
 
         # The KV cache: sized by a block count, or by a memory budget in bytes.
         self.bytes_per_block = BlockPool.bytes_per_block(cfg.num_hidden_layers, block_size,
@@ -1082,7 +1085,7 @@ class LLM:
             input_ids, positions, logits_indices, prompt_rows = self._prepare(out)
             # swaps first: a block swapped out may be handed to a copy-on-write in this same
             # step, so its data leaves before anything else lands in it. (No step swaps both
-            # ways: nothing is brought back in a step that preempts.)
+            # ways: Scheduler.schedule swaps out in its step 1 alone, which then admits nothing.)
             swap_blocks(self.pool, self.swap_pool, out.swap_out)
             swap_blocks(self.swap_pool, self.pool, out.swap_in)
             self.attn.copy_blocks(out.copies)
@@ -1705,6 +1708,10 @@ class LLM:
         self._trace.append(f"  blocks: {pool.num_free} free, {pool.num_cached} cached, {pool.num_used} used")
 
 
+# -----------------------------------------------------------------------------
+# 3b. Beam search's bookkeeping, and the block trace's text
+
+
 def beam_history(history) -> list:
     """A beam's candidates at each step, first step first, from its linked list (the steps
     before, the last step's), which the beams forked from one share instead of each copying
@@ -1733,6 +1740,10 @@ def _visible(text: str) -> str:
     out as escapes, so that each table stays on its line (a chat template puts newlines in
     the prompt)."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# -----------------------------------------------------------------------------
+# 3c. Sampling: logits processors, probabilities, logprobs
 
 
 def edits_logits(seq) -> bool:
@@ -1855,6 +1866,10 @@ def logprob_table(c: CompletionOutput, k: int) -> str:
         lines.append((f"  {_visible(repr(chosen.decoded_token)):>16} {chosen.logprob:8.3f}  rank {chosen.rank:<6}" +
                       "  ".join(f"{_visible(repr(e.decoded_token))} {e.logprob:.2f}" for e in top)).rstrip())
     return "\n".join(lines + [f"  cumulative logprob {c.cumulative_logprob:.3f}"])
+
+
+# -----------------------------------------------------------------------------
+# 3d. Helpers: devices, dtypes, the kernels' choice, chat rendering, request ids, progress
 
 
 def _parse_device(device) -> torch.device:
@@ -2083,10 +2098,14 @@ def main(argv=None) -> int:
         if args.chat and (args.prompt or args.n > 1 or args.logprobs is not None or args.trace or args.raw):
             raise ValueError("--chat reads its turns from stdin and streams one answer at a time: "
                              "--prompt, --n, --logprobs, --trace and --raw go without it")
+        # the flags that shape a random draw, where given (greedy decoding ignores them)
+        drawing = [flag for flag, given in (("--top-k", args.top_k not in (-1, 0)), ("--top-p", args.top_p != 1.0),
+                                            ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None))
+                   if given]
         sampling = [flag for flag, given in (
-            ("--chat", args.chat), ("--n", args.n != 1), ("--temperature", args.temperature != 0),
-            ("--top-k", args.top_k not in (-1, 0)), ("--top-p", args.top_p != 1.0), ("--min-p", args.min_p != 0.0),
-            ("--seed", args.seed is not None), ("--stop", args.stop), ("--logprobs", args.logprobs is not None),
+            ("--chat", args.chat), ("--n", args.n != 1), ("--temperature", args.temperature != 0)) if given]
+        sampling += drawing + [flag for flag, given in (
+            ("--stop", args.stop), ("--logprobs", args.logprobs is not None),
             ("--repetition-penalty", args.repetition_penalty != 1.0)) if given]
         if args.beam_width is not None and sampling:
             raise ValueError(f"--beam-width ranks outputs by the model's own log-probabilities and stops at EOS: "
@@ -2127,10 +2146,7 @@ def main(argv=None) -> int:
         prompts = ([render_chat(tok, [*system, {"role": "user", "content": p}])[1] for p in args.prompt]
                    if chat else args.prompt)
         if args.temperature == 0 and args.beam_width is None:   # greedy: say so, rather than ignore what was asked
-            idle = [flag for flag, given in (("--top-k", args.top_k not in (-1, 0)), ("--top-p", args.top_p != 1.0),
-                                             ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None))
-                    if given]
-            notes = [f"{', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect"] if idle else []
+            notes = [f"{', '.join(drawing)} {'has' if len(drawing) == 1 else 'have'} no effect"] if drawing else []
             notes += [f"--n {args.n} gives {args.n} identical samples"] if args.n > 1 else []
             if notes:
                 print(f"nanopaged: note: at --temperature 0 (greedy), {'; '.join(notes)}", file=sys.stderr)

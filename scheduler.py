@@ -75,7 +75,8 @@ class SamplingParams:
     # of ids to a tensor every step took 3 ms for half of a 49k vocabulary)
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     disallowed_mask: object = field(default=None, init=False, repr=False, compare=False)
-    # Set by LLM.beam_search: its BeamSearchParams. Such a request's sequences are beams, whose
+    # Set by LLM._add when the request came with a BeamSearchParams (LLM.beam_search, or one
+    # given to generate or add_request). Such a request's sequences are beams, whose
     # tokens LLM._beam_step chooses in place of sampling (n is beam_width, its seats)
     beam: BeamSearchParams | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -214,6 +215,11 @@ class BeamSearchParams:
         _refuse_the_first_failed(checks)
         self.beam_width, self.length_penalty = int(self.beam_width), float(self.length_penalty)
         self.max_tokens = None if self.max_tokens is None else int(self.max_tokens)
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up (vLLM's name): the blocks that hold a tokens, b to a block."""
+    return -(-a // b)
 
 
 def stop_token_set(p: SamplingParams, eos_token_ids) -> set[int]:
@@ -395,12 +401,13 @@ class Scheduler:
 
     def blocks_at_most(self, num_tokens: int) -> int:
         """The most blocks a sequence of num_tokens tokens holds at once: one per block_size
-        tokens; under a sliding window, at most those of a step's chunk (up to the token budget)
-        and of the window before it, one more where the window begins mid-block and one for a
-        copy-on-write. (A safe bound, a block or two above the tightest, (W + B - 3) // bs + 2,
-        which a reviewer's brute force found exact: the oldest sequence never copies on write.)
-        A request must fit the whole pool in this sense (add)."""
-        blocks = -(-num_tokens // self.block_size)   # ceil division
+        tokens. Under a sliding window W with a token budget B, a step's chunk (up to B tokens)
+        and the W - 1 positions its first query sees before it: W + B - 1 positions, which,
+        starting anywhere in a block, lie in at most (W + B - 3) // block_size + 2 blocks; and
+        one more for a copy-on-write. (Written with W + B - 2: a safe bound, a block or two
+        above the tightest, since the oldest sequence, the one it must hold for, never copies
+        on write.) A request must fit the whole pool in this sense (add)."""
+        blocks = cdiv(num_tokens, self.block_size)
         if self.sliding_window is not None:
             blocks = min(blocks, (self.sliding_window + self.max_num_batched_tokens - 2) // self.block_size + 3)
         return blocks
@@ -468,7 +475,9 @@ class Scheduler:
         #    overtaking): waiting ones are admitted (prefilled, or recomputed), swapped-out
         #    ones come back (their blocks the prefix cache no longer holds copied back from
         #    CPU memory, nothing recomputed).
-        #    After a preemption memory is short: admitting more would only thrash.
+        #    After a preemption in step 1 memory is short: admitting more would only thrash.
+        #    (So no step swaps both ways: swap-outs happen in step 1 alone. A parked beam
+        #    preempted below, to make room, is recomputed, never swapped.)
         # A request with n samples that has not forked yet will soon be n sequences: it is
         # admitted only with room for all n within max_num_seqs.
         seats = sum(s.pending_samples for s in self.running)
@@ -486,7 +495,7 @@ class Scheduler:
                 done = done_blocks * self.block_size
             n = min(seq.num_tokens - done, budget)
             kept = seq.block_table.num_dropped + skip + len(hits)   # (dropped, skipped: before the window)
-            need = -(-(done + n) // self.block_size) - kept  # ceil division
+            need = cdiv(done + n, self.block_size) - kept
             revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
             fits = need <= self.pool.num_available - revived
             if not fits or seats + seq.pending_samples > self.max_num_seqs:
@@ -528,9 +537,14 @@ class Scheduler:
             # proper only in update(), once the step has happened; the hashes are taken here,
             # once, and update() reads them from seq.block_hashes.)
             first, end = seq.num_computed_tokens // self.block_size, (seq.num_computed_tokens + n) // self.block_size
-            hashes = self._prefix_hashes(seq, end)
-            for i in range(first, end):   # the blocks this step fills
-                self.in_flight.setdefault(hashes[i], (seq.block_table.block_ids[i], self._block_tokens(seq, i)))
+            self._prefix_hashes(seq, end)
+            self._offer_in_flight(seq, first, end)   # the blocks this step fills
+
+    def _offer_in_flight(self, seq: Sequence, first: int, end: int):
+        """Offer seq's full blocks first .. end - 1, which this step fills or copies back, to
+        the sequences admitted after it in the step (by their hashes, in seq.block_hashes)."""
+        for i in range(first, end):
+            self.in_flight.setdefault(seq.block_hashes[i], (seq.block_table.block_ids[i], self._block_tokens(seq, i)))
 
     def _slide(self, seq: Sequence):
         """Sliding window: free seq's blocks before the window of its next query (at position
@@ -617,8 +631,8 @@ class Scheduler:
         this step's blocks, where they hold its K/V already (hits, from _still_cached: nothing
         to copy), fresh blocks for the rest, its data copied into them. The CPU blocks are
         freed at once, before their copy runs: safe, because no step both swaps in and swaps
-        out (nothing is brought back after a preemption), so nothing writes to the swap space
-        before the engine has read them."""
+        out (swap-outs happen in schedule()'s step 1 alone, which then admits nothing more),
+        so nothing writes to the swap space before the engine has read them."""
         pairs = self._move_table(seq, self.pool, hits)
         out.swap_in += pairs
         out.swapped_in.append(seq)
@@ -628,9 +642,9 @@ class Scheduler:
         # The full blocks copied back enter the prefix cache once the step has happened (in
         # update(), as in_flight blocks), and serve later sequences of this step already.
         # (Without the prefix cache no hash was taken: nothing to offer.)
-        for i in range(seq.block_table.num_dropped + len(hits),
-                       seq.num_computed_tokens // self.block_size if self.enable_prefix_caching else 0):
-            self.in_flight.setdefault(seq.block_hashes[i], (seq.block_table.block_ids[i], self._block_tokens(seq, i)))
+        if self.enable_prefix_caching:
+            first = seq.block_table.num_dropped + len(hits)
+            self._offer_in_flight(seq, first, seq.num_computed_tokens // self.block_size)
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.order)
 
@@ -779,9 +793,11 @@ class Scheduler:
         the tokens picked for a sequence: one; or k > 1, where it forks (a request's first
         sampling with n > 1, a beam that several of the best candidates continue), token j
         going to its j-th child; or none, a beam that fell out of its beam search, dropped.
-        Returns {sequence: its new children}. The step's commit point: rollback() undoes an
-        update() cut short while it counts computed tokens, not once it forks and appends
-        (the engine holds Ctrl-C through it all)."""
+        Returns {sequence: its new children}. The step's commit point is update()'s last
+        line: until then rollback() preempts the step's sequences, which is sound for an
+        update() cut short while it counts computed tokens (the prefix cache then holds only
+        blocks that were computed), but not once it has forked and appended; so the engine
+        holds Ctrl-C through it all (its counting, forking and appending raise nothing else)."""
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.status is Status.RUNNING:
                 first = seq.num_computed_tokens // self.block_size   # the block this step began in

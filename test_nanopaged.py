@@ -1155,7 +1155,11 @@ def test_a_model_too_big_for_its_checkpoint_or_the_memory_is_refused_at_once(tmp
         load_model(write_gguf(tmp_path / "big.gguf", block_count=10**9))
     # random weights: no checkpoint to count, but the memory
     (tmp_path / "dummy").mkdir()
-    for change, message in [({"num_hidden_layers": 10**9}, r"the weights \(17,760,000,004,896 parameters in torch.float32: "
+    for change, message in [# Gemma 3's windowed layers turn by a base of their own: two sets of tables
+                            # (head_dim 16: each twice the 44,703.5 GiB of head_dim 8 below)
+                            (LLAMA_FAMILY_VARIANTS["gemma3"] | {"max_position_embeddings": 10**12},
+                             r": the RoPE tables \(1,000,000,000,000 positions, two bases\) need 178,813.9 GiB"),
+                            ({"num_hidden_layers": 10**9}, r"the weights \(17,760,000,004,896 parameters in torch.float32: "
                                                              r"1,000,000,000 layers, hidden_size 48, vocab_size 101\) "
                                                              r"need 66,161.2 GiB, more than all .* GiB of the cpu memory"),
                             ({"max_position_embeddings": 10**12}, r": the RoPE tables \(1,000,000,000,000 "
@@ -1347,11 +1351,14 @@ def test_config_defaults_and_spellings_still_accepted():
     assert (g.bos_token_id, g.eos_token_id) == (50256, [50256])   # GPT-2's <|endoftext|>, by default
 
 
-def test_eos_ids_past_the_vocabulary_are_left_out_while_one_is_left(capsys):
+def test_eos_ids_past_the_vocabulary_are_left_out_while_one_is_left(capsys, tmp_path):
     c = ModelConfig.from_dict(llama_config(eos_token_id=[3, 101, 500]))   # (vocab_size 101)
     assert c.eos_token_id == [3]
     assert capsys.readouterr().err == ("nanopaged: note: eos_token_id [3, 101, 500]: 101, 500 past the vocabulary "
                                        "(vocab_size 101), left out\n")
+    # said once by an engine, which reads the config once (not again for the model and the tokenizer)
+    llm = LLM(tiny_llama_dir(tmp_path, eos_token_id=[0, 300]), load_format="dummy", num_blocks=4)
+    assert llm.model.config is llm.config and capsys.readouterr().err.count("eos_token_id [0, 300]: 300 past") == 1
 
 
 def test_config_file_errors_name_the_file_once(tmp_path):
@@ -4877,7 +4884,7 @@ def test_cli_streams_and_batches(capsys, smollm2_dir):
     assert code == 0 and out == text[:text.index(stop)] + "\n"
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", GOLDEN[0]["user_text"],
                              "--prompt", "Hi", "--max-tokens", "8", "--ignore-eos", "--stats")
-    assert code == 0 and "(length)" in out and "(stop)" not in out and "16 + " in err   # 2 x 8 output tokens
+    assert code == 0 and "(length)" in out and "(stop)" not in out and "(16 output + " in err   # 2 x 8 output tokens
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-model-len", "99999")
     assert code == 2 and err.startswith("nanopaged: error: --max-model-len 99999 exceeds the model's context of 8192")
 
@@ -5045,6 +5052,25 @@ def test_readme_transcripts_reproduce_exactly(capsys, smollm2_dir, monkeypatch):
                              "--trace")
     tables = [line for line in out.splitlines() if line.startswith("  seq 0:")]
     assert code == 0 and len(tables) == 1 and "|system|\\n|You|" in tables[0] and "\\x0c" in tables[0]
+
+
+def test_readme_python_blocks_run(capsys, smollm2_dir):
+    """Each of the README's ```python blocks runs as written (the default model from the
+    session's cache) and prints what its comments say: the emulator's difference from the
+    reference, ~1e-7; beam search's 3 best."""
+    blocks = re.findall(r"```python\n(.*?)```", (HERE / "README.md").read_text(), re.S)
+    assert len(blocks) == 3
+    for block in blocks:
+        if "emulate=True" in block and build_ext.find_cuda_home() is None:
+            continue   # (the emulator needs the CUDA toolkit's headers)
+        exec(compile(block, "README.md", "exec"), {})
+        out = capsys.readouterr().out.splitlines()
+        if "emulate=True" in block:
+            assert len(out) == 1 and float(re.fullmatch(r"tensor\((.*)\)", out[0])[1]) < 1e-5
+        elif "beam_search" in block:
+            assert sum(bool(re.match(r"-\d+\.\d+ The capital of France is", line)) for line in out) == 3
+        else:
+            assert len(out) >= 3   # two generations and a chat answer
 
 
 def test_cli_trace_tells_the_chapter_walk_through(capsys, smollm2_dir):
