@@ -726,6 +726,11 @@ class Tokenizer:
         late = [t | {"content": self._normalize(t["content"])} for t in added_tokens if t.get("normalized")]
         self._added = _added_search(early)
         self._added_normalized = _added_search(late) if late else None
+        if isinstance(encoding, SentencePieceBPE):
+            # and decodes such a token as its normalized content: under Llama 2's normalizer the
+            # "▁" put before it is part of it ("a foo" is "a", "▁foo"), so decode gives the space back
+            for t in late:
+                encoding.bytes_of[t["id"]] = t["content"].replace(SPACE, " ").encode("utf-8", "surrogatepass")
         # the control tokens (<|im_end|>, <|endoftext|>...), which output text leaves out by default
         self.special_ids = frozenset(t["id"] for t in added_tokens if t.get("special"))
         # What HF's post-processor puts around every encoded text: Llama 3 starts each
@@ -1335,10 +1340,14 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
         raise ModelError(f"{path}: normalizer {normalizer!r} is not supported")
     pattern = _hf_pattern(tj.get("pre_tokenizer"), path)
     # In tiktoken terms, the added tokens are special tokens; everything else in the vocab is
-    # a byte string with its rank.
+    # a byte string with its rank. An added token that is also a vocab token (same string, same id)
+    # stays one where BPE can make it, a character or a merge's result: a single_word "dog"
+    # inside "dogs" is not the added token, but BPE still makes "dog" there, as HF's does.
+    # (BPE cannot make the others, such as "<|im_start|>", but tiktoken would, from pieces.)
+    made = {left + right for left, right in merges}
     ranks, added_ids = {}, set(special.values())
     for token, i in vocab.items():
-        if i in added_ids:
+        if i in added_ids and not (special.get(token) == i and (len(token) == 1 or token in made)):
             continue
         try:
             ranks[bytes(BYTE_OF_CHAR[c] for c in token)] = i

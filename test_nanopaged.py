@@ -798,6 +798,9 @@ def test_sentencepiece_corners_as_hugging_face(tmp_path):
         added | {"content": "foo", "normalized": True})))
     assert [foo.encode(t, add_special_tokens=False) for t in ("foo", "afoob", "a foo b", " foo")] == [
         [1500], [264, 1196, 885, 1204], [264, 1500, 286], [1182, 1500]]
+    # and decoded as "▁foo", as HF decodes it: the space encode folded into it comes back
+    assert [foo.decode(ids) for ids in ([1500], [264, 1500, 286], [1182, 1500], [1500, 1500])] == [
+        "foo", "a foo b", " foo", "foo foo"]
 
     def all_normalized(tj):
         for t in tj["added_tokens"]:
@@ -1487,6 +1490,23 @@ def test_sentencepiece_outputs_keep_their_first_space(tmp_path):
     assert out.text.startswith(" ") and out.text == tok.decode(out.token_ids, continuation=True)
     assert "".join(llm.stream("Tell me", params)) == out.text
     assert_nothing_leaked(llm)
+
+
+def test_added_tokens_that_are_vocab_tokens_stay_in_the_bpe(tmp_path):
+    """An added token with its own vocab id: a single_word "dog" (681) inside a word is not
+    the added token there, but BPE still makes the vocab's "dog"; an added "Å" (the byte-level
+    character of byte 0xC5, 129) is still that byte's token inside "Ń" (0xC5 0x83). The
+    expected ids are Hugging Face tokenizers 0.23's on the same file (the tokens were once
+    taken out of the BPE: "dogs" came out as "d", "og", "s", and "Ń"'s first byte was lost)."""
+    tj = json.loads((TESTDATA / "qwen2_tokenizer" / "tokenizer.json").read_text())
+    tj["added_tokens"] += [{"id": i, "content": content, "single_word": content == "dog", "lstrip": False,
+                            "rstrip": False, "normalized": False, "special": False}
+                           for i, content in ((681, "dog"), (129, "\u00c5"))]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    shutil.copy(TESTDATA / "qwen2_tokenizer" / "config.json", tmp_path)
+    tok = load_tokenizer(tmp_path)
+    cases = {"dogs": [681, 82], "xdog": [87, 681], "\u0143": [129, 225], "a dog": [64, 220, 681], "\u00c5": [129]}
+    assert {text: tok.encode(text, add_special_tokens=False) for text in cases} == cases
 
 
 def test_added_tokens_marked_normalized_are_found_after_nfc(tmp_path):
