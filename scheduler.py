@@ -674,17 +674,19 @@ class Scheduler:
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], int, int]:
         """The cached blocks seq can start from: the largest d such that block d - 1 and every
         block the query at position d * block_size reads are cached. Returns (those blocks, d,
-        skip): without a window, the longest chain of cached blocks from its first (skip = 0);
-        under a sliding window, only the blocks from its next query's window on (from index
+        skip). Without a window, the longest chain of cached blocks from its first (skip = 0).
+
+        Under a sliding window, only the blocks from its next query's window on (from index
         skip) must be cached, and those before may be gone (they count as cached tokens all
         the same: they are not computed either): a long sequence's first blocks slid out of
         its window first, so they are evicted first, while the ones its window reads are
         still there. (The hashes depend on the tokens alone: a block's is known whether the
         blocks before it are cached or not; and _prefix_hashes keeps them, so a long head
-        waiting under a window is hashed once, not every step.) Only blocks that end before
-        the last token count, so at least one token is computed and yields logits. A request
-        that asks for its prompt's logprobs takes none until it has sampled: a cached token
-        is never computed, so it would have no logits to score."""
+        waiting under a window is hashed once, not every step.)
+
+        Only blocks that end before the last token count, so at least one token is computed
+        and yields logits. A request that asks for its prompt's logprobs takes none until it
+        has sampled: a cached token is never computed, so it would have no logits to score."""
         found = []               # per full block: its cached block or None
         done, last_miss = 0, -1  # the most blocks seq can count as computed; the last block not cached
         scores_prompt = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
