@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -5648,3 +5649,256 @@ def test_emulated_kernels_drive_the_engine(tmp_path, emulated_ops, change):
         results[backend] = engine_tokens(llm, (5, 40, 90, 17), max_tokens=12)
     assert results["emulated"][0] == results["torch"][0]
     assert results["emulated"][1] == pytest.approx(results["torch"][1], abs=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# From a mutation-testing pass over the engine (sampling, logprobs, stop strings, streaming,
+# the flat batch, beam search): each test catches a slip that no other test caught.
+
+
+def fake_seq(prompt, output, **params):
+    """What process_logits reads of a sequence: its params, and its prompt + output tokens."""
+    return SimpleNamespace(params=SamplingParams(**params), token_ids=list(prompt) + list(output),
+                           output_token_ids=list(output), num_output_tokens=len(output))
+
+
+def test_logit_bias_is_added_to_the_logit_not_put_in_its_place():
+    """logit_bias adds to the logit (OpenAI's, vLLM's): a bias of 0 changes nothing, and a
+    bias of 1 raises a logit by exactly 1. Catches: logit_bias assigned (=) instead of added (+=)."""
+    logits = torch.tensor([5.0, -3.0, 2.0, 7.0])
+    edited = logits.clone()
+    nanopaged_module.process_logits(edited, fake_seq([0], [], logit_bias={3: 0.0, 1: 1.0}), set())
+    assert edited.tolist() == [5.0, -2.0, 2.0, 7.0]
+
+
+def test_presence_penalty_counts_a_token_once_and_frequency_penalty_each_time():
+    """OpenAI's penalties on the output's tokens: presence subtracts once per token present
+    (however often), frequency once per occurrence; the prompt's tokens are not counted.
+    Catches: presence penalty multiplied by the count; frequency penalty applied once per
+    token (counts > 0); a frequency penalty alone skipped (`if p.presence_penalty:`)."""
+    logits = torch.zeros(6)
+    seq = fake_seq([4, 4], [1, 1, 1, 2], presence_penalty=0.5)
+    nanopaged_module.process_logits(logits, seq, set())
+    assert logits.tolist() == [0.0, -0.5, -0.5, 0.0, 0.0, 0.0]
+    logits = torch.zeros(6)
+    nanopaged_module.process_logits(logits, fake_seq([4, 4], [1, 1, 1, 2], frequency_penalty=0.5), set())
+    assert logits.tolist() == [0.0, -1.5, -0.5, 0.0, 0.0, 0.0]
+
+
+def test_min_tokens_bans_stop_tokens_only_before_the_min_tokens_th_output_token():
+    """min_tokens = 2: the stop tokens (EOS, stop_token_ids) are banned while the output has
+    fewer than 2 tokens, and drawable again once it has 2 (another edit, here a logit_bias,
+    keeps process_logits running past min_tokens). Catches: `num_output_tokens <= min_tokens`
+    in process_logits (the ban held one token too long)."""
+    for out, banned in (([7], True), ([7, 8], False)):
+        logits = torch.zeros(10)
+        seq = fake_seq([1, 2], out, min_tokens=2, stop_token_ids=[5], logit_bias={0: 1.0})
+        nanopaged_module.process_logits(logits, seq, {3})
+        assert (logits[[3, 5]] == float("-inf")).tolist() == [banned, banned], out
+        assert logits[0] == 1.0 and logits[4] == 0.0
+
+
+def test_stop_token_ids_past_the_vocabulary_are_never_banned():
+    """A stop token id past the vocabulary can never be drawn, so min_tokens has nothing to
+    ban for it (banning it would index past the logits). Catches: `0 <= t <= vocab_size` in
+    stop_tokens_in_vocab."""
+    V = 10
+    p = SamplingParams(stop_token_ids=[V - 1, V, V + 5], min_tokens=1)
+    assert nanopaged_module.stop_tokens_in_vocab(p, {2, V}, V) == [2, V - 1]
+    logits = torch.zeros(V)
+    seq = SimpleNamespace(params=p, token_ids=[1], output_token_ids=[], num_output_tokens=0)
+    nanopaged_module.process_logits(logits, seq, {2, V})
+    assert (logits == float("-inf")).nonzero().flatten().tolist() == [2, V - 1]
+
+
+def test_greedy_with_n_samples_gives_n_full_identical_samples(llm):
+    """n = 3 at temperature 0: the prompt's one row is forked into 3 samples, all greedy, so
+    all 3 are the greedy output, none cut short or empty. Catches: greedy rows drawing one
+    token where the sequence forks into n (`[greedy[row]]` for `[greedy[row]] * k`)."""
+    plain = llm.generate("The capital of France is", greedy(5, ignore_eos=True))[0].outputs[0].token_ids
+    out = llm.generate("The capital of France is", greedy(5, ignore_eos=True, n=3))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in out.outputs] == [plain] * 3
+    assert [o.finish_reason for o in out.outputs] == ["length"] * 3
+    assert_nothing_leaked(llm)
+
+
+def test_a_seeded_sample_draws_from_a_fresh_generator_at_each_position(llm):
+    """A seeded draw's generator is seeded by (seed, sample, position): consecutive positions of
+    one sample, and the same position of two samples, draw different random numbers (with one
+    generator seed per sample, every step of it would reuse the same uniform draw).
+    Catches: the position left out of the generator's seed."""
+    seq = SimpleNamespace(params=SamplingParams(seed=7), num_output_tokens=0)
+    def draw(sample, position):
+        seq.num_output_tokens = position
+        return torch.rand(4, generator=llm._generator(seq, sample)).tolist()
+    assert draw(0, 3) == draw(0, 3)                      # reproducible
+    firsts = [draw(0, pos) for pos in range(4)] + [draw(1, 0)]
+    assert len({tuple(d) for d in firsts}) == 5
+    assert llm._generator(SimpleNamespace(params=SamplingParams(), num_output_tokens=0), 0) is None
+
+
+def test_a_gpt2_through_the_engine_gets_each_tokens_own_position(tmp_path):
+    """GPT-2's learned absolute positions (RoPE sees only relative ones, so a position off by
+    one everywhere changes nothing for a Llama): chunked prefill, prefix hits and decode up to
+    the end of its 64-position context give the dense reference's greedy tokens.
+    Catches: positions in the flat batch off by one (range(start + 1, start + n + 1))."""
+    vocab, _ = byte_vocab()
+    model_dir = write_tokenizer_json(tmp_path / "gpt2", {"type": "ByteLevel"}, vocab, [])
+    (model_dir / "config.json").write_text(json.dumps(GPT2_CONFIG | {"vocab_size": 256}))
+    llm = LLM(model_dir, load_format="dummy", block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    assert llm.max_model_len == 64
+    prompts = [[(5 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 23, 50))]
+    prompts.append(prompts[1][:12] + [7, 8])   # 3 full blocks shared with the second
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == reference_penalized_greedy(llm.model, prompt, 14)
+    assert outs[2].outputs[0].finish_reason == "length" and llm.stats.prefix_hit_tokens > 0
+    assert_nothing_leaked(llm)
+
+
+def test_a_stream_yields_each_tokens_text_as_it_arrives(llm):
+    """Without stop strings there is nothing to hold back: each step's piece is the text its
+    token adds (a token that ends mid-character adds it with the next); with stop strings,
+    the longest one's length - 1 characters are held back until the stop is ruled out.
+    Catches: the stream holding back one character more than a stop string needs
+    (hold = max(len(stop)) instead of max(len(stop)) - 1)."""
+    params = greedy(10, ignore_eos=True)
+    ids = llm.generate("The capital of France is", params)[0].outputs[0].token_ids
+    detok = IncrementalDetokenizer(llm.get_tokenizer(), skip_special_tokens=True)
+    per_token = [detok.new_text(ids[:i + 1]) for i in range(len(ids))]
+    pieces = list(llm.stream("The capital of France is", params))
+    assert [p for p in pieces if p] == [t for t in per_token if t]
+    text = "".join(per_token)
+    held = list(llm.stream("The capital of France is", greedy(10, ignore_eos=True, stop=["zzz"])))
+    assert "".join(held) == text
+    before = "".join(per_token[:-1])   # the last step's piece: the 2 characters held, and its token's text
+    assert len(before) > 2 and held[-1] == before[-2:] + per_token[-1]
+    assert_nothing_leaked(llm)
+
+
+def test_stats_count_every_sample_of_a_forked_request(llm):
+    """A request with n = 3 samples of 5 tokens each outputs 15 tokens: the step that forks
+    it draws 3 tokens at once. Catches: output_tokens counting one per sequence per step
+    (len(appended)) instead of the tokens drawn."""
+    llm.generate("Water boils at", SamplingParams(n=3, seed=0, max_tokens=5, ignore_eos=True))
+    assert llm.stats.output_tokens == 15
+    llm.generate("Water boils at", greedy(5, n=2, ignore_eos=True))
+    assert llm.stats.output_tokens == 10
+
+
+def test_a_forked_sample_whose_first_token_completes_a_stop_string_stops_there(llm):
+    """n = 3 greedy samples whose first token (" Paris"...) contains the stop string " ": the
+    step that forks the request gives every sample that token, and every sample, the forked
+    ones too, stops right there, with no second token. Catches: the children a fork makes
+    left out of that step's stop-string check (they ran one token on)."""
+    first = llm.generate("The capital of France is", greedy(1))[0].outputs[0]
+    assert first.text.startswith(" ")
+    out = llm.generate("The capital of France is", greedy(5, n=3, stop=[" "], ignore_eos=True))[0]
+    assert [o.token_ids for o in out.outputs] == [first.token_ids] * 3
+    assert [(o.finish_reason, o.stop_reason, o.text) for o in out.outputs] == [("stop", " ", "")] * 3
+    assert_nothing_leaked(llm)
+
+
+def test_bad_words_take_the_spaced_spelling_only_in_as_many_tokens():
+    """vLLM spells a bad word as it begins the text and, where a space before it gives another
+    first token in as many tokens, that way too: GPT-2 spells " banana" in one token but
+    "banana" in two, so only the two-token spelling is banned. Catches: the spaced spelling
+    taken whatever its length (the `len(spaced) == len(alone)` condition dropped)."""
+    tok = gpt2_tokenizer()
+    banana, spaced = tok.encode("banana", add_special_tokens=False), tok.encode(" banana", add_special_tokens=False)
+    assert len(banana) == 2 and len(spaced) == 1
+    assert bad_words_token_ids(tok, ["banana", "Paris"]) == [banana, tok.encode("Paris", add_special_tokens=False),
+                                                             tok.encode(" Paris", add_special_tokens=False)]
+
+
+def test_logprob_table_lists_the_likeliest_tokens_by_rank():
+    """The CLI's table: the chosen token first, then the k likeliest at that position by rank,
+    even where the chosen token (first in its dict) is not the likeliest. Catches: the top k
+    taken in the dict's order (the chosen token's rank first) instead of sorted by rank."""
+    d = {7: Logprob(-2.0, 3, "c"), 5: Logprob(-0.5, 1, "a"), 6: Logprob(-1.0, 2, "b")}
+    c = nanopaged_module.CompletionOutput(0, "c", [7], "length", logprobs=[d], cumulative_logprob=-2.0)
+    line = nanopaged_module.logprob_table(c, 2).splitlines()[0]
+    assert line.split() == ["'c'", "-2.000", "rank", "3", "'a'", "-0.50", "'b'", "-1.00"]
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_it_exactly():
+    """top_p: the smallest set of likeliest tokens whose mass reaches top_p; a token whose
+    predecessors already hold exactly top_p is left out. Two equally likely tokens (0.5 each)
+    with top_p = 0.5: one is kept. Catches: `> top_p` for `>= top_p` (the set one too big
+    when the mass before a token equals top_p)."""
+    probs = sampling_probs(torch.tensor([0.0, 0.0, -1e4]), SamplingParams(top_p=0.5))
+    assert (probs > 0).sum() == 1
+    probs = sampling_probs(torch.tensor([0.0, 0.0, 0.0, 0.0]), SamplingParams(top_p=0.5))
+    assert (probs > 0).sum() == 2   # 0.25 + 0.25 reaches 0.5: the third is left out
+
+
+def test_time_per_output_token_divides_by_the_tokens_after_the_first(llm):
+    """TPOT: the time from the first token to the last over the tokens after the first (n - 1
+    gaps for n tokens). Catches: dividing by the number of output tokens."""
+    llm.reset_stats()
+    rid = llm.add_request("Water boils at", greedy(4, ignore_eos=True))
+    seq = llm._requests[rid]["seqs"][0]
+    step_to_the_end(llm)
+    assert seq.num_output_tokens == 4 and len(llm.stats.tpots) == 1
+    assert llm.stats.tpots[0] == pytest.approx((seq.finish_time - seq.first_token_time) / 3)
+
+
+def test_a_request_aborted_before_it_forked_reports_all_n_samples(llm):
+    """A request with n = 3 aborted before its first token never forked: its output still has
+    3 samples, indices 0, 1, 2, all empty and "abort". Catches: the missing samples' range
+    starting one past the sequences it has (range(len(seqs) + 1, n))."""
+    rid = llm.add_request("Water boils at", SamplingParams(n=3, max_tokens=4))
+    out = llm.abort(rid)
+    assert [(o.index, o.token_ids, o.text, o.finish_reason) for o in out.outputs] == [
+        (i, [], "", "abort") for i in range(3)]
+    assert_nothing_leaked(llm)
+
+
+def test_beam_rank_leaves_a_final_eos_out_of_the_length():
+    """vLLM's beam score, cumulative logprob / length ** length_penalty, counts the prompt and
+    the output but not a final EOS: with a 3-token prompt, a beam that ended in EOS after 2
+    tokens (-3.0 over 5) ranks below one that ran 3 tokens (-3.1 over 6). Catches: the EOS
+    counted in the length (-3.0 over 6 would rank first)."""
+    req = {"seqs": [SimpleNamespace(num_prompt_tokens=3)], "params": SimpleNamespace(beam=BeamSearchParams(2, 3))}
+    ended, ran = ([5, 6, 0], -3.0, None, "stop"), ([5, 6, 7], -3.1, None, "length")
+    assert nanopaged_module.beam_rank(req, ended) == pytest.approx(math.log(3.0) - math.log(5))
+    assert sorted([ended, ran], key=lambda h: nanopaged_module.beam_rank(req, h)) == [ran, ended]
+
+
+def test_a_beam_search_with_ignore_eos_never_ends_a_beam_at_eos(llm):
+    """ignore_eos: EOS is a token like any other, so no beam ends in it; every result runs to
+    max_tokens. (The chat's greedy answer ends in EOS well before 15 tokens, so EOS is among
+    the candidates.) Catches: the beam step ending the candidates that are EOS despite
+    ignore_eos."""
+    tok = llm.get_tokenizer()
+    chat = tok.encode(tok.apply_chat_template("Hi"), add_special_tokens=False)
+    assert llm.generate(chat, greedy(15))[0].outputs[0].finish_reason == "stop"
+    (out,) = llm.beam_search([chat], BeamSearchParams(2, 15, ignore_eos=True))
+    assert [(s.finish_reason, len(s.tokens)) for s in out.sequences] == [("length", len(chat) + 15)] * 2
+    assert_nothing_leaked(llm)
+
+
+def test_a_beam_that_ends_in_an_eos_with_text_keeps_it_with_include_stop_str_in_output(smollm2_dir, tmp_path):
+    """A model whose EOS ids include "!" (generation_config.json's): a beam that ends in it
+    leaves it out of its text, unless include_stop_str_in_output (the tokenizer's own EOS is
+    special, and never shows either way). Catches: the beam results' text always cut before
+    the EOS (include_stop_str_in_output ignored)."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for f in smollm2_dir.iterdir():
+        (model_dir / f.name).symlink_to(f)
+    tok = load_tokenizer(smollm2_dir)
+    bang = tok.encode("!")[0]
+    (model_dir / "generation_config.json").unlink(missing_ok=True)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, bang]}))
+    llm = LLM(model_dir, num_blocks=64)
+    chat = tok.encode(tok.apply_chat_template("Hi"), add_special_tokens=False)
+    for include in (False, True):
+        out = llm.generate(chat, BeamSearchParams(2, 8, include_stop_str_in_output=include))[0]
+        banged = [o for o in out.outputs if o.finish_reason == "stop" and o.token_ids[-1] == bang]
+        assert banged
+        for o in banged:
+            assert o.text == tok.decode(o.token_ids if include else o.token_ids[:-1], skip_special_tokens=True)
+            assert o.text.endswith("!") == include
+    assert_nothing_leaked(llm)
