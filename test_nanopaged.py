@@ -5902,3 +5902,238 @@ def test_a_beam_that_ends_in_an_eos_with_text_keeps_it_with_include_stop_str_in_
             assert o.text == tok.decode(o.token_ids if include else o.token_ids[:-1], skip_special_tokens=True)
             assert o.text.endswith("!") == include
     assert_nothing_leaked(llm)
+
+
+# -----------------------------------------------------------------------------
+# From a mutation-testing pass over model.py (188 mutations: family defaults, config
+# parsing, RoPE scalings, layers, loading, GGUF conversion): each test catches a slip that
+# no other test caught.
+
+
+def test_family_defaults_are_their_transformers_config_classes():
+    """Where config.json is silent, each model_type takes its transformers config class's
+    default (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, SmolLM3Config,
+    Gemma2Config, Gemma3TextConfig, GPT2Config), values written out here from those classes.
+    Catches: a wrong default in LLAMA_FAMILY (Mistral's or Llama's context, Qwen's
+    max_window_layers, Qwen 3's head_dim, Phi-3's eps or original context, SmolLM3's NoPE
+    interval or tied head, Gemma's query_pre_attn_scalar, window or BOS) or in from_dict's
+    rms_norm_eps / layer_norm_epsilon fallbacks."""
+    sizes = {"vocab_size": 101, "hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 6,
+             "intermediate_size": 80}
+    llama = ModelConfig.from_dict({"model_type": "llama"} | sizes)
+    assert (llama.max_position_embeddings, llama.norm_eps, llama.rope_theta, llama.num_key_value_heads,
+            llama.tie_word_embeddings) == (2048, 1e-6, 10000.0, 6, False)
+    mistral = ModelConfig.from_dict({"model_type": "mistral"} | sizes)
+    assert (mistral.max_position_embeddings, mistral.layer_window(0), mistral.layer_window(1)) == (131072, 4096, 4096)
+    qwen2 = ModelConfig.from_dict({"model_type": "qwen2", "use_sliding_window": True} | sizes | {"num_hidden_layers": 30})
+    assert [qwen2.layer_window(i) for i in (0, 27, 28, 29)] == [None, None, 4096, 4096]   # from max_window_layers 28
+    assert qwen2.max_position_embeddings == 32768
+    qwen3 = ModelConfig.from_dict({"model_type": "qwen3"} | sizes)
+    assert (qwen3.head_dim, qwen3.max_position_embeddings) == (128, 32768)
+    phi3 = ModelConfig.from_dict({"model_type": "phi3", "max_position_embeddings": 8192, "rope_scaling": {
+        "type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}} | sizes)
+    assert phi3.norm_eps == 1e-5 and phi3.rope_scaling["original_max_position_embeddings"] == 4096
+    assert phi3.rope_scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(2) / math.log(4096)))
+    smol = ModelConfig.from_dict({"model_type": "smollm3"} | sizes | {"num_hidden_layers": 8})
+    assert (list(smol.nope_layers), smol.tie_word_embeddings, smol.rope_theta,
+            smol.max_position_embeddings) == ([3, 7], True, 2_000_000.0, 32768)
+    g2 = ModelConfig.from_dict({"model_type": "gemma2"})
+    assert (g2.vocab_size, g2.hidden_size, g2.intermediate_size, g2.num_hidden_layers, g2.num_attention_heads,
+            g2.num_key_value_heads, g2.head_dim, g2.max_position_embeddings) == (256000, 2304, 9216, 26, 8, 4, 256, 8192)
+    assert (g2.attn_scale, g2.attn_logit_softcapping, g2.final_logit_softcapping) == (256 ** -0.5, 50.0, 30.0)
+    assert (g2.bos_token_id, g2.eos_token_id, g2.tie_word_embeddings) == (2, [1], True)
+    assert [g2.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    g3 = ModelConfig.from_dict({"model_type": "gemma3_text"})
+    assert (g3.vocab_size, g3.max_position_embeddings, g3.rope_theta, g3.rope_local_base_freq) == (
+        262208, 131072, 1e6, 1e4)
+    assert (g3.attn_scale, g3.bos_token_id, g3.eos_token_id, g3.final_logit_softcapping) == (256 ** -0.5, 2, [1], None)
+    assert [g3.layer_window(i) for i in range(7)] == [4096] * 5 + [None, 4096]
+    gpt2 = ModelConfig.from_dict({k: v for k, v in GPT2_CONFIG.items() if k != "layer_norm_epsilon"})
+    assert gpt2.norm_eps == 1e-5
+
+
+def test_generation_config_eos_ids_are_added_once(tmp_path):
+    """generation_config.json's EOS ids join config.json's, each once (Llama 3's instruct
+    models name <|eot_id|> there, alongside config.json's own). Catches: the ids appended
+    without dropping the ones config.json already has."""
+    (tmp_path / "config.json").write_text(json.dumps(llama_config(eos_token_id=[3, 4])))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 3, 7]}))
+    assert ModelConfig.from_json(tmp_path / "config.json").eos_token_id == [3, 4, 7]
+
+
+def test_hidden_size_equal_to_the_heads_gives_heads_of_one_dimension():
+    """hidden_size == num_attention_heads is not smaller: heads of 1 dimension, refused as
+    odd (RoPE rotates pairs), not as "smaller". Catches: hidden < heads written <=."""
+    with pytest.raises(ModelError, match=r"head_dim 1 is odd.*\(head_dim = hidden_size 6 // num_attention_heads 6\)"):
+        ModelConfig.from_dict(llama_config(hidden_size=6))
+
+
+def test_only_the_tanh_gelu_is_accepted_for_gpt2_and_gemma():
+    """GPT-2 runs the tanh GELU: the exact ("gelu") one is refused rather than run as the
+    tanh one. Gemma's hidden_activation may be spelled either name of the tanh GELU
+    (gelu_pytorch_tanh, gelu_new). Catches: "gelu" accepted for GPT-2; "gelu_new" refused for Gemma."""
+    with pytest.raises(ModelError, match="activation_function 'gelu' is not supported"):
+        ModelConfig.from_dict(GPT2_CONFIG | {"activation_function": "gelu"})
+    assert ModelConfig.from_dict(GPT2_CONFIG | {"activation_function": "gelu_pytorch_tanh"}).model_type == "gpt2"
+    for name in ("gemma2", "gemma3"):
+        c = ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS[name] | {"hidden_activation": "gelu_new"})
+        assert c.hidden_act == "gelu_tanh"
+
+
+def test_phi3_old_yarn_name_is_longrope_and_the_top_level_original_context_comes_first():
+    """Phi3Config renames an old rope_scaling type "yarn" (as "su") to longrope; LongRoPE's
+    original context is Phi-3's top-level original_max_position_embeddings, ahead of one
+    inside rope_scaling (transformers' longrope reads the config attribute). Catches: "yarn"
+    not renamed for Phi-3 (read as YaRN); the scaling's original context read first."""
+    factors = {"short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    c = ModelConfig.from_dict(llama_config(model_type="phi3", rope_scaling={"type": "yarn"} | factors))
+    assert c.rope_scaling["rope_type"] == "longrope" and c.rope_scaling["long_factor"] == [2.0] * 4
+    c = ModelConfig.from_dict(llama_config(model_type="phi3", original_max_position_embeddings=8, rope_scaling={
+        "type": "longrope", "original_max_position_embeddings": 64} | factors))
+    assert c.rope_scaling["original_max_position_embeddings"] == 8
+    assert c.rope_scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(128 / 8) / math.log(8)))
+
+
+def test_yarn_defaults_and_a_context_never_shorter_than_max_position_embeddings(tmp_path):
+    """YaRN's defaults as transformers' (beta_fast 32, beta_slow 1, truncate true, attention
+    factor 0.1 ln(factor) + 1); a YaRN whose factor x original context is shorter than
+    max_position_embeddings does not shorten the context; and load_model without
+    max_model_len builds RoPE tables for the whole (stretched) context. Catches: a wrong
+    beta_fast / beta_slow / truncate default; max() dropped from the YaRN context; the
+    tables sized by max_position_embeddings instead of context_length."""
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}
+    c = ModelConfig.from_dict(llama_config(model_type="qwen2", rope_scaling=yarn))   # max_position_embeddings 128
+    assert {k: c.rope_scaling[k] for k in ("beta_fast", "beta_slow", "truncate")} == {
+        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+    assert c.rope_scaling["attention_factor"] == pytest.approx(0.1 * math.log(2.0) + 1)
+    assert c.context_length == 128   # (not 2 x 32)
+    stretched = llama_config(model_type="qwen2", max_position_embeddings=64,
+                             rope_scaling=yarn | {"factor": 4.0, "original_max_position_embeddings": 64})
+    (tmp_path / "config.json").write_text(json.dumps(stretched))
+    assert load_model(tmp_path, dummy=True).rope_cos.shape == (256, 4)
+
+
+def hf_yarn_inv_freq(D, theta, s):
+    """transformers' _compute_yarn_parameters (inv_freq), written out as it is there."""
+    def correction_dim(rotations):
+        return D * math.log(s["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(s.get("beta_fast", 32)), correction_dim(s.get("beta_slow", 1))
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(D // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, D, 2).float() / D)
+    extrapolation = 1 - ramp
+    return 1.0 / (s["factor"] * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+
+
+@pytest.mark.parametrize("scaling", [
+    {"original_max_position_embeddings": 4096},                    # truncated band: dimensions 2 .. 6
+    {"original_max_position_embeddings": 4096, "beta_slow": 0.1},  # band's top past R/2 - 1, below R - 1
+    {"original_max_position_embeddings": 4},   # both ends below dimension 0: a band of zero width at 0
+])
+def test_yarn_frequencies_are_transformers(scaling):
+    """rope_tables' YaRN cos and sin against transformers' formula (hf_yarn_inv_freq) on a
+    head of 16: a ramp whose ends are rounded outwards, clamped to R - 1 (not R/2 - 1), and
+    a band of zero width (HF widens it by 0.001 rather than divide by zero). Catches: the
+    truncation rounded inwards; the band's top clamped to R/2 - 1; the 0.001 dropped (NaN)."""
+    s = {"rope_type": "yarn", "factor": 4.0} | scaling
+    c = ModelConfig.from_dict(llama_config(head_dim=16, max_position_embeddings=8192, rope_scaling=s))
+    cos, sin = model_module.rope_tables(c, 64)
+    angles = torch.arange(64).float()[:, None] * hf_yarn_inv_freq(16, 10000.0, s)[None, :]
+    factor = 0.1 * math.log(4.0) + 1
+    torch.testing.assert_close(cos, angles.cos() * factor, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin, angles.sin() * factor, rtol=1e-6, atol=1e-6)
+
+
+def test_gpt2_layer_norm_epsilon_is_used(tmp_path):
+    """GPT-2's LayerNorms take the config's layer_norm_epsilon (a large one, so that it
+    shows): the logits match the reference. Catches: a LayerNorm built with torch's default eps."""
+    c = GPT2_CONFIG | {"layer_norm_epsilon": 0.5}
+    w = gpt2_tensors(c)
+    model = load_model(write_checkpoint(tmp_path / "gpt2", c, w))
+    torch.testing.assert_close(forward_all(model, IDS), reference_gpt2(c, w, IDS), rtol=1e-4, atol=1e-4)
+
+
+def test_a_checkpoint_more_than_a_layer_short_is_refused_by_count(tmp_path):
+    """A config that needs more than one layer's tensors beyond what the checkpoint holds is
+    refused by the count, before any tensor is looked up (a layer or less short: the missing
+    tensor is named). Catches: the slack widened past one layer."""
+    c, w = llama_config(), llama_tensors(llama_config())   # 2 layers: 20 tensors
+    with pytest.raises(ModelError, match=r"4 layers need 38 tensors, but the checkpoint holds 20$"):
+        load_model(write_checkpoint(tmp_path / "four", c | {"num_hidden_layers": 4}, w))
+    with pytest.raises(ModelError, match=r"'model\.layers\.2\.input_layernorm\.weight' is missing"):
+        load_model(write_checkpoint(tmp_path / "three", c | {"num_hidden_layers": 3}, w))
+
+
+def test_a_llama_gguf_with_attention_biases_is_refused(tmp_path, own_cache):
+    """llama.cpp permutes a Llama's q/k biases along with its weights, which the conversion
+    does not undo: such a file is refused (its bias tensors unexpected), not loaded with
+    permuted biases. (Only Qwen 3's biases are read.) Catches: attention_bias taken from
+    attn_output.bias for every architecture."""
+    C, H, KVH = 16, 4, 2
+    D = C // H
+    biases = [(f"blk.0.attn_{n}.bias", (rows,)) for n, rows in (("q", H * D), ("k", KVH * D), ("v", KVH * D),
+                                                                ("output", C))]
+    with pytest.raises(ModelError, match=r"unexpected tensor 'blk\.0\.attn_\w+\.bias'"):
+        load_model(write_gguf(tmp_path / "bias.gguf", C=C, H=H, KVH=KVH, extra=biases))
+
+
+def test_gemma3_top_level_null_ids_leave_the_text_configs():
+    """A Gemma 3 with a vision tower whose top level writes bos/eos_token_id null keeps its
+    text_config's ids (a null says nothing). Catches: top-level nulls copied over the text model's."""
+    c = LLAMA_FAMILY_VARIANTS["gemma3"] | {"bos_token_id": 2, "eos_token_id": [1, 3]}
+    cfg = ModelConfig.from_dict({"model_type": "gemma3", "text_config": c, "bos_token_id": None, "eos_token_id": None})
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (2, [1, 3])
+
+
+def test_dummy_weights_have_unit_norms_and_small_biases(tmp_path):
+    """Random (dummy) weights: norm scales 1, every other tensor, biases included, N(0, 0.02).
+    Catches: 1-D biases filled with ones like the norm scales."""
+    (tmp_path / "config.json").write_text(json.dumps(llama_config(model_type="qwen2")))   # (q/k/v biases)
+    model = load_model(tmp_path, dummy=True)
+    state = model.state_dict()
+    assert all((t == 1).all() for n, t in state.items() if "norm" in n)
+    biases = torch.cat([t for n, t in state.items() if n.endswith("bias")])
+    assert biases.numel() == 2 * (48 + 2 * 16) and 0.01 < biases.std() < 0.03 and biases.abs().max() < 0.2
+
+
+def test_gpt2_memory_check_counts_no_rope_tables(tmp_path, monkeypatch):
+    """GPT-2 has learned positions, no RoPE tables: a machine with just its weights' bytes
+    loads it. Catches: RoPE tables counted for GPT-2 in check_size."""
+    (tmp_path / "config.json").write_text(json.dumps(GPT2_CONFIG))
+    _, params, _ = model_module.checkpoint_size(model_module.GPT2, ModelConfig.from_dict(GPT2_CONFIG))
+    monkeypatch.setattr(model_module, "_memory_bytes", lambda device: params * 4)
+    assert load_model(tmp_path, dummy=True).config.model_type == "gpt2"
+    monkeypatch.setattr(model_module, "_memory_bytes", lambda device: params * 4 - 1)
+    with pytest.raises(ModelError, match="more than all"):
+        load_model(tmp_path, dummy=True)
+
+
+def test_a_tied_checkpoints_lm_head_copy_is_left_out_quietly(tmp_path, capsys):
+    """A tied model's checkpoint that also saves lm_head.weight (a copy of the embeddings, as
+    some exporters write) loads without a note. Catches: lm_head.weight dropped from the
+    expected unused buffers."""
+    c = llama_config(tied=True)
+    w = llama_tensors(c)
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()
+    load_model(write_checkpoint(tmp_path / "tied", c, w))
+    assert capsys.readouterr().err == ""
+
+
+def test_gguf_numbers_come_back_as_written_and_required_keys_are_required(tmp_path, own_cache, monkeypatch):
+    """A GGUF's float32 rope base comes back as its config wrote it (10000.1, not
+    10000.099609375); a rope.dimension_count of 0 is refused by name; a file without
+    context_length is refused (not given Llama's default 2048). Catches: rope_theta written
+    without _f32; dimension_count 0 let through; context_length read with get() instead of need()."""
+    import gguf
+    path = write_gguf(tmp_path / "theta.gguf", meta=[("llama.rope.freq_base", 10000.1)])
+    config = json.loads((resolve_model_dir(path) / "config.json").read_text())
+    assert config["rope_theta"] == 10000.1
+    with pytest.raises(ModelError, match="llama.rope.dimension_count is 0, expected a number of dimensions"):
+        load_model(write_gguf(tmp_path / "dims.gguf", meta=[("llama.rope.dimension_count", 0)]))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_context_length", lambda self, n: None)
+    with pytest.raises(ModelError, match="GGUF metadata has no 'llama.context_length'"):
+        load_model(write_gguf(tmp_path / "noctx.gguf"))
