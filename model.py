@@ -1469,9 +1469,9 @@ def load_tokenizer(model=None, config: ModelConfig | None = None) -> Tokenizer:
 def rope_tables(config: ModelConfig, max_model_len: int | None = None,
                 local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, frequency) angle, each (P, R/2) for the P =
-    max_model_len (default config.context_length: max_position_embeddings, stretched by YaRN or
-    linear scaling) positions served and the R = rotary_dim
-    rotated dimensions, computed once so that a forward pass just picks rows by position.
+    max_model_len positions served (default config.context_length: max_position_embeddings,
+    stretched by YaRN or linear scaling) and the R = rotary_dim rotated dimensions,
+    computed once so that a forward pass just picks rows by position.
     Float32 and in the same order of operations as HF, whose numbers the checkpoints were
     evaluated with. device="cpu" explicitly: real numbers even while the model is built on
     'meta'. local: the tables of Gemma 3's windowed layers (rope_local_base_freq, unscaled)."""

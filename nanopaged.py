@@ -417,11 +417,10 @@ class AttentionPlan:
     runs scaled_dot_product_attention on it. Decode sequences (one query each) are sorted
     by the length they gather (the context, or its window) and stacked, DECODE_BUCKET at a
     time, into padded batches: sorting first keeps the padding small, since neighbours have
-    similar lengths. Sequences with
-    several queries (prefill chunks) get one call each. The gather indices point only at
-    slots inside a context: positions past a sequence's end are clamped to its first
-    gathered position and masked out, so padding never reads a slot the sequence does not
-    own (a NaN there would leak in through 0 * NaN).
+    similar lengths. Sequences with several queries (prefill chunks) get one call each. The
+    gather indices point only at slots inside a context: positions past a sequence's end
+    are clamped to its first gathered position and masked out, so padding never reads a
+    slot the sequence does not own (a NaN there would leak in through 0 * NaN).
 
     With a sliding window (a plan per window: the layers of a step share it too), only the
     positions some query can see are gathered, from the first query's window start on:
