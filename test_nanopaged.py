@@ -4191,10 +4191,9 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     assert_nothing_leaked(llm)
 
 
-def test_stop_reason_names_an_eos_other_than_the_tokenizers(smollm2_dir, tmp_path):
-    """vLLM's EOS is the tokenizer's (tokenizer_config.json's eos_token), whose stop_reason is
-    None; the model's other EOS ids (generation_config.json's: Llama 3's <|eom_id|>...) stop
-    as stop tokens do, named in stop_reason."""
+def smollm2_with_a_bang_eos(smollm2_dir, tmp_path):
+    """An engine on the default model whose generation_config.json adds "!" to its EOS ids:
+    (llm, its tokenizer, the id of "!", the model's directory)."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     for f in smollm2_dir.iterdir():
@@ -4203,7 +4202,14 @@ def test_stop_reason_names_an_eos_other_than_the_tokenizers(smollm2_dir, tmp_pat
     bang = tok.encode("!")[0]
     (model_dir / "generation_config.json").unlink(missing_ok=True)
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, bang]}))
-    llm = LLM(model_dir, num_blocks=64)
+    return LLM(model_dir, num_blocks=64), tok, bang, model_dir
+
+
+def test_stop_reason_names_an_eos_other_than_the_tokenizers(smollm2_dir, tmp_path):
+    """vLLM's EOS is the tokenizer's (tokenizer_config.json's eos_token), whose stop_reason is
+    None; the model's other EOS ids (generation_config.json's: Llama 3's <|eom_id|>...) stop
+    as stop tokens do, named in stop_reason."""
+    llm, tok, bang, model_dir = smollm2_with_a_bang_eos(smollm2_dir, tmp_path)
     assert llm.get_tokenizer().eos_token_id == tok.eos_token_id and bang in llm.scheduler.eos_token_ids
     chat = tok.encode(tok.apply_chat_template("Hi"), add_special_tokens=False)
     out = llm.generate(chat, greedy(40))[0].outputs[0]   # "Hello!": the "!" ends it
@@ -5884,15 +5890,7 @@ def test_a_beam_that_ends_in_an_eos_with_text_keeps_it_with_include_stop_str_in_
     leaves it out of its text, unless include_stop_str_in_output (the tokenizer's own EOS is
     special, and never shows either way). Catches: the beam results' text always cut before
     the EOS (include_stop_str_in_output ignored)."""
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    for f in smollm2_dir.iterdir():
-        (model_dir / f.name).symlink_to(f)
-    tok = load_tokenizer(smollm2_dir)
-    bang = tok.encode("!")[0]
-    (model_dir / "generation_config.json").unlink(missing_ok=True)
-    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, bang]}))
-    llm = LLM(model_dir, num_blocks=64)
+    llm, tok, bang, _ = smollm2_with_a_bang_eos(smollm2_dir, tmp_path)
     chat = tok.encode(tok.apply_chat_template("Hi"), add_special_tokens=False)
     for include in (False, True):
         out = llm.generate(chat, BeamSearchParams(2, 8, include_stop_str_in_output=include))[0]
