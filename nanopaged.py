@@ -317,29 +317,26 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
-def copy_blocks(k_caches, v_caches, copies):
-    """Run copy-on-write's (src, dst) block copies in every layer."""
-    if not copies:
+def copy_blocks(src_caches, dst_caches, pairs):
+    """Copy whole blocks: block s of each source cache onto block d of its twin in dst_caches,
+    for each (s, d) in pairs. Copy-on-write's copies stay in one pool (src_caches is
+    dst_caches: every layer's k and v caches); swapping's go between two (swap_blocks). Each
+    cache's blocks are gathered on the source's device and moved in one copy."""
+    if not pairs:
         return
-    device = k_caches[0].device
-    src = torch.tensor([s for s, _ in copies], device=device)
-    dst = torch.tensor([d for _, d in copies], device=device)
-    for cache in (*k_caches, *v_caches):
-        cache[dst] = cache[src]
+    src = torch.tensor([s for s, _ in pairs], device=src_caches[0].device)
+    dst = torch.tensor([d for _, d in pairs], device=dst_caches[0].device)
+    for src_cache, dst_cache in zip(src_caches, dst_caches):
+        dst_cache[dst] = src_cache[src].to(dst_cache.device)
 
 
 def swap_blocks(src_pool, dst_pool, pairs):
     """Swapping: copy whole blocks (src, dst) from one pool to another, in every layer:
-    from the GPU's pool to the swap space in CPU memory, or back. Each layer's blocks are
-    gathered on the source's device and moved in one copy. (Through pageable memory: a
+    from the GPU's pool to the swap space in CPU memory, or back. (Through pageable memory: a
     production engine pins the swap space and copies blocks into it directly, without
-    waiting for them.)"""
-    if not pairs:
-        return
-    src = torch.tensor([s for s, _ in pairs], device=src_pool.k_cache[0].device)
-    dst = torch.tensor([d for _, d in pairs], device=dst_pool.k_cache[0].device)
-    for src_cache, dst_cache in zip((*src_pool.k_cache, *src_pool.v_cache), (*dst_pool.k_cache, *dst_pool.v_cache)):
-        dst_cache[dst] = src_cache[src].to(dst_cache.device)
+    waiting for them.) Without a swap space (the pools may be None), pairs is empty."""
+    if pairs:
+        copy_blocks((*src_pool.k_cache, *src_pool.v_cache), (*dst_pool.k_cache, *dst_pool.v_cache), pairs)
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=None,
@@ -597,7 +594,8 @@ class PagedAttention:
         if not copies:
             return
         if self.ops is None:
-            copy_blocks(self.pool.k_cache, self.pool.v_cache, copies)
+            caches = (*self.pool.k_cache, *self.pool.v_cache)
+            copy_blocks(caches, caches, copies)
             return
         pairs = torch.tensor(copies, dtype=torch.int64, device=self.pool.k_cache[0].device)
         for cache in (*self.pool.k_cache, *self.pool.v_cache):

@@ -2381,7 +2381,7 @@ def test_write_kv_and_copy_blocks():
     write_kv(kc, vc, k, v, torch.tensor([5, 9, 23]))   # slot = block * 4 + offset
     assert torch.equal(kc[1, 1], k[0]) and torch.equal(kc[2, 1], k[1]) and torch.equal(vc[5, 3], v[2])
     assert kc.count_nonzero() == k.count_nonzero()     # nothing else written
-    copy_blocks([kc], [vc], [(2, 0), (5, 4)])
+    copy_blocks([kc, vc], [kc, vc], [(2, 0), (5, 4)])
     assert torch.equal(kc[0], kc[2]) and torch.equal(vc[4], vc[5]) and torch.equal(vc[0], vc[2])
 
 
@@ -2485,7 +2485,7 @@ def test_copy_on_write_only_for_a_shared_partial_last_block():
     assert slot == new_block * 4 + 2
     assert pool.pending_copies == [(shared_partial, new_block)]
     assert pool.ref_count[shared_partial] == 1 and pool.ref_count[shared_full] == 2
-    copy_blocks(kc, vc, pool.pending_copies)
+    copy_blocks([*kc, *vc], [*kc, *vc], pool.pending_copies)
     assert torch.equal(kc[0][new_block, :2], kc[0][shared_partial, :2])   # the data moved too
     # now nobody else holds the parent's partial block: it writes in place, no copy
     pool.pending_copies.clear()
