@@ -1348,8 +1348,8 @@ class LLM:
                         for token, cands in zip(ids, beam_history(history))]
             # an EOS ends the text, unless include_stop_str_in_output; stop_reason as for samples
             eos = ids[-1] if reason == "stop" else None
-            text = self.tokenizer.decode(ids[:-1] if eos is not None and not req["params"].beam.include_stop_str_in_output
-                                         else ids, skip_special_tokens=True, continuation=True)
+            text = self.tokenizer.decode(without_stop_token(ids, eos, req["params"].beam.include_stop_str_in_output),
+                                         skip_special_tokens=True, continuation=True)
             results.append(CompletionOutput(i, text, ids, reason, self._stop_reason(eos, False), logprobs, cum))
         return results
 
@@ -1427,11 +1427,11 @@ class LLM:
             ids, p, eos = q.output_token_ids, q.params, self.scheduler.eos_token_ids
             # a stop token ends the text but is not part of it (an ignored EOS is), unless
             # include_stop_str_in_output
-            stop_token = q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(p, eos)
+            stop_token = ids[-1] if q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(p, eos) else None
             # (an output continues its prompt: the space a SentencePiece token starts with stays)
-            text = self.tokenizer.decode(ids[:-1] if stop_token and not p.include_stop_str_in_output else ids,
+            text = self.tokenizer.decode(without_stop_token(ids, stop_token, p.include_stop_str_in_output),
                                          p.skip_special_tokens, continuation=True)
-            stop_reason = self._stop_reason(ids[-1] if stop_token else None, p.ignore_eos)
+            stop_reason = self._stop_reason(stop_token, p.ignore_eos)
             scan = req["stop_scans"].get(q.sample_index)
             if scan and scan.found is not None:   # the text ends before the stop string, or after it
                 text = text[:scan.found + (len(scan.stop) if p.include_stop_str_in_output else 0)]
@@ -1494,8 +1494,7 @@ class LLM:
                 # unless include_stop_str_in_output, and names it as its stop_reason; its
                 # logprobs and cumulative logprob count it all the same
                 eos = o.token_ids[-1] if o.finish_reason == "stop" else None
-                tokens = r.prompt_token_ids + (o.token_ids[:-1] if eos is not None and not
-                                               params.include_stop_str_in_output else o.token_ids)
+                tokens = r.prompt_token_ids + without_stop_token(o.token_ids, eos, params.include_stop_str_in_output)
                 sequences.append(BeamSearchSequence(tokens, o.logprobs, o.cumulative_logprob,
                                                     self.tokenizer.decode(tokens), o.finish_reason, eos))
             outputs.append(BeamSearchOutput(sequences))
@@ -1730,6 +1729,12 @@ def beam_rank(req: dict, hypothesis: tuple) -> float:
     ids, cum, _, reason = hypothesis
     length = req["seqs"][0].num_prompt_tokens + len(ids) - (reason == "stop")
     return -math.inf if cum >= 0 else math.log(-cum) - req["params"].beam.length_penalty * math.log(length)
+
+
+def without_stop_token(ids: list[int], stop_token: int | None, include_stop_str_in_output: bool) -> list[int]:
+    """An output's ids less the stop token that ended it (EOS, or one of stop_token_ids; None:
+    none did): vLLM leaves it out of the text, unless include_stop_str_in_output."""
+    return ids[:-1] if stop_token is not None and not include_stop_str_in_output else ids
 
 
 def _visible(text: str) -> str:
