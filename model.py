@@ -54,6 +54,24 @@ class ModelError(ValueError):
     """Bad model input (missing file, bad config, wrong tensor...): the message names it."""
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def unreadable(path: Path, why: str) -> ModelError:
+    """The error for a file that does not parse. A model repository cloned without git-lfs
+    holds, in place of each large file, a pointer of a hundred bytes or so that begins with
+    LFS_POINTER: said as such, rather than as the parser's complaint about its first byte."""
+    try:
+        with open(path, "rb") as f:
+            pointer = f.read(len(LFS_POINTER)) == LFS_POINTER
+    except OSError:
+        pointer = False
+    if pointer:
+        return ModelError(f"{path}: a Git LFS pointer, not the file itself (the repository was cloned "
+                          f"without git-lfs: run `git lfs pull` in it)")
+    return ModelError(f"{path}: {why}")
+
+
 def _read_json(path: Path) -> dict:
     """A JSON file holding an object, as every file nanopaged reads does."""
     try:
@@ -63,7 +81,7 @@ def _read_json(path: Path) -> dict:
     except OSError as e:   # a directory, no permission...
         raise ModelError(f"{path}: cannot be read ({e.strerror})") from None
     except (ValueError, RecursionError) as e:   # not JSON, not UTF-8, nested too deep, a 5000-digit number
-        raise ModelError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        raise unreadable(path, f"not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(value, dict):
         raise ModelError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
@@ -1848,17 +1866,22 @@ def resolve_model_dir(model=None) -> Path:
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise ModelError(f"model must be a path (a directory or a .gguf file), got {model!r}")
     path = Path(model).expanduser()
+    try:   # (False for a missing path, but an error for one that may not be looked at, or too long a name)
+        is_file, is_dir = path.is_file(), path.is_dir()
+        has_config = is_dir and (path / "config.json").is_file()
+    except OSError as e:
+        raise ModelError(f"{e.filename or path}: cannot be read ({e.strerror})") from None
     if path.suffix == ".gguf":
-        if not path.is_file():
+        if not is_file:
             raise ModelError(f"{path}: GGUF file not found")
         return convert_gguf(path)
-    if path.is_file():
+    if is_file:
         raise ModelError(f"{path}: a file, not a model (a model is a local Hugging Face layout directory "
                          f"or a .gguf file)")
-    if not path.is_dir():
+    if not is_dir:
         raise ModelError(f"{path}: no such directory (a model is a local Hugging Face layout directory "
                          f"or a .gguf file: nanopaged downloads nothing)")
-    if not (path / "config.json").is_file():
+    if not has_config:
         raise ModelError(f"{path}: no config.json (expected a Hugging Face model directory)")
     return path
 
@@ -1891,11 +1914,15 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
 
 def _open_safetensors(path: Path):
     try:
+        if not path.is_file():   # (safe_open would wait forever on a FIFO)
+            raise ModelError(f"{path}: " + ("not a regular file" if path.exists() else "file not found"))
+        path.open("rb").close()  # (safe_open says "file not found" of a file it may not read)
+    except OSError as e:
+        raise ModelError(f"{path}: cannot be read ({e.strerror})") from None
+    try:
         return safe_open(path, framework="pt", device="cpu")
-    except FileNotFoundError:
-        raise ModelError(f"{path}: file not found") from None
     except (SafetensorError, OSError) as e:
-        raise ModelError(f"{path}: not a readable safetensors file ({e})") from None
+        raise unreadable(path, f"not a readable safetensors file ({e})") from None
 
 
 CHECKPOINT_DTYPES = ("F16", "BF16", "F32", "F64")   # safetensors' names
@@ -1914,9 +1941,11 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
         if not (isinstance(weight_map, dict)
                 and all(isinstance(file, str) for file in weight_map.values())):
             raise ModelError(f"{index}: no 'weight_map' object (tensor name -> file name)")
-        for file in weight_map.values():
+        for name, file in weight_map.items():
             if Path(file).is_absolute() or ".." in Path(file).parts:
                 raise ModelError(f"{index}: weight_map names {file!r}, outside the model directory")
+            if not Path(file).parts:   # "" or ".": the directory itself
+                raise ModelError(f"{index}: weight_map names {file!r} for {name!r}, not a file")
         return {name: model_dir / file for name, file in weight_map.items()}
     if single.exists():
         with _open_safetensors(single) as f:
@@ -2284,8 +2313,9 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     try:
         reader = gguf.GGUFReader(gguf_path)
         meta = {name: f.contents() for name, f in reader.fields.items()}
-    except Exception as e:  # the reader raises assorted errors on a damaged file
-        raise ModelError(f"{gguf_path}: not a readable GGUF file ({e})") from None
+    except Exception as e:  # the reader raises assorted errors on a damaged file: numpy's, of a truncated one
+        raise unreadable(gguf_path, f"not a readable GGUF file, damaged or cut short (an incomplete "
+                                    f"download?): {e}") from None
     # The keys read below as strings, token ids and lists must be of that kind (a damaged or
     # hand-made file may hold another); the numbers of the config are ModelConfig's to check.
     string = lambda x: isinstance(x, str)  # noqa: E731
@@ -2468,7 +2498,13 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
                                   "use_regex": True}}
         tokenizer["model"]["merges"] = meta.get("tokenizer.ggml.merges", [])
 
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    try:
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    except (OSError, SafetensorError) as e:   # a full disk, most likely: the weights are float32 now
+        size = sum(w.numel() * w.element_size() for w in weights.values())
+        raise ModelError(f"{gguf_path}: cannot write its conversion ({size / 2**30:,.2f} GiB) into "
+                         f"{out.parent} ({e}); free space there, or set NANOPAGED_CACHE to another "
+                         f"directory") from None

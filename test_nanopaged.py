@@ -17,8 +17,10 @@ import importlib.util
 import io
 import json
 import math
+import os
 import random
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -1017,6 +1019,48 @@ def test_missing_directory_and_files(tmp_path):
         load_tokenizer(tmp_path)
 
 
+def test_paths_that_cannot_be_looked_at_are_named(tmp_path):
+    """A path the OS will not look up (here a name over 255 bytes; a directory without
+    permission alike, which root's tests cannot make) is named with the OS's reason, not a
+    traceback from pathlib; so is a shard of such a name. A model.safetensors that is not a
+    regular file is refused before safe_open, which would wait forever on a FIFO."""
+    long = "a" * 300
+    for model in (tmp_path / long, tmp_path / f"{long}.gguf"):
+        with pytest.raises(ModelError, match=f"{long}(.gguf)?: cannot be read \\(File name too long\\)$"):
+            load_model(model)
+    c = llama_config()
+    path = write_checkpoint(tmp_path / "shards", c, llama_tensors(c), shards=2)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        index | {"weight_map": dict.fromkeys(index["weight_map"], long)}))
+    with pytest.raises(ModelError, match=f"shards/{long}: cannot be read \\(File name too long\\)$"):
+        load_model(path)
+    path = write_checkpoint(tmp_path / "fifo", c, llama_tensors(c))
+    (path / "model.safetensors").unlink()
+    os.mkfifo(path / "model.safetensors")
+    with pytest.raises(ModelError, match="fifo/model.safetensors: not a regular file$"):
+        load_model(path)
+
+
+def test_git_lfs_pointers_are_named_as_such(tmp_path, own_cache):
+    """A repository cloned without git-lfs holds pointer files in place of its large files:
+    each is named as one, with the fix, not with the parser's complaint about its first byte."""
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a2145\nsize 269060552\n"
+    said = "{}: a Git LFS pointer, not the file itself \\(.*: run `git lfs pull` in it\\)$"
+    c = llama_config()
+    for name in ("model.safetensors", "config.json"):
+        path = write_checkpoint(tmp_path / name, c, llama_tensors(c))
+        (path / name).write_text(pointer)
+        with pytest.raises(ModelError, match=said.format(name)):
+            load_model(path)
+    (tiny_tokenizer_dir(tmp_path / "tok") / "tokenizer.json").write_text(pointer)
+    with pytest.raises(ModelError, match=said.format("tokenizer.json")):
+        load_tokenizer(tmp_path / "tok")
+    (tmp_path / "m.gguf").write_text(pointer)
+    with pytest.raises(ModelError, match=said.format("m.gguf")):
+        load_model(tmp_path / "m.gguf")
+
+
 def test_bad_config(tmp_path):
     config = llama_config()
     del config["hidden_size"]
@@ -1878,7 +1922,9 @@ def test_index_weight_map_values_must_be_file_names(tmp_path):
     for files, message in [(1, "no 'weight_map' object"),
                            # files of the model's own directory only: no other model's, no /etc/passwd
                            ("../other/model-00001-of-00002.safetensors", "weight_map names '../other/.*', outside"),
-                           ("/etc/passwd", "weight_map names '/etc/passwd', outside the model directory")]:
+                           ("/etc/passwd", "weight_map names '/etc/passwd', outside the model directory"),
+                           # the directory itself
+                           ("", "weight_map names '' for 'model.embed_tokens.weight', not a file")]:
         (path / "model.safetensors.index.json").write_text(json.dumps(
             index | {"weight_map": dict.fromkeys(index["weight_map"], files)}))
         with pytest.raises(ModelError, match=f"model.safetensors.index.json: {message}"):
@@ -2231,6 +2277,34 @@ def test_gguf_tensor_shape_checked_before_conversion(tmp_path, own_cache):
     with pytest.raises(ModelError, match=r"bad.gguf: tensor 'blk.0.attn_k.weight' has shape "
                                          r"\(16, 16\), expected \(8, 16\)"):
         load_model(path)
+
+
+def test_a_truncated_gguf_is_said_to_be_one(tmp_path, own_cache):
+    """An interrupted download, cut in its tensor data or its metadata: the reader's own words
+    are numpy's ("cannot reshape array..."), so the error leads with what they mean."""
+    data = write_gguf(tmp_path / "full.gguf").read_bytes()
+    for cut in (len(data) - 1, len(data) // 2, 200):
+        (tmp_path / f"cut{cut}.gguf").write_bytes(data[:cut])
+        with pytest.raises(ModelError, match=f"cut{cut}.gguf: not a readable GGUF file, damaged or cut short "
+                                             r"\(an incomplete download\?\): "):
+            load_model(tmp_path / f"cut{cut}.gguf")
+
+
+def test_a_conversion_that_cannot_be_written_is_named_and_leaves_nothing(tmp_path, own_cache):
+    """A full disk while a GGUF is converted into the cache (a 7B Q4 becomes 28 GB of float32):
+    one error naming the cache and the way out, and no half-written model left there. Files
+    limited to 40 KB stand in for the full disk (Python ignores SIGXFSZ: the write fails)."""
+    path = write_gguf(tmp_path / "m.gguf", C=64, H=4, KVH=2, L=4, I=128)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (40 * 1024, hard))
+    try:
+        with pytest.raises(ModelError, match=r"m.gguf: cannot write its conversion \(0.00 GiB\) into .*/cache "
+                                             r"\(.*File too large.*\); free space there, or set NANOPAGED_CACHE"):
+            load_model(path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert not list(own_cache.iterdir())
+    assert load_model(path)   # once there is room
 
 
 def test_unwritable_cache_directory(tmp_path, monkeypatch):
