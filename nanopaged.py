@@ -835,7 +835,7 @@ class LLM:
         try:
             self._default_params = SamplingParams(**advice)
         except ValueError as e:
-            raise ValueError(f"the model's generation_config.json advises {advice} (in SamplingParams' names): "
+            raise ValueError(f"{model_dir / 'generation_config.json'} advises {advice} (in SamplingParams' names): "
                              f"{e}; LLM(generation_config='vllm') ignores it") from None
         if max_model_len is not None and max_model_len > cfg.context_length:
             raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
@@ -2134,7 +2134,8 @@ def main(argv=None) -> int:
             llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                       num_blocks=args.num_blocks, max_model_len=args.max_model_len,
                       enable_prefix_caching=not args.no_prefix_caching,
-                      attn_backend=args.attn_backend, preemption_mode=args.preemption_mode)
+                      attn_backend=args.attn_backend, preemption_mode=args.preemption_mode,
+                      generation_config="vllm")   # (the flags' own defaults sample: greedy)
         except ValueError as e:   # (the flag's name, not the argument's)
             raise ValueError(str(e).replace("max_model_len = ", "--max-model-len ", 1)) from None
         tok = llm.get_tokenizer()

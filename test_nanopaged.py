@@ -4345,7 +4345,7 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
     with pytest.raises(ValueError, match="max_tokens=None .* is resolved by LLM"):   # (the scheduler alone)
         tiny_pool.scheduler.add("x", [5], up_to)
     (model_dir / "generation_config.json").write_text(json.dumps({"temperature": -1}))
-    with pytest.raises(ValueError, match=r"the model's generation_config.json advises \{'temperature': -1\} .*: "
+    with pytest.raises(ValueError, match=r"/generation_config.json advises \{'temperature': -1\} .*: "
                                          r"temperature must be a finite number >= 0, got -1; LLM\(generation_config='vllm'\)"):
         LLM(model_dir, load_format="dummy", num_blocks=64)
 
@@ -5070,6 +5070,17 @@ def test_cli_says_which_longrope_factors_it_takes(tmp_path, capsys):
                                  "short ones, as transformers does for texts up to 8 tokens\n")
     code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--raw",
                              "--max-model-len", "8")
+    assert code == 0 and err == ""
+
+
+def test_cli_does_not_take_the_generation_configs_advice(tmp_path, capsys):
+    """The CLI samples as its flags say (greedy by default), never as generation_config.json
+    advises: advice that SamplingParams refuses (top_p 0) does not stop it."""
+    path = tiny_tokenizer_dir(tmp_path / "m")
+    config = llama_config() | {"vocab_size": 258}
+    write_checkpoint(path, config, llama_tensors(config))
+    (path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--max-tokens", "1", "--raw")
     assert code == 0 and err == ""
 
 
