@@ -57,7 +57,7 @@ class ModelError(ValueError):
 LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
-def unreadable(path: Path, why: str) -> ModelError:
+def _unreadable(path: Path, why: str) -> ModelError:
     """The error for a file that does not parse. A model repository cloned without git-lfs
     holds, in place of each large file, a pointer of a hundred bytes or so that begins with
     LFS_POINTER: said as such, rather than as the parser's complaint about its first byte."""
@@ -81,7 +81,7 @@ def _read_json(path: Path) -> dict:
     except OSError as e:   # a directory, no permission...
         raise ModelError(f"{path}: cannot be read ({e.strerror})") from None
     except (ValueError, RecursionError) as e:   # not JSON, not UTF-8, nested too deep, a 5000-digit number
-        raise unreadable(path, f"not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        raise _unreadable(path, f"not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(value, dict):
         raise ModelError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
@@ -1922,7 +1922,7 @@ def _open_safetensors(path: Path):
     try:
         return safe_open(path, framework="pt", device="cpu")
     except (SafetensorError, OSError) as e:
-        raise unreadable(path, f"not a readable safetensors file ({e})") from None
+        raise _unreadable(path, f"not a readable safetensors file ({e})") from None
 
 
 CHECKPOINT_DTYPES = ("F16", "BF16", "F32", "F64")   # safetensors' names
@@ -2314,8 +2314,8 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         reader = gguf.GGUFReader(gguf_path)
         meta = {name: f.contents() for name, f in reader.fields.items()}
     except Exception as e:  # the reader raises assorted errors on a damaged file: numpy's, of a truncated one
-        raise unreadable(gguf_path, f"not a readable GGUF file, damaged or cut short (an incomplete "
-                                    f"download?): {e}") from None
+        raise _unreadable(gguf_path, f"not a readable GGUF file, damaged or cut short (an incomplete "
+                                     f"download?): {e}") from None
     # The keys read below as strings, token ids and lists must be of that kind (a damaged or
     # hand-made file may hold another); the numbers of the config are ModelConfig's to check.
     string = lambda x: isinstance(x, str)  # noqa: E731
