@@ -2286,11 +2286,15 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         meta = {name: f.contents() for name, f in reader.fields.items()}
     except Exception as e:  # the reader raises assorted errors on a damaged file
         raise ModelError(f"{gguf_path}: not a readable GGUF file ({e})") from None
-    # The keys read below as strings, token ids and lists must be of that kind (a damaged or
+    # The keys read below as strings, flags, token ids and lists must be of that kind (a damaged or
     # hand-made file may hold another); the numbers of the config are ModelConfig's to check.
     string = lambda x: isinstance(x, str)  # noqa: E731
+    flag = lambda x: isinstance(x, bool)  # noqa: E731
     for key, ok, kind in (("general.architecture", string, "a string"), ("tokenizer.ggml.model", string, "a string"),
                           ("tokenizer.ggml.pre", string, "a string"), ("tokenizer.chat_template", string, "a string"),
+                          ("tokenizer.ggml.add_space_prefix", flag, "true or false"),
+                          ("tokenizer.ggml.add_bos_token", flag, "true or false"),
+                          ("tokenizer.ggml.add_eos_token", flag, "true or false"),
                           ("tokenizer.ggml.bos_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.eos_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.tokens", lambda x: isinstance(x, list) and all(map(string, x)),

@@ -2200,6 +2200,10 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     ({"meta": [("tokenizer.chat_template", ["a", "b"])]}, r"GGUF metadata 'tokenizer.chat_template' is \['a', 'b'\], "
                                                           "not a string"),
     ({"meta": [("tokenizer.ggml.bos_token_id", [1, 2])]}, "'tokenizer.ggml.bos_token_id' is .*, not a token id"),
+    # (a string or a number for a flag: was a TypeError while writing tokenizer.json, or silently true)
+    ({"sentencepiece": True, "bos": 1, "eos": 2, "meta": [("tokenizer.ggml.add_space_prefix", "no")]},
+     "GGUF metadata 'tokenizer.ggml.add_space_prefix' is 'no', not true or false"),
+    ({"meta": [("tokenizer.ggml.add_eos_token", 0)]}, "'tokenizer.ggml.add_eos_token' is 0, not true or false"),
     ({"meta": [("llama.rope.scaling.type", "longrope")]}, "rope scaling 'longrope' is not supported \\(supported: "
                                                           "linear, yarn\\)"),
     ({"meta": [("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0),
