@@ -672,13 +672,23 @@ def _longest_first(added_tokens: list[dict]) -> str:
         for c in t["content"]:
             node = node.setdefault(c, {})
         node[""] = t   # a token ends here
-
-    def alternatives(node) -> str:
-        branches = [regex.escape(c) + alternatives(child) for c, child in node.items() if c]
-        if "" in node:   # tried last: a longer token through this node wins
-            branches.append("")
-        return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-    return alternatives(trie) if trie else "(?!)"
+    if not trie:
+        return "(?!)"
+    # Written out front to back from a stack of what is left to write (text, or a node whose
+    # alternatives go there), not by recursion: a token of thousands of characters is as
+    # many nodes deep.
+    pieces, todo = [], [trie]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            pieces.append(item)
+            continue
+        branches = [[regex.escape(c), child] for c, child in item.items() if c]
+        if "" in item:   # tried last: a longer token through this node wins
+            branches.append([])
+        parts = [part for branch in branches for part in ["|", *branch]][1:]
+        todo.extend(reversed(parts if len(branches) == 1 else ["(?:", *parts, ")"]))
+    return "".join(pieces)
 
 
 MAX_WHITESPACE_RUN = 500_000   # characters; see Tokenizer.encode

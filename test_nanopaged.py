@@ -1630,6 +1630,15 @@ def test_added_tokens_are_matched_as_hf_matches_them(tmp_path):
     assert {text: tok.encode(text) for text in cases} == cases
 
 
+def test_an_added_token_thousands_of_characters_long_is_found(tmp_path):
+    """(The trie of the added tokens, a level a character, was written out as a regex by
+    recursion: a RecursionError at load.)"""
+    long = "<" + "x" * 5000 + ">"
+    added = [{"content": "<|x|>", "id": 257}, {"content": long, "id": 258}, {"content": long[:-1], "id": 259}]
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path, added_tokens=added))
+    assert tok.encode(f"a{long}b{long[:-1]}") == [ord("a"), 258, ord("b"), 259]
+
+
 def test_normalized_added_tokens_are_a_second_search_even_without_a_normalizer(tmp_path):
     """HF finds the normalized: false added tokens first, then the normalized: true ones in
     the text between, normalized (NFC here where the tokenizer says so): a single_word
