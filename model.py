@@ -2305,6 +2305,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
                           ("tokenizer.ggml.add_space_prefix", flag, "true or false"),
                           ("tokenizer.ggml.add_bos_token", flag, "true or false"),
                           ("tokenizer.ggml.add_eos_token", flag, "true or false"),
+                          ("split.count", _is_id, "a number of files"),
                           ("tokenizer.ggml.bos_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.eos_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.tokens", lambda x: isinstance(x, list) and all(map(string, x)),
@@ -2321,6 +2322,12 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
             raise ModelError(f"{gguf_path}: GGUF metadata has no {key!r}")
         return meta[key]
 
+    # (llama.cpp's llama-gguf-split cuts a big model into files holding some of its tensors each)
+    if (parts := meta.get("split.count", 1)) > 1:
+        part = meta.get("split.no")
+        raise ModelError(f"{gguf_path}: {f'part {part + 1}' if _is_id(part) else 'one part'} of a {parts}-file "
+                         f"split GGUF (split.count {parts}): merge the parts into one file with llama.cpp's "
+                         f"`llama-gguf-split --merge FIRST_PART.gguf MERGED.gguf`, and load that")
     arch = need("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
