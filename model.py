@@ -2332,6 +2332,10 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     if arch not in GGUF_ARCHITECTURES:
         raise ModelError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    # (Mixtral's GGUF says architecture llama: its experts' count is what tells it apart)
+    if experts := meta.get(f"{arch}.expert_count"):
+        raise ModelError(f"{gguf_path}: a mixture-of-experts model ({arch}.expert_count {experts!r}) is not "
+                         f"supported")
     tokenizer_model, pre = need("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if tokenizer_model not in ("gpt2", "llama"):
         raise ModelError(f"{gguf_path}: tokenizer {tokenizer_model!r} is not supported (supported: gpt2, "

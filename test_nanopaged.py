@@ -2213,11 +2213,14 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     ({"sentencepiece": True, "bos": 1, "eos": 2, "meta": [("tokenizer.ggml.add_space_prefix", "no")]},
      "GGUF metadata 'tokenizer.ggml.add_space_prefix' is 'no', not true or false"),
     ({"meta": [("tokenizer.ggml.add_eos_token", 0)]}, "'tokenizer.ggml.add_eos_token' is 0, not true or false"),
-    # the first file of a llama.cpp split (its other tensors in the next): was a missing tensor
+    # the first file of a llama.cpp split (its other tensors in the next) and a Mixtral: were a missing or an
+    # unexpected tensor
     ({"meta": [("split.no", 0), ("split.count", 2)], "L": 2, "skip": ["blk.1.ffn_up.weight"]},
      "part 1 of a 2-file split GGUF \\(split.count 2\\): merge the parts into one file with llama.cpp's "
      "`llama-gguf-split --merge FIRST_PART.gguf MERGED.gguf`"),
     ({"meta": [("split.count", "2")]}, "GGUF metadata 'split.count' is '2', not a number of files"),
+    ({"meta": [("llama.expert_count", 4), ("llama.expert_used_count", 2)], "extra": [("blk.0.ffn_gate_inp.weight", (4, 16))]},
+     r"a mixture-of-experts model \(llama.expert_count 4\) is not supported"),
     ({"meta": [("llama.rope.scaling.type", "longrope")]}, "rope scaling 'longrope' is not supported \\(supported: "
                                                           "linear, yarn\\)"),
     ({"meta": [("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0),
