@@ -2341,6 +2341,11 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         raise ModelError(f"{gguf_path}: tokenizer {tokenizer_model!r} is not supported (supported: gpt2, "
                          f"a byte-level BPE; llama, SentencePiece's BPE)")
     sentencepiece = tokenizer_model == "llama"   # (llama.cpp's name for Llama 2's tokenizer)
+    # (a SentencePiece vocab has no pre-tokenizer: llama.cpp reads no key for it)
+    if not sentencepiece and "tokenizer.ggml.pre" not in meta:
+        raise ModelError(f"{gguf_path}: GGUF metadata has no 'tokenizer.ggml.pre', the byte-level BPE's "
+                         f"pre-tokenizer: an older conversion (llama.cpp writes the key since April 2024); "
+                         f"convert the model again with a current llama.cpp")
     if not sentencepiece and pre not in GGUF_PRE_TOKENIZERS:
         raise ModelError(f"{gguf_path}: pre-tokenizer {pre!r} is not supported "
                          f"(supported: {', '.join(GGUF_PRE_TOKENIZERS)})")

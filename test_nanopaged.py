@@ -1928,7 +1928,8 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     writes an embedding matrix longer than the vocab), random float32 weights (tied
     embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
     (`extra` maps a name to a shape, filled at random, or to the array itself);
-    `dtypes` maps a tensor's name to another numpy dtype to store it in; `meta`, more
+    `dtypes` maps a tensor's name to another numpy dtype to store it in; `pre`, the byte-level
+    BPE's pre-tokenizer (None: no tokenizer.ggml.pre key); `meta`, more
     (key, array, integer or string) metadata; `block_count`, another layer count than the L layers it holds.
     sentencepiece: the SentencePiece tokenizer of testdata/llama2_tokenizer instead, with its
     scores and no merges, as llama.cpp writes a Llama 2. arch: another architecture's keys;
@@ -1954,7 +1955,8 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     else:
         tokens = sorted(vocab, key=vocab.get) + [f"[PAD{256 + i}]" for i in range(pad)]
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(pre)
+        if pre is not None:
+            writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         if token_types is not None or pad:
             writer.add_token_types((token_types or [1] * 256) + [5] * pad)   # 5: UNUSED
@@ -2221,6 +2223,10 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     ({"meta": [("split.count", "2")]}, "GGUF metadata 'split.count' is '2', not a number of files"),
     ({"meta": [("llama.expert_count", 4), ("llama.expert_used_count", 2)], "extra": [("blk.0.ffn_gate_inp.weight", (4, 16))]},
      r"a mixture-of-experts model \(llama.expert_count 4\) is not supported"),
+    # (llama.cpp's converters wrote no pre-tokenizer before 2024: was "pre-tokenizer 'default' is not supported";
+    # a SentencePiece GGUF has none, and loads)
+    ({"pre": None}, "GGUF metadata has no 'tokenizer.ggml.pre', the byte-level BPE's pre-tokenizer: an older "
+                    "conversion .* convert the model again with a current llama.cpp"),
     ({"meta": [("llama.rope.scaling.type", "longrope")]}, "rope scaling 'longrope' is not supported \\(supported: "
                                                           "linear, yarn\\)"),
     ({"meta": [("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0),
