@@ -230,6 +230,7 @@ class ModelConfig:
         0, would otherwise fail far from here, in a shape, a division or a kernel."""
         if not isinstance(d, dict):
             raise ModelError(f"expected a JSON object, got {type(d).__name__}")
+        _check_checkpoint_kind(d)
         model_type = d.get("model_type")
         if model_type == "gemma3":   # Gemma 3 4B and larger: a vision tower and a text model
             d, model_type = _gemma3_text_config(d), "gemma3_text"
@@ -305,6 +306,18 @@ class ModelConfig:
         return cls(model_type=model_type, vocab_size=vocab_size, **fields,
                    bos_token_id=bos[0] if bos else None,
                    eos_token_id=_token_ids(d, "eos_token_id", vocab_size, default_token_id))
+
+
+def _check_checkpoint_kind(d: dict) -> None:
+    """Refuse up front a checkpoint of a family nanopaged runs that it cannot run all the
+    same: it would fail far from the cause, as a missing or misshapen tensor."""
+    # GPTQ's qweight and scales, bitsandbytes' and MLX's packed integers are no weights to read
+    for key in ("quantization_config", "quantization"):   # (transformers' key; MLX's)
+        if (q := d.get(key)) is not None:
+            method = isinstance(q, dict) and "quant_method" in q
+            what = f"quant_method {q['quant_method']!r}" if method else reprlib.repr(q)
+            raise ModelError(f"{key} ({what}) is not supported: nanopaged reads unquantized "
+                             f"float16/bfloat16/float32 checkpoints")
 
 
 def _flag(d: dict, key: str) -> bool:

@@ -1258,6 +1258,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' is 'false', expected true or false"),
     ({"attention_bias": "true"}, "'attention_bias' is 'true', expected true or false"),
     ({"mlp_bias": True}, "mlp_bias is not supported"),
+    # quantized checkpoints (GPTQ, AWQ, bitsandbytes...; MLX's): were a missing or misshapen tensor
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config \\(quant_method 'gptq'\\) "
+     "is not supported: nanopaged reads unquantized float16/bfloat16/float32 checkpoints"),
+    ({"quantization": {"group_size": 64, "bits": 4}}, r"quantization \(\{'bits': 4, 'group_size': 64\}\) is not"),
     # RoPE on part of each head: Phi-3's (Phi-4-mini), in either place transformers reads it
     # from, and no other's (transformers' Llama, Mistral, Qwen turn whole heads)
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported for llama"),
