@@ -318,6 +318,15 @@ def _check_checkpoint_kind(d: dict) -> None:
             what = f"quant_method {q['quant_method']!r}" if method else reprlib.repr(q)
             raise ModelError(f"{key} ({what}) is not supported: nanopaged reads unquantized "
                              f"float16/bfloat16/float32 checkpoints")
+    # a classifier, reward or embedding model (LlamaForSequenceClassification, Qwen3Model...)
+    # has its family's config, but no LM head to generate with. (transformers' classes with one:
+    # ...ForCausalLM, GPT2LMHeadModel, Gemma3ForConditionalGeneration around the text model)
+    names = d.get("architectures")
+    if not (names is None or isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ModelError(f"'architectures' is {reprlib.repr(names)}, expected a list of class names")
+    if names and not any(n.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for n in names):
+        raise ModelError(f"architectures {', '.join(names)} is not a causal LM (a ...ForCausalLM): "
+                         f"nanopaged generates text with a model's LM head")
 
 
 def _flag(d: dict, key: str) -> bool:

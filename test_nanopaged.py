@@ -1262,6 +1262,11 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config \\(quant_method 'gptq'\\) "
      "is not supported: nanopaged reads unquantized float16/bfloat16/float32 checkpoints"),
     ({"quantization": {"group_size": 64, "bits": 4}}, r"quantization \(\{'bits': 4, 'group_size': 64\}\) is not"),
+    # models of the family without an LM head: were "tensor 'lm_head.weight' is missing" (or ran, tied)
+    ({"architectures": ["LlamaForSequenceClassification"]}, r"architectures LlamaForSequenceClassification is not a "
+                                                             r"causal LM \(a \.\.\.ForCausalLM\)"),
+    ({"architectures": ["LlamaModel"]}, "architectures LlamaModel is not a causal LM"),
+    ({"architectures": "LlamaForCausalLM"}, "'architectures' is 'LlamaForCausalLM', expected a list of class names"),
     # RoPE on part of each head: Phi-3's (Phi-4-mini), in either place transformers reads it
     # from, and no other's (transformers' Llama, Mistral, Qwen turn whole heads)
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported for llama"),
@@ -1357,6 +1362,12 @@ def test_config_defaults_and_spellings_still_accepted():
     assert (g.intermediate_size, g.bos_token_id, g.eos_token_id) == (128, None, [])   # (50256: past its vocab)
     g = ModelConfig.from_dict(GPT2_CONFIG | {"vocab_size": 50257})
     assert (g.bos_token_id, g.eos_token_id) == (50256, [50256])   # GPT-2's <|endoftext|>, by default
+    # the causal LMs' classes, and none named
+    for names in (["LlamaForCausalLM"], ["Phi3ForCausalLM"], ["Gemma3ForCausalLM"], [], None):
+        ModelConfig.from_dict(llama_config(architectures=names))
+    ModelConfig.from_dict(GPT2_CONFIG | {"architectures": ["GPT2LMHeadModel"]})
+    ModelConfig.from_dict({"model_type": "gemma3", "text_config": llama_config(model_type="gemma3_text", head_dim=16),
+                           "architectures": ["Gemma3ForConditionalGeneration"]})
 
 
 def test_eos_ids_past_the_vocabulary_are_left_out_while_one_is_left(capsys, tmp_path):
