@@ -530,6 +530,12 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
     if partial > 1 or rotary_dim < 2 or rotary_dim % 2:
         raise ModelError(f"partial_rotary_factor {partial!r} of head_dim {head_dim} gives {rotary_dim} "
                          f"rotated dimensions: RoPE turns an even number of them, at least 2, at most head_dim")
+    # A factor without a type would scale nothing (transformers 5 reads it so, with a warning):
+    # which scaling was meant is not ours to guess.
+    if "rope_type" not in params and "type" not in params and params.get("factor") is not None:
+        key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+        raise ModelError(f"{key} has a factor ({params['factor']!r}) but no rope_type: which scaling? "
+                         f"(supported: linear, llama3, yarn, longrope)")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if model_type == "phi3" and rope_type in ("su", "yarn"):   # (Phi-3's old names for it; transformers renames them too)
         rope_type = "longrope"

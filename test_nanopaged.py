@@ -1292,6 +1292,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     # given both spellings, transformers reads rope_scaling
     ({"rope_scaling": {"type": "dynamic"}, "rope_parameters": {"rope_type": "default"}}, "rope type 'dynamic'"),
     ({"rope_scaling": {"type": "yarn"}}, "yarn rope scaling lacks 'factor'"),
+    # a factor without a type: was read as no scaling, the factor dropped without a word
+    ({"rope_scaling": {"factor": 4.0}}, r"rope_scaling has a factor \(4.0\) but no rope_type: which scaling\? "
+                                        r"\(supported: linear, llama3, yarn, longrope\)"),
+    ({"rope_parameters": {"rope_theta": 1e4, "factor": 2}}, r"rope_parameters has a factor \(2\) but no rope_type"),
     ({"rope_scaling": {"type": "yarn", "factor": 4, "truncate": "no"}}, "yarn's 'truncate' is 'no', expected true"),
     ({"rope_scaling": {"type": "yarn", "factor": 4, "beta_fast": -1}}, "'beta_fast' is -1"),
     ({"rope_scaling": {"type": "linear", "factor": 0}}, "'factor' is 0"),
