@@ -990,6 +990,10 @@ class Tokenizer:
             return self.named_templates.get(chat_template, chat_template)
         if tools is not None and "tool_use" in self.named_templates:
             return self.named_templates["tool_use"]
+        if self.chat_template is None and self.named_templates:   # (transformers refuses it too)
+            names = ", ".join(map(repr, sorted(self.named_templates)))
+            raise ValueError(f"tokenizer_config.json lists chat templates {names}, none named 'default': "
+                             f"name the one to use (chat_template=...)")
         return self.chat_template
 
 

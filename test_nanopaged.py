@@ -1846,6 +1846,18 @@ def test_chat_template_options_render_as_transformers_renders_them(tmp_path):
     assert named.apply_chat_template(hi, False, tools=tool) == 'TOOLS=[{"type": "function", "function": {"name": "f"}}] Hi'
     assert named.apply_chat_template(hi, chat_template="tool_use") == "TOOLS=null Hi"
     assert named.apply_chat_template(hi) == "Hi"
+    # named ones and no "default" (was: no template, the prompt sent raw): as in transformers, the
+    # model's template is asked for by name, or by tools
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "TOOLS {% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "rag", "template": "RAG {% for m in messages %}{{ m.content }}{% endfor %}"}]}))
+    named = load_tokenizer(tmp_path)
+    assert named.apply_chat_template(hi, chat_template="rag") == "RAG Hi"
+    assert named.apply_chat_template(hi, tools=tool) == "TOOLS Hi"
+    for conversation in (hi, "Hi"):
+        with pytest.raises(ValueError, match=r"^tokenizer_config.json lists chat templates 'rag', 'tool_use', none "
+                                             r"named 'default': name the one to use \(chat_template=\.\.\.\)$"):
+            named.apply_chat_template(conversation)
 
 
 @pytest.mark.parametrize("template, message", [
@@ -5085,6 +5097,12 @@ def test_cli_renders_the_models_chat_template(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nHello\n"))   # --chat too: once, not at every turn
     code, out, err = run_cli(capsys, "--model", str(path), "--chat")
     assert code == 2 and err == "nanopaged: error: the model's chat template failed: TemplateError: no system turn\n"
+    # named templates, none "default": said, not sent raw
+    (path / "chat_template.jinja").unlink()
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "rag", "template": "RAG"}]}))
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi")
+    assert code == 2 and err == ("nanopaged: error: tokenizer_config.json lists chat templates 'rag', none named "
+                                 "'default': name the one to use (chat_template=...)\n")
 
 
 def readme_transcripts():
