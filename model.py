@@ -248,6 +248,7 @@ class ModelConfig:
         0, would otherwise fail far from here, in a shape, a division or a kernel."""
         if not isinstance(d, dict):
             raise ModelError(f"expected a JSON object, got {type(d).__name__}")
+        _check_checkpoint_kind(d)
         model_type = d.get("model_type")
         if model_type == "gemma3":   # Gemma 3 4B and larger: a vision tower and a text model
             d, model_type = _gemma3_text_config(d), "gemma3_text"
@@ -323,6 +324,27 @@ class ModelConfig:
         return cls(model_type=model_type, vocab_size=vocab_size, **fields,
                    bos_token_id=bos[0] if bos else None,
                    eos_token_id=_token_ids(d, "eos_token_id", vocab_size, default_token_id))
+
+
+def _check_checkpoint_kind(d: dict) -> None:
+    """Refuse up front a checkpoint of a family nanopaged runs that it cannot run all the
+    same: it would fail far from the cause, as a missing or misshapen tensor."""
+    # GPTQ's qweight and scales, bitsandbytes' and MLX's packed integers are no weights to read
+    for key in ("quantization_config", "quantization"):   # (transformers' key; MLX's)
+        if (q := d.get(key)) is not None:
+            method = isinstance(q, dict) and "quant_method" in q
+            what = f"quant_method {q['quant_method']!r}" if method else reprlib.repr(q)
+            raise ModelError(f"{key} ({what}) is not supported: nanopaged reads unquantized "
+                             f"float16/bfloat16/float32 checkpoints")
+    # a classifier, reward or embedding model (LlamaForSequenceClassification, Qwen3Model...)
+    # has its family's config, but no LM head to generate with. (transformers' classes with one:
+    # ...ForCausalLM, GPT2LMHeadModel, Gemma3ForConditionalGeneration around the text model)
+    names = d.get("architectures")
+    if not (names is None or isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ModelError(f"'architectures' is {reprlib.repr(names)}, expected a list of class names")
+    if names and not any(n.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for n in names):
+        raise ModelError(f"architectures {', '.join(names)} is not a causal LM (a ...ForCausalLM): "
+                         f"nanopaged generates text with a model's LM head")
 
 
 def _flag(d: dict, key: str) -> bool:
@@ -526,6 +548,12 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
     if partial > 1 or rotary_dim < 2 or rotary_dim % 2:
         raise ModelError(f"partial_rotary_factor {partial!r} of head_dim {head_dim} gives {rotary_dim} "
                          f"rotated dimensions: RoPE turns an even number of them, at least 2, at most head_dim")
+    # A factor without a type would scale nothing (transformers 5 reads it so, with a warning):
+    # which scaling was meant is not ours to guess.
+    if "rope_type" not in params and "type" not in params and params.get("factor") is not None:
+        key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+        raise ModelError(f"{key} has a factor ({params['factor']!r}) but no rope_type: which scaling? "
+                         f"(supported: linear, llama3, yarn, longrope)")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if model_type == "phi3" and rope_type in ("su", "yarn"):   # (Phi-3's old names for it; transformers renames them too)
         rope_type = "longrope"
@@ -690,13 +718,23 @@ def _longest_first(added_tokens: list[dict]) -> str:
         for c in t["content"]:
             node = node.setdefault(c, {})
         node[""] = t   # a token ends here
-
-    def alternatives(node) -> str:
-        branches = [regex.escape(c) + alternatives(child) for c, child in node.items() if c]
-        if "" in node:   # tried last: a longer token through this node wins
-            branches.append("")
-        return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-    return alternatives(trie) if trie else "(?!)"
+    if not trie:
+        return "(?!)"
+    # Written out front to back from a stack of what is left to write (text, or a node whose
+    # alternatives go there), not by recursion: a token of thousands of characters is as
+    # many nodes deep.
+    pieces, todo = [], [trie]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            pieces.append(item)
+            continue
+        branches = [[regex.escape(c), child] for c, child in item.items() if c]
+        if "" in item:   # tried last: a longer token through this node wins
+            branches.append([])
+        parts = [part for branch in branches for part in ["|", *branch]][1:]
+        todo.extend(reversed(parts if len(branches) == 1 else ["(?:", *parts, ")"]))
+    return "".join(pieces)
 
 
 MAX_WHITESPACE_RUN = 500_000   # characters; see Tokenizer.encode
@@ -970,6 +1008,10 @@ class Tokenizer:
             return self.named_templates.get(chat_template, chat_template)
         if tools is not None and "tool_use" in self.named_templates:
             return self.named_templates["tool_use"]
+        if self.chat_template is None and self.named_templates:   # (transformers refuses it too)
+            names = ", ".join(map(repr, sorted(self.named_templates)))
+            raise ValueError(f"tokenizer_config.json lists chat templates {names}, none named 'default': "
+                             f"name the one to use (chat_template=...)")
         return self.chat_template
 
 
@@ -2316,11 +2358,16 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     except Exception as e:  # the reader raises assorted errors on a damaged file: numpy's, of a truncated one
         raise _unreadable(gguf_path, f"not a readable GGUF file, damaged or cut short (an incomplete "
                                      f"download?): {e}") from None
-    # The keys read below as strings, token ids and lists must be of that kind (a damaged or
+    # The keys read below as strings, flags, token ids and lists must be of that kind (a damaged or
     # hand-made file may hold another); the numbers of the config are ModelConfig's to check.
     string = lambda x: isinstance(x, str)  # noqa: E731
+    flag = lambda x: isinstance(x, bool)  # noqa: E731
     for key, ok, kind in (("general.architecture", string, "a string"), ("tokenizer.ggml.model", string, "a string"),
                           ("tokenizer.ggml.pre", string, "a string"), ("tokenizer.chat_template", string, "a string"),
+                          ("tokenizer.ggml.add_space_prefix", flag, "true or false"),
+                          ("tokenizer.ggml.add_bos_token", flag, "true or false"),
+                          ("tokenizer.ggml.add_eos_token", flag, "true or false"),
+                          ("split.count", _is_id, "a number of files"),
                           ("tokenizer.ggml.bos_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.eos_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.tokens", lambda x: isinstance(x, list) and all(map(string, x)),
@@ -2337,15 +2384,30 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
             raise ModelError(f"{gguf_path}: GGUF metadata has no {key!r}")
         return meta[key]
 
+    # (llama.cpp's llama-gguf-split cuts a big model into files holding some of its tensors each)
+    if (parts := meta.get("split.count", 1)) > 1:
+        part = meta.get("split.no")
+        raise ModelError(f"{gguf_path}: {f'part {part + 1}' if _is_id(part) else 'one part'} of a {parts}-file "
+                         f"split GGUF (split.count {parts}): merge the parts into one file with llama.cpp's "
+                         f"`llama-gguf-split --merge FIRST_PART.gguf MERGED.gguf`, and load that")
     arch = need("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    # (Mixtral's GGUF says architecture llama: its experts' count is what tells it apart)
+    if experts := meta.get(f"{arch}.expert_count"):
+        raise ModelError(f"{gguf_path}: a mixture-of-experts model ({arch}.expert_count {experts!r}) is not "
+                         f"supported")
     tokenizer_model, pre = need("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if tokenizer_model not in ("gpt2", "llama"):
         raise ModelError(f"{gguf_path}: tokenizer {tokenizer_model!r} is not supported (supported: gpt2, "
                          f"a byte-level BPE; llama, SentencePiece's BPE)")
     sentencepiece = tokenizer_model == "llama"   # (llama.cpp's name for Llama 2's tokenizer)
+    # (a SentencePiece vocab has no pre-tokenizer: llama.cpp reads no key for it)
+    if not sentencepiece and "tokenizer.ggml.pre" not in meta:
+        raise ModelError(f"{gguf_path}: GGUF metadata has no 'tokenizer.ggml.pre', the byte-level BPE's "
+                         f"pre-tokenizer: an older conversion (llama.cpp writes the key since April 2024); "
+                         f"convert the model again with a current llama.cpp")
     if not sentencepiece and pre not in GGUF_PRE_TOKENIZERS:
         raise ModelError(f"{gguf_path}: pre-tokenizer {pre!r} is not supported "
                          f"(supported: {', '.join(GGUF_PRE_TOKENIZERS)})")

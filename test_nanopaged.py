@@ -1302,6 +1302,15 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' is 'false', expected true or false"),
     ({"attention_bias": "true"}, "'attention_bias' is 'true', expected true or false"),
     ({"mlp_bias": True}, "mlp_bias is not supported"),
+    # quantized checkpoints (GPTQ, AWQ, bitsandbytes...; MLX's): were a missing or misshapen tensor
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config \\(quant_method 'gptq'\\) "
+     "is not supported: nanopaged reads unquantized float16/bfloat16/float32 checkpoints"),
+    ({"quantization": {"group_size": 64, "bits": 4}}, r"quantization \(\{'bits': 4, 'group_size': 64\}\) is not"),
+    # models of the family without an LM head: were "tensor 'lm_head.weight' is missing" (or ran, tied)
+    ({"architectures": ["LlamaForSequenceClassification"]}, r"architectures LlamaForSequenceClassification is not a "
+                                                             r"causal LM \(a \.\.\.ForCausalLM\)"),
+    ({"architectures": ["LlamaModel"]}, "architectures LlamaModel is not a causal LM"),
+    ({"architectures": "LlamaForCausalLM"}, "'architectures' is 'LlamaForCausalLM', expected a list of class names"),
     # RoPE on part of each head: Phi-3's (Phi-4-mini), in either place transformers reads it
     # from, and no other's (transformers' Llama, Mistral, Qwen turn whole heads)
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported for llama"),
@@ -1327,6 +1336,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     # given both spellings, transformers reads rope_scaling
     ({"rope_scaling": {"type": "dynamic"}, "rope_parameters": {"rope_type": "default"}}, "rope type 'dynamic'"),
     ({"rope_scaling": {"type": "yarn"}}, "yarn rope scaling lacks 'factor'"),
+    # a factor without a type: was read as no scaling, the factor dropped without a word
+    ({"rope_scaling": {"factor": 4.0}}, r"rope_scaling has a factor \(4.0\) but no rope_type: which scaling\? "
+                                        r"\(supported: linear, llama3, yarn, longrope\)"),
+    ({"rope_parameters": {"rope_theta": 1e4, "factor": 2}}, r"rope_parameters has a factor \(2\) but no rope_type"),
     ({"rope_scaling": {"type": "yarn", "factor": 4, "truncate": "no"}}, "yarn's 'truncate' is 'no', expected true"),
     ({"rope_scaling": {"type": "yarn", "factor": 4, "beta_fast": -1}}, "'beta_fast' is -1"),
     ({"rope_scaling": {"type": "linear", "factor": 0}}, "'factor' is 0"),
@@ -1397,6 +1410,12 @@ def test_config_defaults_and_spellings_still_accepted():
     assert (g.intermediate_size, g.bos_token_id, g.eos_token_id) == (128, None, [])   # (50256: past its vocab)
     g = ModelConfig.from_dict(GPT2_CONFIG | {"vocab_size": 50257})
     assert (g.bos_token_id, g.eos_token_id) == (50256, [50256])   # GPT-2's <|endoftext|>, by default
+    # the causal LMs' classes, and none named
+    for names in (["LlamaForCausalLM"], ["Phi3ForCausalLM"], ["Gemma3ForCausalLM"], [], None):
+        ModelConfig.from_dict(llama_config(architectures=names))
+    ModelConfig.from_dict(GPT2_CONFIG | {"architectures": ["GPT2LMHeadModel"]})
+    ModelConfig.from_dict({"model_type": "gemma3", "text_config": llama_config(model_type="gemma3_text", head_dim=16),
+                           "architectures": ["Gemma3ForConditionalGeneration"]})
 
 
 def test_eos_ids_past_the_vocabulary_are_left_out_while_one_is_left(capsys, tmp_path):
@@ -1674,6 +1693,15 @@ def test_added_tokens_are_matched_as_hf_matches_them(tmp_path):
     assert {text: tok.encode(text) for text in cases} == cases
 
 
+def test_an_added_token_thousands_of_characters_long_is_found(tmp_path):
+    """(The trie of the added tokens, a level a character, was written out as a regex by
+    recursion: a RecursionError at load.)"""
+    long = "<" + "x" * 5000 + ">"
+    added = [{"content": "<|x|>", "id": 257}, {"content": long, "id": 258}, {"content": long[:-1], "id": 259}]
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path, added_tokens=added))
+    assert tok.encode(f"a{long}b{long[:-1]}") == [ord("a"), 258, ord("b"), 259]
+
+
 def test_normalized_added_tokens_are_a_second_search_even_without_a_normalizer(tmp_path):
     """HF finds the normalized: false added tokens first, then the normalized: true ones in
     the text between, normalized (NFC here where the tokenizer says so): a single_word
@@ -1862,6 +1890,18 @@ def test_chat_template_options_render_as_transformers_renders_them(tmp_path):
     assert named.apply_chat_template(hi, False, tools=tool) == 'TOOLS=[{"type": "function", "function": {"name": "f"}}] Hi'
     assert named.apply_chat_template(hi, chat_template="tool_use") == "TOOLS=null Hi"
     assert named.apply_chat_template(hi) == "Hi"
+    # named ones and no "default" (was: no template, the prompt sent raw): as in transformers, the
+    # model's template is asked for by name, or by tools
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "TOOLS {% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "rag", "template": "RAG {% for m in messages %}{{ m.content }}{% endfor %}"}]}))
+    named = load_tokenizer(tmp_path)
+    assert named.apply_chat_template(hi, chat_template="rag") == "RAG Hi"
+    assert named.apply_chat_template(hi, tools=tool) == "TOOLS Hi"
+    for conversation in (hi, "Hi"):
+        with pytest.raises(ValueError, match=r"^tokenizer_config.json lists chat templates 'rag', 'tool_use', none "
+                                             r"named 'default': name the one to use \(chat_template=\.\.\.\)$"):
+            named.apply_chat_template(conversation)
 
 
 @pytest.mark.parametrize("template, message", [
@@ -1965,7 +2005,8 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     writes an embedding matrix longer than the vocab), random float32 weights (tied
     embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
     (`extra` maps a name to a shape, filled at random, or to the array itself);
-    `dtypes` maps a tensor's name to another numpy dtype to store it in; `meta`, more
+    `dtypes` maps a tensor's name to another numpy dtype to store it in; `pre`, the byte-level
+    BPE's pre-tokenizer (None: no tokenizer.ggml.pre key); `meta`, more
     (key, array, integer or string) metadata; `block_count`, another layer count than the L layers it holds.
     sentencepiece: the SentencePiece tokenizer of testdata/llama2_tokenizer instead, with its
     scores and no merges, as llama.cpp writes a Llama 2. arch: another architecture's keys;
@@ -1991,7 +2032,8 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     else:
         tokens = sorted(vocab, key=vocab.get) + [f"[PAD{256 + i}]" for i in range(pad)]
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(pre)
+        if pre is not None:
+            writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         if token_types is not None or pad:
             writer.add_token_types((token_types or [1] * 256) + [5] * pad)   # 5: UNUSED
@@ -2246,6 +2288,22 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     ({"meta": [("tokenizer.chat_template", ["a", "b"])]}, r"GGUF metadata 'tokenizer.chat_template' is \['a', 'b'\], "
                                                           "not a string"),
     ({"meta": [("tokenizer.ggml.bos_token_id", [1, 2])]}, "'tokenizer.ggml.bos_token_id' is .*, not a token id"),
+    # (a string or a number for a flag: was a TypeError while writing tokenizer.json, or silently true)
+    ({"sentencepiece": True, "bos": 1, "eos": 2, "meta": [("tokenizer.ggml.add_space_prefix", "no")]},
+     "GGUF metadata 'tokenizer.ggml.add_space_prefix' is 'no', not true or false"),
+    ({"meta": [("tokenizer.ggml.add_eos_token", 0)]}, "'tokenizer.ggml.add_eos_token' is 0, not true or false"),
+    # the first file of a llama.cpp split (its other tensors in the next) and a Mixtral: were a missing or an
+    # unexpected tensor
+    ({"meta": [("split.no", 0), ("split.count", 2)], "L": 2, "skip": ["blk.1.ffn_up.weight"]},
+     "part 1 of a 2-file split GGUF \\(split.count 2\\): merge the parts into one file with llama.cpp's "
+     "`llama-gguf-split --merge FIRST_PART.gguf MERGED.gguf`"),
+    ({"meta": [("split.count", "2")]}, "GGUF metadata 'split.count' is '2', not a number of files"),
+    ({"meta": [("llama.expert_count", 4), ("llama.expert_used_count", 2)], "extra": [("blk.0.ffn_gate_inp.weight", (4, 16))]},
+     r"a mixture-of-experts model \(llama.expert_count 4\) is not supported"),
+    # (llama.cpp's converters wrote no pre-tokenizer before 2024: was "pre-tokenizer 'default' is not supported";
+    # a SentencePiece GGUF has none, and loads)
+    ({"pre": None}, "GGUF metadata has no 'tokenizer.ggml.pre', the byte-level BPE's pre-tokenizer: an older "
+                    "conversion .* convert the model again with a current llama.cpp"),
     ({"meta": [("llama.rope.scaling.type", "longrope")]}, "rope scaling 'longrope' is not supported \\(supported: "
                                                           "linear, yarn\\)"),
     ({"meta": [("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0),
@@ -5124,6 +5182,12 @@ def test_cli_renders_the_models_chat_template(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nHello\n"))   # --chat too: once, not at every turn
     code, out, err = run_cli(capsys, "--model", str(path), "--chat")
     assert code == 2 and err == "nanopaged: error: the model's chat template failed: TemplateError: no system turn\n"
+    # named templates, none "default": said, not sent raw
+    (path / "chat_template.jinja").unlink()
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "rag", "template": "RAG"}]}))
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi")
+    assert code == 2 and err == ("nanopaged: error: tokenizer_config.json lists chat templates 'rag', none named "
+                                 "'default': name the one to use (chat_template=...)\n")
 
 
 def readme_transcripts():
