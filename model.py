@@ -2140,6 +2140,25 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM"}
 GGUF_PERMUTED = ("llama", "smollm3")
+# config.json's numbers: the GGUF key each is read from (after "<arch>."), and whether every
+# GGUF must hold it (the others have defaults: no GQA, head_dim = hidden_size / heads...)
+GGUF_CONFIG_KEYS = {"hidden_size": ("embedding_length", True), "intermediate_size": ("feed_forward_length", True),
+                    "num_hidden_layers": ("block_count", True), "num_attention_heads": ("attention.head_count", True),
+                    "num_key_value_heads": ("attention.head_count_kv", False),
+                    "head_dim": ("attention.key_length", False), "max_position_embeddings": ("context_length", True),
+                    "rms_norm_eps": ("attention.layer_norm_rms_epsilon", True), "rope_theta": ("rope.freq_base", False)}
+
+
+@contextlib.contextmanager
+def _in_gguf(path: Path, meta: dict, arch: str):
+    """_in_file for a GGUF's config, whose checks speak of config.json's keys: each key an
+    error names is given with the GGUF key it was read from."""
+    try:
+        yield
+    except ModelError as e:
+        read = [f"{key} from {arch}.{name}" for key, (name, _) in GGUF_CONFIG_KEYS.items()
+                if f"{arch}.{name}" in meta and re.search(rf"\b{key}\b", str(e))]
+        raise ModelError(f"{path}: {e}" + (f" ({', '.join(read)})" if read else "")) from None
 
 # GGUF's pre-tokenizer names, as the tokenizer.json pre_tokenizer each one stands for.
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
@@ -2418,15 +2437,8 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     # A GGUF writes no flag for tied embeddings (nor for biases): a missing tensor says it.
     config = {
         "architectures": [GGUF_ARCHITECTURES[arch]], "model_type": "gemma3_text" if arch == "gemma3" else arch,
-        "vocab_size": len(tokens), "hidden_size": need(f"{arch}.embedding_length"),
-        "intermediate_size": need(f"{arch}.feed_forward_length"),
-        "num_hidden_layers": need(f"{arch}.block_count"),
-        "num_attention_heads": need(f"{arch}.attention.head_count"),
-        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv"),
-        "head_dim": meta.get(f"{arch}.attention.key_length"),
-        "max_position_embeddings": need(f"{arch}.context_length"),
-        "rms_norm_eps": need(f"{arch}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": meta.get(f"{arch}.rope.freq_base"),
+        "vocab_size": len(tokens),
+        **{key: (need if needed else meta.get)(f"{arch}.{name}") for key, (name, needed) in GGUF_CONFIG_KEYS.items()},
         # (llama.cpp writes 0 for Phi-4, which has no window)
         "sliding_window": meta.get(f"{arch}.attention.sliding_window") or None if arch == "phi3" else None,
         # (only Qwen 3's: llama.cpp permutes a Llama's q/k biases too, which _unpermute does not undo)
@@ -2442,12 +2454,12 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         if (i := config[f"{role}_token_id"]) is not None and i >= len(tokens):
             raise ModelError(f"{gguf_path}: tokenizer.ggml.{role}_token_id {i} is past the vocab ({len(tokens)} tokens)")
     # A config.json's checks, before anything is computed from it; then the defaults filled in.
-    with _in_file(gguf_path):
+    with _in_gguf(gguf_path, meta, arch):
         c = ModelConfig.from_dict(config)
     if gemma:
         config |= _gguf_gemma(meta, arch, c, config["head_dim"])
     config |= _gguf_rope(gguf_path, reader, meta, arch, c)
-    with _in_file(gguf_path):
+    with _in_gguf(gguf_path, meta, arch):
         c = ModelConfig.from_dict(config)
     config |= {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                "rms_norm_eps": _f32(c.norm_eps), "rope_theta": _f32(c.rope_theta)}

@@ -2275,12 +2275,14 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     ({"bos": 256}, "tokenizer.ggml.bos_token_id 256 is past the vocab \\(256 tokens\\)"),
     ({"add_bos": True}, "tokenizer.ggml.add_bos_token is set but there is no tokenizer.ggml.bos_token_id"),
     ({"eos": 1000}, "tokenizer.ggml.eos_token_id 1000 is past the vocab"),
-    ({"H": 0, "KVH": 0}, "'num_attention_heads' is 0"),
-    ({"C": 12, "KVH": 4}, r"head_dim 3 is odd.*hidden_size 12 // num_attention_heads 4"),
+    # (config.json's checks: the keys they name are given with the GGUF keys they were read from)
+    ({"H": 0, "KVH": 0}, r"'num_attention_heads' is 0, .* \(num_attention_heads from llama.attention.head_count\)$"),
+    ({"C": 12, "KVH": 4}, r"head_dim 3 is odd.*hidden_size 12 // num_attention_heads 4\) \(hidden_size from "
+                          r"llama.embedding_length, num_attention_heads from llama.attention.head_count\)$"),
     ({"extra": [("blk.0.attn_q.bias", (16,))]}, "unexpected tensor 'blk.0.attn_q.bias'"),
     ({"extra": [("blk.1.ffn_up.weight", (32, 16))]}, "unexpected tensor 'blk.1.ffn_up.weight'"),
     ({"skip": ["blk.0.ffn_up.weight"]}, "tensor 'blk.0.ffn_up.weight' is missing"),
-    ({"I": 0}, "'intermediate_size' is 0"),
+    ({"I": 0}, "'intermediate_size' is 0, .* \\(intermediate_size from llama.feed_forward_length\\)$"),
     ({"token_types": [1] * 10}, "tokenizer.ggml.token_type has 10 entries for 256 tokens"),
     ({"dtypes": {"blk.0.ffn_up.weight": np.float64}}, "tensor 'blk.0.ffn_up.weight' is stored as F64, "
                                                       "which the gguf package cannot dequantize"),
