@@ -2374,9 +2374,9 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     try:
         reader = gguf.GGUFReader(gguf_path)
         meta = {name: f.contents() for name, f in reader.fields.items()}
-    except Exception as e:  # the reader raises assorted errors on a damaged file: numpy's, of a truncated one
-        raise _unreadable(gguf_path, f"not a readable GGUF file, damaged or cut short (an incomplete "
-                                     f"download?): {e}") from None
+    except Exception as e:  # the reader raises assorted errors, numpy's for a file cut short
+        raise _unreadable(gguf_path, f"not a readable GGUF file ({e}): damaged, cut short (an incomplete "
+                                     f"download?), or newer than the gguf package reads") from None
     # The keys read below as strings, flags, token ids and lists must be of that kind (a damaged or
     # hand-made file may hold another); the numbers of the config are ModelConfig's to check.
     string = lambda x: isinstance(x, str)  # noqa: E731
