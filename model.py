@@ -1939,6 +1939,8 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
     config = config or ModelConfig.from_json(model_dir / "config.json")
     arch = ARCHITECTURES[config.model_type]
     where = None if dummy else _tensor_files(model_dir)
+    if where and config.tie_word_embeddings and arch is not GPT2:   # (GPT-2's head is always its wte)
+        config = _untie_if_distinct(model_dir, where, config)
     check_size(model_dir, config, arch, dtype, device, stored=None if dummy else len(where),
                max_model_len=max_model_len)
     shapes = arch.checkpoint_shapes(config)
@@ -2085,6 +2087,28 @@ def _read_safetensors(model_dir: Path, where: dict[str, Path], shapes: dict, dty
                 except SafetensorError as e:
                     raise ModelError(f"{path}: cannot read tensor {stored!r} ({e})") from None
     return hf
+
+
+def _untie_if_distinct(model_dir: Path, where: dict[str, Path], config: ModelConfig) -> ModelConfig:
+    """transformers' rule for a config that ties the LM head to the embeddings while the
+    checkpoint holds an lm_head.weight of other values (a fine-tune saved with the wrong
+    flag): the head is not tied, the checkpoint's own is used, and that is said. (A copy of
+    the embeddings, as some checkpoints save, changes nothing. vLLM ties it all the same,
+    leaving the checkpoint's head out; the tests' reference is transformers.)"""
+    head = _checkpoint_name("lm_head.weight", where)
+    embed = _checkpoint_name("model.embed_tokens.weight", where)
+    if head is None or embed is None:
+        return config   # (a missing embedding is _read_safetensors' to name)
+    with _open_safetensors(where[head]) as f, _open_safetensors(where[embed]) as g:
+        try:   # (memory-mapped: compared without a copy in memory)
+            same = torch.equal(f.get_tensor(head), g.get_tensor(embed))
+        except (SafetensorError, RuntimeError):
+            same = False   # (another shape or dtype: _read_safetensors checks the untied head)
+    if same:
+        return config
+    print(f"nanopaged: note: {model_dir}: config.json ties the LM head to the embeddings (tie_word_embeddings), "
+          f"but the checkpoint's {head} differs from them: it is used, untied, as transformers does", file=sys.stderr)
+    return replace(config, tie_word_embeddings=False)
 
 
 def _checkpoint_name(name: str, where: dict) -> str | None:

@@ -845,7 +845,7 @@ class LLM:
         self.model = load_model(model_dir, dtype=dtype, device=device, dummy=(load_format == "dummy"),
                                 max_model_len=self.max_model_len, config=cfg)
         self.tokenizer = load_tokenizer(model_dir, cfg)
-        self.config = cfg
+        self.config = self.model.config   # (cfg, but for an LM head the checkpoint unties)
 
         # The KV cache: sized by a block count, or by a memory budget in bytes.
         self.bytes_per_block = BlockPool.bytes_per_block(cfg.num_hidden_layers, block_size,

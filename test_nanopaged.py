@@ -1019,6 +1019,26 @@ def test_missing_directory_and_files(tmp_path):
         load_tokenizer(tmp_path)
 
 
+def test_a_tied_config_with_a_distinct_lm_head_unties_it_as_transformers_does(tmp_path, capsys):
+    """config.json says tie_word_embeddings, but the checkpoint's lm_head.weight holds other
+    values: transformers 5 unties the head and uses the checkpoint's (with a warning), and so
+    does nanopaged, with a note; a head that equals the embeddings stays tied, silently."""
+    c = llama_config(tied=True)
+    w = llama_tensors(c)
+    w["lm_head.weight"] = torch.randn_like(w["model.embed_tokens.weight"])
+    net = load_model(write_checkpoint(tmp_path / "distinct", c, w))
+    assert not net.config.tie_word_embeddings and torch.equal(net.lm_head.weight, w["lm_head.weight"])
+    assert capsys.readouterr().err == (f"nanopaged: note: {tmp_path / 'distinct'}: config.json ties the LM head to the "
+                                       "embeddings (tie_word_embeddings), but the checkpoint's lm_head.weight differs "
+                                       "from them: it is used, untied, as transformers does\n")
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    untied = forward_all(net, ids)
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()   # a saved copy: tied, as the config says
+    net = load_model(write_checkpoint(tmp_path / "copy", c, w))
+    assert net.config.tie_word_embeddings and net.lm_head is None and capsys.readouterr().err == ""
+    assert not torch.allclose(forward_all(net, ids), untied)
+
+
 def test_paths_that_cannot_be_looked_at_are_named(tmp_path):
     """A path the OS will not look up (here a name over 255 bytes; a directory without
     permission alike, which root's tests cannot make) is named with the OS's reason, not a
