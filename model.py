@@ -329,22 +329,28 @@ class ModelConfig:
 def _check_checkpoint_kind(d: dict) -> None:
     """Refuse up front a checkpoint of a family nanopaged runs that it cannot run all the
     same: it would fail far from the cause, as a missing or misshapen tensor."""
-    # GPTQ's qweight and scales, bitsandbytes' and MLX's packed integers are no weights to read
-    for key in ("quantization_config", "quantization"):   # (transformers' key; MLX's)
-        if (q := d.get(key)) is not None:
-            method = isinstance(q, dict) and "quant_method" in q
-            what = f"quant_method {q['quant_method']!r}" if method else reprlib.repr(q)
-            raise ModelError(f"{key} ({what}) is not supported: nanopaged reads unquantized "
-                             f"float16/bfloat16/float32 checkpoints")
-    # a classifier, reward or embedding model (LlamaForSequenceClassification, Qwen3Model...)
-    # has its family's config, but no LM head to generate with. (transformers' classes with one:
-    # ...ForCausalLM, GPT2LMHeadModel, Gemma3ForConditionalGeneration around the text model)
+    # GPTQ's qweight and scales, AWQ's, bitsandbytes' packed integers are no weights to read;
+    # nor are MLX's (its "quantization" always packs them). compressed-tensors with no
+    # config_groups only describes a sparsity: its weights are dense floats, and load.
+    q = d.get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") is not None and not (
+            q["quant_method"] == "compressed-tensors" and not q.get("config_groups")):
+        raise ModelError(f"quantization_config (quant_method {q['quant_method']!r}) is not supported: "
+                         f"nanopaged reads unquantized float16/bfloat16/float32 checkpoints")
+    if d.get("quantization") is not None:
+        raise ModelError(f"quantization ({reprlib.repr(d['quantization'])}, MLX's) is not supported: "
+                         f"nanopaged reads unquantized float16/bfloat16/float32 checkpoints")
+    # A classifier or reward model (LlamaForSequenceClassification...) has its family's config
+    # and weights, but a head that scores instead of one that predicts the next token. (A base
+    # model saved without its head, GPT2Model or LlamaModel, is read: its head is tied.)
     names = d.get("architectures")
     if not (names is None or isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise ModelError(f"'architectures' is {reprlib.repr(names)}, expected a list of class names")
-    if names and not any(n.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for n in names):
-        raise ModelError(f"architectures {', '.join(names)} is not a causal LM (a ...ForCausalLM): "
-                         f"nanopaged generates text with a model's LM head")
+    scorers = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForRewardModel",
+               "ForProcessRewardModel")
+    if names and all(n.endswith(scorers) for n in names):
+        raise ModelError(f"architectures {', '.join(map(repr, names))}: not a causal LM, its head scores "
+                         f"instead of predicting the next token")
 
 
 def _flag(d: dict, key: str) -> bool:

@@ -1325,11 +1325,13 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     # quantized checkpoints (GPTQ, AWQ, bitsandbytes...; MLX's): were a missing or misshapen tensor
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config \\(quant_method 'gptq'\\) "
      "is not supported: nanopaged reads unquantized float16/bfloat16/float32 checkpoints"),
-    ({"quantization": {"group_size": 64, "bits": 4}}, r"quantization \(\{'bits': 4, 'group_size': 64\}\) is not"),
-    # models of the family without an LM head: were "tensor 'lm_head.weight' is missing" (or ran, tied)
-    ({"architectures": ["LlamaForSequenceClassification"]}, r"architectures LlamaForSequenceClassification is not a "
-                                                             r"causal LM \(a \.\.\.ForCausalLM\)"),
-    ({"architectures": ["LlamaModel"]}, "architectures LlamaModel is not a causal LM"),
+    ({"quantization": {"group_size": 64, "bits": 4}}, r"quantization \(\{'bits': 4, 'group_size': 64\}, MLX's\) is not"),
+    ({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {}}}},
+     "quantization_config \\(quant_method 'compressed-tensors'\\) is not supported"),
+    # models of the family with a scoring head: were "tensor 'lm_head.weight' is missing" (or ran, tied)
+    ({"architectures": ["LlamaForSequenceClassification"]}, r"architectures 'LlamaForSequenceClassification': not a "
+                                                             r"causal LM, its head scores instead of predicting"),
+    ({"architectures": ["Qwen2ForRewardModel"]}, "architectures 'Qwen2ForRewardModel': not a causal LM"),
     ({"architectures": "LlamaForCausalLM"}, "'architectures' is 'LlamaForCausalLM', expected a list of class names"),
     # RoPE on part of each head: Phi-3's (Phi-4-mini), in either place transformers reads it
     # from, and no other's (transformers' Llama, Mistral, Qwen turn whole heads)
@@ -1430,10 +1432,14 @@ def test_config_defaults_and_spellings_still_accepted():
     assert (g.intermediate_size, g.bos_token_id, g.eos_token_id) == (128, None, [])   # (50256: past its vocab)
     g = ModelConfig.from_dict(GPT2_CONFIG | {"vocab_size": 50257})
     assert (g.bos_token_id, g.eos_token_id) == (50256, [50256])   # GPT-2's <|endoftext|>, by default
-    # the causal LMs' classes, and none named
-    for names in (["LlamaForCausalLM"], ["Phi3ForCausalLM"], ["Gemma3ForCausalLM"], [], None):
+    # the causal LMs' classes, base models saved without their head (it is tied), and none named
+    for names in (["LlamaForCausalLM"], ["Phi3ForCausalLM"], ["Gemma3ForCausalLM"], ["LlamaModel"], [], None):
         ModelConfig.from_dict(llama_config(architectures=names))
-    ModelConfig.from_dict(GPT2_CONFIG | {"architectures": ["GPT2LMHeadModel"]})
+    for names in (["GPT2LMHeadModel"], ["GPT2Model"]):
+        ModelConfig.from_dict(GPT2_CONFIG | {"architectures": names})
+    # quantization settings whose weights are floats all the same: none, and a sparsity only
+    for q in (None, {}, {"quant_method": "compressed-tensors", "config_groups": {}, "sparsity_config": {}}):
+        ModelConfig.from_dict(llama_config(quantization_config=q))
     ModelConfig.from_dict({"model_type": "gemma3", "text_config": llama_config(model_type="gemma3_text", head_dim=16),
                            "architectures": ["Gemma3ForConditionalGeneration"]})
 
