@@ -1005,6 +1005,11 @@ class Tokenizer:
             text = text[:end] if text.startswith(CONTINUE_MARK, end) else text[:end].rstrip()
         return text
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model has a chat template of its own: a default one, or named ones."""
+        return self.chat_template is not None or bool(self.named_templates)
+
     def _pick_template(self, chat_template: str | None, tools) -> str | None:
         """HF's choice: a template given, or the name of one of the model's named templates;
         else the model's "tool_use" template when there are tools, else its default one."""

@@ -1529,8 +1529,8 @@ class LLM:
         # as vLLM merges them: chat_template_kwargs may also set the named options
         options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, tools=tools) | (chat_template_kwargs or {})
-        if (self.tokenizer.chat_template is None and not self.tokenizer.named_templates
-                and options["chat_template"] is None):   # (a string would pass unrendered)
+        # (refused, rather than a string message passed on unrendered)
+        if not self.tokenizer.has_chat_template and options["chat_template"] is None:
             raise ValueError("this model has no chat template: give chat() one (chat_template=...) "
                              "or generate() a plain prompt")
         batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
@@ -2140,7 +2140,10 @@ def main(argv=None) -> int:
         except ValueError as e:   # (the flag's name, not the argument's)
             raise ValueError(str(e).replace("max_model_len = ", "--max-model-len ", 1)) from None
         tok = llm.get_tokenizer()
-        chat = (tok.chat_template is not None or bool(tok.named_templates)) and not args.raw
+        chat = tok.has_chat_template and not args.raw
+        if chat and tok.chat_template is None:   # (the CLI has no flag to name one)
+            raise ValueError(f"the model's chat templates are all named ({', '.join(sorted(tok.named_templates))}), "
+                             f"none 'default', which the CLI renders with: --raw sends the prompt as it is")
         if args.chat and not chat:
             raise ValueError("--chat needs the model's chat template: this model has none")
         if args.system is not None and not chat:

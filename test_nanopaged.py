@@ -5210,12 +5210,14 @@ def test_cli_renders_the_models_chat_template(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nHello\n"))   # --chat too: once, not at every turn
     code, out, err = run_cli(capsys, "--model", str(path), "--chat")
     assert code == 2 and err == "nanopaged: error: the model's chat template failed: TemplateError: no system turn\n"
-    # named templates, none "default": said, not sent raw
+    # named templates, none "default": said, with the CLI's way out, not sent raw
     (path / "chat_template.jinja").unlink()
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "rag", "template": "RAG"}]}))
     code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi")
-    assert code == 2 and err == ("nanopaged: error: tokenizer_config.json lists chat templates 'rag', none named "
-                                 "'default': name the one to use (chat_template=...)\n")
+    assert code == 2 and err == ("nanopaged: error: the model's chat templates are all named (rag), none 'default', "
+                                 "which the CLI renders with: --raw sends the prompt as it is\n")
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--raw", "--max-tokens", "1")
+    assert code == 0
 
 
 def readme_transcripts():
