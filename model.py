@@ -710,7 +710,17 @@ def _added_search(added_tokens: list[dict]) -> tuple:
     for t in added_tokens:
         table.setdefault(t["content"], (t["id"], bool(t.get("lstrip")), bool(t.get("rstrip")),
                                         bool(t.get("single_word"))))
-    return regex.compile(_longest_first(added_tokens)), table
+    pattern = _longest_first(added_tokens)
+    # The regex module parses nested groups by recursion, some 6 Python frames a level: a chain
+    # of 170 added tokens, each the start of the next (runs of spaces, say), would pass
+    # Python's limit of 1,000 frames. So the limit grows with the groups while it parses.
+    # (Python frames only, which take no C stack since Python 3.11.)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit + 10 * pattern.count("(?:"))
+    try:
+        return regex.compile(pattern), table
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def _longest_first(added_tokens: list[dict]) -> str:
@@ -726,21 +736,20 @@ def _longest_first(added_tokens: list[dict]) -> str:
         node[""] = t   # a token ends here
     if not trie:
         return "(?!)"
-    # Written out front to back from a stack of what is left to write (text, or a node whose
-    # alternatives go there), not by recursion: a token of thousands of characters is as
-    # many nodes deep.
-    pieces, todo = [], [trie]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, str):
-            pieces.append(item)
-            continue
-        branches = [[regex.escape(c), child] for c, child in item.items() if c]
-        if "" in item:   # tried last: a longer token through this node wins
-            branches.append([])
-        parts = [part for branch in branches for part in ["|", *branch]][1:]
-        todo.extend(reversed(parts if len(branches) == 1 else ["(?:", *parts, ")"]))
-    return "".join(pieces)
+    # Each node's regex is its children's, so children are written first: the nodes listed
+    # parents first, then written in reverse. (Not by recursion: a token of thousands of
+    # characters is as many nodes deep.)
+    nodes, stack = [], [trie]
+    while stack:
+        nodes.append(node := stack.pop())
+        stack.extend(child for c, child in node.items() if c)
+    written = {}   # id(node) -> the regex of the tokens through it
+    for node in reversed(nodes):
+        branches = [regex.escape(c) + written[id(child)] for c, child in node.items() if c]
+        if "" in node:   # tried last: a longer token through this node wins
+            branches.append("")
+        written[id(node)] = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+    return written[id(trie)]
 
 
 MAX_WHITESPACE_RUN = 500_000   # characters; see Tokenizer.encode
@@ -1165,8 +1174,12 @@ def bpe_tokenizer(name: str, pattern: str, ranks: dict[bytes, int], special: dic
     missing = [bytes([b]) for b in range(256) if bytes([b]) not in ranks]
     dropped_from = max([*ranks.values(), *special.values()]) + 1 if missing else None
     ranks = ranks | {b: dropped_from + n for n, b in enumerate(missing)}
-    encoding = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks,
-                                 special_tokens=special)
+    try:
+        encoding = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+    except ValueError as e:   # (its Rust regex of the added tokens has a size limit: 100 tokens of 1,000
+        # characters pass it, 300 do not)
+        raise ModelError(f"the {len(special)} added tokens ({sum(map(len, special)):,} characters in all) are "
+                         f"too many for tiktoken to search for: {e}") from None
     return Tokenizer(encoding, dropped_from=dropped_from, pattern=pattern, **kwargs)
 
 

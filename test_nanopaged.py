@@ -1726,6 +1726,16 @@ def test_an_added_token_thousands_of_characters_long_is_found(tmp_path):
     added = [{"content": "<|x|>", "id": 257}, {"content": long, "id": 258}, {"content": long[:-1], "id": 259}]
     tok = load_tokenizer(tiny_tokenizer_dir(tmp_path, added_tokens=added))
     assert tok.encode(f"a{long}b{long[:-1]}") == [ord("a"), 258, ord("b"), 259]
+    # 400 tokens, each the start of the next (runs of spaces): the regex nests 400 groups deep,
+    # which the regex module parses by recursion (was a RecursionError from 170 on)
+    chain = [{"content": " " * n, "id": 256 + n} for n in range(1, 401)]
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path / "chain", added_tokens=chain))
+    assert tok.encode("a" + " " * 450 + "b") == [ord("a"), 256 + 400, 256 + 50, ord("b")]
+    # and added tokens past the size tiktoken's Rust regex holds: named, not its ValueError
+    many = [{"content": f"<{i}>" + "y" * 1000, "id": 257 + i} for i in range(300)]
+    with pytest.raises(ModelError, match=r"the 300 added tokens \(301,\d+ characters in all\) are too many for "
+                                         r"tiktoken to search for"):
+        load_tokenizer(tiny_tokenizer_dir(tmp_path / "many", added_tokens=many))
 
 
 def test_normalized_added_tokens_are_a_second_search_even_without_a_normalizer(tmp_path):
