@@ -31,6 +31,7 @@ import os
 import re
 import reprlib
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -1924,6 +1925,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NANOPAGED_CACHE") or Path.home() / ".cache" / "nanopaged")
 
 
+def _kind(path: Path) -> int | None:
+    """The path's file type (stat's st_mode), or None where there is nothing. A path that
+    may not be looked at (a directory without permission, too long a name) is an error
+    naming why: pathlib's is_file() would say False, or raise, by Python version."""
+    try:
+        return path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise ModelError(f"{e.filename or path}: cannot be read ({e.strerror})") from None
+
+
+def _is_regular(path: Path) -> bool:
+    return (mode := _kind(path)) is not None and stat.S_ISREG(mode)
+
+
+def _is_dir(path: Path) -> bool:
+    return (mode := _kind(path)) is not None and stat.S_ISDIR(mode)
+
+
 def resolve_model_dir(model=None) -> Path:
     """The HF-layout directory of `model`: a directory as given; a .gguf file, or None for
     the embedded default SmolLM2, converted once into the cache (see GGUF below)."""
@@ -1932,11 +1953,8 @@ def resolve_model_dir(model=None) -> Path:
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise ModelError(f"model must be a path (a directory or a .gguf file), got {model!r}")
     path = Path(model).expanduser()
-    try:   # (False for a missing path, but an error for one that may not be looked at, or too long a name)
-        is_file, is_dir = path.is_file(), path.is_dir()
-        has_config = is_dir and (path / "config.json").is_file()
-    except OSError as e:
-        raise ModelError(f"{e.filename or path}: cannot be read ({e.strerror})") from None
+    is_file, is_dir = _is_regular(path), _is_dir(path)
+    has_config = is_dir and _is_regular(path / "config.json")
     if path.suffix == ".gguf":
         if not is_file:
             raise ModelError(f"{path}: GGUF file not found")
@@ -1981,9 +1999,9 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
 
 
 def _open_safetensors(path: Path):
+    if not _is_regular(path):   # (safe_open would wait forever on a FIFO)
+        raise ModelError(f"{path}: " + ("file not found" if _kind(path) is None else "not a regular file"))
     try:
-        if not path.is_file():   # (safe_open would wait forever on a FIFO)
-            raise ModelError(f"{path}: " + ("not a regular file" if path.exists() else "file not found"))
         path.open("rb").close()  # (safe_open says "file not found" of a file it may not read)
     except OSError as e:
         raise ModelError(f"{path}: cannot be read ({e.strerror})") from None

@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -1056,10 +1057,17 @@ def test_paths_that_cannot_be_looked_at_are_named(tmp_path):
     with pytest.raises(ModelError, match=f"shards/{long}: cannot be read \\(File name too long\\)$"):
         load_model(path)
     path = write_checkpoint(tmp_path / "fifo", c, llama_tensors(c))
-    (path / "model.safetensors").unlink()
-    os.mkfifo(path / "model.safetensors")
+    fifo = path / "model.safetensors"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    # (opened for reading, the FIFO would hang the test: a writer waits to end that with an EOF)
+    writer = threading.Thread(target=lambda: open(fifo, "wb").close(), daemon=True)
+    writer.start()
     with pytest.raises(ModelError, match="fifo/model.safetensors: not a regular file$"):
         load_model(path)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)   # the writer let go (held until it has)
+    writer.join()
+    os.close(reader)
 
 
 def test_git_lfs_pointers_are_named_as_such(tmp_path, own_cache):
