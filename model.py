@@ -2142,10 +2142,10 @@ def _untie_if_distinct(model_dir: Path, where: dict[str, Path], config: ModelCon
     if head is None or embed is None:
         return config   # (a missing embedding is _read_safetensors' to name)
     with _open_safetensors(where[head]) as f, _open_safetensors(where[embed]) as g:
-        try:   # (memory-mapped: compared without a copy in memory)
+        try:   # (memory-mapped: compared without a copy in memory; another shape is unequal)
             same = torch.equal(f.get_tensor(head), g.get_tensor(embed))
-        except (SafetensorError, RuntimeError):
-            same = False   # (another shape or dtype: _read_safetensors checks the untied head)
+        except SafetensorError:
+            same = False   # (a damaged tensor: _read_safetensors names it)
     if same:
         return config
     print(f"nanopaged: note: {model_dir}: config.json ties the LM head to the embeddings (tie_word_embeddings), "
@@ -2216,15 +2216,16 @@ GGUF_CONFIG_KEYS = {"hidden_size": ("embedding_length", True), "intermediate_siz
 
 
 @contextlib.contextmanager
-def _in_gguf(path: Path, meta: dict, arch: str):
-    """_in_file for a GGUF's config, whose checks speak of config.json's keys: each key an
-    error names is given with the GGUF key it was read from."""
+def _gguf_keys_named(meta: dict, arch: str):
+    """A GGUF's config is checked as a config.json, whose keys the errors name: each one
+    named is given with the GGUF key it was read from."""
     try:
         yield
     except ModelError as e:
         read = [f"{key} from {arch}.{name}" for key, (name, _) in GGUF_CONFIG_KEYS.items()
                 if f"{arch}.{name}" in meta and re.search(rf"\b{key}\b", str(e))]
-        raise ModelError(f"{path}: {e}" + (f" ({', '.join(read)})" if read else "")) from None
+        raise ModelError(f"{e}" + (f" ({', '.join(read)})" if read else "")) from None
+
 
 # GGUF's pre-tokenizer names, as the tokenizer.json pre_tokenizer each one stands for.
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
@@ -2452,7 +2453,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
                           ("tokenizer.ggml.add_space_prefix", flag, "true or false"),
                           ("tokenizer.ggml.add_bos_token", flag, "true or false"),
                           ("tokenizer.ggml.add_eos_token", flag, "true or false"),
-                          ("split.count", _is_id, "a number of files"),
+                          ("split.count", _is_id, "a number of files"),   # (_is_id: an int >= 0)
                           ("tokenizer.ggml.bos_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.eos_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.tokens", lambda x: isinstance(x, list) and all(map(string, x)),
@@ -2472,9 +2473,10 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     # (llama.cpp's llama-gguf-split cuts a big model into files holding some of its tensors each)
     if (parts := meta.get("split.count", 1)) > 1:
         part = meta.get("split.no")
-        raise ModelError(f"{gguf_path}: {f'part {part + 1}' if _is_id(part) else 'one part'} of a {parts}-file "
-                         f"split GGUF (split.count {parts}): merge the parts into one file with llama.cpp's "
-                         f"`llama-gguf-split --merge FIRST_PART.gguf MERGED.gguf`, and load that")
+        which = f"part {part + 1}" if _is_id(part) else "one part"
+        raise ModelError(f"{gguf_path}: {which} of a {parts}-file split GGUF (split.count {parts}): merge the "
+                         f"parts into one file with llama.cpp's `llama-gguf-split --merge FIRST_PART.gguf "
+                         f"MERGED.gguf`, and load that")
     arch = need("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
@@ -2483,13 +2485,13 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     if experts := meta.get(f"{arch}.expert_count"):
         raise ModelError(f"{gguf_path}: a mixture-of-experts model ({arch}.expert_count {experts!r}) is not "
                          f"supported")
-    tokenizer_model, pre = need("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    tokenizer_model, pre = need("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
     if tokenizer_model not in ("gpt2", "llama"):
         raise ModelError(f"{gguf_path}: tokenizer {tokenizer_model!r} is not supported (supported: gpt2, "
                          f"a byte-level BPE; llama, SentencePiece's BPE)")
     sentencepiece = tokenizer_model == "llama"   # (llama.cpp's name for Llama 2's tokenizer)
     # (a SentencePiece vocab has no pre-tokenizer: llama.cpp reads no key for it)
-    if not sentencepiece and "tokenizer.ggml.pre" not in meta:
+    if not sentencepiece and pre is None:
         raise ModelError(f"{gguf_path}: GGUF metadata has no 'tokenizer.ggml.pre', the byte-level BPE's "
                          f"pre-tokenizer: an older conversion (llama.cpp writes the key since April 2024); "
                          f"convert the model again with a current llama.cpp")
@@ -2504,7 +2506,6 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     config = {
         "architectures": [GGUF_ARCHITECTURES[arch]], "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "vocab_size": len(tokens),
-        **{key: (need if needed else meta.get)(f"{arch}.{name}") for key, (name, needed) in GGUF_CONFIG_KEYS.items()},
         # (llama.cpp writes 0 for Phi-4, which has no window)
         "sliding_window": meta.get(f"{arch}.attention.sliding_window") or None if arch == "phi3" else None,
         # (only Qwen 3's: llama.cpp permutes a Llama's q/k biases too, which _unpermute does not undo)
@@ -2512,6 +2513,8 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
+    for key, (name, required) in GGUF_CONFIG_KEYS.items():
+        config[key] = need(f"{arch}.{name}") if required else meta.get(f"{arch}.{name}")
     if gemma:   # (its window and the layers it covers: _gguf_gemma, below; the family's default till then)
         del config["sliding_window"]
     else:
@@ -2520,12 +2523,12 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         if (i := config[f"{role}_token_id"]) is not None and i >= len(tokens):
             raise ModelError(f"{gguf_path}: tokenizer.ggml.{role}_token_id {i} is past the vocab ({len(tokens)} tokens)")
     # A config.json's checks, before anything is computed from it; then the defaults filled in.
-    with _in_gguf(gguf_path, meta, arch):
+    with _in_file(gguf_path), _gguf_keys_named(meta, arch):
         c = ModelConfig.from_dict(config)
     if gemma:
         config |= _gguf_gemma(meta, arch, c, config["head_dim"])
     config |= _gguf_rope(gguf_path, reader, meta, arch, c)
-    with _in_gguf(gguf_path, meta, arch):
+    with _in_file(gguf_path), _gguf_keys_named(meta, arch):
         c = ModelConfig.from_dict(config)
     config |= {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                "rms_norm_eps": _f32(c.norm_eps), "rope_theta": _f32(c.rope_theta)}

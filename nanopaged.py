@@ -319,9 +319,10 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
 
 def copy_blocks(src_caches, dst_caches, pairs):
     """Copy whole blocks: block s of each source cache onto block d of its twin in dst_caches,
-    for each (s, d) in pairs. Copy-on-write's copies stay in one pool (src_caches is
-    dst_caches: every layer's k and v caches); swapping's go between two (swap_blocks). Each
-    cache's blocks are gathered on the source's device and moved in one copy."""
+    for each (s, d) in pairs (block ids); each cache (num_blocks, block_size, KVH, D), one
+    layer's k or v. Copy-on-write's copies stay in one pool (src_caches is dst_caches: every
+    layer's k and v caches); swapping's go between two (swap_blocks). Each cache's blocks are
+    gathered on the source's device and moved in one copy."""
     if not pairs:
         return
     src = torch.tensor([s for s, _ in pairs], device=src_caches[0].device)

@@ -2368,6 +2368,15 @@ def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, capsys, kwargs, messa
     assert not list(own_cache.iterdir())  # nothing converted, no temporary directory left
 
 
+def test_a_whole_dense_gguf_loads_whatever_its_split_and_expert_counts_say(tmp_path, own_cache):
+    """The refusals of split and mixture-of-experts GGUFs look at the counts, not the keys:
+    llama-gguf-split --merge writes split.count 0, a lone file may say 1, and dense models'
+    converters often write expert_count 0."""
+    for meta in ([("split.count", 0)], [("split.count", 1), ("split.no", 0)], [("llama.expert_count", 0)]):
+        path = write_gguf(tmp_path / f"{meta[0][0]}{meta[0][1]}.gguf", meta=meta)
+        assert load_model(path).config.num_hidden_layers == 1
+
+
 def test_a_gguf_whose_tokenizer_cannot_be_used_is_named_and_not_cached(tmp_path, own_cache):
     path = write_gguf(tmp_path / "bad.gguf", merges=["a b"])   # "ab" is no token of its vocab
     with pytest.raises(ModelError, match=r"bad.gguf: its tokenizer cannot be used: converted tokenizer.json: "
@@ -5178,8 +5187,8 @@ def test_cli_says_which_longrope_factors_it_takes(tmp_path, capsys):
 
 
 def test_cli_does_not_take_the_generation_configs_advice(tmp_path, capsys):
-    """The CLI samples as its flags say (greedy by default), never as generation_config.json
-    advises: advice that SamplingParams refuses (top_p 0) does not stop it."""
+    """The CLI samples as its flags say (greedy by default): advice in generation_config.json
+    that SamplingParams refuses (top_p 0) does not stop it."""
     path = tiny_tokenizer_dir(tmp_path / "m")
     config = llama_config() | {"vocab_size": 258}
     write_checkpoint(path, config, llama_tensors(config))
