@@ -6341,3 +6341,460 @@ def test_gguf_numbers_come_back_as_written_and_required_keys_are_required(tmp_pa
     monkeypatch.setattr(gguf.GGUFWriter, "add_context_length", lambda self, n: None)
     with pytest.raises(ModelError, match="GGUF metadata has no 'llama.context_length'"):
         load_model(write_gguf(tmp_path / "noctx.gguf"))
+
+
+# -----------------------------------------------------------------------------
+# From a mutation-testing pass over build_ext.py's Python side and binding, swapping,
+# abort and the command line: each test catches a slip that no other test caught.
+
+
+def test_swap_blocks_copies_each_layers_k_and_v_into_the_same_layer_and_kind():
+    """swap_blocks copies whole blocks (src, dst) from one pool to the other in every layer:
+    layer l's K blocks into layer l's K cache, its V blocks into its V cache, other blocks
+    untouched, and an empty list copies nothing. (A swap out and back in through the same
+    slip would undo it, so the engine's tokens cannot tell.) Catches: swap_blocks pairing
+    the source's K caches with the destination's V caches."""
+    gpu, cpu = BlockPool(4, 2, 2, 1, 2), BlockPool(3, 2, 2, 1, 2)
+    for i, cache in enumerate((*gpu.k_cache, *gpu.v_cache)):
+        cache.copy_(torch.arange(cache.numel(), dtype=torch.float32).view_as(cache) + 100 * i)
+    for cache in (*cpu.k_cache, *cpu.v_cache):
+        cache.fill_(-1)
+    nanopaged_module.swap_blocks(gpu, cpu, [(3, 0), (1, 2)])
+    nanopaged_module.swap_blocks(gpu, cpu, [])
+    for src, dst in zip((*gpu.k_cache, *gpu.v_cache), (*cpu.k_cache, *cpu.v_cache)):
+        assert torch.equal(dst[0], src[3]) and torch.equal(dst[2], src[1]) and (dst[1] == -1).all()
+    nanopaged_module.swap_blocks(cpu, gpu, [(2, 0)])   # and back, into another block
+    for cache in (*gpu.k_cache, *gpu.v_cache):
+        assert torch.equal(cache[0], cache[1])
+
+
+def test_first_error_picks_the_compilers_error_line_else_the_last_line():
+    """A build log's one-line reason: the compiler's "file:line: error: ..." line, even where
+    an earlier line has the word Error in it (torch's "Error building extension"); without
+    any, the last non-blank line; at most 300 characters; "no output" for an empty log.
+    Catches: the two patterns tried in the other order; the first line taken instead of the
+    last."""
+    log = ("Error building extension 'nanopaged_kernels_emulated'\n"
+           "kernels.cu:7:3: warning: unused variable\n"
+           "kernels.cu:9:1: error: expected ';' before '}' token\n"
+           "ninja: build stopped: subcommand failed.\n")
+    assert build_ext.first_error(log) == "kernels.cu:9:1: error: expected ';' before '}' token"
+    assert build_ext.first_error("  step one\n\nthe last line  \n\n") == "the last line"
+    assert build_ext.first_error("x" * 400) == "x" * 300
+    assert build_ext.first_error(" \n") == "no output"
+
+
+def test_find_cuda_home_takes_the_first_directory_with_nvcc_and_the_headers(tmp_path, monkeypatch):
+    """$CUDA_HOME comes before $CUDA_PATH, and a directory without include/cuda_runtime.h
+    (nvcc alone) is passed over. Catches: the headers' check dropped; $CUDA_PATH tried first."""
+    def toolkit(name, headers=True):
+        home = tmp_path / name
+        (home / "bin").mkdir(parents=True)
+        (home / "bin" / "nvcc").touch()
+        if headers:
+            (home / "include").mkdir()
+            (home / "include" / "cuda_runtime.h").touch()
+        return str(home)
+    monkeypatch.setenv("CUDA_HOME", toolkit("home"))
+    monkeypatch.setenv("CUDA_PATH", toolkit("path"))
+    assert build_ext.find_cuda_home() == str(tmp_path / "home")
+    monkeypatch.setenv("CUDA_HOME", toolkit("nvcc_only", headers=False))
+    assert build_ext.find_cuda_home() == str(tmp_path / "path")
+
+
+def test_gencode_flags_and_the_build_directory(tmp_path, monkeypatch):
+    """nvcc compiles machine code (code=sm_XX, not PTX) for exactly the archs given; the build
+    cache is $NANOPAGED_CACHE/kernels, else ~/.cache/nanopaged/kernels. Catches: code=compute_XX
+    (PTX only: ptxas reports nothing); the kernels/ folder dropped from the cache path."""
+    assert build_ext.gencode_flags(("80", "90")) == ["-gencode=arch=compute_80,code=sm_80",
+                                                     "-gencode=arch=compute_90,code=sm_90"]
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path))
+    assert build_ext.build_dir() == tmp_path / "kernels"
+    monkeypatch.delenv("NANOPAGED_CACHE")
+    assert build_ext.build_dir() == Path.home() / ".cache" / "nanopaged" / "kernels"
+
+
+def test_write_if_changed_rewrites_only_a_changed_source(tmp_path):
+    """A generated source is written when new or different, and left alone (its mtime, which
+    the build cache goes by) when the same. Catches: an existing file never rewritten (a
+    changed binding would build stale)."""
+    import os
+    path = tmp_path / "binding.cpp"
+    build_ext.write_if_changed(path, "one")
+    assert path.read_text() == "one"
+    build_ext.write_if_changed(path, "two")
+    assert path.read_text() == "two"
+    os.utime(path, (1, 1))
+    build_ext.write_if_changed(path, "two")
+    assert path.stat().st_mtime == 1
+
+
+def test_emulated_source_rewrites_launches_and_keeps_line_numbers():
+    """emulated_source: the emulator, then `#line 1 "<file>"` and the source with each
+    kernel<<<...>>>(args) turned into emu::launch(kernel, ...)(args), so the compiler's
+    errors name the .cu file's own lines; a launch it cannot rewrite (split over lines) is
+    refused as KernelsUnavailable, not compiled wrong. Catches: `#line 2`; the launch count
+    check dropped; a plain ValueError for it."""
+    source = "int a;\nk<float, 4><<<grid, 128, 0, stream>>>(x, y);\nk2<<<1, 32>>>(z);\n"
+    out = build_ext.emulated_source(source, "probe.cu")
+    assert out == (build_ext.EMULATOR + '\n#line 1 "probe.cu"\n' + "int a;\n"
+                   "emu::launch(k<float, 4>, grid, 128, 0, stream)(x, y);\nemu::launch(k2, 1, 32)(z);\n")
+    with pytest.raises(build_ext.KernelsUnavailable, match=r"launch in probe.cu is not of the form"):
+        build_ext.emulated_source("k<<<grid,\n 128>>>(x);\n", "probe.cu")
+
+
+PTXAS_LOG = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_ZN12_GLOBAL__N_115write_kv_kernelEv' for 'sm_80'
+ptxas info    : Function properties for _ZN12_GLOBAL__N_115write_kv_kernelEv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 24 registers, 400 bytes cmem[0]
+ptxas info    : Compiling entry function '_ZN12_GLOBAL__N_122paged_attention_kernelIfEEvv' for 'sm_90'
+ptxas info    : Function properties for _ZN12_GLOBAL__N_122paged_attention_kernelIfEEvv
+    32 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 2304 bytes smem, 400 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas_reads_registers_smem_stack_and_spills():
+    """One row per (kernel, arch) from nvcc -Xptxas -v: registers, shared memory (0 where
+    ptxas prints none), stack, spill stores and loads; names demangled, without the anonymous
+    namespace and the argument list, bf16/fp16 for the CUDA type names. Catches: smem always
+    0; spill stores read as 0; the anonymous namespace kept; the type names left long."""
+    rows = build_ext.parse_ptxas(PTXAS_LOG)
+    assert rows == [
+        dict(kernel="write_kv_kernel", arch="sm_80", regs=24, smem=0, stack=0, spill_st=0, spill_ld=0),
+        dict(kernel="paged_attention_kernel<float>", arch="sm_90", regs=128, smem=2304, stack=32, spill_st=8,
+             spill_ld=4)]
+    assert build_ext.demangle(["void (anonymous namespace)::paged_attention_kernel<__nv_bfloat16, __half>"
+                               "(PagedAttentionArgs, int (*)(int))"]) == ["paged_attention_kernel<bf16, fp16>"]
+
+
+def test_check_fails_on_spill_loads_alone(monkeypatch, capsys):
+    """--check reports a kernel that spills, loads or stores alike, and fails (status 1)
+    before the binding's check. Catches: only spill stores counted."""
+    log = PTXAS_LOG.replace("8 bytes spill stores", "0 bytes spill stores")
+    monkeypatch.setattr(build_ext, "find_cuda_home", lambda: "/nowhere")
+    real_run = subprocess.run
+    monkeypatch.setattr(build_ext.subprocess, "run", lambda cmd, **kw: (
+        subprocess.CompletedProcess(cmd, 0, stdout="", stderr=log) if cmd[0].endswith("nvcc") else real_run(cmd, **kw)))
+    monkeypatch.setattr(build_ext, "check_binding", lambda home, archs: "skipped")
+    assert build_ext.check(("80", "90")) == 1
+    out, err = capsys.readouterr()
+    assert "register spills in paged_attention_kernel<float> (sm_90)" in err and "C++ binding" not in out
+
+
+def test_load_kernels_builds_once_and_keeps_the_reason(monkeypatch):
+    """load_kernels tries a build once per mode and remembers the outcome: None and the
+    build's own one-line reason. Catches: the reason replaced by a generic one."""
+    calls = []
+
+    def build(emulate):
+        calls.append(emulate)
+        raise build_ext.KernelsUnavailable("nvcc not found: set CUDA_HOME to a CUDA toolkit")
+    monkeypatch.setattr(build_ext, "_loaded", {})
+    monkeypatch.setattr(build_ext, "_build", build)
+    assert build_ext.load_kernels() is None and build_ext.load_kernels() is None
+    assert build_ext.unavailable_reason() == "nvcc not found: set CUDA_HOME to a CUDA toolkit"
+    assert calls == [False]
+
+
+def test_emulated_describe_plan_reports_the_launch_shape(emulated_ops):
+    """describe_plan's fields as plan_paged_attention cuts a call (forced partitions): a decode
+    step with a GQA group of 4 (32 heads, 8 kv heads) takes 4 rows per CTA, the group's 4 heads,
+    one token, a grid of (tokens, kv heads, partitions); a prefill with a group of 2 fills its
+    8 rows with 4 tokens of 2 heads ((20 + 2 x 3) // 4 = 6 tiles); a group of 16 takes 2 CTAs per
+    kv head. Catches: heads_per_cta or tokens_per_cta reported as rows_per_cta; grid.y without
+    the kv heads."""
+    plan = emulated_ops.describe_plan
+    assert plan(3, 3, 32, 8, 1, 100, partition_size=50) == dict(
+        rows_per_cta=4, heads_per_cta=4, tokens_per_cta=1, grid=(3, 8, 2), partition_size=50)
+    assert plan(20, 2, 16, 8, 10, 100, partition_size=25) == dict(
+        rows_per_cta=8, heads_per_cta=2, tokens_per_cta=4, grid=(6, 8, 4), partition_size=25)
+    assert plan(5, 5, 32, 2, 1, 64, partition_size=64) == dict(
+        rows_per_cta=8, heads_per_cta=8, tokens_per_cta=1, grid=(5, 4, 1), partition_size=64)
+
+
+EMULATOR_PROBE_2 = r"""
+#include <cstdio>
+// Lane 0 exits before any lane of its warp reaches the shuffle (so no lane waits there yet,
+// and the check at its exit sees nothing): the shuffle itself must refuse a 31-lane warp.
+__global__ void shuffle_after_lane_0_exits(float* out) {
+  if (threadIdx.x == 0) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
+}
+// Thread 0 writes shared memory that thread 126 reads, with no __syncthreads between.
+__global__ void race(float* out) {
+  __shared__ float s;
+  if (threadIdx.x == 0) s = blockIdx.x + 1.f;
+  if (threadIdx.x == 126) out[blockIdx.x] = s;
+}
+// Thread 0 exits while the others wait at __syncthreads (in CTA 1, which runs its threads in
+// reverse, it exits last): as on a GPU, the barrier then lets them go.
+__global__ void exit_while_others_wait(float* out) {
+  if (threadIdx.x == 0) return;
+  __syncthreads();
+  out[threadIdx.x] = blockIdx.x;
+}
+int main() {
+  float out[128];
+  exit_while_others_wait<<<2, 128>>>(out);
+  printf("%s: %g\n", cudaGetErrorString(cudaGetLastError()), out[127]);
+  shuffle_after_lane_0_exits<<<1, 32>>>(out);
+  printf("%s\n", cudaGetErrorString(cudaGetLastError()));
+  race<<<2, 128>>>(out);  // CTA 1 runs all its threads in reverse: 126 reads before 0 writes
+  printf("%g %g\n", out[0], out[1]);
+}
+"""
+
+
+@needs_toolkit
+def test_emulator_lets_a_barrier_go_on_exit_refuses_a_short_warps_shuffle_and_reverses_whole_ctas(tmp_path):
+    """The emulator: a thread that exits while the rest of its CTA waits at __syncthreads
+    releases them (no deadlock); a full-warp shuffle in a warp whose lane 0 has exited is an error (that
+    lane exited before any other waited, so only the shuffle's own check sees it); an odd CTA
+    runs every one of its threads in reverse order, not only the first (thread 126 reads before
+    thread 0 writes). Catches: leave() not releasing a barrier that its last live thread
+    left; the shuffle's `b.live != kWarp` check dropped; next_runnable
+    stepping forward (`after + i`) in a reversed CTA."""
+    src = tmp_path / "probe.cpp"
+    src.write_text(build_ext.emulated_source(EMULATOR_PROBE_2, "probe.cu"))
+    include = Path(build_ext.find_cuda_home()) / "include"
+    subprocess.run(["g++", "-std=c++17", "-O0", f"-I{include}", str(src), "-o", str(tmp_path / "probe")],
+                   check=True, capture_output=True, timeout=120)
+    lines = subprocess.run([tmp_path / "probe"], capture_output=True, text=True, timeout=60).stdout.splitlines()
+    assert lines[0] == "no error: 1"
+    assert "a full-warp shuffle needs all 32 lanes live" in lines[1]
+    assert lines[2] == "1 1", "thread 126 of CTA 1 should run before thread 0 and read CTA 0's value"
+
+
+def test_describe_kv_cache_counts_the_swap_spaces_blocks(tmp_path):
+    """With preemption_mode="swap", describe_kv_cache names the swap space's size in blocks:
+    swap_space GiB over the bytes of a block (4 layers x 2 x 4 tokens x 2 kv heads x 64 dims x
+    4 bytes = 16 KiB: 1 MiB holds 64). Catches: the count printed off by one."""
+    llm = LLM(tiny_llama_dir(tmp_path), device="cpu", dtype="float32", load_format="dummy", num_blocks=8,
+              block_size=4, preemption_mode="swap", swap_space=1 / 1024)
+    assert llm.bytes_per_block == 16384 and llm.swap_pool.num_blocks == 64
+    assert "; swap space: 64 blocks in CPU memory; attention backend: torch" in llm.describe_kv_cache()
+
+
+def test_an_abort_cut_short_after_stopping_the_request_is_reported_by_the_next_step(llm, monkeypatch):
+    """abort() stops the request, then builds its output: a Ctrl-C between the two (here in
+    _request_output) loses nothing, even for a request that never ran a step (so no step
+    marked it to be reported): abort() marked it, and the next step() returns it, finished
+    by the abort, with nothing left queued. Catches: abort() not marking the request in
+    _to_report (it would stay in has_unfinished_requests for good)."""
+    rid = llm.add_request("Hello there", greedy(8))
+    real, calls = LLM._request_output, []
+
+    def interrupted_once(self, request_id):
+        calls.append(request_id)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, request_id)
+    monkeypatch.setattr(LLM, "_request_output", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        llm.abort(rid)
+    outs = llm.step()
+    assert [o.request_id for o in outs] == [rid] and outs[0].outputs[0].finish_reason == "abort"
+    assert outs[0].outputs[0].token_ids == []
+    assert_nothing_leaked(llm)
+
+
+def test_emulated_paged_attention_refuses_shapes_and_layouts_the_kernel_cannot_read(emulated_ops):
+    """The binding's checks that check_bad_input leaves out, each with its own message (the
+    kernel would read the wrong bytes, or fault, instead): a head count that is not a multiple
+    of the kv heads; a cache whose head_dim is not q's; a block_size that is not a power of two;
+    a k_cache view at an offset that is not 16-byte aligned; q's tokens not 16 bytes apart.
+    Catches: each of those five checks dropped from the binding."""
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(CASES["varlen-bf16-d64-bs16-g1"], "cpu")
+    T, H, D = q.shape
+    nb, bs, kvh, _ = k_cache.shape
+    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, seq_lens=seq_lens,
+                query_start_loc=qsl, scale=0.125, max_query_len=129, max_seq_len=1328)
+    wide = torch.zeros(nb, bs, kvh, 2 * D, dtype=q.dtype)
+    odd = torch.zeros(nb * 2, 12, kvh, D, dtype=q.dtype)
+    shifted = torch.zeros(k_cache.numel() + 1, dtype=q.dtype)[1:].view(k_cache.shape)
+    strided = torch.zeros(T * (H * D + 1), dtype=q.dtype).as_strided((T, H, D), (H * D + 1, D, 1))
+    for message, change in [("q has 6 heads, not a positive multiple of the 4 kv heads",
+                             dict(q=torch.zeros(T, 6, D, dtype=q.dtype))),
+                            ("dimension 3 should be 64", dict(k_cache=wide, v_cache=wide)),
+                            ("must be a power of two, got 12", dict(k_cache=odd, v_cache=odd)),
+                            ("k_cache must start at a 16-byte aligned address", dict(k_cache=shifted)),
+                            ("q's tokens must start 16 bytes apart", dict(q=strided))]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            emulated_ops.paged_attention(**{**args, **change})
+
+
+def test_emulated_write_kv_and_copy_blocks_refuse_what_they_cannot_copy(emulated_ops):
+    """write_kv refuses k with other kv heads than the cache, v shaped unlike k, a slot_mapping
+    of another length than k, and rows that are not a multiple of 16 bytes; copy_blocks
+    refuses a cache that is not contiguous and blocks that are not a multiple of 16 bytes
+    (the kernels copy 16-byte vectors). Each by name, where the kernel would copy the wrong
+    bytes. Catches: each of those six checks dropped from the binding."""
+    kvh, D = 3, 64
+    k_cache, v_cache = torch.zeros(8, 4, kvh, D), torch.zeros(8, 4, kvh, D)
+    qkv = torch.randn(5, 6 + 2 * kvh, D)
+    k, v, slots = qkv[:, 6:6 + kvh], qkv[:, 6 + kvh:], torch.arange(5)
+    for message, (k_, v_, slots_) in [("dimension 1 should be 3", (qkv[:, 6:8], qkv[:, 9:11], slots)),
+                                      ("v has shape", (k, qkv[:, 6 + kvh:7 + kvh], slots)),
+                                      ("slot_mapping has shape [6]", (k, v, torch.arange(6)))]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            emulated_ops.write_kv(k_, v_, k_cache, v_cache, slots_)
+    small_cache = torch.zeros(8, 4, 1, 4, dtype=torch.float16)
+    small = torch.zeros(1, 1, 4, dtype=torch.float16)   # (one token: no stride between tokens to refuse first)
+    with pytest.raises(ValueError, match=r"a token's k row \(8 bytes\) must be a multiple of 16 bytes"):
+        emulated_ops.write_kv(small, small.clone(), small_cache, small_cache.clone(), torch.arange(1))
+    pairs = torch.tensor([[0, 1]])
+    with pytest.raises(ValueError, match="cache must be a contiguous"):
+        emulated_ops.copy_blocks(torch.zeros(4, 8, 2, 64).transpose(0, 1), pairs)
+    with pytest.raises(ValueError, match=r"a cache block \(4 bytes\) must be a multiple of 16 bytes"):
+        emulated_ops.copy_blocks(torch.zeros(8, 1, 1, 2, dtype=torch.float16), pairs)
+
+
+def test_abort_writes_its_trace_lines_before_it_returns(llm):
+    """With the block trace on, abort() writes what it did (the sequence finished by the
+    abort, the blocks it releases) before it returns, not at some later step, which may
+    never come. Catches: abort() not flushing the trace."""
+    rid = llm.add_request("Hello there", greedy(8))
+    llm.step()
+    lines = []
+    llm.enable_trace(emit=lines.append)
+    try:
+        llm.abort(rid)
+        written = list(lines)
+    finally:
+        llm.disable_trace()
+    assert any(re.fullmatch(r"  seq \S+ finished \(abort\): releases blocks \[\d+(, \d+)*\]", line)
+               for line in written), written
+    assert_nothing_leaked(llm)
+
+
+def test_generate_failing_after_a_step_finished_its_request_raises_that_error_and_leaves_nothing(llm):
+    """A step finishes the request, then raises (here the block trace's emitter fails as the
+    step's lines are written): generate() raises that error, and forgets the finished request
+    without aborting it (the scheduler no longer knows it). Catches: _drop_all aborting every
+    request, finished ones too (the scheduler refuses the unknown id: a ValueError in place of
+    the error, and the requests left behind)."""
+    def emit(line):
+        if " finished (" in line:
+            raise BrokenPipeError("the reader has gone")
+    llm.enable_trace(emit=emit)
+    try:
+        with pytest.raises(BrokenPipeError):
+            llm.generate("Hello there", greedy(2))
+    finally:
+        llm.disable_trace()
+    assert_nothing_leaked(llm)
+
+
+def test_an_aborted_stream_ends_with_the_character_it_had_cut_short(tmp_path):
+    """A stream aborted while the last token left a UTF-8 character unfinished (byte-level
+    tokens: each 0xE2 starts a 3-byte character that the next 0xE2 breaks): the stream's
+    last piece is that character as U+FFFD, so its pieces add up to abort()'s text. Catches:
+    the stream's held text yielded without flushing the UTF-8 decoder (final=True)."""
+    llm = LLM(tiny_llama_dir(tmp_path), device="cpu", dtype="float32", load_format="dummy", num_blocks=16,
+              block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=[0xE2])
+    pieces, aborted = [], None
+    for piece in llm.stream([65, 66, 67], params):
+        pieces.append(piece)
+        if piece and aborted is None:
+            aborted = llm.abort(llm._open_stream).outputs[0]
+    assert aborted.token_ids == [0xE2, 0xE2] and aborted.text == "\ufffd\ufffd"
+    assert "".join(pieces) == aborted.text and pieces[-1] == "\ufffd"
+    assert_nothing_leaked(llm)
+
+
+def test_stats_count_the_swaps_apart_from_all_preemptions(tmp_path):
+    """--stats' preemptions line gives all preemptions and, apart, those by swapping: each
+    step copies the scheduler's two counters (here 3 preemptions, 1 of them a swap), and the
+    summary prints "3 (1 by swapping to CPU memory)". Catches: _record_usage copying
+    num_preemptions into swapped_out; the summary printing the preemptions as the swaps."""
+    llm = LLM(tiny_llama_dir(tmp_path), device="cpu", dtype="float32", load_format="dummy", num_blocks=16,
+              block_size=4, preemption_mode="swap", swap_space=1 / 1024)
+    llm.scheduler.num_preemptions, llm.scheduler.num_swapped_out = 3, 1
+    llm._record_usage()
+    assert (llm.stats.preemptions, llm.stats.swapped_out) == (3, 1)
+    summary = llm.stats.summary(llm.pool.num_blocks).splitlines()
+    assert re.fullmatch(r"preemptions +3 \(1 by swapping to CPU memory\)", summary[-1])
+
+
+def test_cli_refuses_a_prompt_of_spaces(capsys):
+    """A --prompt of spaces only is empty too: one line, status 2, before any model loads.
+    Catches: only "" counted as an empty prompt."""
+    code, out, err = run_cli(capsys, "--prompt", "   ")
+    assert code == 2 and err == "nanopaged: error: a --prompt is empty\n" and not out
+
+
+def test_cli_passes_preemption_mode_and_no_prefix_caching_to_the_engine(capsys, smollm2_dir):
+    """--preemption-mode swap gives the engine its swap space (4 GiB of CPU blocks, in the KV
+    line --stats prints), and --no-prefix-caching turns the prefix cache off: two equal
+    prompts run in one step share nothing (0 % hits), where by default the second finds
+    the first's blocks. Catches: either flag not passed on to LLM()."""
+    argv = ("--model", str(smollm2_dir), "--prompt", GOLDEN[1]["user_text"], "--prompt", GOLDEN[1]["user_text"],
+            "--max-tokens", "1", "--stats")
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0 and "swap space" not in err
+    assert float(re.search(r"prefix-cache hit rate +([\d.]+) %", err)[1]) > 0
+    code, out, err = run_cli(capsys, *argv, "--preemption-mode", "swap", "--no-prefix-caching")
+    assert code == 0 and re.search(r"; swap space: \d+ blocks in CPU memory; ", err)
+    assert float(re.search(r"prefix-cache hit rate +([\d.]+) %", err)[1]) == 0
+
+
+def test_cli_labels_samples_and_takes_top_k_minus_one_as_off(capsys, smollm2_dir):
+    """With --n 2 every sample is labelled by its index, the first too ([prompt 0, sample 0]);
+    --top-k -1 (all tokens, as 0) is not among the flags greedy decoding says it ignores.
+    Catches: the label keyed on the sample's index (> 0) rather than on --n; --top-k -1
+    counted as given."""
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "2",
+                             "--n", "2", "--top-k", "-1")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 2
+    assert lines[0].startswith("[prompt 0, sample 0] ") and lines[1].startswith("[prompt 0, sample 1] ")
+    assert err == "nanopaged: note: at --temperature 0 (greedy), --n 2 gives 2 identical samples\n"
+
+
+def test_cli_ignore_eos_runs_the_beams_past_eos(capsys, smollm2_dir):
+    """--beam-width with --ignore-eos: the beams run on past the end-of-sequence token to
+    --max-tokens (the answer to the capital of France ends after 8 tokens; 10 asked), so all
+    finish by length. Catches: --ignore-eos not passed to BeamSearchParams."""
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", GOLDEN[0]["user_text"],
+                             "--beam-width", "2", "--max-tokens", "10", "--ignore-eos")
+    beams = re.findall(r"^\[prompt 0, beam (\d)\] .*?  \((\w+), cumulative logprob -[\d.]+\)$", out, re.S | re.M)
+    assert code == 0 and beams == [("0", "length"), ("1", "length")]
+
+
+def test_cli_prints_an_empty_logprobs_table_for_a_sample_that_failed_at_once(llm, smollm2_dir, monkeypatch, capsys):
+    """--logprobs gives every sample its table: an empty one (cumulative logprob 0) for a
+    sample whose logits broke before its first token, then the error line and status 1.
+    Catches: the table printed only for a non-empty logprobs list (`if c.logprobs:`)."""
+    def nan_logits(self, input_ids, positions, attn, logits_indices=None):
+        return torch.full((len(logits_indices), self.config.vocab_size), float("nan"))
+    monkeypatch.setattr(type(llm.model), "forward", nan_logits)
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "hi", "--logprobs", "1")
+    assert code == 1 and out.splitlines() == ["[prompt 0]   (error)", "  cumulative logprob 0.000"]
+    assert err.startswith("nanopaged: error: ") and "not finite" in err
+
+
+def test_a_swapped_in_sequence_offers_only_blocks_it_holds():
+    """b (window 5, blocks of 2) has its first block dropped when it is swapped out; swapped
+    back in, it offers this step's other sequences its full blocks from the first it holds
+    on, never a dropped entry (block id -1, which update() would then look up and cache).
+    Catches: _swap_in offering from len(hits) instead of num_dropped + len(hits)."""
+    sched = make_sched(num_blocks=5, block_size=2, max_num_batched_tokens=16, swap_pool=tiny_pool(100, 2),
+                       sliding_window=5)
+    kv, offered, schedule = SimulatedKV(sched), [], sched.schedule
+
+    def schedule_and_look():
+        out = schedule()
+        if out.swap_in:
+            offered.append((out.swapped_in[0].block_table.num_dropped, dict(sched.in_flight)))
+        return out
+    sched.schedule = schedule_and_look
+    sched.add("a", [34, 23, 40], SamplingParams(max_tokens=7, ignore_eos=True))
+    run_step(sched, kv=kv)
+    sched.add("b", [20, 45, 28, 15, 32, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    run_all(sched, kv=kv)
+    assert offered and offered[0][0] > 0
+    assert all(block != BlockTable.DROPPED for _, in_flight in offered for block, _ in in_flight.values())
