@@ -485,9 +485,8 @@ class Scheduler:
             swapped = bool(self.swapped) and (not self.waiting or self.swapped[0].order < self.waiting[0].order)
             seq = self.swapped[0] if swapped else self.waiting[0]
             if swapped:   # (its computed tokens are in the swap space, or still here: hits)
-                # What slid out of its window while it was away is dropped first: nothing to
-                # copy back, and nothing freed may be offered to this step (in_flight)
-                self._slide(seq)
+                # (Nothing of it slid out of its window while it was away: step 0 slid it just
+                # before step 1 swapped it out, and it has computed nothing since.)
                 hits, skip = self._still_cached(seq), 0
                 done = seq.num_computed_tokens
             else:   # (under a sliding window, the blocks before its window are not taken)
@@ -550,15 +549,14 @@ class Scheduler:
         """Sliding window: free seq's blocks before the window of its next query (at position
         num_computed_tokens: it sees from num_computed_tokens - window + 1 on). No later query
         looks further back. A long request then holds about (window + its step's chunk) /
-        block_size blocks, however long it grows. Called for the running sequences, and for a
-        swapped one before anything of it is copied back (a waiting one starts with the blocks
-        before its window dropped: _adopt_cached_prefix)."""
+        block_size blocks, however long it grows. Called for the running sequences (a swapped
+        one was slid before it went; a waiting one starts with the blocks before its window
+        dropped: _adopt_cached_prefix)."""
         if self.sliding_window is None:
             return
         dropped = seq.block_table.drop_before(self._first_visible(seq.num_computed_tokens))
         if dropped:
-            where = "CPU blocks" if seq.block_table.pool is self.swap_pool else "blocks"
-            self.pool.say(f"{seq}: {where} {dropped} slid out of the window of {self.sliding_window} tokens: freed")
+            self.pool.say(f"{seq}: blocks {dropped} slid out of the window of {self.sliding_window} tokens: freed")
 
     def _first_visible(self, num_computed: int) -> int:
         """The first position the query at position num_computed sees (0 without a window)."""

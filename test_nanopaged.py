@@ -2826,6 +2826,10 @@ def run_step(sched, check=True, token=fake_token, kv=None, fail=None):
         assert len(out.seqs) <= sched.max_num_seqs and len(sched.running) <= sched.max_num_seqs
         assert all(n >= 1 for n in out.num_tokens)
         assert [len(s) for s in out.slots] == out.num_tokens
+        if sched.sliding_window is not None:   # none of the step's holds a block wholly before its window
+            for s in out.seqs:                 # (a swapped-in one included: it was slid before it went)
+                first = max(s.num_computed_tokens - sched.sliding_window + 1, 0)
+                assert s.block_table.num_dropped >= first // sched.block_size, s
     if kv is not None and fail != "before":
         kv.run(out)
     if fail:
@@ -2953,10 +2957,10 @@ def test_swap_in_adopts_blocks_still_cached_and_caches_the_ones_it_copies():
 
 
 def test_a_swapped_sequence_drops_what_slid_out_before_it_comes_back():
-    """b is swapped out, then swapped back after a has grown: the blocks that slid out of its
-    window meanwhile are dropped before anything is copied back or offered to the step's
-    other sequences, so c, with b's prompt, adopts only blocks that hold b's tokens. (They
-    were offered once: a freed block went on to hold other K/V under b's prefix hash.)"""
+    """b is swapped out, then swapped back after a has grown: what slid out of its window was
+    dropped before it went (nothing slides while it is away), so nothing freed is copied back
+    or offered to the step's other sequences, and c, with b's prompt, adopts only blocks that
+    hold b's tokens. (A freed block offered went on to hold other K/V under b's prefix hash.)"""
     sched = make_sched(num_blocks=5, block_size=2, max_num_batched_tokens=16, swap_pool=tiny_pool(100, 2),
                        sliding_window=5)
     kv = SimulatedKV(sched)
