@@ -2297,6 +2297,12 @@ def convert_gguf(gguf_path: Path) -> Path:
         except ModelError as e:   # ("converted tokenizer.json: ...", not a temporary path)
             why = str(e).replace(f"{tmp}{os.sep}", "converted ")
             raise ModelError(f"{gguf_path}: its tokenizer cannot be used: {why}") from None
+        # mkdtemp makes the directory 0700 and safetensors writes 0600: given the modes of
+        # anything else the user creates (the umask's), a cache shared by users serves them all
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in (tmp, *tmp.iterdir()):
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
         try:
             tmp.rename(out)
         except OSError:

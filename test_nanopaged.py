@@ -2420,6 +2420,19 @@ def test_a_conversion_that_cannot_be_written_is_named_and_leaves_nothing(tmp_pat
     assert load_model(path)   # once there is room
 
 
+def test_a_converted_gguf_has_the_modes_the_umask_gives(tmp_path, own_cache):
+    """The converted model is readable by whoever the umask lets read what the user creates
+    (a cache shared by users): not mkdtemp's 0700 directory and safetensors' 0600 weights."""
+    umask = os.umask(0o022)
+    try:
+        out = resolve_model_dir(write_gguf(tmp_path / "m.gguf"))
+    finally:
+        os.umask(umask)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755)
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()} == dict.fromkeys(
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"], oct(0o644))
+
+
 def test_unwritable_cache_directory(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "file" / "cache"))
