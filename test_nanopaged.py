@@ -5441,17 +5441,22 @@ int main() {
 """
 
 
+def run_emulator_probe(tmp_path, cuda_source: str) -> list[str]:
+    """Build a small CUDA program on the emulator with g++ and run it: its output lines."""
+    src = tmp_path / "probe.cpp"
+    src.write_text(build_ext.emulated_source(cuda_source, "probe.cu"))
+    include = Path(build_ext.find_cuda_home()) / "include"
+    subprocess.run(["g++", "-std=c++17", "-O1", f"-I{include}", str(src), "-o", str(tmp_path / "probe")],
+                   check=True, capture_output=True, timeout=120)
+    return subprocess.run([tmp_path / "probe"], capture_output=True, text=True, timeout=60).stdout.splitlines()
+
+
 @needs_toolkit
 def test_emulator_barriers_shuffles_and_misuse(tmp_path):
     """The emulator itself: barriers, shuffles and shared memory give CUDA's answers; a
     shuffle with an exited lane, a deadlock or a misaligned load is an error, not garbage
     or a hang; and a missing __syncthreads gives a wrong answer."""
-    src = tmp_path / "probe.cpp"
-    src.write_text(build_ext.emulated_source(EMULATOR_PROBE, "probe.cu"))
-    include = Path(build_ext.find_cuda_home()) / "include"
-    subprocess.run(["g++", "-std=c++17", "-O1", f"-I{include}", str(src), "-o", str(tmp_path / "probe")],
-                   check=True, capture_output=True, timeout=120)
-    lines = subprocess.run([tmp_path / "probe"], capture_output=True, text=True, timeout=60).stdout.splitlines()
+    lines = run_emulator_probe(tmp_path, EMULATOR_PROBE)
     assert lines[0] == f"no error: {sum(range(128))} {sum(range(128, 256))} {sum(range(256, 384))}"
     assert "exited while lanes of its warp wait at a shuffle" in lines[1]
     assert "deadlock in CTA (0, 0, 0)" in lines[2]
@@ -6574,12 +6579,7 @@ def test_emulator_lets_a_barrier_go_on_exit_refuses_a_short_warps_shuffle_and_re
     thread 0 writes). Catches: leave() not releasing a barrier that its last live thread
     left; the shuffle's `b.live != kWarp` check dropped; next_runnable
     stepping forward (`after + i`) in a reversed CTA."""
-    src = tmp_path / "probe.cpp"
-    src.write_text(build_ext.emulated_source(EMULATOR_PROBE_2, "probe.cu"))
-    include = Path(build_ext.find_cuda_home()) / "include"
-    subprocess.run(["g++", "-std=c++17", "-O0", f"-I{include}", str(src), "-o", str(tmp_path / "probe")],
-                   check=True, capture_output=True, timeout=120)
-    lines = subprocess.run([tmp_path / "probe"], capture_output=True, text=True, timeout=60).stdout.splitlines()
+    lines = run_emulator_probe(tmp_path, EMULATOR_PROBE_2)
     assert lines[0] == "no error: 1"
     assert "a full-warp shuffle needs all 32 lanes live" in lines[1]
     assert lines[2] == "1 1", "thread 126 of CTA 1 should run before thread 0 and read CTA 0's value"
