@@ -1999,8 +1999,9 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
 
 
 def _open_safetensors(path: Path):
-    if not _is_regular(path):   # (safe_open would wait forever on a FIFO)
-        raise ModelError(f"{path}: " + ("file not found" if _kind(path) is None else "not a regular file"))
+    mode = _kind(path)
+    if mode is None or not stat.S_ISREG(mode):   # (safe_open would wait forever on a FIFO)
+        raise ModelError(f"{path}: " + ("file not found" if mode is None else "not a regular file"))
     try:
         path.open("rb").close()  # (safe_open says "file not found" of a file it may not read)
     except OSError as e:
