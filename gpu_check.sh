@@ -40,7 +40,10 @@ cd "$(dirname "$0")"
 CUDA_HOME=$("$PYTHON" -c 'import build_ext; print(build_ext.find_cuda_home() or "/usr/local/cuda")') ||
     CUDA_HOME=/usr/local/cuda
 export CUDA_HOME
-KERNEL_CACHE="${NANOPAGED_CACHE:-$HOME/.cache/nanopaged}/kernels"
+# where the build caches the extension: build_ext's own answer (under set -u, $HOME unset
+# would end the script here, before its log exists; Python falls back to the passwd entry)
+KERNEL_CACHE=$("$PYTHON" -c 'import build_ext; print(build_ext.build_dir())') ||
+    KERNEL_CACHE="${NANOPAGED_CACHE:-${HOME:-/root}/.cache/nanopaged}/kernels"
 
 failed=()
 step() {  # step NAME TIME_LIMIT_S COMMAND...
