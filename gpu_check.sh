@@ -9,8 +9,9 @@
 # limit, and all of them together a budget (GPU_CHECK_BUDGET, 480 s: a lent GPU machine runs one
 # command for at most 600 s, and its 15 minutes in all should leave room for a second run
 # after a fix), so the verdict line always gets printed; a step that finds
-# the budget spent is reported as skipped. The script goes on after a failed step and
-# exits non-zero if any failed. With $OUT set, the output also goes to $OUT/gpu_check.log.
+# the budget spent is reported as skipped. The script goes on after a failed step (but for
+# the build: nothing after it can run without the kernels) and exits non-zero if any failed.
+# With $OUT set, the output also goes to $OUT/gpu_check.log.
 #
 # To rerun part of it after a fix (the build always runs: it is cached when nothing changed):
 #
@@ -102,6 +103,14 @@ check() {
     # A build killed by its time limit leaves torch's lock file behind, and every later
     # build would wait on it for good.
     rm -f "$KERNEL_CACHE/lock"
+    if [[ " ${failed[*]} " == *" build "* ]]; then
+        # The tests, the benchmark and each sanitizer run load the kernels themselves: each
+        # would build them again and fail the same way, spending minutes of the machine that
+        # a rerun after the fix needs. Stop here.
+        echo
+        echo "gpu_check: FAILED: ${failed[*]} ($SECONDS s); tests, benchmark and sanitizer not run without the build"
+        return 1
+    fi
     [[ $STEPS == *" tests "* ]] &&
         # every failure, not the first; launches made synchronous, so that a kernel's fault
         # is reported by the test that launched it (it spoils the CUDA context for the rest)
