@@ -1707,17 +1707,19 @@ def test_chat_template_not_a_string(tmp_path, template):
 
 def test_added_tokens_are_matched_as_hf_matches_them(tmp_path):
     """The longest added token at the leftmost place (GPT-NeoX-style whitespace runs, one
-    token the prefix of another), single_word, lstrip and rstrip. The expected ids are HF
+    token the prefix of another), single_word, lstrip and rstrip (the text after the last
+    token too), and of two tokens that read alike the first. The expected ids are HF
     tokenizers' (0.23) for the same vocab and added tokens."""
     added = [{"content": "<|x|>", "id": 257}, {"content": "<a>", "id": 258}, {"content": "<a><b>", "id": 259},
              {"content": "  ", "id": 260}, {"content": "   ", "id": 261},
              {"content": "<m>", "id": 262, "lstrip": True}, {"content": "<s>", "id": 263, "rstrip": True},
              {"content": "cat", "id": 264, "single_word": True}, {"content": "atx", "id": 265},
-             {"content": "<q>y", "id": 266, "single_word": True}, {"content": "<q>", "id": 267}]
+             {"content": "<q>y", "id": 266, "single_word": True}, {"content": "<q>", "id": 267},
+             {"content": "<q>", "id": 268}]   # (of two alike, the first counts)
     tok = load_tokenizer(tiny_tokenizer_dir(tmp_path, added_tokens=added))
     x, y, z, h, i = map(ord, "xyzhi")
     cases = {"x<a><b>y<a>": [x, 259, y, 258], "x   y  z": [x, 261, y, 260, z], "hi <m>": [h, i, 262],
-             "hi  <m>x": [h, i, 260, 262, x], "x<s>  y": [x, 263, 260, y], " cat ": [32, 264, 32],
+             "hi  <m>x": [h, i, 260, 262, x], "x<s>  y": [x, 263, 260, y], "<s> x": [263, x], " cat ": [32, 264, 32],
              "concatenate": [99, 111, 110, 99, 97, 116, 101, 110, 97, 116, 101], "a_cat": [97, 95, 99, 97, 116],
              "a\x1c<m>\x1fb": [97, 28, 262, 31, 98],   # \x1c, \x1f: no White_Space, so not stripped
              # a single_word token inside a word is text there, and the search goes on after it:
