@@ -2576,6 +2576,31 @@ def test_fast_path_equals_reference_half_precision():
     torch.testing.assert_close(fast.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_paged_attention_decodes_past_one_bucket():
+    """More decodes than one padded batch holds (AttentionPlan.DECODE_BUCKET), of scattered
+    lengths, beside a prefill: every one is computed, and each bucket holds neighbours in
+    length (padding each to its longest stays small). Catches: a bucket cut one short (its
+    last sequence's rows left unwritten), decodes bucketed in arrival order."""
+    bucket = nanopaged_module.AttentionPlan.DECODE_BUCKET
+    lens = random.Random(3).sample(range(1, 60), 2 * bucket + 3)
+    specs = [(1, n) for n in lens] + [(5, 20)]
+    check_against_dense(specs, block_size=4, H=4, KVH=2)
+    _, _, _, bt, sl, qsl, _ = make_paged_batch(specs, 4, 4, 2, 16)
+    plan = nanopaged_module.AttentionPlan(bt, sl, qsl, 4)
+    ordered = sorted(lens)
+    chunks = [ordered[i:i + bucket] for i in range(0, len(ordered), bucket)]
+    assert [(n, L) for *_, n, L in plan.decode_buckets] == [(len(c), c[-1]) for c in chunks]
+
+
+def test_a_plan_serves_only_its_own_window():
+    """paged_attention refuses a plan made for another window (it would gather from the
+    wrong first position). Catches: the check dropped."""
+    q, kc, vc, bt, sl, qsl, _ = make_paged_batch([(1, 9), (3, 3)], 4, 2, 2, 8)
+    plan = nanopaged_module.AttentionPlan(bt, sl, qsl, 4)
+    with pytest.raises(ValueError, match="the plan was made for window None, not 5"):
+        paged_attention(q, kc, vc, bt, sl, qsl, 0.1, 5, plan=plan)
+
+
 def test_write_kv_and_copy_blocks():
     kc = torch.zeros(6, 4, 2, 3)
     vc = torch.zeros(6, 4, 2, 3)
@@ -3301,13 +3326,17 @@ def test_incref_of_a_free_block_is_refused():
 
 
 def test_drop_before_never_takes_back_what_it_dropped():
-    """A position before what was already dropped drops nothing and forgets nothing.
-    Catches: drop_before `self.num_dropped = max(self.num_dropped, end)` -> `= end`."""
+    """A position before what was already dropped (or before 0) drops nothing and forgets
+    nothing; one past the table's end drops every block. Catches: drop_before
+    `self.num_dropped = max(self.num_dropped, end)` -> `= end`, and its max(position, 0)
+    (block_ids[:-k] returned, never freed) or min(..., len) (an IndexError) left out."""
     pool = tiny_pool(8, 4)
     table = pool.new_table()
     table.slots_for(10)
+    assert table.drop_before(-5) == [] and table.num_held == 3
     assert len(table.drop_before(9)) == 2
     assert table.drop_before(3) == [] and table.num_dropped == 2 and table.num_held == 1
+    assert len(table.drop_before(100)) == 1 and table.num_held == 0
     table.release()
     check_pool_invariants(pool, [])
     assert pool.num_free == 8
