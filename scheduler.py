@@ -16,10 +16,11 @@ The scheduler is handed the BlockPool (nanopaged.py) as an object and uses only 
 block_size, num_blocks, num_available, ref_count, new_table, lookup, register, say, and
 pending_copies (the copy-on-write copies its allocations recorded, which schedule() moves
 into SchedulerOutput.copies for the engine to run); of each BlockTable, slots_for,
-blocks_needed, append_cached, fork, release, block_ids and num_tokens, and under a sliding
-window drop_before, skip_dropped, num_dropped and num_held. With swapping, it is
+blocks_needed, append_cached, fork, release, pool, block_ids and num_tokens, and under a
+sliding window drop_before, skip_dropped and num_dropped. With swapping, it is
 handed a second BlockPool in CPU memory (the swap space); swapping uses both pools'
-num_free, allocate and new_table (_move_table), and the engine copies the blocks it lists
+allocate and new_table (_move_table), the swap space's num_free and a table's num_held
+(_make_room), and the engine copies the blocks it lists
 in SchedulerOutput.swap_out / swap_in. It never imports the engine, so
 it can be read - and tested - without a model.
 """
