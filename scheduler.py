@@ -406,8 +406,10 @@ class Scheduler:
         and the W - 1 positions its first query sees before it: W + B - 1 positions, which,
         starting anywhere in a block, lie in at most (W + B - 3) // block_size + 2 blocks; and
         one more for a copy-on-write. (Written with W + B - 2: a safe bound, a block or two
-        above the tightest, since the oldest sequence, the one it must hold for, never copies
-        on write.) A request must fit the whole pool in this sense (add)."""
+        above the tightest, since the oldest sequence, the one it must hold for, never needs
+        a copy-on-write to fit: the only partial block it shares is a fork's, and its
+        sharers, newer, are preempted first, see _make_room.) A request must fit the whole
+        pool in this sense (add)."""
         blocks = cdiv(num_tokens, self.block_size)
         if self.sliding_window is not None:
             blocks = min(blocks, (self.sliding_window + self.max_num_batched_tokens - 2) // self.block_size + 3)
