@@ -50,7 +50,8 @@ class SamplingParams:
     top_k: int = 0                      # 0 (or -1): all tokens
     top_p: float = 1.0
     min_p: float = 0.0                  # keep the tokens at least min_p times as likely as the likeliest
-    max_tokens: int | None = 16         # None: as many as the model's context leaves (LLM fills it in)
+    max_tokens: int | None = 16         # None: as many as the model's context leaves, or the whole
+                                        # KV pool where that holds less (LLM fills it in)
     stop: list[str] | str | None = None  # stop strings (the engine checks the text)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
