@@ -161,7 +161,8 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
 
 
-# (numpy's and torch's integers and floats are welcome; bools are not numbers here)
+# (numpy's integers and floats are welcome, being numbers.Integral and numbers.Real; a torch
+# tensor is not, even a 0-d one, and bools are not numbers here)
 def _integer(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
