@@ -1181,11 +1181,12 @@ class LLM:
     # --- sampling ---
     def _sample(self, due: list, logits, finite: list) -> tuple[dict, dict]:
         """Pick the next token of every sequence that reached its end (due; logits (S, vocab),
-        a row each; finite[row]: no NaN or inf in it). Greedy rows share one argmax; the others
-        are sampled one by one, each with its own generator, so a seeded request gives the same
-        tokens whatever else is in the batch. Returns {seq: its tokens (one, or n where it
-        forks)} and {seq: why} for those that cannot draw: logits broken (NaN or inf), or
-        every token banned by their constraints."""
+        a row each; finite[row]: no NaN or inf in it), beams aside: _beam_step chooses theirs,
+        and reports their broken rows. Greedy rows share one argmax; the others are sampled
+        one by one, each with its own generator, so a seeded request gives the same tokens
+        whatever else is in the batch. Returns {seq: its tokens (one, or n where it forks)}
+        and {seq: why} for those that cannot draw: logits broken (NaN or inf), or every token
+        banned by their constraints."""
         logits, drawable = logits.float(), list(finite)
         edited = [row for row, seq in enumerate(due) if finite[row] and edits_logits(seq)]
         if edited:
