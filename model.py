@@ -116,12 +116,16 @@ GEMMAS = ("gemma2", "gemma3_text")   # (Gemma 3 with a vision tower, "gemma3", r
 # and the values their HF config classes take where a config.json leaves a key out
 LLAMA_FAMILY = {
     "llama": {"max_position_embeddings": 2048},
-    "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
-    "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
-    "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128},
+    # (num_key_value_heads: Mistral's, Qwen's and SmolLM3's classes have a number of their own
+    # where the key is left out, not num_attention_heads, which null gives them all, as Llama's)
+    "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096, "num_key_value_heads": 8},
+    "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28,
+              "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128,
+              "num_key_value_heads": 32},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
-                "rope_theta": 2_000_000.0},
+                "rope_theta": 2_000_000.0, "num_key_value_heads": 4},
     "gemma2": {"vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
                "tie_word_embeddings": True, "sliding_window": 4096, "query_pre_attn_scalar": 256,

@@ -6173,15 +6173,21 @@ def test_family_defaults_are_their_transformers_config_classes():
     Gemma2Config, Gemma3TextConfig, GPT2Config), values written out here from those classes.
     Catches: a wrong default in LLAMA_FAMILY (Mistral's or Llama's context, Qwen's
     max_window_layers, Qwen 3's head_dim, Phi-3's eps or original context, SmolLM3's NoPE
-    interval or tied head, Gemma's query_pre_attn_scalar, window or BOS) or in from_dict's
+    interval or tied head, Gemma's query_pre_attn_scalar, window or BOS; Mistral's, Qwen's or
+    SmolLM3's KV heads, num_attention_heads: a checkpoint they made refused) or in from_dict's
     rms_norm_eps / layer_norm_epsilon fallbacks."""
-    sizes = {"vocab_size": 101, "hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 6,
+    sizes = {"vocab_size": 101, "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 64,
              "intermediate_size": 80}
     llama = ModelConfig.from_dict({"model_type": "llama"} | sizes)
     assert (llama.max_position_embeddings, llama.norm_eps, llama.rope_theta, llama.num_key_value_heads,
-            llama.tie_word_embeddings) == (2048, 1e-6, 10000.0, 6, False)
+            llama.tie_word_embeddings) == (2048, 1e-6, 10000.0, 64, False)
     mistral = ModelConfig.from_dict({"model_type": "mistral"} | sizes)
     assert (mistral.max_position_embeddings, mistral.layer_window(0), mistral.layer_window(1)) == (131072, 4096, 4096)
+    # KV heads: the class's own number where the key is left out, num_attention_heads where it is null
+    for model_type, kv_heads in (("mistral", 8), ("qwen2", 32), ("qwen3", 32), ("smollm3", 4)):
+        c = {"model_type": model_type} | sizes
+        assert ModelConfig.from_dict(c).num_key_value_heads == kv_heads
+        assert ModelConfig.from_dict(c | {"num_key_value_heads": None}).num_key_value_heads == 64
     qwen2 = ModelConfig.from_dict({"model_type": "qwen2", "use_sliding_window": True} | sizes | {"num_hidden_layers": 30})
     assert [qwen2.layer_window(i) for i in (0, 27, 28, 29)] == [None, None, 4096, 4096]   # from max_window_layers 28
     assert qwen2.max_position_embeddings == 32768
