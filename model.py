@@ -446,20 +446,21 @@ def _nope_layers(d: dict, model_type: str) -> range | tuple:
 def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tuple[int | None, range | tuple | LayersBut]:
     """The window and the layers that use it ((None, ()): every layer sees everything), read
     as HF's config classes read them. Mistral and Phi-3 window every layer when sliding_window
-    is set. Qwen and SmolLM3 window only with use_sliding_window, and then the layers
-    layer_types names "sliding_attention" (by default, Qwen's from max_window_layers on,
-    SmolLM3's NoPE layers). Gemma windows the layers layer_types names so, by default all but
-    every other one (Gemma 2) or every sliding_window_pattern-th (Gemma 3: 6). Llama has no
-    window."""
+    is set; a Mistral with layer_types, the layers it names "sliding_attention" (transformers'
+    AutoConfig reads it as a Ministral). Qwen and SmolLM3 window only with use_sliding_window,
+    and then the layers layer_types names "sliding_attention" (by default, Qwen's from
+    max_window_layers on, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
+    so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
+    (Gemma 3: 6). Llama has no window."""
     if model_type == "llama" or d.get("sliding_window") is None and model_type not in GEMMAS:
         return None, ()   # (Gemma's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
-    if model_type in ("mistral", "phi3"):
+    if model_type == "phi3" or model_type == "mistral" and d.get("layer_types") is None:
         windowed = range(layers)
     elif model_type in GEMMAS and d.get("layer_types") is None:   # (Gemma 2: every other layer; 3: 5 of 6)
         pattern = 2 if model_type == "gemma2" else _positive(d, "sliding_window_pattern", default=6)
         windowed = LayersBut(layers, range(pattern - 1, layers, pattern))
-    elif (not _flag(d, "use_sliding_window") and model_type not in GEMMAS
+    elif (not _flag(d, "use_sliding_window") and model_type not in (*GEMMAS, "mistral")
           and not (model_type == "smollm3" and d.get("layer_types") is not None)):
         return None, ()   # (SmolLM3's masks follow its layer_types even so, as transformers runs it)
     elif (kinds := d.get("layer_types")) is None and model_type == "smollm3":

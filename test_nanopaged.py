@@ -317,6 +317,10 @@ LLAMA_FAMILY_VARIANTS = {
     "mistral_window": llama_config(model_type="mistral", tied=False, sliding_window=4),
     "phi3_window": llama_config(model_type="phi3", tied=False, sliding_window=5, pad_token_id=None),
     "qwen2_window": llama_config(model_type="qwen2", sliding_window=3, use_sliding_window=True, max_window_layers=1),
+    # a Mistral whose layer_types window only its second layer: transformers' AutoConfig reads it
+    # as a Ministral, which windows the layers layer_types names
+    "mistral_layer_types": llama_config(model_type="mistral", tied=False, head_dim=8, sliding_window=4,
+                                        layer_types=["full_attention", "sliding_attention"]),
     # SmolLM3: its second layer without RoPE ("NoPE"), q/k/v/o biases; then its first layer
     # NoPE, which use_sliding_window windows
     "smollm3": llama_config(model_type="smollm3", no_rope_layer_interval=2, attention_bias=True, pad_token_id=None),
@@ -453,7 +457,10 @@ def test_yarn_and_linear_scaling_stretch_the_context_served(tmp_path):
 
 @pytest.mark.parametrize("change, windows", [
     ({"model_type": "mistral", "sliding_window": 64}, (64, 64)),
-    ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["full_attention"] * 2}, (64, 64)),  # HF ignores it
+    # with layer_types, transformers' AutoConfig reads a Mistral as a Ministral: the layers they name
+    ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["full_attention"] * 2}, (None, None)),
+    ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
+     (64, None)),
     ({"model_type": "mistral", "sliding_window": None}, (None, None)),  # Mistral 7B v0.2 on
     ({"model_type": "mistral", "sliding_window": 128}, (None, None)),   # no shorter than the context
     ({"model_type": "mistral", "max_position_embeddings": 8192}, (4096, 4096)),  # MistralConfig's default window
