@@ -111,6 +111,12 @@ def _is_id(x) -> bool:
 # config
 
 GEMMAS = ("gemma2", "gemma3_text")   # (Gemma 3 with a vision tower, "gemma3", runs its gemma3_text)
+# Ministral (8B) is Mistral with its layers windowed as layer_types say, and MistralConfig's
+# defaults; transformers' AutoConfig reads a "mistral" config.json with layer_types as a
+# "ministral" one, and save_pretrained writes it so. (Left out, head_dim is hidden_size //
+# num_attention_heads for both: MinistralConfig leaves it null, which MinistralAttention of
+# transformers 5.24 cannot run.)
+MISTRALS = ("mistral", "ministral")
 
 # model_types that run on the Llama module below (with the differences ModelConfig notes),
 # and the values their HF config classes take where a config.json leaves a key out
@@ -118,7 +124,7 @@ LLAMA_FAMILY = {
     "llama": {"max_position_embeddings": 2048},
     # (num_key_value_heads: Mistral's, Qwen's and SmolLM3's classes have a number of their own
     # where the key is left out, not num_attention_heads, which null gives them all, as Llama's)
-    "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096, "num_key_value_heads": 8},
+    **dict.fromkeys(MISTRALS, {"max_position_embeddings": 4096 * 32, "sliding_window": 4096, "num_key_value_heads": 8}),
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28,
               "num_key_value_heads": 32},
     "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128,
@@ -445,9 +451,9 @@ def _nope_layers(d: dict, model_type: str) -> range | tuple:
 
 def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tuple[int | None, range | tuple | LayersBut]:
     """The window and the layers that use it ((None, ()): every layer sees everything), read
-    as HF's config classes read them. Mistral and Phi-3 window every layer when sliding_window
-    is set; a Mistral with layer_types, the layers it names "sliding_attention" (transformers'
-    AutoConfig reads it as a Ministral). Qwen and SmolLM3 window only with use_sliding_window,
+    as HF's config classes read them. Mistral (and Ministral) and Phi-3 window every layer when
+    sliding_window is set; a Mistral or Ministral with layer_types, the layers it names
+    "sliding_attention". Qwen and SmolLM3 window only with use_sliding_window,
     and then the layers layer_types names "sliding_attention" (by default, Qwen's from
     max_window_layers on, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
@@ -455,12 +461,12 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     if model_type == "llama" or d.get("sliding_window") is None and model_type not in GEMMAS:
         return None, ()   # (Gemma's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
-    if model_type == "phi3" or model_type == "mistral" and d.get("layer_types") is None:
+    if model_type == "phi3" or model_type in MISTRALS and d.get("layer_types") is None:
         windowed = range(layers)
     elif model_type in GEMMAS and d.get("layer_types") is None:   # (Gemma 2: every other layer; 3: 5 of 6)
         pattern = 2 if model_type == "gemma2" else _positive(d, "sliding_window_pattern", default=6)
         windowed = LayersBut(layers, range(pattern - 1, layers, pattern))
-    elif (not _flag(d, "use_sliding_window") and model_type not in (*GEMMAS, "mistral")
+    elif (not _flag(d, "use_sliding_window") and model_type not in (*GEMMAS, *MISTRALS)
           and not (model_type == "smollm3" and d.get("layer_types") is not None)):
         return None, ()   # (SmolLM3's masks follow its layer_types even so, as transformers runs it)
     elif (kinds := d.get("layer_types")) is None and model_type == "smollm3":
@@ -1651,7 +1657,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 
 # ----------------------------------------------------------------------------------------
-# Llama (and its family: Mistral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3)
+# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3)
 
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: its weights are offsets from 1 (it scales by 1 + weight, so a weight of

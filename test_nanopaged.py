@@ -321,6 +321,10 @@ LLAMA_FAMILY_VARIANTS = {
     # as a Ministral, which windows the layers layer_types names
     "mistral_layer_types": llama_config(model_type="mistral", tied=False, head_dim=8, sliding_window=4,
                                         layer_types=["full_attention", "sliding_attention"]),
+    # a Ministral (8B: Mistral, its layers windowed as layer_types say), its first layer windowed
+    # (head_dim given: without it, transformers 5.24's MinistralAttention fails)
+    "ministral": llama_config(model_type="ministral", tied=False, head_dim=8, sliding_window=4,
+                              layer_types=["sliding_attention", "full_attention"]),
     # SmolLM3: its second layer without RoPE ("NoPE"), q/k/v/o biases; then its first layer
     # NoPE, which use_sliding_window windows
     "smollm3": llama_config(model_type="smollm3", no_rope_layer_interval=2, attention_bias=True, pad_token_id=None),
@@ -464,6 +468,13 @@ def test_yarn_and_linear_scaling_stretch_the_context_served(tmp_path):
     ({"model_type": "mistral", "sliding_window": None}, (None, None)),  # Mistral 7B v0.2 on
     ({"model_type": "mistral", "sliding_window": 128}, (None, None)),   # no shorter than the context
     ({"model_type": "mistral", "max_position_embeddings": 8192}, (4096, 4096)),  # MistralConfig's default window
+    # Ministral: layer_types left out, every layer (its default, from sliding_window); or the layers they name
+    ({"model_type": "ministral", "sliding_window": 64}, (64, 64)),
+    ({"model_type": "ministral", "max_position_embeddings": 8192}, (4096, 4096)),  # MinistralConfig's window
+    ({"model_type": "ministral", "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]},
+     (None, 64)),
+    ({"model_type": "ministral", "sliding_window": 64, "layer_types": ["full_attention"] * 2}, (None, None)),
+    ({"model_type": "ministral", "sliding_window": None}, (None, None)),
     ({"model_type": "qwen2", "sliding_window": 64}, (None, None)),      # use_sliding_window is off by default
     # on: the layers from max_window_layers (28 by default, of 2 here) on are windowed
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, (None, None)),
@@ -1102,10 +1113,12 @@ def test_bad_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError, match=r"config\.json: no 'hidden_size'"):
         load_model(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": "mamba"}))
-    with pytest.raises(ModelError, match=r"'mamba' is not supported \(supported: gemma2, gemma3, gemma3_text, gpt2, llama, mistral, phi3, qwen2, qwen3, "
-                                        r"smollm3\)"):
-        load_model(tmp_path)
+    # (Ministral 3 is no Ministral: its queries are scaled by position, Llama 4's way)
+    for model_type in ("mamba", "ministral3"):
+        (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
+        with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
+                                            r"gpt2, llama, ministral, mistral, phi3, qwen2, qwen3, smollm3\)"):
+            load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
                           ({"rope_theta": 1e-300}, "rope_theta 1e-300 and rope_scaling None give RoPE frequencies "
@@ -6176,22 +6189,27 @@ def test_a_beam_that_ends_in_an_eos_with_text_keeps_it_with_include_stop_str_in_
 
 def test_family_defaults_are_their_transformers_config_classes():
     """Where config.json is silent, each model_type takes its transformers config class's
-    default (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, SmolLM3Config,
-    Gemma2Config, Gemma3TextConfig, GPT2Config), values written out here from those classes.
-    Catches: a wrong default in LLAMA_FAMILY (Mistral's or Llama's context, Qwen's
-    max_window_layers, Qwen 3's head_dim, Phi-3's eps or original context, SmolLM3's NoPE
-    interval or tied head, Gemma's query_pre_attn_scalar, window or BOS; Mistral's, Qwen's or
-    SmolLM3's KV heads, num_attention_heads: a checkpoint they made refused) or in from_dict's
-    rms_norm_eps / layer_norm_epsilon fallbacks."""
+    default (LlamaConfig, MistralConfig, MinistralConfig, Qwen2Config, Qwen3Config, Phi3Config,
+    SmolLM3Config, Gemma2Config, Gemma3TextConfig, GPT2Config), values written out here from
+    those classes. Catches: a wrong default in LLAMA_FAMILY (Mistral's, Ministral's or Llama's
+    context, Mistral's or Ministral's window, Qwen's max_window_layers, Qwen 3's head_dim,
+    Phi-3's eps or original context, SmolLM3's NoPE interval or tied head, Gemma's
+    query_pre_attn_scalar, window or BOS; Mistral's, Ministral's, Qwen's or SmolLM3's KV heads,
+    num_attention_heads: a checkpoint they made refused) or in from_dict's rms_norm_eps /
+    layer_norm_epsilon fallbacks."""
     sizes = {"vocab_size": 101, "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 64,
              "intermediate_size": 80}
     llama = ModelConfig.from_dict({"model_type": "llama"} | sizes)
     assert (llama.max_position_embeddings, llama.norm_eps, llama.rope_theta, llama.num_key_value_heads,
             llama.tie_word_embeddings) == (2048, 1e-6, 10000.0, 64, False)
-    mistral = ModelConfig.from_dict({"model_type": "mistral"} | sizes)
-    assert (mistral.max_position_embeddings, mistral.layer_window(0), mistral.layer_window(1)) == (131072, 4096, 4096)
+    # (Ministral's layer_types, left out: every layer windowed; its head_dim, Mistral's hidden_size //
+    # num_attention_heads: MinistralConfig leaves it null, which its model cannot run)
+    for model_type in ("mistral", "ministral"):
+        mistral = ModelConfig.from_dict({"model_type": model_type} | sizes)
+        assert (mistral.max_position_embeddings, mistral.layer_window(0), mistral.layer_window(1),
+                mistral.head_dim) == (131072, 4096, 4096, 8)
     # KV heads: the class's own number where the key is left out, num_attention_heads where it is null
-    for model_type, kv_heads in (("mistral", 8), ("qwen2", 32), ("qwen3", 32), ("smollm3", 4)):
+    for model_type, kv_heads in (("mistral", 8), ("ministral", 8), ("qwen2", 32), ("qwen3", 32), ("smollm3", 4)):
         c = {"model_type": model_type} | sizes
         assert ModelConfig.from_dict(c).num_key_value_heads == kv_heads
         assert ModelConfig.from_dict(c | {"num_key_value_heads": None}).num_key_value_heads == 64
