@@ -384,6 +384,22 @@ def test_llama_family_matches_transformers(tmp_path, variant):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
+    """transformers reads a Mistral config.json with layer_types as a Ministral's, and
+    save_pretrained writes it so (model_type "ministral", its own fields: rope_parameters,
+    dtype, ...): that directory loads, and gives the logits transformers computed for the
+    Mistral it came from. Catches: "ministral" refused, or read otherwise than its Mistral. (The
+    one test that needs transformers, skipped without it: only it can say what it writes.)"""
+    transformers = pytest.importorskip("transformers")
+    c = LLAMA_FAMILY_VARIANTS["mistral_layer_types"]
+    expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())["mistral_layer_types"]
+    mistral = write_checkpoint(tmp_path / "mistral", c, llama_tensors(c))
+    transformers.AutoModelForCausalLM.from_pretrained(mistral).save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "ministral"
+    model = load_model(tmp_path / "saved")
+    torch.testing.assert_close(forward_all(model, IDS), torch.tensor(expected["logits"]), rtol=1e-4, atol=1e-4)
+
+
 # Gemma rounds as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled")
 
