@@ -2067,6 +2067,10 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
             if isinstance(stop, KeyboardInterrupt):
                 raise
             return
+        except OSError as e:   # stdin open for writing only (0>file), an I/O error: one line, not a traceback
+            if isinstance(e, BrokenPipeError):   # (input() writing its prompt to a closed stdout: main's)
+                raise
+            raise ValueError(f"--chat cannot read its turns from stdin: {e.strerror or e}") from None
         if not line.strip():
             continue
         conversation.append({"role": "user", "content": line})
@@ -2117,6 +2121,8 @@ def main(argv=None) -> int:
                              f"{', '.join(sampling)} {'goes' if len(sampling) == 1 else 'go'} without it")
         if not args.prompt and not args.chat:
             raise ValueError("give at least one --prompt (or --chat)")
+        if args.chat and sys.stdin is None:   # (started with stdin closed, <&-: said before the model loads)
+            raise ValueError("--chat reads its turns from stdin, which is closed")
         if any(not p.strip() for p in args.prompt):
             raise ValueError("a --prompt is empty")
         for flag, value in (("--max-tokens", args.max_tokens), ("--block-size", args.block_size),

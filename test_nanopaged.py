@@ -5221,6 +5221,24 @@ def test_cli_chat_keeps_the_conversation_and_its_blocks(capsys, smollm2_dir, llm
         assert code == 2 and "--chat reads its turns from stdin" in err and not out
 
 
+def test_cli_chat_without_a_readable_stdin(tmp_path, capsys, monkeypatch):
+    """--chat with stdin closed (<&-: sys.stdin is None) or unreadable (0>file: EBADF) is one
+    error line and status 2. Catches: was an AttributeError traceback (sys.stdin.isatty()), and
+    an OSError one out of input()."""
+    path = tiny_tokenizer_dir(tmp_path / "m")
+    config = llama_config(vocab_size=258)
+    write_checkpoint(path, config, llama_tensors(config))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0].content }}"}))
+    monkeypatch.setattr(sys, "stdin", None)
+    code, out, err = run_cli(capsys, "--model", str(path), "--chat")
+    assert code == 2 and not out and err == "nanopaged: error: --chat reads its turns from stdin, which is closed\n"
+    with open(tmp_path / "written", "w") as write_only:   # (a stdin opened for writing: reads fail, EBADF)
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.FileIO(write_only.fileno(), "r", closefd=False)))
+        code, out, err = run_cli(capsys, "--model", str(path), "--chat")
+    assert code == 2 and not out and err == ("nanopaged: error: --chat cannot read its turns from stdin: "
+                                             "Bad file descriptor\n")
+
+
 def test_cli_says_which_flags_greedy_ignores(capsys, smollm2_dir):
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "1",
                              "--seed", "3", "--top-p", "0.5", "--min-p", "0.1", "--n", "2")
