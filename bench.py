@@ -756,21 +756,32 @@ BENCHES = {"load": bench_load, "attention": bench_attention, "scheduler": bench_
            "kernel": bench_kernel}
 
 
+def count(text: str) -> int:
+    """argparse's type for --repeats, --steps and --runs: a median of no timings has no value."""
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return int(text)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=[*BENCHES, "all"])
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--runs", type=int, default=1, help="engine workload runs (the median is shown)")
+    ap.add_argument("--repeats", type=count, default=7)
+    ap.add_argument("--steps", type=count, default=200)
+    ap.add_argument("--runs", type=count, default=1, help="engine workload runs (the median is shown)")
     ap.add_argument("--model", help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
     args = ap.parse_args(argv)
     status = 0
-    for name, fn in BENCHES.items():
-        if args.which == name or (args.which == "all" and name != "kernel"):
-            print(f"== {name} ==")
-            status |= fn(args) or 0
+    try:
+        for name, fn in BENCHES.items():
+            if args.which == name or (args.which == "all" and name != "kernel"):
+                print(f"== {name} ==")
+                status |= fn(args) or 0
+    except ValueError as e:   # a --model or --dtype the engine refuses: its one line, as nanopaged.py says it
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        return 2
     return status
 
 

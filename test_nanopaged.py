@@ -5288,6 +5288,22 @@ def test_cli_says_which_longrope_factors_it_takes(tmp_path, capsys):
     assert code == 0 and err == ""
 
 
+def test_bench_refuses_bad_arguments_in_one_line(tmp_path, capsys):
+    """bench.py, which the README invites to run: a count below 1 is argparse's one line, and a
+    model or dtype the engine refuses is the engine's, status 2. Catches: were a StatisticsError
+    traceback (a median of no timings) and the ModelError's."""
+    import bench
+    for argv in (["beam", "--repeats", "0"], ["scheduler", "--steps", "-1"], ["engine", "--runs", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(argv)
+        assert exit_.value.code == 2 and "must be an integer >= 1" in capsys.readouterr().err
+    for argv, why in ((["beam", "--model", str(tmp_path / "none")], "no such directory"),
+                      (["prefix", "--dtype", "int8"], "unsupported dtype 'int8'")):
+        assert bench.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("bench.py: error: ") and why in err and err.count("\n") == 1
+
+
 def test_cli_does_not_take_the_generation_configs_advice(tmp_path, capsys):
     """The CLI samples as its flags say (greedy by default): advice in generation_config.json
     that SamplingParams refuses (top_p 0) does not stop it."""
