@@ -2088,6 +2088,11 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # The model writes any character: where stdout's encoding lacks one (an ASCII or Latin-1 locale,
+    # cp1252 on Windows when redirected), a "?" shows, rather than a UnicodeEncodeError cutting the
+    # answer off halfway (a ValueError: it read as bad input, status 2)
+    if hasattr(sys.stdout, "reconfigure"):   # (a TextIOWrapper; not a closed stdout's None)
+        sys.stdout.reconfigure(errors="replace")
     line_open = False   # streamed text waits on its line: an error message starts a new one
 
     def show(pieces) -> str:

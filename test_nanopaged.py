@@ -5273,6 +5273,24 @@ def test_cli_interrupt_starts_its_own_line(capsys, smollm2_dir, monkeypatch):
         assert code == 130 and out == "".join(pieces) and err == err_expected
 
 
+def test_cli_output_a_stdout_cannot_encode_shows_a_question_mark(smollm2_dir, monkeypatch):
+    """A character stdout's encoding lacks (an ASCII locale, Windows' cp1252 redirected) shows
+    as "?", streamed or batched, and the answer goes on. Catches: was a UnicodeEncodeError that
+    cut the answer off, reported as bad input ("nanopaged: error: 'ascii' codec...", status 2)."""
+    def stream(self, prompt, params):
+        yield from ["caf", "\u00e9 \u2615", "!"]
+    monkeypatch.setattr(LLM, "stream", stream)
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, params: [SimpleNamespace(outputs=[
+        nanopaged_module.CompletionOutput(0, "\u00e9t\u00e9", [], "length", None, None, None)])])
+    for argv, expected in ((["--prompt", "Hi"], b"caf? ?!\n"),
+                           (["--prompt", "Hi", "--n", "2"], b"[prompt 0, sample 0] ?t?  (length)\n")):
+        stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert main(["--model", str(smollm2_dir), "--max-tokens", "1", *argv]) == 0
+        stdout.flush()
+        assert stdout.buffer.getvalue() == expected
+
+
 def test_cli_says_which_longrope_factors_it_takes(tmp_path, capsys):
     """A context served past LongRoPE's original one takes its long factors for every request:
     the CLI says so, and how to take the short ones (its --max-model-len)."""
