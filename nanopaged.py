@@ -2055,6 +2055,10 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
     answer filled them), so mostly the new turn is computed (and the partial block the previous
     answer ended in: only full blocks are cached): --stats shows the hit rate."""
     conversation = list(system)
+    # bytes that are no UTF-8 (a Latin-1 file piped in) read as U+FFFD, as a --prompt's do, and
+    # as in the C locale: a UTF-8 locale's stdin would raise UnicodeDecodeError, ending the chat
+    if hasattr(sys.stdin, "reconfigure"):   # (a TextIOWrapper)
+        sys.stdin.reconfigure(errors="replace")
     prompt = "> " if sys.stdin.isatty() else ""   # (none to echo when the turns are piped in)
     if prompt:
         with contextlib.suppress(ImportError):   # (not on every platform)

@@ -5221,10 +5221,11 @@ def test_cli_chat_keeps_the_conversation_and_its_blocks(capsys, smollm2_dir, llm
         assert code == 2 and "--chat reads its turns from stdin" in err and not out
 
 
-def test_cli_chat_without_a_readable_stdin(tmp_path, capsys, monkeypatch):
+def test_cli_chat_stdin_closed_unreadable_or_not_utf8(tmp_path, capsys, monkeypatch):
     """--chat with stdin closed (<&-: sys.stdin is None) or unreadable (0>file: EBADF) is one
-    error line and status 2. Catches: was an AttributeError traceback (sys.stdin.isatty()), and
-    an OSError one out of input()."""
+    error line and status 2; bytes that are no UTF-8 read as U+FFFD in any locale, as a
+    --prompt's do. Catches: was an AttributeError traceback (sys.stdin.isatty()), an OSError one
+    out of input(), and, in a UTF-8 locale (strict), a UnicodeDecodeError that ended the chat."""
     path = tiny_tokenizer_dir(tmp_path / "m")
     config = llama_config(vocab_size=258)
     write_checkpoint(path, config, llama_tensors(config))
@@ -5237,6 +5238,15 @@ def test_cli_chat_without_a_readable_stdin(tmp_path, capsys, monkeypatch):
         code, out, err = run_cli(capsys, "--model", str(path), "--chat")
     assert code == 2 and not out and err == ("nanopaged: error: --chat cannot read its turns from stdin: "
                                              "Bad file descriptor\n")
+    prompts = []
+
+    def stream(self, prompt, params):
+        prompts.append(self.tokenizer.decode(prompt))
+        yield "ok"
+    monkeypatch.setattr(LLM, "stream", stream)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8", errors="strict"))
+    code, out, err = run_cli(capsys, "--model", str(path), "--chat")
+    assert code == 0 and out == "ok\n" and err == "" and prompts == ["caf\ufffd"]
 
 
 def test_cli_says_which_flags_greedy_ignores(capsys, smollm2_dir):
