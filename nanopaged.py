@@ -2005,7 +2005,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     ap.add_argument("--chat", action="store_true",
                     help="a conversation: each line typed (or read from stdin) is a turn, answered in a stream; "
-                         "the earlier turns stay in the prompt, and their blocks in the prefix cache")
+                         "the earlier turns stay in the prompt, and their blocks in the prefix cache (Ctrl-C "
+                         "stops an answer, Ctrl-D ends)")
     ap.add_argument("--model", help="a local Hugging Face layout directory (Llama, Mistral, Ministral, Qwen 2/2.5/3, "
                                     "Phi-3/3.5/4-mini, SmolLM3, Gemma 2/3, GPT-2) or a Llama, Qwen, Phi-3, SmolLM3 "
                                     "or Gemma .gguf file (default: SmolLM2-135M-Instruct)")
@@ -2053,7 +2054,8 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
     turn's prompt is the whole conversation, rendered by the chat template again; the
     blocks of the turns before it are still in the prefix cache (the previous prompt and
     answer filled them), so mostly the new turn is computed (and the partial block the previous
-    answer ended in: only full blocks are cached): --stats shows the hit rate."""
+    answer ended in: only full blocks are cached): --stats shows the hit rate. Typed, a Ctrl-C
+    during an answer stops it; at the prompt, it ends the chat."""
     conversation = list(system)
     # bytes that are no UTF-8 (a Latin-1 file piped in) read as U+FFFD, as a --prompt's do, and
     # as in the C locale: a UTF-8 locale's stdin would raise UnicodeDecodeError, ending the chat
@@ -2085,9 +2087,18 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
             print(f"nanopaged: error: {e}; the conversation starts over", file=sys.stderr)
             conversation = list(system)
             continue
-        conversation.append({"role": "assistant", "content": show(pieces)})
-        if stats:
-            print(llm.stats.summary(llm.pool.num_blocks), file=sys.stderr)
+        shown = []
+        try:
+            show(pieces, shown)
+        except KeyboardInterrupt:   # typed: Ctrl-C stops the answer, the conversation goes on with what
+            if not prompt:          # it said (Ctrl-D, or Ctrl-C at the prompt, ends it); piped turns: main's
+                raise
+            pieces.close()   # (its request freed now, not once the generator is collected)
+            show((), [])     # the answer's line ended
+        else:
+            if stats:   # (a stopped answer has none: its request was never reported)
+                print(llm.stats.summary(llm.pool.num_blocks), file=sys.stderr)
+        conversation.append({"role": "assistant", "content": "".join(shown)})
 
 
 def main(argv=None) -> int:
@@ -2099,18 +2110,17 @@ def main(argv=None) -> int:
         sys.stdout.reconfigure(errors="replace")
     line_open = False   # streamed text waits on its line: an error message starts a new one
 
-    def show(pieces) -> str:
-        """Print a stream's pieces as they come; return the whole text."""
+    def show(pieces, shown: list):
+        """Print a stream's pieces as they come, each added to `shown` (the text so far, should
+        a Ctrl-C stop the stream)."""
         nonlocal line_open
-        text = ""
         for piece in pieces:
+            shown.append(piece)
             print(piece, end="", flush=True)
-            text += piece
             if piece:
                 line_open = not piece.endswith("\n")
         print()
         line_open = False
-        return text
 
     try:
         if args.chat and (args.prompt or args.n > 1 or args.logprobs is not None or args.trace or args.raw):
@@ -2191,7 +2201,7 @@ def main(argv=None) -> int:
             chat_loop(llm, params, system, show, args.stats)
         elif len(prompts) == 1 and args.n == 1 and not args.trace and args.logprobs is None and not args.beam_width:
             # one prompt, one sample: it streams
-            show(llm.stream(prompts[0], params))
+            show(llm.stream(prompts[0], params), [])
         else:
             failed = False
             for i, r in enumerate(llm.generate(prompts, params)):

@@ -5249,6 +5249,50 @@ def test_cli_chat_stdin_closed_unreadable_or_not_utf8(tmp_path, capsys, monkeypa
     assert code == 0 and out == "ok\n" and err == "" and prompts == ["caf\ufffd"]
 
 
+def test_cli_chat_ctrl_c_stops_the_answer_not_the_conversation(tmp_path, capsys, monkeypatch):
+    """A typed --chat: Ctrl-C during an answer stops it, its request freed, and the next turn
+    goes on with the answer as far as it was shown; Ctrl-C at the prompt still ends the chat
+    (status 130), as it does any Ctrl-C with the turns piped in; --stats follow the answers that
+    finished. Catches: was the end of the whole conversation (status 130) for a Ctrl-C meant
+    to stop one long answer."""
+    path = tiny_tokenizer_dir(tmp_path / "m")
+    config = llama_config(vocab_size=258)
+    write_checkpoint(path, config, llama_tensors(config))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"}))
+    real_step, real_stream, steps, prompts, engines = LLM._step, LLM.stream, [], [], []
+
+    def step(self):   # a Ctrl-C in the first answer's third step
+        steps.append(None)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    def stream(self, prompt, params):
+        engines.append(self)
+        prompts.append(self.tokenizer.decode(prompt))
+        return real_stream(self, prompt, params)
+    monkeypatch.setattr(LLM, "_step", step)
+    monkeypatch.setattr(LLM, "stream", stream)
+
+    class Typed(io.StringIO):
+        def isatty(self):
+            return True
+    for stdin, code_expected in ((Typed("Hi\nGo on\n"), 0), (io.StringIO("Hi\nGo on\n"), 130)):
+        steps.clear(), prompts.clear()
+        monkeypatch.setattr(sys, "stdin", stdin)
+        code, out, err = run_cli(capsys, "--model", str(path), "--chat", "--max-tokens", "4", "--ignore-eos", "--stats")
+        assert code == code_expected
+        if code == 130:   # piped: it ends, as before
+            assert len(prompts) == 1 and err.endswith("nanopaged: interrupted\n")
+            continue
+        first, second = out.removeprefix("> ").split("\n> ")[:2]
+        assert len(prompts) == 2 and prompts[0] == "[user]Hi" and first
+        assert err.count("time to first token") == 1   # the second answer's stats: the first was never reported
+        assert prompts[1] == f"[user]Hi[assistant]{first}[user]Go on" and len(second) > 0
+        assert_nothing_leaked(engines[-1])
+
+
 def test_cli_says_which_flags_greedy_ignores(capsys, smollm2_dir):
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "1",
                              "--seed", "3", "--top-p", "0.5", "--min-p", "0.1", "--n", "2")
