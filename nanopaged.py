@@ -747,13 +747,14 @@ class Stats:
     prefix_query_tokens: int = 0
 
     def summary(self, num_blocks: int) -> str:
-        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+        # (a mean of none, "n/a": no request had a first token, or a second one to time)
+        ms = lambda xs: f"{1000 * sum(xs) / len(xs):9.1f} ms (mean)" if xs else f"{'n/a':>9}"  # noqa: E731
         per_s = lambda n: n / self.elapsed if self.elapsed else float("nan")  # noqa: E731
         waste = 100 * (1 - self.filled_slots / self.allocated_slots) if self.allocated_slots else 0.0
         hit = 100 * self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
         return "\n".join([
-            f"time to first token   {1000 * mean(self.ttfts):9.1f} ms (mean)",
-            f"time per output token {1000 * mean(self.tpots):9.1f} ms (mean)",
+            f"time to first token   {ms(self.ttfts)}",
+            f"time per output token {ms(self.tpots)}",
             f"throughput            {per_s(self.output_tokens):9.1f} output tok/s, "
             f"{per_s(self.prompt_tokens + self.output_tokens):.1f} total tok/s "
             f"({self.output_tokens} output + {self.prompt_tokens} prompt tokens in {self.elapsed:.2f} s, "
@@ -972,6 +973,11 @@ class LLM:
             if beams * self.scheduler.blocks_at_most(limit) > self.pool.num_blocks:
                 limit = min(limit, self.pool.num_blocks // beams * self.pool.block_size)
             room = limit - len(ids)
+            if room < 1 and limit == self.max_model_len:   # (the scheduler would name a max_tokens never given)
+                raise ValueError(f"prompt ({len(ids)} tokens) leaves no room for an output token in the "
+                                 f"context served, max_model_len = {limit} tokens")
+            # (short of the pool, one token: under a sliding window the prompt may still fit, since
+            # its blocks before the window are dropped; else the scheduler says what the pool lacks)
             params.max_tokens = max(min(params.max_tokens or room, room), 1)
         need = beams * self.scheduler.blocks_at_most(len(ids) + params.max_tokens)
         if params.beam and need > self.pool.num_blocks:

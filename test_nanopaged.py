@@ -4534,11 +4534,16 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
     assert "".join(small.stream([5] * 50, up_to)) == small.get_tokenizer().decode(out[0].outputs[0].token_ids)
     cut = small.generate(list(range(1, 101)), SamplingParams(max_tokens=None, truncate_prompt_tokens=-1))[0]
     assert cut.prompt_token_ids == list(range(38, 101)) and len(cut.outputs[0].token_ids) == 1
-    with pytest.raises(ValueError, match=r"prompt \(64 tokens\) \+ max_tokens \(1\) = 65 exceeds"):
+    # a prompt that fills the context: said so (not a "max_tokens (1)" the caller never gave)
+    with pytest.raises(ValueError, match=r"prompt \(64 tokens\) leaves no room for an output token in the "
+                                         r"context served, max_model_len = 64 tokens$"):
         small.generate([5] * 64, up_to)
     # ... or up to what the whole KV pool holds, where that is less (4 blocks of 16 slots)
     tiny_pool = LLM(model_dir, load_format="dummy", num_blocks=4, block_size=16)
     assert len(tiny_pool.generate([5] * 10, up_to)[0].outputs[0].token_ids) == 54
+    with pytest.raises(ValueError, match=r"prompt \+ max_tokens = 65 tokens needs 5 KV blocks, but the whole pool has 4"):
+        tiny_pool.generate([5] * 64, up_to)
+    assert_nothing_leaked(tiny_pool)
     with pytest.raises(ValueError, match="max_tokens=None .* is resolved by LLM"):   # (the scheduler alone)
         tiny_pool.scheduler.add("x", [5], up_to)
     (model_dir / "generation_config.json").write_text(json.dumps({"temperature": -1}))
@@ -5109,6 +5114,10 @@ def test_stats_of_requests_stepped_by_hand(llm):
     s = llm.stats
     assert s.output_tokens == 4 and s.steps == 4 and s.elapsed > 0
     assert "nan" not in s.summary(llm.pool.num_blocks)
+    # one output token each: no time per output token to show (it was "nan ms")
+    llm.reset_stats()
+    llm.generate(["Water boils at", "Ice melts at"], greedy(1))
+    assert "time per output token       n/a\n" in llm.stats.summary(llm.pool.num_blocks)
 
 
 def test_stats_and_kv_waste(llm):
