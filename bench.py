@@ -773,6 +773,13 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
     args = ap.parse_args(argv)
+    # These measure a workload of their own (the default model's loading, no model at all, or,
+    # dtype, each of the three dtypes): a --model or --dtype given them would go unmeasured.
+    own = {"load", "attention", "scheduler", "kernel"}
+    for flag, given, ignored_by in (("--model", args.model is not None, own),
+                                    ("--dtype", args.dtype != "float32", own | {"dtype"})):
+        if given and args.which in ignored_by:
+            ap.error(f"{flag} is not for '{args.which}', which measures a workload of its own")
     status = 0
     try:
         for name, fn in BENCHES.items():

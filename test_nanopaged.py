@@ -5371,13 +5371,21 @@ def test_cli_says_which_longrope_factors_it_takes(tmp_path, capsys):
 
 def test_bench_refuses_bad_arguments_in_one_line(tmp_path, capsys):
     """bench.py, which the README invites to run: a count below 1 is argparse's one line, and a
-    model or dtype the engine refuses is the engine's, status 2. Catches: were a StatisticsError
-    traceback (a median of no timings) and the ModelError's."""
+    model or dtype the engine refuses is the engine's, status 2; one a benchmark of its own
+    workload would ignore is refused. Catches: were a StatisticsError traceback (a median of no
+    timings), the ModelError's, and `load --model X` timing the default model."""
     import bench
     for argv in (["beam", "--repeats", "0"], ["scheduler", "--steps", "-1"], ["engine", "--runs", "0"]):
         with pytest.raises(SystemExit) as exit_:
             bench.main(argv)
         assert exit_.value.code == 2 and "must be an integer >= 1" in capsys.readouterr().err
+    # a flag the benchmark would ignore (it measures its own workload): said, not measured without
+    for argv, flag in ((["load", "--model", str(tmp_path)], "--model"), (["attention", "--dtype", "bfloat16"], "--dtype"),
+                       (["dtype", "--dtype", "float16"], "--dtype")):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(argv)
+        assert exit_.value.code == 2
+        assert f"{flag} is not for '{argv[0]}', which measures a workload of its own" in capsys.readouterr().err
     for argv, why in ((["beam", "--model", str(tmp_path / "none")], "no such directory"),
                       (["prefix", "--dtype", "int8"], "unsupported dtype 'int8'")):
         assert bench.main(argv) == 2
