@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import numpy as np
 import regex  # tiktoken's own dependency: \p{L} and friends, as its patterns use
@@ -1002,13 +1003,23 @@ class Tokenizer:
                 raise ValueError(f"{name} must be a list of dicts (JSON objects), got {reprlib.repr(value)}")
         if "messages" in template_vars:
             raise ValueError("template variable messages is set by apply_chat_template itself")
+        if any(isinstance(m.get("content"), list) for m in messages):
+            # content parts, as vLLM hands them over: kept for a template that loops over them,
+            # else joined into one text; and joined for a tool's result, which templates print
+            # as a string, loops or not
+            loops = _loops_over_content(template)
+            messages = [m if loops and m["role"] != "tool" else _join_parts(m) for m in messages]
         if continue_final_message:
-            final = messages[-1].get("content")
+            content = messages[-1].get("content")
+            # (parts: the last one goes on, as in HF)
+            final = content[-1]["text"] if isinstance(content, list) and content else content
             if not isinstance(final, str):
                 raise ValueError("continue_final_message needs a last message with text to go on with")
             # HF's way: mark where the last message ends, render, and cut the text there (the
             # template's own end-of-turn token, and all after it, fall away).
-            messages[-1] = messages[-1] | {"content": final + CONTINUE_MARK}
+            marked = final + CONTINUE_MARK
+            messages[-1] = messages[-1] | {"content": content[:-1] + [{"type": "text", "text": marked}]
+                                           if isinstance(content, list) else marked}
         try:
             text = _render_bounded(_compile_chat_template(template),   # (one dict: a variable may be named "self")
                                    self.template_tokens | template_vars | dict(
@@ -1056,21 +1067,73 @@ def _check_messages(conversation) -> list[dict]:
     dicts, each with a string role (and content, unless an assistant's message calls tools),
     less the keys whose value is None (OpenAI's API sends content=None, tool_calls=None,
     which templates test for with `is defined` or `in`), and an assistant's reasoning under
-    all three names templates read it by."""
+    all three names templates read it by. Content may be a list of text parts, as in OpenAI's
+    API (apply_chat_template joins them for a template that reads content as a string)."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"a conversation is a user turn (a string) or a non-empty list of messages, "
                          f"got {reprlib.repr(conversation)}")
     messages = []
     for i, m in enumerate(conversation):
+        content = m.get("content") if isinstance(m, dict) else None
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and (
-                isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))):
-            raise ValueError(f'message {i} must be a dict with a string "role" and "content", got {reprlib.repr(m)}')
+                isinstance(content, (str, list, tuple)) or (content is None and m.get("tool_calls")))):
+            raise ValueError(f'message {i} must be a dict with a string "role" and "content" (a string, or a '
+                             f'list of parts), got {reprlib.repr(m)}')
         m = {key: value for key, value in m.items() if value is not None}
+        if isinstance(content, (list, tuple)):
+            m["content"] = [_text_part(i, j, part) for j, part in enumerate(content)]
         reasoning = next((m[key] for key in REASONING_FIELDS if key in m), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         messages.append(m)
     return messages
+
+
+def _text_part(i: int, j: int, part) -> dict:
+    """Part j of message i's content, as OpenAI's API writes a text part: {"type": "text",
+    "text": ...}, or a bare string (vLLM takes one as a text part). Other parts (image_url,
+    input_audio...) are refused: nanopaged is text-only."""
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    kind = part.get("type") if isinstance(part, dict) else None
+    if not isinstance(kind, str):
+        raise ValueError(f'message {i}, content part {j} must be a string or a dict with a string "type", '
+                         f'got {reprlib.repr(part)}')
+    if kind != "text":
+        raise ValueError(f"message {i}, content part {j} is of type {kind!r}: nanopaged is text-only, and takes "
+                         f'text parts ({{"type": "text", "text": ...}}) or strings')
+    if not isinstance(part.get("text"), str):
+        raise ValueError(f'message {i}, content part {j} (type "text") must have a string "text", got {reprlib.repr(part)}')
+    return {"type": "text", "text": part["text"]}
+
+
+def _join_parts(message: dict) -> dict:
+    """The message with its content parts joined into one text, a line break between two
+    (as vLLM joins them for a template that reads content as a string)."""
+    if not isinstance(message.get("content"), list):
+        return message
+    return message | {"content": "\n".join(part["text"] for part in message["content"])}
+
+
+@functools.lru_cache(maxsize=8)   # parsed once per template text
+def _loops_over_content(template: str) -> bool:
+    """Whether the template loops over a message's content ({% for item in message['content'] %},
+    as Gemma 3's, Llama 4's and Qwen 2-VL's do): such a template reads content as a list of
+    parts (vLLM's "openai" content format), any other as a string. Found as vLLM finds it, in
+    the parsed template, looking through filters and slices (message.content | list); where
+    vLLM asks for the content of a loop's message over `messages`, any value's content counts
+    here (a macro's argument's too)."""
+    tree = _compile_chat_template(template).environment.parse(template)
+    for loop in tree.find_all(jinja2.nodes.For):
+        seq = loop.iter
+        while isinstance(seq, (jinja2.nodes.Filter, jinja2.nodes.Test)) or (
+                isinstance(seq, jinja2.nodes.Getitem) and isinstance(seq.arg, jinja2.nodes.Slice)):
+            seq = seq.node
+        if (isinstance(seq, jinja2.nodes.Getattr) and seq.attr == "content") or (
+                isinstance(seq, jinja2.nodes.Getitem) and isinstance(seq.arg, jinja2.nodes.Const)
+                and seq.arg.value == "content"):
+            return True
+    return False
 
 
 class _GenerationTag(jinja2.ext.Extension):

@@ -1899,6 +1899,21 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path):
         load_tokenizer(path).apply_chat_template([{"role": "user", "content": "Hi"}])
 
 
+
+def test_chat_takes_content_parts(llm):
+    """vLLM's chat takes OpenAI's content parts: the default model's template reads content as
+    a string, so text parts render as their text joined, and generate the same tokens."""
+    as_text = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hi\nthere"}]
+    as_parts = [as_text[0], {"role": "user", "content": [{"type": "text", "text": "Hi"}, "there"]}]
+    want, got = llm.chat(as_text, greedy(4))[0], llm.chat(as_parts, greedy(4))[0]
+    assert (got.prompt, got.prompt_token_ids) == (want.prompt, want.prompt_token_ids)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(ValueError, match="conversation 1: message 1, content part 0 is of type 'image_url': nanopaged "
+                                         "is text-only"):
+        llm.chat([as_text, [as_text[0], {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]])
+    assert_nothing_leaked(llm)
+
+
 QWEN_STYLE_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' }}{%- for tool in tools %}{{- tool | tojson }}"
     "{{- '\\n' }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
@@ -1984,6 +1999,54 @@ def test_chat_template_options_render_as_transformers_renders_them(tmp_path):
         with pytest.raises(ValueError, match=r"^tokenizer_config.json lists chat templates 'rag', 'tool_use', none "
                                              r"named 'default': name the one to use \(chat_template=\.\.\.\)$"):
             named.apply_chat_template(conversation)
+
+
+# Gemma 3's way with content: a string, or a list of parts it loops over
+GEMMA_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message.role }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_chat_content_as_a_list_of_text_parts(tmp_path):
+    """OpenAI's content parts, as vLLM takes them: a template that reads content as a string
+    gets the text parts joined with a line break; one that loops over content gets the list
+    (the Gemma-style texts are transformers 5.24's renderings of it); other parts are refused."""
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path))
+    chatml = functools.partial(tok.apply_chat_template, chat_template=QWEN_STYLE_TEMPLATE)
+    hi = [{"role": "user", "content": "Hi"}]
+    assert chatml([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]) == chatml(hi)
+    assert chatml([{"role": "user", "content": ("Hi",)}]) == chatml(hi)   # (a bare string is a text part)
+    two = [{"role": "system", "content": "Be brief."},
+           {"role": "user", "content": [{"type": "text", "text": "Hi "}, "there", {"type": "text", "text": ""}]}]
+    assert chatml(two) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi \nthere\n<|im_end|>\n"
+                           "<|im_start|>assistant\n")
+    gemma = functools.partial(tok.apply_chat_template, chat_template=GEMMA_STYLE_TEMPLATE, bos_token="<bos>")
+    assert gemma(two) == ("<bos><start_of_turn>system\nBe brief.<end_of_turn>\n<start_of_turn>user\nHithere"
+                          "<end_of_turn>\n<start_of_turn>model\n")
+    filtered = "{% for p in messages[-1].content | list %}[{{ p.text }}]{% endfor %}"
+    assert tok.apply_chat_template(two, chat_template=filtered) == "[Hi ][there][]"   # (found through a filter)
+    # a tool's result is joined for any template, as vLLM joins it; an answer begun in parts goes on
+    called = [{"role": "tool", "content": [{"type": "text", "text": "sunny"}, "warm"]}]
+    assert tok.apply_chat_template(called, chat_template="{% for m in messages %}{% for p in m.content %}"
+                                   "{% endfor %}{{ m.content }}{% endfor %}") == "sunny\nwarm"
+    begun = hi + [{"role": "assistant", "content": [{"type": "text", "text": "It "}, {"type": "text", "text": "is "}]}]
+    assert gemma(begun, add_generation_prompt=False, continue_final_message=True) == (
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>assistant\nItis")
+    assert chatml(begun, add_generation_prompt=False, continue_final_message=True).endswith("assistant\nIt \nis ")
+    assert two[1]["content"][1] == "there"   # (the caller's messages are left as they were)
+    for content, message in [
+            ([{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": "x.png"}}],
+             "message 0, content part 1 is of type 'image_url': nanopaged is text-only"),
+            ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], "of type 'input_audio'"),
+            ([{"text": "Hi"}], 'content part 0 must be a string or a dict with a string "type"'),
+            ([7], 'content part 0 must be a string or a dict with a string "type"'),
+            ([{"type": "text", "text": None}], 'content part 0 \\(type "text"\\) must have a string "text"'),
+            ({"type": "text", "text": "Hi"}, 'message 0 must be a dict with a string "role" and "content"')]:
+        for render in (chatml, gemma):
+            with pytest.raises(ValueError, match=message):
+                render([{"role": "user", "content": content}])
 
 
 @pytest.mark.parametrize("template, message", [
