@@ -972,7 +972,7 @@ class Tokenizer:
     def apply_chat_template(self, conversation, /, add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, tools: list[dict] | None = None,
                             documents: list[dict] | None = None, chat_template: str | None = None,
-                            **template_vars) -> str:
+                            tokenize: bool = False, **template_vars) -> str | list[int]:
         """The prompt an instruct model expects: its chat template rendered with the
         conversation and, by default, the assistant's turn opened. `conversation` is one user
         turn (a string) or, as in HF, a list of messages such as {"role": "system", "content":
@@ -980,13 +980,16 @@ class Tokenizer:
         model without a chat template. The rest as in HF: `continue_final_message` leaves the
         last message open for the model to go on with (an answer begun for it); `tools` (JSON
         schemas) and `documents` are shown to the template; `chat_template` replaces the
-        model's (a template, or the name of one of the model's named templates); other keyword
-        arguments are the template's own variables, such as Qwen 3's enable_thinking=False.
-        Bad input, or a template that fails, raises ValueError."""
+        model's (a template, or the name of one of the model's named templates); `tokenize`
+        returns the text's token ids (encode_chat) in its place; other keyword arguments are
+        the template's own variables, such as Qwen 3's enable_thinking=False. Bad input, or a
+        template that fails, raises ValueError."""
+        if not isinstance(tokenize, bool):
+            raise ValueError(f"tokenize must be True or False, got {tokenize!r}")
         template = self._pick_template(chat_template, tools)
         if isinstance(conversation, str):
-            if template is None:
-                return conversation
+            if template is None:   # (no template wrote a BOS: the ids a plain prompt has)
+                return self.encode(conversation) if tokenize else conversation
             conversation = [{"role": "user", "content": conversation}]
         messages = _check_messages(conversation)
         if template is None:
@@ -1035,7 +1038,13 @@ class Tokenizer:
                                  "continue_final_message cannot go on with it")
             # a template that strips the message took the space after it too (HF's rule)
             text = text[:end] if text.startswith(CONTINUE_MARK, end) else text[:end].rstrip()
-        return text
+        return self.encode_chat(text) if tokenize else text
+
+    def encode_chat(self, text: str) -> list[int]:
+        """The token ids of a rendered chat template, encoded without adding special tokens
+        (the template wrote the ones it wants, a BOS among them: adding one would make two),
+        as HF and vLLM encode it."""
+        return self.encode(text, add_special_tokens=False)
 
     @property
     def has_chat_template(self) -> bool:

@@ -1534,6 +1534,8 @@ class LLM:
         if chat_template_kwargs is not None and not (isinstance(chat_template_kwargs, dict)
                                                      and all(isinstance(k, str) for k in chat_template_kwargs)):
             raise ValueError(f"chat_template_kwargs must be a dict with string keys, got {chat_template_kwargs!r}")
+        if "tokenize" in (chat_template_kwargs or {}):   # (vLLM refuses it too)
+            raise ValueError("chat_template_kwargs cannot set tokenize: chat() encodes the rendered text itself")
         # as vLLM merges them: chat_template_kwargs may also set the named options
         options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, tools=tools) | (chat_template_kwargs or {})
@@ -1943,11 +1945,10 @@ def _pick_kernels(backend: str, device, cfg, block_size: int, dtype: torch.dtype
 
 def render_chat(tokenizer, conversation, /, **options) -> tuple[str, list[int]]:
     """A conversation as an instruct model reads it: the text its chat template renders (with
-    apply_chat_template's options), and that text's token ids, encoded without adding special
-    tokens (the template wrote the ones it wants, a BOS among them: adding one would make
-    two), as HF and vLLM do."""
+    apply_chat_template's options), and that text's token ids (the tokenizer's encode_chat:
+    no special tokens added, as HF and vLLM encode it)."""
     text = tokenizer.apply_chat_template(conversation, **options)
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return text, tokenizer.encode_chat(text)
 
 
 def _check_request_id(request_id):

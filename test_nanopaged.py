@@ -1911,6 +1911,9 @@ def test_chat_takes_content_parts(llm):
     with pytest.raises(ValueError, match="conversation 1: message 1, content part 0 is of type 'image_url': nanopaged "
                                          "is text-only"):
         llm.chat([as_text, [as_text[0], {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]])
+    # (vLLM refuses it too: chat() encodes the text itself)
+    with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize"):
+        llm.chat(as_text, greedy(4), chat_template_kwargs={"tokenize": True})
     assert_nothing_leaked(llm)
 
 
@@ -2047,6 +2050,22 @@ def test_chat_content_as_a_list_of_text_parts(tmp_path):
         for render in (chatml, gemma):
             with pytest.raises(ValueError, match=message):
                 render([{"role": "user", "content": content}])
+
+
+def test_apply_chat_template_tokenize():
+    """tokenize=True: the ids render_chat (chat(), the CLI) generates from, with no special
+    tokens added (the template wrote what it wants); was a template variable, and a string came back."""
+    tok = load_tokenizer(TESTDATA / "llama3_tokenizer")   # (its post-processor adds a BOS)
+    conversation = [{"role": "user", "content": "Hi"}]
+    text, ids = render_chat(tok, conversation, chat_template=QWEN_STYLE_TEMPLATE)   # (a template with no BOS)
+    assert tok.apply_chat_template(conversation, chat_template=QWEN_STYLE_TEMPLATE, tokenize=True) == ids
+    assert ids == tok.encode(text)[1:] and tok.encode(text)[0] == tok.encode("")[0]
+    assert tok.apply_chat_template(conversation, chat_template=QWEN_STYLE_TEMPLATE, tokenize=False) == text
+    # no template: the text comes back as it was given, and its ids are a plain prompt's (a BOS added)
+    assert tok.apply_chat_template("Hi", tokenize=True) == tok.encode("Hi") != tok.encode_chat("Hi")
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match=f"tokenize must be True or False, got {bad!r}"):
+            tok.apply_chat_template(conversation, chat_template=QWEN_STYLE_TEMPLATE, tokenize=bad)
 
 
 @pytest.mark.parametrize("template, message", [
