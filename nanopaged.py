@@ -2086,7 +2086,8 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
             raise ValueError(f"--chat cannot read its turns from stdin: {e.strerror or e}") from None
         if not line.strip():
             continue
-        conversation.append({"role": "user", "content": line})
+        # a CRLF line end (turns written on Windows) is a line end: its \r is not the turn's text
+        conversation.append({"role": "user", "content": line.removesuffix("\r")})
         ids = render_chat(llm.tokenizer, conversation)[1]   # (a template that fails: main's error, exit 2)
         try:
             pieces = llm.stream(ids, params)

@@ -5316,7 +5316,8 @@ def test_cli_chat_stdin_closed_unreadable_or_not_utf8(tmp_path, capsys, monkeypa
     """--chat with stdin closed (<&-: sys.stdin is None) or unreadable (0>file: EBADF) is one
     error line and status 2; bytes that are no UTF-8 read as U+FFFD in any locale, as a
     --prompt's do. Catches: was an AttributeError traceback (sys.stdin.isatty()), an OSError one
-    out of input(), and, in a UTF-8 locale (strict), a UnicodeDecodeError that ended the chat."""
+    out of input(), and, in a UTF-8 locale (strict), a UnicodeDecodeError that ended the chat;
+    a CRLF line end's \r kept in the turn."""
     path = tiny_tokenizer_dir(tmp_path / "m")
     config = llama_config(vocab_size=258)
     write_checkpoint(path, config, llama_tensors(config))
@@ -5338,6 +5339,11 @@ def test_cli_chat_stdin_closed_unreadable_or_not_utf8(tmp_path, capsys, monkeypa
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8", errors="strict"))
     code, out, err = run_cli(capsys, "--model", str(path), "--chat")
     assert code == 0 and out == "ok\n" and err == "" and prompts == ["caf\ufffd"]
+    # CRLF line ends (a file from Windows; sys.stdin keeps the \r, as newline="\n" does): no \r in a turn
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hi\r\n"), encoding="utf-8", newline="\n"))
+    prompts.clear()
+    code, out, err = run_cli(capsys, "--model", str(path), "--chat")
+    assert code == 0 and out == "ok\n" and prompts == ["Hi"]
 
 
 def test_cli_chat_ctrl_c_stops_the_answer_not_the_conversation(tmp_path, capsys, monkeypatch):
