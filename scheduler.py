@@ -796,8 +796,8 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict) -> dict:
         """Record the step: the scheduled tokens are now in the cache, and sampled[seq] lists
         the tokens picked for a sequence: one; or k > 1, where it forks (a request's first
-        sampling with n > 1, a beam that several of the best candidates continue), token j
-        going to its j-th child; or none, a beam that fell out of its beam search, dropped.
+        sampling with n > 1, a beam that several of the best candidates continue), token 0
+        its own, token j its j-th child; or none, a beam that fell out of its search, dropped.
         Returns {sequence: its new children}. The step's commit point is update()'s last
         line: until then rollback() preempts the step's sequences, which is sound for an
         update() cut short while it counts computed tokens (the prefix cache then holds only
