@@ -1305,7 +1305,8 @@ class LLM:
                 continue
             p = req["params"]
             eos = set() if p.ignore_eos else self.scheduler.eos_token_ids
-            candidates, ended = [], []   # (cumulative logprob, beam, token, its candidates)
+            # candidates: (cumulative logprob, beam, token, its candidates); ended: as req["done"]
+            candidates, ended = [], []
             for seq in sorted(live, key=lambda q: q.sample_index):
                 cum, history = req["beams"][seq]
                 for token, lp in ready[seq]:
