@@ -738,7 +738,7 @@ class Stats:
     ttfts: list = field(default_factory=list)
     tpots: list = field(default_factory=list)
     peak_blocks_used: int = 0
-    peak_running: int = 0
+    peak_running: int = 0      # (not in the summary: bench.py's memory comparison reads it)
     allocated_slots: int = 0   # summed over steps, per sequence: blocks held x block_size
     filled_slots: int = 0      # ... and slots actually holding a token
     preemptions: int = 0
