@@ -4,6 +4,7 @@
     if ops is None: print(unavailable_reason())
     out = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                               query_start_loc, scale, max_query_len, max_seq_len,
+                              window=0,           # 0: no sliding window
                               partition_size=0)   # 0: the planner picks the split-K cut
     ops.describe_plan(...)          # how a call would be cut into CTAs (tests, bench)
     ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -17,9 +18,10 @@ query_start_loc that contradict the tensors are made harmless in the kernel, but
 ids are trusted to lie in [0, num_blocks), as the engine's BlockPool hands them out (but
 for the entries wholly before every query's sliding window, which may be -1, dropped:
 the kernel never reads those).
-torch.utils.cpp_extension.load() compiles both with nvcc and ninja and caches the
-result under ~/.cache/nanopaged/kernels (or $NANOPAGED_CACHE/kernels); it
-rebuilds only when a source or flag changes.
+torch.utils.cpp_extension.load() compiles both with ninja (kernels.cu with nvcc, the
+binding with the host C++ compiler) and caches the result under
+~/.cache/nanopaged/kernels (or $NANOPAGED_CACHE/kernels); it rebuilds only when a source
+or flag changes.
 
     python build_ext.py --check   # nvcc-only compile for sm_80 and sm_90, warnings
                                   # as errors, a registers/smem/spills table; then the
