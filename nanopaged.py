@@ -1096,7 +1096,8 @@ class LLM:
             with torch.inference_mode():
                 logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S + R, vocab)
             due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]   # one row each
-            finite = logits.sum(dim=-1, dtype=torch.float32).isfinite().tolist()   # (S + R,) NaN or inf: not finite
+            # (S + R,): a NaN or inf anywhere in a row makes its sum not finite (no (S + R, vocab) mask)
+            finite = logits.sum(dim=-1, dtype=torch.float32).isfinite().tolist()
             sampled, broken = self._sample(due, logits[:len(due)], finite)   # (rows past these score prompts)
             beams, broken_beams, beam_plan = self._beam_step(due, logits[:len(due)], finite)
             token_logprobs, prompt_logprobs, broken_prompts = self._logprobs(due, logits, finite, sampled, prompt_rows)
