@@ -1954,8 +1954,8 @@ def render_chat(tokenizer, conversation, /, **options) -> tuple[str, list[int]]:
 
 
 def _check_request_id(request_id):
-    """A request id is a dict key: anything hashable that equals itself (a NaN is found
-    in no list of ids: its beams would never be matched to it)."""
+    """A request id is a dict key: anything hashable that equals itself (a NaN equals
+    nothing, itself included: its beams, matched to it by ==, never would be)."""
     try:
         hash(request_id)
     except TypeError:
