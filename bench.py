@@ -3,10 +3,12 @@ bench.py: nanopaged's benchmarks, measured, never asserted. Each prints a table;
 README quotes them with the command that produced them.
 
   python bench.py load        loading the default model: first run (conversion) and later runs
-  python bench.py attention   paged attention on the CPU: fast path vs reference vs contiguous SDPA
+  python bench.py attention   paged attention on the CPU: fast path vs reference vs contiguous SDPA vs
+                              the decode rows on kernels_cpu.c
   python bench.py scheduler   the scheduler's own time per step, no model: 256 running sequences; and one
                               decoding under a window of 4,096 while a 32k-token request waits
   python bench.py engine      the 64-request offline workload (+ transformers side by side), memory report
+  python bench.py backends    the same workload on attn_backend "torch" and "cpu" (kernels_cpu.c), in turns
   python bench.py prefix      a ~1,000-token shared system prompt: TTFT with prefix caching on vs off
   python bench.py parallel    n = 4 parallel sampling: KV blocks with copy-on-write vs without sharing
   python bench.py preempt     a pool too small for the workload: preemption by recomputing vs by swapping
@@ -123,6 +125,7 @@ def bench_attention(args):
 
     torch.testing.assert_close(contiguous_sdpa().reshape(B, H, D),
                                paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale))
+    kernel = build_ext.load_cpu_kernels()
     variants = [
         ("contiguous SDPA (no paging, padded)", contiguous_sdpa),
         ("paged fast path (plan per call)",
@@ -132,6 +135,15 @@ def bench_attention(args):
         (f"  same, sliding window of {window} positions",
          lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window, plan=window_plan)),
     ]
+    if kernel is None:
+        print(f"(no row for kernels_cpu.c: {build_ext.cpu_unavailable_reason()})")
+    else:
+        # the engine's "cpu" backend: a plan without the decode gathers, the kernel reading the blocks
+        kernel_plan = AttentionPlan(tables, seq_lens, qsl, bs, gather_decodes=False)
+        torch.testing.assert_close(contiguous_sdpa().reshape(B, H, D), paged_attention(
+            q, k_cache, v_cache, tables, seq_lens, qsl, scale, plan=kernel_plan, decode_kernel=kernel))
+        variants.append(("paged, decode rows on kernels_cpu.c", lambda: paged_attention(
+            q, k_cache, v_cache, tables, seq_lens, qsl, scale, plan=kernel_plan, decode_kernel=kernel)))
     rows = list(zip([name for name, _ in variants], median_times([fn for _, fn in variants], args.repeats)))
     rows.append(("paged reference (online softmax, loops)", median_times(
         [lambda: paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale)], 1, 0)[0]))
@@ -270,6 +282,32 @@ def bench_engine(args):
                         (f"the workload's longest request ({max_len} tokens) per request", budget // max_len),
                         ("each request's exact final length (an oracle)", oracle)):
         print(f"  {label:58s} {fits:3d} requests: paged holds {stats.peak_running / max(fits, 1):5.1f}x more")
+
+
+def bench_backends(args):
+    """The offline workload on the CPU's two attention backends, in turns, a fresh engine
+    each time: "torch" (every sequence's blocks gathered for SDPA) and "cpu" (the decode rows
+    on kernels_cpu.c, reading the blocks in place; the default where it builds)."""
+    from nanopaged import LLM
+    if build_ext.load_cpu_kernels() is None:
+        raise ValueError(f"kernels_cpu.c is not available: {build_ext.cpu_unavailable_reason()}")
+    walls = {"torch": [], "cpu": []}
+    for run in range(args.runs):
+        for backend in walls:
+            llm = LLM(args.model, dtype=args.dtype, attn_backend=backend)
+            llm.generate([[17] * 64] * 2, SamplingParams(temperature=0, max_tokens=4))  # warm up, sharing nothing
+            prompts, params = offline_workload(llm.config.vocab_size)
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            walls[backend].append(time.perf_counter() - start)
+        print(f"run {run + 1}: torch {walls['torch'][-1]:.1f} s, cpu {walls['cpu'][-1]:.1f} s: "
+              f"{walls['torch'][-1] / walls['cpu'][-1]:.2f}x")
+    n_out = sum(p.max_tokens for p in params)
+    for backend, times in walls.items():
+        wall = statistics.median(times)
+        print(f"attn_backend={backend!r}: median of {len(times)} {wall:.1f} s, {n_out / wall:.1f} output tok/s")
+    ratio = statistics.median(t / c for t, c in zip(walls["torch"], walls["cpu"]))
+    print(f"the kernel's engine is {ratio:.2f}x as fast (median of the runs' ratios)")
 
 
 def hf_generate(model_name, dtype, prompts, params):
@@ -753,7 +791,7 @@ def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
 
 BENCHES = {"load": bench_load, "attention": bench_attention, "scheduler": bench_scheduler, "engine": bench_engine,
            "prefix": bench_prefix, "parallel": bench_parallel, "preempt": bench_preempt, "beam": bench_beam, "sampling": bench_sampling, "dtype": bench_dtype,
-           "kernel": bench_kernel}
+           "backends": bench_backends, "kernel": bench_kernel}
 
 
 def count(text: str) -> int:

@@ -1,4 +1,4 @@
-"""build_ext.py — turn kernels.cu into torch ops, or say in one line why not.
+"""build_ext.py — turn kernels.cu (and kernels_cpu.c) into ops, or say in one line why not.
 
     ops = load_kernels()            # the compiled module, or None
     if ops is None: print(unavailable_reason())
@@ -34,9 +34,21 @@ or flag changes.
 load_kernels(emulate=True) builds the same kernels.cu and binding for the CPU
 emulator (see EMULATOR below): CPU tensors, no GPU, slow but exact — the tests
 run the kernels that way on every CI run.
+
+kernels_cpu.c, the CPU's decode kernel, is built apart, with the system's C compiler
+(no torch headers: about a second), and called through ctypes:
+
+    kernel = load_cpu_kernels()     # CpuKernels, or None: cpu_unavailable_reason()
+    kernel.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            seqs, scale, out, window=None, softcap=None)
+
+--check compiles it first, with warnings as errors.
 """
 
+import ctypes
+import hashlib
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -696,7 +708,7 @@ def _build(emulate: bool, archs: tuple[str, ...] | None = None, out: Path | None
         raise KernelsUnavailable(f"building kernels.cu failed: {first_error(str(e))} (log: {log})") from None
 
 
-_loaded: dict[bool, tuple] = {}  # emulate -> (ops module or None, reason or None)
+_loaded: dict = {}  # emulate (True/False) or "cpu" -> (ops or None, reason or None)
 
 
 def load_kernels(emulate: bool = False):
@@ -716,6 +728,176 @@ def unavailable_reason(emulate: bool = False) -> str | None:
     """One line saying why load_kernels() returns None; None when the kernels work."""
     load_kernels(emulate)
     return _loaded[emulate][1]
+
+
+# ----------------------------------------------------------------------------
+# the CPU decode kernel: kernels_cpu.c, compiled with the system's C compiler
+# ----------------------------------------------------------------------------
+CPU_KERNELS = HERE / "kernels_cpu.c"
+# -march=native: the library is built on the machine that runs it (and cached per CPU);
+# -fno-math-errno lets rint-like calls become instructions. Not -ffast-math: gcc links such
+# a shared library with code that flushes denormals to zero process-wide, changing torch's
+# arithmetic too. Warnings are errors in --check (CI), not on a user's machine, whose
+# compiler may warn of something new.
+CPU_CFLAGS = ["-std=c11", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+CPU_CHECK_FLAGS = ["-Wall", "-Wextra", "-Werror"]
+CPU_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}   # F32, BF16, F16 in kernels_cpu.c
+# the per-thread stack the kernel's (group, head_dim) state and a block's scores may take
+CPU_STACK_LIMIT = 256 << 10
+
+
+class DecodeArgs(ctypes.Structure):
+    """struct DecodeArgs of kernels_cpu.c, field for field (shapes there)."""
+    _fields_ = [("q", ctypes.c_void_p), ("q_stride", ctypes.c_int64),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("num_blocks", ctypes.c_int64),
+                ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int64),
+                ("seq_lens", ctypes.c_void_p), ("query_start_loc", ctypes.c_void_p),
+                ("num_seqs", ctypes.c_int64), ("num_tokens", ctypes.c_int64),
+                ("seqs", ctypes.c_void_p), ("n", ctypes.c_int64), ("out", ctypes.c_void_p),
+                ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+                ("block_size", ctypes.c_int32), ("window", ctypes.c_int32), ("dtype", ctypes.c_int32),
+                ("num_threads", ctypes.c_int32), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("bad", ctypes.c_int64)]
+
+
+# paged_decode's refusals (enum in kernels_cpu.c), as the message says them
+CPU_REFUSALS = {1: "sequence {bad} of seqs is not in the batch",
+                2: "seq_lens[{bad}] is outside 1 .. block_tables' columns x block_size",
+                3: "query_start_loc[{bad}] is not a row of q",
+                4: "block_tables[{bad}] holds a block id outside the cache, in the positions it reads",
+                5: "this compiler has no _Float16: float16 is not supported"}
+
+
+class CpuKernels:
+    """kernels_cpu.c through ctypes: decode_attention() checks the tensors (a message naming
+    the one at fault) and calls paged_decode(), which checks the values it will use to
+    index (seq_lens, query_start_loc, block ids). ctypes releases the GIL for the call."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        lib.paged_decode.argtypes = [ctypes.POINTER(DecodeArgs)]
+        lib.paged_decode.restype = ctypes.c_int
+        self.dtypes = [d for d in CPU_DTYPES if d != "float16" or lib.paged_decode_has_float16()]
+
+    def unsupported(self, dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
+        """Why a model of these shapes cannot use the kernel, or None."""
+        name = str(dtype).removeprefix("torch.")
+        if name not in self.dtypes:
+            return f"the CPU kernel is built for {', '.join(self.dtypes)}, not {name}"
+        group = num_heads // num_kv_heads
+        if 4 * (2 * group * head_dim + 2 * group + block_size) > CPU_STACK_LIMIT:
+            return (f"the CPU kernel keeps a GQA group's state on the stack: {group} heads x head_dim {head_dim} "
+                    f"with block_size {block_size} is too large")
+        return None
+
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs, scale: float,
+                         out, window: int | None = None, softcap: float | None = None):
+        """out[query_start_loc[b]] = attention of that query over sequence b's context, for
+        each b in seqs (int64, decode sequences: one query each). Other rows of out untouched."""
+        import torch
+        T, H, D = q.shape
+        checks = [("q", q, q.dtype, 3), ("k_cache", k_cache, q.dtype, 4), ("v_cache", v_cache, q.dtype, 4),
+                  ("block_tables", block_tables, torch.int32, 2), ("seq_lens", seq_lens, torch.int32, 1),
+                  ("query_start_loc", query_start_loc, torch.int32, 1), ("seqs", seqs, torch.int64, 1),
+                  ("out", out, q.dtype, 3)]
+        for name, t, dtype, dims in checks:
+            if t.device.type != "cpu" or t.dtype != dtype or t.dim() != dims:
+                raise ValueError(f"{name} must be a {dims}-d {dtype} CPU tensor, got {t.dim()}-d {t.dtype} on {t.device}")
+            if name != "q" and not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        num_blocks, block_size, kvh, _ = k_cache.shape
+        if q.stride(2) != 1 or q.stride(1) != D:
+            raise ValueError("q's heads must be contiguous (a token's row may be a view into a wider tensor)")
+        if k_cache.shape[3] != D or v_cache.shape != k_cache.shape or H % kvh:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} do not fit "
+                             f"q {tuple(q.shape)}: (num_blocks, block_size, kv heads dividing {H}, {D}) each")
+        if out.shape != q.shape:
+            raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+        if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_tables.shape[0] != seq_lens.shape[0]:
+            raise ValueError(f"seq_lens ({seq_lens.shape[0]}), query_start_loc ({query_start_loc.shape[0]}) and "
+                             f"block_tables ({block_tables.shape[0]} rows) disagree on the number of sequences")
+        reason = self.unsupported(q.dtype, H, kvh, D, block_size)
+        if reason:
+            raise ValueError(reason)
+        args = DecodeArgs(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+                          block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
+                          query_start_loc.data_ptr(), seq_lens.shape[0], T, seqs.data_ptr(), seqs.shape[0],
+                          out.data_ptr(), H, kvh, D, block_size, window or 0,
+                          CPU_DTYPES[str(q.dtype).removeprefix("torch.")], torch.get_num_threads(),
+                          scale, softcap or 0.0, 0)
+        rc = self.lib.paged_decode(ctypes.byref(args))
+        if rc:
+            raise ValueError("paged_decode refused the call: " + CPU_REFUSALS[rc].format(bad=args.bad))
+        return out
+
+
+def cpu_cache_key(cc: str) -> str:
+    """What the compiled library depends on: the source, the flags, the compiler, and the CPU
+    it was built for (-march=native; a home directory may be shared between machines)."""
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        cpu = ""
+    text = "\n".join([CPU_KERNELS.read_text(), " ".join(CPU_CFLAGS), cc, platform.machine(), platform.processor(), cpu])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def find_cc() -> str:
+    """The C compiler: $CC, else cc, else gcc."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc or not shutil.which(cc):
+        raise KernelsUnavailable(f"no C compiler found ({'$CC = ' + repr(cc) if cc else 'cc, gcc'}): "
+                                 "the CPU kernel is compiled on first use")
+    return cc
+
+
+def compile_cpu_kernels(cc: str, lib: str, extra=()) -> str:
+    """cc kernels_cpu.c into the shared library lib; the compiler's output (raises on failure)."""
+    run = subprocess.run([cc, *CPU_CFLAGS, *extra, str(CPU_KERNELS), "-o", lib, "-lm"], capture_output=True, text=True)
+    if run.returncode != 0:
+        log = build_dir() / "cpu" / "build.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(run.stdout + run.stderr)
+        raise KernelsUnavailable(f"compiling kernels_cpu.c failed: {first_error(run.stdout + run.stderr)} (log: {log})")
+    return run.stdout + run.stderr
+
+
+def _build_cpu() -> CpuKernels:
+    """Compile kernels_cpu.c (once per source, flags and CPU: cached) and load it."""
+    cc = find_cc()
+    out = build_dir() / "cpu"
+    lib = out / f"kernels_cpu-{cpu_cache_key(cc)}.so"
+    if not lib.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        # into a temporary name, then renamed: a process that finds the library finds it whole
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out)
+        os.close(fd)
+        try:
+            compile_cpu_kernels(cc, tmp)
+            os.replace(tmp, lib)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    try:
+        return CpuKernels(ctypes.CDLL(str(lib)))
+    except OSError as e:
+        raise KernelsUnavailable(f"loading {lib} failed: {e}") from None
+
+
+def load_cpu_kernels() -> CpuKernels | None:
+    """The CPU decode kernel (compiled once, then cached), or None; see cpu_unavailable_reason()."""
+    if "cpu" not in _loaded:
+        try:
+            _loaded["cpu"] = (_build_cpu(), None)
+        except KernelsUnavailable as e:
+            _loaded["cpu"] = (None, str(e))
+    return _loaded["cpu"][0]
+
+
+def cpu_unavailable_reason() -> str | None:
+    """One line saying why load_cpu_kernels() returns None; None when it works."""
+    load_cpu_kernels()
+    return _loaded["cpu"][1]
 
 
 # ----------------------------------------------------------------------------
@@ -807,7 +989,27 @@ def check_binding(nvcc_home: str, archs=CHECK_ARCHS) -> str:
             f"in {time.perf_counter() - start:.0f} s, imported, refuses a CPU tensor")
 
 
+def check_cpu() -> int:
+    """kernels_cpu.c through the C compiler with warnings as errors."""
+    try:
+        cc = find_cc()
+    except KernelsUnavailable as e:
+        print(f"cc: kernels_cpu.c not compiled: {e}")
+        return 0   # a machine without a C compiler runs the torch path; nothing to check
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        try:
+            compile_cpu_kernels(cc, str(Path(tmp) / "kernels_cpu.so"), CPU_CHECK_FLAGS)
+        except KernelsUnavailable as e:
+            print(f"build_ext --check: {e}", file=sys.stderr)
+            return 1
+    print(f"{cc}: kernels_cpu.c compiled in {time.perf_counter() - start:.1f} s, no warnings ({' '.join(CPU_CHECK_FLAGS)})")
+    return 0
+
+
 def check(archs=CHECK_ARCHS) -> int:
+    if check_cpu():
+        return 1
     home = find_cuda_home()
     if home is None:
         print("build_ext --check: nvcc not found (set CUDA_HOME)", file=sys.stderr)

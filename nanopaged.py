@@ -424,11 +424,14 @@ class AttentionPlan:
     positions some query can see are gathered, from the first query's window start on:
     a decode step of a windowed layer reads at most `window` positions, however long the
     context.
+
+    With the CPU kernel (kernels_cpu.c) the decode sequences are not gathered at all
+    (gather_decodes=False): the kernel reads their blocks in place; decode_seqs lists them.
     """
 
     DECODE_BUCKET = 8  # decode sequences per padded batch (8 measured best on a 2-core CPU)
 
-    def __init__(self, block_tables, seq_lens, query_start_loc, block_size, window=None):
+    def __init__(self, block_tables, seq_lens, query_start_loc, block_size, window=None, gather_decodes=True):
         check_window(window)
         self.window = window
         device = block_tables.device
@@ -440,8 +443,10 @@ class AttentionPlan:
         # Decode buckets: (q rows, slots (n * Lmax,) to gather, (n, 1, 1, Lmax) length mask,
         # n, Lmax) each; Lmax is the bucket's longest gather.
         decode = sorted((b for b, n in enumerate(q_lens) if n == 1), key=lambda b: lens[b] - firsts[b])
+        self.decode_seqs = torch.tensor(decode, dtype=torch.int64, device=device)   # (decodes,)
+        self.gather_decodes = gather_decodes
         self.decode_buckets = []
-        for i in range(0, len(decode), self.DECODE_BUCKET):
+        for i in range(0, len(decode) if gather_decodes else 0, self.DECODE_BUCKET):
             seqs = decode[i:i + self.DECODE_BUCKET]
             idx = torch.tensor(seqs, device=device)
             L = max(lens[b] - firsts[b] for b in seqs)
@@ -487,19 +492,26 @@ class AttentionPlan:
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=None, plan=None,
-                    softcap=None):
+                    softcap=None, decode_kernel=None):
     """The fast torch path: same inputs and result as paged_attention_ref (a plan, if given,
-    made for the same step and window)."""
+    made for the same step and window). decode_kernel: the CPU kernel
+    (build_ext.load_cpu_kernels()) for the decode rows, in place of their gather and SDPA."""
     if plan is None:
-        plan = AttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], window)
+        plan = AttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], window,
+                             gather_decodes=decode_kernel is None)
     if plan.window != window:
         raise ValueError(f"the plan was made for window {plan.window}, not {window}")
+    if decode_kernel is None and not plan.gather_decodes and len(plan.decode_seqs):
+        raise ValueError("the plan was made for the CPU kernel (gather_decodes=False): pass decode_kernel")
     T, H, D = q.shape
     kvh = k_cache.shape[2]
     group = H // kvh
     k_flat = k_cache.view(-1, kvh, D)                                  # (slots, KVH, D)
     v_flat = v_cache.view(-1, kvh, D)
     out = q.new_empty(T, H, D)
+    if decode_kernel is not None and len(plan.decode_seqs):
+        decode_kernel.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                       plan.decode_seqs, scale, out, window, softcap)
     if plan.decode_buckets and plan.workspace is None:
         plan.workspace = k_cache.new_empty(2, plan.workspace_rows, kvh, D)
     for rows, slots, mask, n, L in plan.decode_buckets:
@@ -559,16 +571,18 @@ class PagedAttention:
     (None: full attention); this writes k and v into the paged cache at the step's
     slot_mapping, then attends over each sequence's blocks (with a window, over the positions
     inside it only: the blocks wholly before it may be dropped, see BlockTable.drop_before).
-    The engine calls begin_step()
-    with the flat batch's metadata before each forward pass. The backend is chosen once:
-    "torch" (the fast torch path above) or "cuda" (kernels.cu).
+    The engine calls begin_step() with the flat batch's metadata before each forward pass.
+    The backend is chosen once: "torch" (the fast torch path above), "cpu" (the same, with
+    the decode rows on kernels_cpu.c) or "cuda" (kernels.cu).
     """
 
-    def __init__(self, pool: BlockPool, scale: float, ops=None, softcap: float | None = None):
+    def __init__(self, pool: BlockPool, scale: float, ops=None, softcap: float | None = None, decode_kernel=None):
         if ops is not None and softcap is not None:
             raise ValueError("the CUDA kernel has no softcap for the attention scores")
-        self.pool, self.scale, self.ops, self.softcap = pool, scale, ops, softcap
-        self.backend = "cuda" if ops is not None else "torch"
+        if ops is not None and decode_kernel is not None:
+            raise ValueError("attention runs on the CUDA kernel or on the CPU one, not both")
+        self.pool, self.scale, self.ops, self.softcap, self.decode_kernel = pool, scale, ops, softcap, decode_kernel
+        self.backend = "cuda" if ops is not None else "cpu" if decode_kernel is not None else "torch"
 
     def begin_step(self, slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len):
         self.slot_mapping, self.block_tables = slot_mapping, block_tables
@@ -586,9 +600,11 @@ class PagedAttention:
         write_kv(k_cache, v_cache, k, v, self.slot_mapping)
         if window not in self.plans:
             self.plans[window] = AttentionPlan(self.block_tables, self.seq_lens, self.query_start_loc,
-                                               self.pool.block_size, window)
-        return paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
-                               self.query_start_loc, self.scale, window, plan=self.plans[window], softcap=self.softcap)
+                                               self.pool.block_size, window,
+                                               gather_decodes=self.decode_kernel is None)
+        return paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.query_start_loc,
+                               self.scale, window, plan=self.plans[window], softcap=self.softcap,
+                               decode_kernel=self.decode_kernel)
 
     def copy_blocks(self, copies):
         """Copy-on-write's block copies, in every layer, before the forward pass reads them."""
@@ -814,10 +830,10 @@ class LLM:
             None if value is None else int(value) for value in sizes.values())
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
-        if attn_backend not in ("auto", "torch", "cuda"):
-            raise ValueError(f"unknown attn_backend {attn_backend!r}: use auto, torch or cuda")
-        if attn_backend == "cuda" and device.type != "cuda":
-            raise ValueError("attn_backend='cuda' needs device='cuda'")
+        if attn_backend not in ("auto", "torch", "cuda", "cpu"):
+            raise ValueError(f"unknown attn_backend {attn_backend!r}: use auto, torch, cuda or cpu")
+        if attn_backend in ("cuda", "cpu") and device.type != attn_backend:
+            raise ValueError(f"attn_backend={attn_backend!r} needs device={attn_backend!r}")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {load_format!r}: use auto, or dummy (random weights)")
         if preemption_mode not in ("recompute", "swap"):
@@ -888,7 +904,8 @@ class LLM:
                                    enable_prefix_caching, eos_token_ids, self.swap_pool,
                                    sliding_window=cfg.window_everywhere)
         self.attn = PagedAttention(self.pool, cfg.attn_scale, _pick_kernels(attn_backend, device, cfg, block_size, dtype),
-                                   softcap=cfg.attn_logit_softcapping)
+                                   softcap=cfg.attn_logit_softcapping,
+                                   decode_kernel=_pick_cpu_kernel(attn_backend, device, cfg, block_size, dtype))
         self.stats = Stats()
         self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
         self._to_report: dict = {}   # ids of requests run or aborted and not reported yet (an ordered set)
@@ -1945,6 +1962,21 @@ def _pick_kernels(backend: str, device, cfg, block_size: int, dtype: torch.dtype
     return ops
 
 
+def _pick_cpu_kernel(backend: str, device, cfg, block_size: int, dtype: torch.dtype):
+    """kernels_cpu.c's decode attention when it should serve the decode rows, else None."""
+    if backend not in ("auto", "cpu") or device.type != "cpu":
+        return None
+    kernel = build_ext.load_cpu_kernels()   # the first use on a machine compiles it (a second or two)
+    reason = build_ext.cpu_unavailable_reason() if kernel is None else \
+        kernel.unsupported(dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, block_size)
+    if reason is None:
+        return kernel
+    if backend == "cpu":
+        raise ValueError(f"attn_backend='cpu' is not available: {reason}")
+    print(f"nanopaged: decode attention runs on the torch path: {reason}", file=sys.stderr)
+    return None
+
+
 def render_chat(tokenizer, conversation, /, **options) -> tuple[str, list[int]]:
     """A conversation as an instruct model reads it: the text its chat template renders (with
     apply_chat_template's options), and that text's token ids (the tokenizer's encode_chat:
@@ -2051,8 +2083,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                     help="when the KV pool runs dry, the newest sequence's blocks are dropped and recomputed "
                          "later (default), or swapped to CPU memory (4 GiB of it) and copied back")
-    ap.add_argument("--attn-backend", default="auto", choices=["auto", "torch", "cuda"],
-                    help="auto (default): the CUDA kernel on a GPU where it builds, else the torch path")
+    ap.add_argument("--attn-backend", default="auto", choices=["auto", "torch", "cuda", "cpu"],
+                    help="auto (default): the CUDA kernel on a GPU where it builds; on the CPU, the torch path "
+                         "with decode attention on kernels_cpu.c where a C compiler builds it (cpu forces that)")
     ap.add_argument("--stats", action="store_true", help="print latency, throughput and KV-cache use")
     ap.add_argument("--trace", action="store_true", help="print every step's block tables and events")
     return ap

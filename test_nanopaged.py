@@ -2618,16 +2618,26 @@ def dense_attention(q, k, v, scale, window=None, softcap=None):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
+def cpu_kernel():
+    """kernels_cpu.c, compiled once per process; None only where no C compiler is found
+    (test_cpu_kernel_builds_wherever_a_c_compiler_is fails if one is found and it does not build)."""
+    return build_ext.load_cpu_kernels()
+
+
 def check_against_dense(specs, block_size, H, KVH, D=16, seed=0, window=None, softcap=None):
+    """The reference, the fast torch path and, where it builds, the fast path with its decode
+    rows on the CPU kernel, against float64 dense attention."""
     q, kc, vc, bt, sl, qsl, dense = make_paged_batch(specs, block_size, H, KVH, D, seed=seed, window=window)
     scale = 1 / math.sqrt(D)
     expected = torch.cat([dense_attention(*d, scale, window, softcap) for d in dense])
-    for fn in (paged_attention_ref, paged_attention):
+    paths = {"paged_attention_ref": paged_attention_ref, "paged_attention": paged_attention}
+    if cpu_kernel() is not None:
+        paths["kernels_cpu.c"] = functools.partial(paged_attention, decode_kernel=cpu_kernel())
+    for name, fn in paths.items():
         out = fn(q, kc, vc, bt, sl, qsl, scale, window, softcap=softcap)
         assert out.dtype == torch.float32 and out.shape == q.shape
-        assert torch.isfinite(out).all(), f"{fn.__name__} read a slot outside a context"
-        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5,
-                                   msg=lambda m: f"{fn.__name__}: {m}")
+        assert torch.isfinite(out).all(), f"{name} read a slot outside a context"
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
@@ -2717,6 +2727,16 @@ def test_a_plan_serves_only_its_own_window():
     plan = nanopaged_module.AttentionPlan(bt, sl, qsl, 4)
     with pytest.raises(ValueError, match="the plan was made for window None, not 5"):
         paged_attention(q, kc, vc, bt, sl, qsl, 0.1, 5, plan=plan)
+
+
+def test_a_plan_made_for_the_kernel_needs_it():
+    """A plan made without the decode gathers (for the CPU kernel) refuses to run the torch path
+    alone: the decode rows would be left unwritten."""
+    q, kc, vc, bt, sl, qsl, _ = make_paged_batch([(1, 9), (3, 3)], 4, 2, 2, 8)
+    plan = nanopaged_module.AttentionPlan(bt, sl, qsl, 4, gather_decodes=False)
+    assert plan.decode_buckets == [] and plan.decode_seqs.tolist() == [0]
+    with pytest.raises(ValueError, match="the plan was made for the CPU kernel"):
+        paged_attention(q, kc, vc, bt, sl, qsl, 0.1, plan=plan)
 
 
 def test_write_kv_and_copy_blocks():
@@ -5664,6 +5684,7 @@ def test_kernels_nvcc_check():
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "paged_attention_kernel" in run.stdout and "write_kv_kernel" in run.stdout
+    assert re.search(r"kernels_cpu.c compiled in .* s, no warnings", run.stdout), run.stdout
 
 
 needs_toolkit = pytest.mark.skipif(build_ext.find_cuda_home() is None, reason="needs the CUDA toolkit's headers")
@@ -6161,6 +6182,157 @@ def test_emulated_kernels_drive_the_engine(tmp_path, emulated_ops, change):
         results[backend] = engine_tokens(llm, (5, 40, 90, 17), max_tokens=12)
     assert results["emulated"][0] == results["torch"][0]
     assert results["emulated"][1] == pytest.approx(results["torch"][1], abs=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# The CPU decode kernel (kernels_cpu.c, compiled by build_ext.load_cpu_kernels). The
+# dense-attention tests above run it too (check_against_dense); these add the GPU tests'
+# decode cases, the rows it must leave alone, its refusals, the engine and the fallback.
+
+needs_cpu_kernel = pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
+                                      reason="needs a C compiler")
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_builds_wherever_a_c_compiler_is():
+    assert cpu_kernel() is not None, build_ext.cpu_unavailable_reason()
+    assert build_ext.cpu_unavailable_reason() is None
+    assert cpu_kernel().dtypes[:2] == ["float32", "bfloat16"]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("name", [n for n in CASES if "decode" in n] + ["big-pool"])
+def test_cpu_kernel_decodes_the_gpu_tests_cases(name):
+    """The CUDA tests' decode cases (fp32/fp16/bf16, head_dim 64/128, block sizes 8/16/32, GQA
+    1 to 8, contexts to 8,192, windows; every slot outside a context NaN, table padding and
+    the blocks before a window's start -1), and their pool of 70,000 blocks (2^31 elements and
+    more: 64-bit offsets; a prefill beside on SDPA), through the fast path with the kernel,
+    against the reference."""
+    case = BIG if name == "big-pool" else CASES[name]
+    if case.dtype == f16 and "float16" not in cpu_kernel().dtypes:
+        pytest.skip("this compiler has no _Float16")
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(case, "cpu")
+    scale = case.scale if case.scale is not None else case.head_dim ** -0.5
+    out = paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale, case.window or None,
+                          decode_kernel=cpu_kernel())
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale, case.window or None)
+    assert out.dtype == q.dtype and not out.isnan().any(), "the kernel read a slot outside a context"
+    tol = 1e-4 if case.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_writes_only_the_decode_rows_it_is_given():
+    """decode_attention writes out[query_start_loc[b]] for each b in seqs and nothing else: a
+    prefill's rows and an unlisted decode's stay as they were. q may be a view whose tokens
+    are further apart than H * D (a fused qkv projection)."""
+    specs = [(1, 40), (6, 30), (1, 17), (1, 5)]
+    q, kc, vc, bt, sl, qsl, _ = make_paged_batch(specs, 4, 6, 2, 16)
+    fused = torch.randn(len(q), 10, 16)
+    fused[:, :6] = q
+    q = fused[:, :6]                                                    # (T, 6, 16), token stride 160
+    out = torch.full_like(q, 7.0)
+    seqs = torch.tensor([2, 0])
+    cpu_kernel().decode_attention(q, kc, vc, bt, sl, qsl, seqs, 0.25, out)
+    ref = paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.25)
+    rows = [0, 7]                                                       # query_start_loc of sequences 0 and 2
+    torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
+    untouched = [r for r in range(len(q)) if r not in rows]
+    assert (out[untouched] == 7.0).all()
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_refuses_what_it_cannot_read_by_name():
+    """Tensors of the wrong kind, and values that would send a read outside the tensors (a
+    sequence not in the batch, a length past the table, a row past q, a block id outside the
+    cache where the context reads it), refused before anything is read."""
+    q, kc, vc, bt, sl, qsl, _ = make_paged_batch([(1, 9), (1, 20)], 4, 4, 2, 16)
+    seqs, out = torch.tensor([0, 1]), torch.empty_like(q)
+    call = lambda **kw: cpu_kernel().decode_attention(**{**dict(   # noqa: E731
+        q=q, k_cache=kc, v_cache=vc, block_tables=bt, seq_lens=sl, query_start_loc=qsl, seqs=seqs, scale=0.25,
+        out=out), **kw})
+    for kw, message in [
+            (dict(q=q.half()), "k_cache must be a 4-d torch.float16 CPU tensor, got 4-d torch.float32"),
+            (dict(seqs=seqs.int()), "seqs must be a 1-d torch.int64 CPU tensor, got 1-d torch.int32"),
+            (dict(block_tables=bt.long()), "block_tables must be a 2-d torch.int32"),
+            (dict(out=out.to("meta")), "out must be a 3-d torch.float32 CPU tensor, got 3-d torch.float32 on meta"),
+            (dict(k_cache=kc.transpose(1, 2).contiguous().transpose(1, 2)), "k_cache must be contiguous"),
+            (dict(q=q.transpose(1, 2).contiguous().transpose(1, 2)), "q's heads must be contiguous"),
+            (dict(v_cache=vc[:, :, :1].contiguous()), "k_cache (.*) and v_cache (.*) do not fit q"),
+            (dict(out=out[:1]), "out (.*) must have q's shape"),
+            (dict(seq_lens=sl[:1]), "disagree on the number of sequences"),
+            (dict(seqs=torch.tensor([0, 2])), "sequence 2 of seqs is not in the batch"),
+            (dict(seq_lens=torch.tensor([9, 9999], dtype=torch.int32)), r"seq_lens\[1\] is outside"),
+            (dict(query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32)), r"query_start_loc\[1\] is not a row"),
+            (dict(block_tables=torch.where(bt == bt[1, 4], len(kc), bt)), r"block_tables\[1\] holds a block id"),
+            (dict(block_tables=torch.where(bt == bt[0, 0], -1, bt)), r"block_tables\[0\] holds a block id")]:
+        with pytest.raises(ValueError, match=message):
+            call(**kw)
+    # a dropped block (-1) before a sliding window is never read, so not refused
+    windowed = torch.where(bt == bt[1, 0], -1, bt)
+    call(block_tables=windowed, window=8)
+    # a GQA group whose state would not fit the stack
+    with pytest.raises(ValueError, match="too large"):
+        call(q=torch.zeros(2, 2048, 16), k_cache=kc[..., :1, :].contiguous(), v_cache=vc[..., :1, :].contiguous(),
+             out=torch.zeros(2, 2048, 16))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("change", [{}, WINDOWED, WINDOWED_EVERYWHERE], ids=["full", "windowed", "dropping"])
+def test_cpu_kernel_drives_the_engine(tmp_path, change):
+    """On the CPU, "auto" puts the decode rows on the kernel; the same tokens and logprobs as
+    the torch path, through prefill, decode, chunked prefill, prefix hits, forks, beams and the
+    sampler's extras, with and without sliding windows."""
+    model_dir = tiny_llama_dir(tmp_path, **change)
+    results = {}
+    for backend in ("auto", "torch"):
+        llm = LLM(model_dir, device="cpu", dtype="float32", load_format="dummy", max_num_batched_tokens=64,
+                  num_blocks=100, attn_backend=backend)
+        assert llm.attn.backend == ("cpu" if backend == "auto" else "torch")
+        results[backend] = engine_tokens(llm, (5, 40, 90, 17), max_tokens=12)
+    assert results["auto"][0] == results["torch"][0]
+    assert results["auto"][1] == pytest.approx(results["torch"][1], abs=1e-4)
+
+
+def test_cpu_kernel_falls_back_with_one_line_or_refuses_when_forced(monkeypatch, capsys, tmp_path):
+    """Where kernels_cpu.c does not build (no compiler, a compiler error) or does not fit the
+    model, "auto" runs the torch path and says why in one line; "cpu" is a clear error."""
+    import nanopaged
+    monkeypatch.setattr(build_ext, "_loaded", {})
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    cfg = ModelConfig.from_dict(llama_config(head_dim=64))
+    cpu = torch.device("cpu")
+    assert nanopaged._pick_cpu_kernel("auto", cpu, cfg, 16, torch.float32) is None
+    reason = f"no C compiler found ($CC = {str(tmp_path / 'no-such-cc')!r}): the CPU kernel is compiled on first use"
+    assert capsys.readouterr().err == f"nanopaged: decode attention runs on the torch path: {reason}\n"
+    with pytest.raises(ValueError) as e:
+        nanopaged._pick_cpu_kernel("cpu", cpu, cfg, 16, torch.float32)
+    assert str(e.value) == f"attn_backend='cpu' is not available: {reason}"
+    assert nanopaged._pick_cpu_kernel("torch", cpu, cfg, 16, torch.float32) is None
+    monkeypatch.setattr(build_ext, "_loaded", {})
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
+    assert build_ext.load_cpu_kernels() is None
+    assert build_ext.cpu_unavailable_reason().startswith("compiling kernels_cpu.c failed: ")
+    assert (tmp_path / "kernels" / "cpu" / "build.log").exists() and not list((tmp_path / "kernels" / "cpu").glob("*.so"))
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_is_not_used_for_what_it_does_not_fit(capsys):
+    """A dtype the kernel is not built for, or a group too large for its stack: "auto" falls
+    back with the reason, "cpu" refuses."""
+    import nanopaged
+    cpu = torch.device("cpu")
+    for cfg, dtype, reason in [
+            (ModelConfig.from_dict(llama_config(head_dim=64)), torch.float64,
+             f"the CPU kernel is built for {', '.join(cpu_kernel().dtypes)}, not float64"),
+            (ModelConfig.from_dict(llama_config(head_dim=512, num_attention_heads=64, num_key_value_heads=1)),
+             torch.float32, "the CPU kernel keeps a GQA group's state on the stack: 64 heads x head_dim 512 "
+                            "with block_size 16 is too large")]:
+        assert nanopaged._pick_cpu_kernel("auto", cpu, cfg, 16, dtype) is None
+        assert capsys.readouterr().err == f"nanopaged: decode attention runs on the torch path: {reason}\n"
+        with pytest.raises(ValueError, match="attn_backend='cpu' is not available: the CPU kernel"):
+            nanopaged._pick_cpu_kernel("cpu", cpu, cfg, 16, dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -6879,7 +7051,7 @@ def test_describe_kv_cache_counts_the_swap_spaces_blocks(tmp_path):
     swap_space GiB over the bytes of a block (4 layers x 2 x 4 tokens x 2 kv heads x 64 dims x
     4 bytes = 16 KiB: 1 MiB holds 64). Catches: the count printed off by one."""
     llm = LLM(tiny_llama_dir(tmp_path), device="cpu", dtype="float32", load_format="dummy", num_blocks=8,
-              block_size=4, preemption_mode="swap", swap_space=1 / 1024)
+              block_size=4, preemption_mode="swap", swap_space=1 / 1024, attn_backend="torch")
     assert llm.bytes_per_block == 16384 and llm.swap_pool.num_blocks == 64
     assert "; swap space: 64 blocks in CPU memory; attention backend: torch" in llm.describe_kv_cache()
 

@@ -1,0 +1,229 @@
+/* kernels_cpu.c — decode attention on the CPU, reading K/V from their blocks in place.
+ *
+ * The torch fast path (nanopaged.paged_attention) first copies each sequence's blocks
+ * into a dense tensor so that SDPA can read them: every K/V byte is read, written and
+ * read again. This kernel walks the block table itself, as kernels.cu does on the GPU,
+ * and reads every byte once. It serves the decode rows of a step (one query per
+ * sequence, where the copy costs most against the work); prefill chunks stay on SDPA,
+ * whose many queries per key amortize their gather.
+ *
+ * Plain C (C11 + OpenMP), no torch headers: build_ext.load_cpu_kernels() compiles it with
+ * the system's cc in about a second and calls paged_decode() through ctypes.
+ *
+ * One work item per (decode sequence, kv head), spread over threads by OpenMP: the
+ * G = H / KVH query heads of a GQA group read each K/V vector of their kv head while it
+ * is in L1. Online softmax, one block's run of positions at a time, in base 2 (as
+ * kernels.cu): q is scaled by scale * log2(e) once, so each score costs one 2^x, and 2^x
+ * is a polynomial the compiler vectorizes (libm's expf would be a call per score).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };   /* storage of q, K/V and out; the math is float32 */
+
+struct DecodeArgs {            /* shapes as in DESIGN.md; T tokens, B sequences in the step */
+  const void* q;               /* (T, H, D), q_stride elements from one token to the next */
+  int64_t q_stride;
+  const void* k_cache;         /* (num_blocks, block_size, KVH, D), contiguous */
+  const void* v_cache;         /* the same */
+  int64_t num_blocks;
+  const int32_t* block_tables; /* (B, max_blocks); entries before a window may be -1 */
+  int64_t max_blocks;
+  const int32_t* seq_lens;     /* (B) context length, this step's token included */
+  const int32_t* query_start_loc;  /* (B + 1); a decode sequence b's query is row [b] */
+  int64_t num_seqs;            /* B */
+  int64_t num_tokens;          /* T */
+  const int64_t* seqs;         /* (n) the decode sequences to serve */
+  int64_t n;
+  void* out;                   /* (T, H, D) contiguous; only the n decode rows written */
+  int32_t num_heads, num_kv_heads, head_dim, block_size;
+  int32_t window;              /* 0: none; else a query at position p sees p - window + 1 .. p */
+  int32_t dtype;               /* F32, BF16 or F16 */
+  int32_t num_threads;
+  float scale;
+  float softcap;               /* 0: none; else scores become softcap * tanh(s / softcap) */
+  int64_t bad;                 /* out: the sequence a refused call stumbled on */
+};
+
+/* What paged_decode returns: 0, or why it refused the call (before reading anything). */
+enum { OK = 0, BAD_SEQ = 1, BAD_LEN = 2, BAD_ROW = 3, BAD_BLOCK = 4, NO_F16 = 5 };
+
+int paged_decode_has_float16(void) {
+#ifdef __FLT16_MAX__   /* _Float16: gcc 12+ and clang, on x86-64 and arm64 */
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/* ---- loads and stores: a switch on a constant, which inlining folds away ---- */
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest
+ * even, as torch does, and keeps a NaN a NaN. */
+INLINE float from_bf16(uint16_t x) {
+  const uint32_t u = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+INLINE uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+INLINE float load(const void* p, int64_t i, int dtype) {
+  switch (dtype) {
+    case BF16: return from_bf16(((const uint16_t*)p)[i]);
+#ifdef __FLT16_MAX__
+    case F16: return (float)((const _Float16*)p)[i];
+#endif
+    default: return ((const float*)p)[i];
+  }
+}
+
+INLINE void store(void* p, int64_t i, float x, int dtype) {
+  switch (dtype) {
+    case BF16: ((uint16_t*)p)[i] = to_bf16(x); break;
+#ifdef __FLT16_MAX__
+    case F16: ((_Float16*)p)[i] = (_Float16)x; break;
+#endif
+    default: ((float*)p)[i] = x;
+  }
+}
+
+/* element i of a tensor of this dtype, as a pointer (to hand a row to the loops below) */
+INLINE const void* at(const void* p, int64_t i, int dtype) {
+  return (const char*)p + i * (dtype == F32 ? 4 : 2);
+}
+
+/* q . k over one head (q already float32): the reduction omp simd may reorder */
+INLINE float dot(const float* q, const void* k, int D, int dtype) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int d = 0; d < D; d++) s += q[d] * load(k, d, dtype);
+  return s;
+}
+
+/* acc += w * v over one head */
+INLINE void axpy(float* acc, float w, const void* v, int D, int dtype) {
+#pragma omp simd
+  for (int d = 0; d < D; d++) acc[d] += w * load(v, d, dtype);
+}
+
+/* 2^x for x <= 0 (a score minus the running max), within ~2e-7 relative: x = n + f, n an
+ * integer, f in [-0.5, 0.5]; 2^f = e^(f ln 2) by its Taylor series to the 6th power (the
+ * next term is under 2e-7), 2^n written straight into the exponent bits. Below -126 it
+ * gives 0 (2^-127 would be a denormal): such a key weighs under 2^-126 of the row's
+ * largest. No branch and no call, so a loop over it vectorizes. */
+INLINE float exp2_neg(float x) {
+  x = x < -126.0f ? -127.0f : x;
+  const float n = nearbyintf(x);
+  const float f = (x - n) * 0.69314718f;
+  float p = 1.0f / 720;
+  p = p * f + 1.0f / 120;
+  p = p * f + 1.0f / 24;
+  p = p * f + 1.0f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;   /* n = -127: all zero bits, 0.0f */
+  float two_n;
+  memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
+/* ---- one (sequence, kv head): the G query heads of its group over the whole context ---- */
+
+INLINE void attend(const struct DecodeArgs* a, int64_t work, int dtype) {
+  const int H = a->num_heads, KVH = a->num_kv_heads, D = a->head_dim, bs = a->block_size;
+  const int G = H / KVH;
+  const int64_t b = a->seqs[work / KVH];
+  const int h = (int)(work % KVH);
+  const int64_t len = a->seq_lens[b], row = a->query_start_loc[b];
+  const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
+  const int64_t slot_stride = (int64_t)KVH * D;        /* from one position to the next */
+  const float log2e = 1.44269504f, qscale = a->scale * log2e;
+
+  float qs[G][D], acc[G][D], m[G], l[G], p[bs];          /* the group's running state */
+  for (int g = 0; g < G; g++) {
+    const int64_t q0 = row * a->q_stride + (int64_t)(h * G + g) * D;
+    for (int d = 0; d < D; d++) {
+      qs[g][d] = load(a->q, q0 + d, dtype) * qscale;
+      acc[g][d] = 0.0f;
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+  for (int64_t t = first; t < len;) {
+    /* positions t .. t + cnt - 1 lie in one block, consecutive in its slots */
+    const int64_t blk = t / bs, off = t % bs;
+    const int cnt = (int)(len - t < bs - off ? len - t : bs - off);
+    const int64_t base = ((int64_t)a->block_tables[b * a->max_blocks + blk] * bs + off) * slot_stride + (int64_t)h * D;
+    for (int g = 0; g < G; g++) {
+      float mx = m[g];
+      for (int j = 0; j < cnt; j++) {
+        float s = dot(qs[g], at(a->k_cache, base + j * slot_stride, dtype), D, dtype);
+        if (a->softcap > 0)   /* in natural-log units, then back to base 2 */
+          s = a->softcap * tanhf(s / log2e / a->softcap) * log2e;
+        p[j] = s;
+        mx = s > mx ? s : mx;
+      }
+      /* what was summed under the old max shrinks by 2^(old - new); nothing on the first run */
+      const float corr = m[g] == -INFINITY ? 0.0f : exp2_neg(m[g] - mx);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < cnt; j++) {
+        p[j] = exp2_neg(p[j] - mx);
+        sum += p[j];
+      }
+      l[g] = l[g] * corr + sum;
+      m[g] = mx;
+#pragma omp simd
+      for (int d = 0; d < D; d++) acc[g][d] *= corr;
+      for (int j = 0; j < cnt; j++) axpy(acc[g], p[j], at(a->v_cache, base + j * slot_stride, dtype), D, dtype);
+    }
+    t += cnt;
+  }
+  for (int g = 0; g < G; g++) {
+    const int64_t o0 = (row * H + h * G + g) * (int64_t)D;
+    for (int d = 0; d < D; d++) store(a->out, o0 + d, acc[g][d] / l[g], dtype);
+  }
+}
+
+/* ---- the entry point ---- */
+
+int paged_decode(struct DecodeArgs* a) {
+  if (a->dtype == F16 && !paged_decode_has_float16()) return NO_F16;
+  /* First, serially, what the engine promises: every read below stays inside the tensors,
+   * whatever a caller passes. An int per block read: cheap next to the attention. */
+  for (int64_t i = 0; i < a->n; i++) {
+    const int64_t b = a->seqs[i];
+    a->bad = b;
+    if (b < 0 || b >= a->num_seqs) return BAD_SEQ;
+    const int64_t len = a->seq_lens[b], row = a->query_start_loc[b];
+    if (len < 1 || len > a->max_blocks * a->block_size) return BAD_LEN;
+    if (row < 0 || row >= a->num_tokens) return BAD_ROW;
+    const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
+    for (int64_t blk = first / a->block_size; blk <= (len - 1) / a->block_size; blk++) {
+      const int32_t id = a->block_tables[b * a->max_blocks + blk];
+      if (id < 0 || id >= a->num_blocks) return BAD_BLOCK;
+    }
+  }
+  const int64_t work = a->n * a->num_kv_heads;
+  /* dynamic: contexts differ in length, so equal shares of work items are not equal work */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(a->num_threads)
+  for (int64_t w = 0; w < work; w++) {
+    switch (a->dtype) {   /* per work item, not per element: each case is its own copy of attend */
+      case BF16: attend(a, w, BF16); break;
+      case F16: attend(a, w, F16); break;
+      default: attend(a, w, F32);
+    }
+  }
+  return OK;
+}
