@@ -868,16 +868,19 @@ def _build_cpu() -> CpuKernels:
     out = build_dir() / "cpu"
     lib = out / f"kernels_cpu-{cpu_cache_key(cc)}.so"
     if not lib.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        # into a temporary name, then renamed: a process that finds the library finds it whole
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out)
-        os.close(fd)
         try:
-            compile_cpu_kernels(cc, tmp)
-            os.replace(tmp, lib)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            out.mkdir(parents=True, exist_ok=True)
+            # into a temporary name, then renamed: a process that finds the library finds it whole
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out)
+            os.close(fd)
+            try:
+                compile_cpu_kernels(cc, tmp)
+                os.replace(tmp, lib)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except OSError as e:   # a cache directory it cannot write, a compiler it cannot run
+            raise KernelsUnavailable(f"building kernels_cpu.c into {out} failed: {e}") from None
     try:
         return CpuKernels(ctypes.CDLL(str(lib)))
     except OSError as e:

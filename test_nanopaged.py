@@ -6315,6 +6315,13 @@ def test_cpu_kernel_falls_back_with_one_line_or_refuses_when_forced(monkeypatch,
     assert build_ext.load_cpu_kernels() is None
     assert build_ext.cpu_unavailable_reason().startswith("compiling kernels_cpu.c failed: ")
     assert (tmp_path / "kernels" / "cpu" / "build.log").exists() and not list((tmp_path / "kernels" / "cpu").glob("*.so"))
+    # a cache it cannot write (a file where its directory would be): a reason, not a traceback
+    monkeypatch.setattr(build_ext, "_loaded", {})
+    monkeypatch.setenv("CC", sys.executable)   # never run: the directory fails first
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "a-file"))
+    assert build_ext.load_cpu_kernels() is None
+    assert build_ext.cpu_unavailable_reason().startswith(f"building kernels_cpu.c into {tmp_path / 'a-file'}")
 
 
 @needs_cpu_kernel
