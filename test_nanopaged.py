@@ -5593,6 +5593,8 @@ def test_readme_transcripts_reproduce_exactly(capsys, smollm2_dir, monkeypatch):
         lines = out.splitlines()
         if shown[-1] == "...":
             shown, lines = shown[:-1], lines[:len(shown) - 1]
+        if cpu_kernel() is None:   # where no C compiler builds it, the torch path serves (the same tokens)
+            shown = [line.replace("attention backend: cpu", "attention backend: torch") for line in shown]
         assert code == 0 and same_but_for_rounding("\n".join(lines), "\n".join(shown)), argv
     # with a chat template the prompt holds newlines (and this one a form feed): each table
     # still stays on one line
