@@ -113,6 +113,23 @@ def forward_all(model, ids):
                                                                  model.config.attn_logit_softcapping))
 
 
+def forward_last(model, seqs):
+    """The logits of each sequence's last position (S, V), all of them in one dense forward
+    pass (each sequence attends to itself only). A CPU forward pass is bound by reading the
+    weights, whatever the number of tokens: the dense references that step several sequences
+    side by side read them once a step, not once per sequence (and skip the LM head's rows
+    no token is drawn from)."""
+    lens = [len(ids) for ids in seqs]
+    dense = [DenseAttention(model.config.attn_scale, model.config.attn_logit_softcapping) for _ in seqs]
+
+    def each_its_own(layer_idx, q, k, v, window):
+        return torch.cat([attn(layer_idx, *qkv, window) for attn, *qkv in
+                          zip(dense, q.split(lens), k.split(lens), v.split(lens))])
+    with torch.inference_mode():
+        return model(torch.tensor([t for ids in seqs for t in ids]), torch.cat([torch.arange(n) for n in lens]),
+                     each_its_own, logits_indices=torch.tensor(lens).cumsum(0) - 1)
+
+
 def write_checkpoint(path, config, tensors, shards=1):
     """A Hugging Face layout directory: config.json + safetensors (sharded with an index)."""
     path.mkdir(parents=True, exist_ok=True)
@@ -3993,8 +4010,9 @@ def reference_beam_search(model, prompt, width, max_tokens, eos, length_penalty=
     beams, ended = [(list(prompt), 0.0)], []
     for _ in range(max_tokens):
         candidates = []
-        for tokens, cum in beams:
-            top = torch.log_softmax(forward_all(model, tokens)[-1].float(), dim=-1).topk(2 * width)
+        last = forward_last(model, [tokens for tokens, _ in beams])   # every beam's, in one pass
+        for (tokens, cum), logits in zip(beams, last):
+            top = torch.log_softmax(logits.float(), dim=-1).topk(2 * width)
             for token, lp in zip(top.indices.tolist(), top.values.tolist()):
                 (ended if token in eos else candidates).append((tokens + [token], cum + lp))
         beams = sorted(candidates, key=lambda b: -b[1])[:width]
@@ -4342,26 +4360,42 @@ def reference_penalized_greedy(model, prompt, steps, rep=1.0, presence=0.0, freq
     """Greedy decoding with vLLM's penalties and constraints, written out plainly over dense
     forward passes, in vLLM's order: the bans first, then logit_bias, then the penalties.
     Stops early, returning what it has, when every token is banned."""
-    ids, out = list(prompt), []
+    return reference_penalized_greedies(model, [prompt], steps, [dict(
+        rep=rep, presence=presence, frequency=frequency, logit_bias=logit_bias, allowed=allowed,
+        bad_words_ids=bad_words_ids)])[0]
+
+
+def reference_penalized_greedies(model, prompts, steps, cases):
+    """reference_penalized_greedy of each prompt with its case (that function's keyword
+    arguments), side by side: each step one dense forward pass over the sequences still going."""
+    defaults = dict(rep=1.0, presence=0.0, frequency=0.0, logit_bias=None, allowed=None, bad_words_ids=())
+    runs = [(list(prompt), [], defaults | case) for prompt, case in zip(prompts, cases)]
+    going = runs
     for _ in range(steps):
-        logits = forward_all(model, ids)[-1].float().clone()   # (V,) (a normal tensor: edited in place)
-        for t in range(len(logits)):
-            if allowed is not None and t not in allowed:
-                logits[t] = float("-inf")
-        for word in bad_words_ids:
-            if len(out) >= len(word) - 1 and out[len(out) - (len(word) - 1):] == word[:-1]:
-                logits[word[-1]] = float("-inf")
-        for t, bias in (logit_bias or {}).items():
-            logits[t] += bias
-        for t in set(ids):
-            logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
-        for t in set(out):
-            logits[t] -= presence + frequency * out.count(t)
-        if logits.max() == float("-inf"):
-            return out
-        out.append(int(logits.argmax()))
-        ids.append(out[-1])
-    return out
+        if not going:
+            break
+        stepped, going = going, []
+        for (ids, out, case), logits in zip(stepped, forward_last(model, [ids for ids, _, _ in stepped])):
+            logits = logits.float().clone()   # (V,) (a normal tensor: edited in place)
+            if case["allowed"] is not None:   # (a mask: a Python loop over 49152 entries took seconds)
+                banned = torch.ones(len(logits), dtype=torch.bool)
+                banned[[t for t in case["allowed"] if 0 <= t < len(logits)]] = False
+                logits[banned] = float("-inf")
+            for word in case["bad_words_ids"]:
+                if len(out) >= len(word) - 1 and out[len(out) - (len(word) - 1):] == word[:-1]:
+                    logits[word[-1]] = float("-inf")
+            for t, bias in (case["logit_bias"] or {}).items():
+                logits[t] += bias
+            for t in set(ids):
+                logits[t] = logits[t] / case["rep"] if logits[t] > 0 else logits[t] * case["rep"]
+            for t in set(out):
+                logits[t] -= case["presence"] + case["frequency"] * out.count(t)
+            if logits.max() == float("-inf"):
+                continue   # every token banned: this one stops here
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+            going.append((ids, out, case))
+    return [out for _, out, _ in runs]
 
 
 def test_penalties_and_min_tokens(llm):
@@ -4376,10 +4410,11 @@ def test_penalties_and_min_tokens(llm):
                         [greedy(12, ignore_eos=True, logprobs=0, **c) for _, c in cases] +
                         [greedy(12, ignore_eos=True), SamplingParams(n=2, seed=1, max_tokens=12, repetition_penalty=1.2)])
     assert outs[4].outputs[0].token_ids == plain[0]
-    for (prompt, case), out in zip(cases, outs):
+    wants = reference_penalized_greedies(llm.model, [p for p, _ in cases], 12, [dict(
+        rep=case.get("repetition_penalty", 1.0), presence=case.get("presence_penalty", 0.0),
+        frequency=case.get("frequency_penalty", 0.0)) for _, case in cases])
+    for (prompt, case), out, want in zip(cases, outs, wants):
         o = out.outputs[0]
-        want = reference_penalized_greedy(llm.model, prompt, 12, case.get("repetition_penalty", 1.0),
-                                          case.get("presence_penalty", 0.0), case.get("frequency_penalty", 0.0))
         assert o.token_ids == want, case
         assert want != plain[prompt is varied], case          # the penalty changed something
         # logprobs are the model's own, before penalties
@@ -4444,13 +4479,13 @@ def test_min_p_logit_bias_allowed_token_ids_and_bad_words(llm):
     cases = [dict(logit_bias={banana: 12.0}, repetition_penalty=1.5), dict(allowed_token_ids=allowed, presence_penalty=1.0),
              dict(bad_words=words), dict(logit_bias={str(plain.token_ids[0]): -1000})]   # (clamped to -100)
     outs = llm.generate([prompt] * len(cases), [greedy(10, ignore_eos=True, logprobs=0, **c) for c in cases])
-    for case, out in zip(cases, outs):
+    wants = reference_penalized_greedies(llm.model, [prompt] * len(cases), 10, [dict(
+        rep=case.get("repetition_penalty", 1.0), presence=case.get("presence_penalty", 0.0),
+        logit_bias={int(t): max(b, -100) for t, b in case.get("logit_bias", {}).items()},
+        allowed=case.get("allowed_token_ids"), bad_words_ids=spelled if "bad_words" in case else ())
+        for case in cases])
+    for case, out, want in zip(cases, outs, wants):
         o = out.outputs[0]
-        bias = {int(t): max(b, -100) for t, b in case.get("logit_bias", {}).items()}
-        want = reference_penalized_greedy(llm.model, prompt, 10, case.get("repetition_penalty", 1.0),
-                                          case.get("presence_penalty", 0.0), logit_bias=bias,
-                                          allowed=case.get("allowed_token_ids"),
-                                          bad_words_ids=spelled if "bad_words" in case else ())
         assert o.token_ids == want and want != plain.token_ids, case
         # logprobs are the model's own, before the constraints
         dense_lp = torch.log_softmax(forward_all(llm.model, prompt + want).float(), -1)
