@@ -32,7 +32,7 @@ struct DecodeArgs {            /* shapes as in DESIGN.md; T tokens, B sequences 
   const int32_t* block_tables; /* (B, max_blocks); entries before a window may be -1 */
   int64_t max_blocks;
   const int32_t* seq_lens;     /* (B) context length, this step's token included */
-  const int32_t* query_start_loc;  /* (B + 1); a decode sequence b's query is row [b] */
+  const int32_t* query_start_loc;  /* (B + 1); decode sequence b's query: row query_start_loc[b] */
   int64_t num_seqs;            /* B */
   int64_t num_tokens;          /* T */
   const int64_t* seqs;         /* (n) the decode sequences to serve */
