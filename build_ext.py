@@ -808,7 +808,7 @@ class CpuKernels:
         num_blocks, block_size, kvh, _ = k_cache.shape
         if q.stride(2) != 1 or q.stride(1) != D:
             raise ValueError("q's heads must be contiguous (a token's row may be a view into a wider tensor)")
-        if k_cache.shape[3] != D or v_cache.shape != k_cache.shape or H % kvh:
+        if not kvh or not D or k_cache.shape[3] != D or v_cache.shape != k_cache.shape or H % kvh:
             raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} do not fit "
                              f"q {tuple(q.shape)}: (num_blocks, block_size, kv heads dividing {H}, {D}) each")
         if out.shape != q.shape:
@@ -819,10 +819,13 @@ class CpuKernels:
         reason = self.unsupported(q.dtype, H, kvh, D, block_size)
         if reason:
             raise ValueError(reason)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+        window = min(window or 0, 2**31 - 1)   # (a window past any context is none: int32 must not wrap)
         args = DecodeArgs(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
                           block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
                           query_start_loc.data_ptr(), seq_lens.shape[0], T, seqs.data_ptr(), seqs.shape[0],
-                          out.data_ptr(), H, kvh, D, block_size, window or 0,
+                          out.data_ptr(), H, kvh, D, block_size, window,
                           CPU_DTYPES[str(q.dtype).removeprefix("torch.")], torch.get_num_threads(),
                           scale, softcap or 0.0, 0)
         rc = self.lib.paged_decode(ctypes.byref(args))

@@ -6297,6 +6297,7 @@ def test_cpu_kernel_refuses_what_it_cannot_read_by_name():
             (dict(k_cache=kc.transpose(1, 2).contiguous().transpose(1, 2)), "k_cache must be contiguous"),
             (dict(q=q.transpose(1, 2).contiguous().transpose(1, 2)), "q's heads must be contiguous"),
             (dict(v_cache=vc[:, :, :1].contiguous()), "k_cache (.*) and v_cache (.*) do not fit q"),
+            (dict(k_cache=kc[:, :, :0].contiguous(), v_cache=vc[:, :, :0].contiguous()), "do not fit q"),
             (dict(out=out[:1]), "out (.*) must have q's shape"),
             (dict(seq_lens=sl[:1]), "disagree on the number of sequences"),
             (dict(seqs=torch.tensor([0, 2])), "sequence 2 of seqs is not in the batch"),
@@ -6306,9 +6307,13 @@ def test_cpu_kernel_refuses_what_it_cannot_read_by_name():
             (dict(block_tables=torch.where(bt == bt[0, 0], -1, bt)), r"block_tables\[0\] holds a block id")]:
         with pytest.raises(ValueError, match=message):
             call(**kw)
+    for window in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window must be None or an int >= 1"):
+            call(window=window)
     # a dropped block (-1) before a sliding window is never read, so not refused
     windowed = torch.where(bt == bt[1, 0], -1, bt)
     call(block_tables=windowed, window=8)
+    torch.testing.assert_close(call(window=2**32 + 5), paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.25))  # no wrap
     # a GQA group whose state would not fit the stack
     with pytest.raises(ValueError, match="too large"):
         call(q=torch.zeros(2, 2048, 16), k_cache=kc[..., :1, :].contiguous(), v_cache=vc[..., :1, :].contiguous(),
