@@ -224,19 +224,20 @@ def offline_workload(vocab_size, seed=0, num_requests=64):
     return prompts, params
 
 
+def fresh_engine(args, **options):
+    """An engine for the offline workload, warmed up on prompts it shares nothing with."""
+    from nanopaged import LLM
+    llm = LLM(args.model, dtype=args.dtype, **options)
+    llm.generate([[17] * 64] * 2, SamplingParams(temperature=0, max_tokens=4))
+    return llm
+
+
 def bench_engine(args):
     """The offline workload through a fresh engine per run (so that no run finds the
     previous one's prompts in the prefix cache), each run followed by transformers'
     batched generate on the same requests: the ratio is taken side by side, as the
     machine's speed drifts."""
-    from nanopaged import LLM
-
-    def fresh_engine():
-        llm = LLM(args.model, dtype=args.dtype)
-        llm.generate([[17] * 64] * 2, SamplingParams(temperature=0, max_tokens=4))  # warm up, sharing nothing
-        return llm
-
-    llm = fresh_engine()
+    llm = fresh_engine(args)
     prompts, params = offline_workload(llm.config.vocab_size)
     n_prompt, n_out = sum(map(len, prompts)), sum(p.max_tokens for p in params)
     max_len = max(len(p) + q.max_tokens for p, q in zip(prompts, params))
@@ -245,7 +246,7 @@ def bench_engine(args):
     print(llm.describe_kv_cache())
     runs, walls, hf_walls = [], [], []
     for run in range(args.runs):
-        llm = llm if run == 0 else fresh_engine()
+        llm = llm if run == 0 else fresh_engine(args)
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=True)
         walls.append(time.perf_counter() - start)
@@ -288,14 +289,12 @@ def bench_backends(args):
     """The offline workload on the CPU's two attention backends, in turns, a fresh engine
     each time: "torch" (every sequence's blocks gathered for SDPA) and "cpu" (the decode rows
     on kernels_cpu.c, reading the blocks in place; the default where it builds)."""
-    from nanopaged import LLM
     if build_ext.load_cpu_kernels() is None:
         raise ValueError(f"kernels_cpu.c is not available: {build_ext.cpu_unavailable_reason()}")
     walls = {"torch": [], "cpu": []}
     for run in range(args.runs):
         for backend in walls:
-            llm = LLM(args.model, dtype=args.dtype, attn_backend=backend)
-            llm.generate([[17] * 64] * 2, SamplingParams(temperature=0, max_tokens=4))  # warm up, sharing nothing
+            llm = fresh_engine(args, attn_backend=backend)
             prompts, params = offline_workload(llm.config.vocab_size)
             start = time.perf_counter()
             llm.generate(prompts, params)
