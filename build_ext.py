@@ -746,6 +746,14 @@ CPU_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}   # F32, BF16, F16 in k
 CPU_STACK_LIMIT = 256 << 10
 
 
+def check_window(window):
+    """A sliding window is None (full attention) or a number of positions, at least 1 (each
+    query sees itself): for every attention path (nanopaged's torch paths use it too). The
+    kernels spell None as 0."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+
+
 class DecodeArgs(ctypes.Structure):
     """struct DecodeArgs of kernels_cpu.c, field for field (shapes there)."""
     _fields_ = [("q", ctypes.c_void_p), ("q_stride", ctypes.c_int64),
@@ -819,8 +827,7 @@ class CpuKernels:
         reason = self.unsupported(q.dtype, H, kvh, D, block_size)
         if reason:
             raise ValueError(reason)
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+        check_window(window)
         window = min(window or 0, 2**31 - 1)   # (a window past any context is none: int32 must not wrap)
         args = DecodeArgs(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
                           block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),

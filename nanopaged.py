@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import build_ext
+from build_ext import check_window   # (every attention path's: the kernels' module has it)
 from model import ModelConfig, load_model, load_tokenizer, resolve_model_dir, tanh_softcap
 from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, hash_block, stop_token_set
 
@@ -397,13 +398,6 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
             m = m_new
         out[start:end] = (acc / l[..., None]).to(q.dtype)
     return out
-
-
-def check_window(window):
-    """A sliding window is None (full attention) or a number of positions, at least 1 (each
-    query sees itself). The kernel's binding spells None as 0."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
 
 
 class AttentionPlan:
