@@ -47,6 +47,7 @@ kernels_cpu.c, the CPU's decode kernel, is built apart, with the system's C comp
 
 import ctypes
 import hashlib
+import importlib
 import os
 import platform
 import re
@@ -872,6 +873,22 @@ def compile_cpu_kernels(cc: str, lib: str, extra=()) -> str:
     return run.stdout + run.stderr
 
 
+# OpenMP runtimes by file name: GCC's libgomp, LLVM's libomp, Intel's libiomp5
+OPENMP_RUNTIME = re.compile(r"lib(gomp|omp|iomp5)[-.]")
+_torch_openmp: set | None = None   # the runtimes mapped before the first kernel loaded
+
+
+def openmp_runtimes() -> set[str]:
+    """The OpenMP runtimes mapped into this process, as file paths (from /proc/self/maps;
+    none known where there is no /proc)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    paths = {fields[5] for line in maps if len(fields := line.split(maxsplit=5)) == 6}
+    return {p for p in paths if OPENMP_RUNTIME.match(os.path.basename(p))}
+
+
 def _build_cpu() -> CpuKernels:
     """Compile kernels_cpu.c (once per source, flags and CPU: cached) and load it."""
     cc = find_cc()
@@ -891,10 +908,25 @@ def _build_cpu() -> CpuKernels:
                     os.unlink(tmp)
         except OSError as e:   # a cache directory it cannot write, a compiler it cannot run
             raise KernelsUnavailable(f"building kernels_cpu.c into {out} failed: {e}") from None
+    global _torch_openmp
+    if _torch_openmp is None:   # once, before any kernel of this process loads its own
+        importlib.import_module("torch")   # (mapping its runtime: whatever the kernel adds is the kernel's)
+        _torch_openmp = openmp_runtimes()
     try:
-        return CpuKernels(ctypes.CDLL(str(lib)))
+        kernels = CpuKernels(ctypes.CDLL(str(lib)))
     except OSError as e:
         raise KernelsUnavailable(f"loading {lib} failed: {e}") from None
+    # A compiler brings its own OpenMP runtime: gcc's libgomp is the one torch's Linux wheels
+    # bundle (same soname: the loader hands the kernel torch's copy, one thread pool), but
+    # clang's is libomp. Two runtimes keep two thread pools, each spinning on the cores
+    # after its work (libomp for 200 ms) while the other waits for them: with clang the
+    # engine ran 1.5x slower than with gcc, and slower than the torch path (measured).
+    second = sorted(openmp_runtimes() - _torch_openmp)
+    if _torch_openmp and second:
+        raise KernelsUnavailable(f"{Path(cc).name} built kernels_cpu.c on {', '.join(second)}, an OpenMP runtime "
+                                 f"beside torch's ({', '.join(sorted(_torch_openmp))}): two thread pools would "
+                                 "contend for the cores; set CC to gcc (or the compiler of torch's runtime)")
+    return kernels
 
 
 def load_cpu_kernels() -> CpuKernels | None:

@@ -6385,6 +6385,51 @@ def test_cpu_kernel_is_not_used_for_what_it_does_not_fit(capsys):
             nanopaged._pick_cpu_kernel("cpu", cpu, cfg, 16, dtype)
 
 
+def test_cpu_kernel_on_an_openmp_runtime_beside_torchs_is_refused(monkeypatch):
+    """A kernel whose OpenMP runtime is not torch's (clang's libomp beside torch's libgomp)
+    would run a second thread pool on the same cores: "auto" takes the torch path, saying why."""
+    torch_rt, clang_rt = "/venv/torch/lib/libgomp.so.1", "/usr/lib/llvm-14/lib/libomp.so.5"
+    if cpu_kernel() is None:
+        pytest.skip("needs a C compiler")
+    mapped = iter([{torch_rt}, {torch_rt, clang_rt}])   # before the first kernel loads, after
+    monkeypatch.setattr(build_ext, "openmp_runtimes", lambda: next(mapped))
+    monkeypatch.setattr(build_ext, "_torch_openmp", None)
+    monkeypatch.setattr(build_ext, "_loaded", {})
+    assert build_ext.load_cpu_kernels() is None
+    assert build_ext.cpu_unavailable_reason() == (
+        f"{Path(build_ext.find_cc()).name} built kernels_cpu.c on {clang_rt}, an OpenMP runtime beside torch's "
+        f"({torch_rt}): two thread pools would contend for the cores; set CC to gcc (or the compiler of "
+        f"torch's runtime)")
+    # where torch brings no runtime of its own (none mapped: no /proc), there is no second one
+    mapped = iter([set(), {clang_rt}])
+    monkeypatch.setattr(build_ext, "_torch_openmp", None)
+    monkeypatch.setattr(build_ext, "_loaded", {})
+    assert build_ext.load_cpu_kernels() is not None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_kernels_openmp_runtime_is_torchs_with_the_default_compiler_and_not_with_clang(tmp_path):
+    """Each in a fresh process (a runtime once mapped stays): torch's runtime is found, the
+    default compiler's build adds none (gcc's libgomp is torch's), and a clang build on
+    libomp is refused, where clang is installed."""
+    probe = ("import build_ext, torch; k = build_ext.load_cpu_kernels(); "
+             "print(sorted(build_ext._torch_openmp)); print(build_ext.cpu_unavailable_reason())")
+    env = {**os.environ, "NANOPAGED_CACHE": str(tmp_path)}
+    runs = {}
+    for cc in ["", "clang"] if shutil.which("clang") else [""]:
+        run = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env={**env, "CC": cc} if cc else env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        runs[cc] = run.stdout.splitlines()
+    torch_rts, reason = runs[""]
+    assert "libgomp" in torch_rts or "libomp" in torch_rts   # (torch's CPU wheels run on OpenMP)
+    if reason != "None" and cpu_kernel() is None:
+        pytest.skip("needs a C compiler")
+    assert reason == "None"
+    if "clang" in runs and "compiling kernels_cpu.c failed" not in runs["clang"][1]:   # (clang without libomp)
+        assert runs["clang"][1].startswith("clang built kernels_cpu.c on ") and "libomp" in runs["clang"][1]
+
+
 # -----------------------------------------------------------------------------
 # From a mutation-testing pass over the engine (sampling, logprobs, stop strings, streaming,
 # the flat batch, beam search): each test catches a slip that no other test caught.
