@@ -738,10 +738,15 @@ CPU_KERNELS = HERE / "kernels_cpu.c"
 # -march=native: the library is built on the machine that runs it (and cached per CPU);
 # -fno-math-errno lets rint-like calls become instructions. Not -ffast-math: gcc links such
 # a shared library with code that flushes denormals to zero process-wide, changing torch's
-# arithmetic too. Warnings are errors in --check (CI), not on a user's machine, whose
-# compiler may warn of something new.
-CPU_CFLAGS = ["-std=c11", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+# arithmetic too. -Wno-psabi: without AVX-512, gcc and clang warn that passing a 16-float
+# vector by value changes the calling convention, which matters only for calls between
+# separately compiled files (the kernel's helpers are all inlined). Warnings are errors in
+# --check (CI), not on a user's machine, whose compiler may warn of something new.
+CPU_CFLAGS = ["-std=c11", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi", "-fPIC", "-shared"]
 CPU_CHECK_FLAGS = ["-Wall", "-Wextra", "-Werror"]
+# --check compiles it for this CPU and for the baseline of its instruction set too, as a CPU
+# without AVX-512 (or NEON's narrower registers) compiles the same vectors another way
+CPU_BASELINE_ARCH = {"x86_64": "x86-64", "AMD64": "x86-64", "aarch64": "armv8-a", "arm64": "armv8-a"}
 CPU_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}   # F32, BF16, F16 in kernels_cpu.c
 # the per-thread stack the kernel's (group, head_dim) state and a block's scores may take
 CPU_STACK_LIMIT = 256 << 10
@@ -1041,14 +1046,17 @@ def check_cpu() -> int:
     except KernelsUnavailable as e:
         print(f"cc: kernels_cpu.c not compiled: {e}")
         return 0   # a machine without a C compiler runs the torch path; nothing to check
+    archs = ["native"] + [arch for arch in [CPU_BASELINE_ARCH.get(platform.machine())] if arch]
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        try:
-            compile_cpu_kernels(cc, str(Path(tmp) / "kernels_cpu.so"), CPU_CHECK_FLAGS)
-        except KernelsUnavailable as e:
-            print(f"build_ext --check: {e}", file=sys.stderr)
-            return 1
-    print(f"{cc}: kernels_cpu.c compiled in {time.perf_counter() - start:.1f} s, no warnings ({' '.join(CPU_CHECK_FLAGS)})")
+        for arch in archs:   # (a later -march overrides CPU_CFLAGS' own)
+            try:
+                compile_cpu_kernels(cc, str(Path(tmp) / "kernels_cpu.so"), [*CPU_CHECK_FLAGS, f"-march={arch}"])
+            except KernelsUnavailable as e:
+                print(f"build_ext --check: -march={arch}: {e}", file=sys.stderr)
+                return 1
+    print(f"{cc}: kernels_cpu.c compiled for {' and '.join(f'-march={a}' for a in archs)} in {time.perf_counter() - start:.1f} s, "
+          f"no warnings ({' '.join(CPU_CHECK_FLAGS)})")
     return 0
 
 

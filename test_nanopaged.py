@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import platform
 import random
 import re
 import resource
@@ -5722,7 +5723,9 @@ def test_kernels_nvcc_check():
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "paged_attention_kernel" in run.stdout and "write_kv_kernel" in run.stdout
-    assert re.search(r"kernels_cpu.c compiled in .* s, no warnings", run.stdout), run.stdout
+    baseline = build_ext.CPU_BASELINE_ARCH.get(platform.machine())   # (the vectors split into narrower registers)
+    assert re.search(f"kernels_cpu.c compiled for -march=native{f' and -march={baseline}' if baseline else ''} "
+                     r"in .* s, no warnings", run.stdout), run.stdout
 
 
 needs_toolkit = pytest.mark.skipif(build_ext.find_cuda_home() is None, reason="needs the CUDA toolkit's headers")
@@ -6256,6 +6259,24 @@ def test_cpu_kernel_decodes_the_gpu_tests_cases(name):
     ref = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale, case.window or None)
     assert out.dtype == q.dtype and not out.isnan().any(), "the kernel read a slot outside a context"
     tol = 1e-4 if case.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("D", [8, 24, 80, 136])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_cpu_kernel_reads_any_head_dim(D, dtype):
+    """kernels_cpu.c goes through a head 64 floats, then 16, then one at a time: head dims
+    that take each of those loops alone (8) and in turn (24 = 16 + 8, 80 = 64 + 16, 136 =
+    2 x 64 + 8), in each storage type, against the reference (NaN outside every context)."""
+    dt = getattr(torch, dtype)
+    if dtype not in cpu_kernel().dtypes:
+        pytest.skip("this compiler has no _Float16")
+    q, kc, vc, bt, sl, qsl, _ = make_paged_batch([(1, 1), (1, 17), (1, 300), (4, 40), (1, 33)], 16, 6, 2, D,
+                                                 seed=D, dtype=dt)
+    out = paged_attention(q, kc, vc, bt, sl, qsl, D ** -0.5, decode_kernel=cpu_kernel())
+    ref = paged_attention_ref(q, kc, vc, bt, sl, qsl, D ** -0.5)
+    tol = 1e-5 if dt == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
