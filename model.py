@@ -2029,12 +2029,13 @@ def _is_dir(path: Path) -> bool:
 
 
 def resolve_model_dir(model=None) -> Path:
-    """The HF-layout directory of `model`: a directory as given; a .gguf file, or None for
-    the embedded default SmolLM2, converted once into the cache (see GGUF below)."""
+    """The HF-layout directory of `model`: a directory as given; a GGUF file (a .gguf, or any
+    file that begins as one), or None for the embedded default SmolLM2, converted once into
+    the cache (see GGUF below)."""
     if model is None:
         return convert_gguf(default_gguf())
     if not isinstance(model, (str, os.PathLike)) or not str(model):
-        raise ModelError(f"model must be a path (a directory or a .gguf file), got {model!r}")
+        raise ModelError(f"model must be a path (a directory or a GGUF file), got {model!r}")
     path = Path(model).expanduser()
     is_file, is_dir = _is_regular(path), _is_dir(path)
     has_config = is_dir and _is_regular(path / "config.json")
@@ -2043,11 +2044,20 @@ def resolve_model_dir(model=None) -> Path:
             raise ModelError(f"{path}: GGUF file not found")
         return convert_gguf(path)
     if is_file:
+        # A GGUF is known by its first bytes, whatever its name: Ollama, for one, keeps its
+        # models as GGUF files named by their hash (~/.ollama/models/blobs/sha256-...).
+        try:
+            with path.open("rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise ModelError(f"{path}: cannot be read ({e.strerror})") from None
+        if magic == b"GGUF":
+            return convert_gguf(path)
         raise ModelError(f"{path}: a file, not a model (a model is a local Hugging Face layout directory "
-                         f"or a .gguf file)")
+                         f"or a GGUF file)")
     if not is_dir:
         raise ModelError(f"{path}: no such directory (a model is a local Hugging Face layout directory "
-                         f"or a .gguf file: nanopaged downloads nothing)")
+                         f"or a GGUF file: nanopaged downloads nothing)")
     if not has_config:
         raise ModelError(f"{path}: no config.json (expected a Hugging Face model directory)")
     return path
@@ -2055,7 +2065,7 @@ def resolve_model_dir(model=None) -> Path:
 
 def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_model_len=None,
                config: ModelConfig | None = None) -> nn.Module:
-    """Load `model` (None: the default SmolLM2; a HF directory; a .gguf file) in `dtype`
+    """Load `model` (None: the default SmolLM2; a HF directory; a GGUF file) in `dtype`
     on `device`. dummy=True reads only config.json and fills the weights with random
     numbers: for benchmarks on machines the real weights cannot reach. max_model_len: the
     longest sequence it will serve (Llama's RoPE tables; LongRoPE picks its factors by it).

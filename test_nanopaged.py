@@ -2282,6 +2282,22 @@ def test_tiny_gguf_loads(tmp_path, own_cache):
     assert 257 not in tok.encode("[PAD257]")
 
 
+def test_a_gguf_is_known_by_its_first_bytes_whatever_its_name(tmp_path, own_cache):
+    """Ollama keeps its models as GGUF files named by their hash (blobs/sha256-...): such a
+    file loads as its .gguf twin does; a file that does not begin as a GGUF is still no model."""
+    path = write_gguf(tmp_path / "m.gguf", L=2)
+    blob = tmp_path / "sha256-3c1b2f"
+    blob.write_bytes(path.read_bytes())
+    ids = torch.tensor([1, 2, 3])
+    logits = [load_model(p)(ids, torch.arange(3), lambda i, q, k, v, window: q) for p in (path, blob)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    assert load_tokenizer(blob).encode("ab") == [97, 98]
+    (tmp_path / "notes").write_bytes(b"GGU")
+    with pytest.raises(ModelError, match=r"notes: a file, not a model \(a model is a local Hugging Face layout "
+                                         r"directory or a GGUF file\)$"):
+        load_model(tmp_path / "notes")
+
+
 def test_sentencepiece_gguf_encodes_as_its_tokenizer_json(tmp_path, own_cache):
     """A Llama 2 GGUF keeps a score per token and no merges: the merges made from the
     scores, and llama.cpp's defaults (a BOS first, a space before the text), give the ids of
