@@ -153,6 +153,32 @@ def bench_attention(args):
     print(f"{'':42s} {'ms/layer':>9s} {'vs contiguous':>14s}")
     for name, t in rows:
         print(f"{name:42s} {1000 * t:9.2f} {t / base:13.2f}x")
+    if kernel is not None:
+        single_sequence(kernel, H, KVH, D, bs, args.repeats)
+
+
+def single_sequence(kernel, H, KVH, D, bs, repeats):
+    """One sequence decoding (a long chat): its KVH (sequence, kv head) work items are fewer
+    than the threads, so kernels_cpu.c cuts the context into partitions (split-K); against
+    the same kernel on the whole context, and the torch fast path."""
+    print(f"one sequence decoding, {torch.get_num_threads()} threads; ms/layer, median of {repeats}")
+    print(f"{'context':>8s} {'fast path':>10s} {'kernel, whole':>14s} {'kernel, split-K':>16s} {'items':>6s}")
+    for L in (2048, 8192, 32768):
+        n = -(-L // bs)
+        k_cache, v_cache = torch.randn(n, bs, KVH, D), torch.randn(n, bs, KVH, D)
+        tables = torch.randperm(n, dtype=torch.int32)[None]                 # (1, n), shuffled blocks
+        seq_lens, qsl = torch.tensor([L], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+        q, out, seqs = torch.randn(1, H, D), torch.empty(1, H, D), torch.tensor([0])
+        plan = AttentionPlan(tables, seq_lens, qsl, bs)
+
+        def split(partition_size=0):
+            return kernel.decode_attention(q, k_cache, v_cache, tables, seq_lens, qsl, seqs, D ** -0.5, out,
+                                           partition_size=partition_size)
+        torch.testing.assert_close(split(), paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, D ** -0.5))
+        items = kernel.work_items
+        times = median_times([lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, D ** -0.5, plan=plan),
+                              lambda: split(L), split], repeats)
+        print(f"{L:8d} {1000 * times[0]:10.3f} {1000 * times[1]:14.3f} {1000 * times[2]:16.3f} {items:6d}")
 
 
 # -----------------------------------------------------------------------------

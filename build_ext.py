@@ -771,7 +771,7 @@ class DecodeArgs(ctypes.Structure):
                 ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
                 ("block_size", ctypes.c_int32), ("window", ctypes.c_int32), ("dtype", ctypes.c_int32),
                 ("num_threads", ctypes.c_int32), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-                ("bad", ctypes.c_int64)]
+                ("partition_size", ctypes.c_int64), ("bad", ctypes.c_int64), ("work_items", ctypes.c_int64)]
 
 
 # paged_decode's refusals (enum in kernels_cpu.c), as the message says them
@@ -779,7 +779,8 @@ CPU_REFUSALS = {1: "sequence {bad} of seqs is not in the batch",
                 2: "seq_lens[{bad}] is outside 1 .. block_tables' columns x block_size",
                 3: "query_start_loc[{bad}] is not a row of q",
                 4: "block_tables[{bad}] holds a block id outside the cache, in the positions it reads",
-                5: "this compiler has no _Float16: float16 is not supported"}
+                5: "this compiler has no _Float16: float16 is not supported",
+                6: "no memory for the list of work items, or for the partitions' partial results"}
 
 
 class CpuKernels:
@@ -805,9 +806,12 @@ class CpuKernels:
         return None
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs, scale: float,
-                         out, window: int | None = None, softcap: float | None = None):
+                         out, window: int | None = None, softcap: float | None = None, partition_size: int = 0):
         """out[query_start_loc[b]] = attention of that query over sequence b's context, for
-        each b in seqs (int64, decode sequences: one query each). Other rows of out untouched."""
+        each b in seqs (int64, decode sequences: one query each). Other rows of out untouched.
+        partition_size: positions per work item at most (0: the kernel's choice: split-K where
+        the (sequence, kv head) items are too few for the threads); self.work_items then says
+        how many items the call made."""
         import torch
         T, H, D = q.shape
         checks = [("q", q, q.dtype, 3), ("k_cache", k_cache, q.dtype, 4), ("v_cache", v_cache, q.dtype, 4),
@@ -835,15 +839,18 @@ class CpuKernels:
             raise ValueError(reason)
         check_window(window)
         window = min(window or 0, 2**31 - 1)   # (a window past any context is none: int32 must not wrap)
+        if isinstance(partition_size, bool) or not isinstance(partition_size, int) or not 0 <= partition_size < 2**62:
+            raise ValueError(f"partition_size must be an int >= 0 (0: the kernel picks), got {partition_size!r}")
         args = DecodeArgs(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
                           block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
                           query_start_loc.data_ptr(), seq_lens.shape[0], T, seqs.data_ptr(), seqs.shape[0],
                           out.data_ptr(), H, kvh, D, block_size, window,
                           CPU_DTYPES[str(q.dtype).removeprefix("torch.")], torch.get_num_threads(),
-                          scale, softcap or 0.0, 0)
+                          scale, softcap or 0.0, partition_size)
         rc = self.lib.paged_decode(ctypes.byref(args))
         if rc:
             raise ValueError("paged_decode refused the call: " + CPU_REFUSALS[rc].format(bad=args.bad))
+        self.work_items = args.work_items
         return out
 
 

@@ -13,13 +13,16 @@
  *
  * One work item per (decode sequence, kv head), spread over threads by OpenMP: the
  * G = H / KVH query heads of a GQA group read each K/V vector of their kv head while it
- * is in L1. Online softmax, one block's run of positions at a time, in base 2 (as
+ * is in L1. Where that makes fewer items than threads (one long chat, a few sequences on
+ * many cores), each context is cut into partitions, items of their own, merged after
+ * (split-K, as kernels.cu does). Online softmax, one block's run of positions at a time, in base 2 (as
  * kernels.cu): q is scaled by scale * log2(e) once, so each score costs one 2^x, and 2^x
  * is a polynomial the compiler vectorizes (libm's expf would be a call per score).
  */
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };   /* storage of q, K/V and out; the math is float32 */
@@ -45,11 +48,13 @@ struct DecodeArgs {            /* shapes as in DESIGN.md; T tokens, B sequences 
   int32_t num_threads;
   float scale;
   float softcap;               /* 0: none; else scores become softcap * tanh(s / softcap) */
+  int64_t partition_size;      /* positions per work item at most; 0: paged_decode picks (split-K) */
   int64_t bad;                 /* out: the sequence a refused call stumbled on */
+  int64_t work_items;          /* out: how many work items the call was cut into */
 };
 
 /* What paged_decode returns: 0, or why it refused the call (before reading anything). */
-enum { OK = 0, BAD_SEQ = 1, BAD_LEN = 2, BAD_ROW = 3, BAD_BLOCK = 4, NO_F16 = 5 };
+enum { OK = 0, BAD_SEQ = 1, BAD_LEN = 2, BAD_ROW = 3, BAD_BLOCK = 4, NO_F16 = 5, NO_MEMORY = 6 };
 
 int paged_decode_has_float16(void) {
 #ifdef __FLT16_MAX__   /* _Float16: gcc 12+ and clang, on x86-64 and arm64 */
@@ -234,15 +239,16 @@ INLINE float exp2_neg(float x) {
   return p * two_n;
 }
 
-/* ---- one (sequence, kv head): the G query heads of its group over the whole context ---- */
+/* ---- one work item: a kv head's group of G query heads over a run of one context ---- */
 
-INLINE void attend(const struct DecodeArgs* a, int64_t work, int dtype) {
+/* Positions t0 .. t1 - 1 of decode sequence b, kv head h. partial NULL: the run is the whole
+ * context, and the output is written to out. Else, per query head g, (2 + D) floats at
+ * partial + g * (2 + D): the running max m (base 2), l = sum of 2^(score - m), and acc =
+ * sum of those weights times V, for merge() to combine with the other partitions. */
+INLINE void attend(const struct DecodeArgs* a, int64_t b, int h, int64_t t0, int64_t t1, float* partial, int dtype) {
   const int H = a->num_heads, KVH = a->num_kv_heads, D = a->head_dim, bs = a->block_size;
   const int G = H / KVH;
-  const int64_t b = a->seqs[work / KVH];
-  const int h = (int)(work % KVH);
-  const int64_t len = a->seq_lens[b], row = a->query_start_loc[b];
-  const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
+  const int64_t row = a->query_start_loc[b];
   const int64_t slot_stride = (int64_t)KVH * D;        /* from one position to the next */
   const float log2e = 1.44269504f, qscale = a->scale * log2e;
 
@@ -256,12 +262,12 @@ INLINE void attend(const struct DecodeArgs* a, int64_t work, int dtype) {
     m[g] = -INFINITY;
     l[g] = 0.0f;
   }
-  for (int64_t t = first; t < len;) {
+  for (int64_t t = t0; t < t1;) {
     /* positions t .. t + cnt - 1 lie in one block, consecutive in its slots */
     const int64_t blk = t / bs, off = t % bs;
-    const int cnt = (int)(len - t < bs - off ? len - t : bs - off);
+    const int cnt = (int)(t1 - t < bs - off ? t1 - t : bs - off);
     const int64_t base = ((int64_t)a->block_tables[b * a->max_blocks + blk] * bs + off) * slot_stride + (int64_t)h * D;
-    if (t + cnt < len) {
+    if (t + cnt < t1) {
       /* Ask for the next block's rows now: blocks lie anywhere in the cache, so no hardware
        * prefetcher guesses where the next one is, and its loads would wait on memory. */
       const int64_t next = (int64_t)a->block_tables[b * a->max_blocks + blk + 1] * bs * slot_stride + (int64_t)h * D;
@@ -296,17 +302,81 @@ INLINE void attend(const struct DecodeArgs* a, int64_t work, int dtype) {
     t += cnt;
   }
   for (int g = 0; g < G; g++) {
-    const int64_t o0 = (row * H + h * G + g) * (int64_t)D;
-    for (int d = 0; d < D; d++) store(a->out, o0 + d, acc[g][d] / l[g], dtype);
+    if (partial) {
+      float* out = partial + (int64_t)g * (2 + D);
+      out[0] = m[g];
+      out[1] = l[g];
+      memcpy(out + 2, acc[g], sizeof acc[g]);
+    } else {
+      const int64_t o0 = (row * H + h * G + g) * (int64_t)D;
+      for (int d = 0; d < D; d++) store(a->out, o0 + d, acc[g][d] / l[g], dtype);
+    }
+  }
+}
+
+/* ---- split-K: partitions, and their merge ---- */
+
+/* Below this many positions a partition's own costs (its q, its state, its merge) weigh on
+ * its share of the reading. */
+enum { MIN_PARTITION = 256 };
+
+/* Positions per work item: the caller's partition_size, else none (the whole context) where
+ * there are work items enough for the threads, else as many as make about 4 items per
+ * thread (dynamic scheduling evens out the rest), in whole blocks. total: the positions the
+ * call reads, all sequences. */
+static int64_t partition(const struct DecodeArgs* a, int64_t total) {
+  if (a->partition_size > 0) return a->partition_size;
+  const int64_t threads = a->num_threads;
+  if (a->n * a->num_kv_heads >= 2 * threads) return INT64_MAX;
+  const int64_t want = 4 * threads;
+  int64_t part = (total * a->num_kv_heads + want - 1) / want;
+  part = part < MIN_PARTITION ? MIN_PARTITION : part;
+  return (part + a->block_size - 1) / a->block_size * a->block_size;
+}
+
+/* Sequence b's output for kv head h from its `parts` partitions (partials: the first one's
+ * floats, its kv heads' KVH x G x (2 + D) floats apart): each partition's sums rescaled
+ * to the largest of their maxima M, out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p. */
+INLINE void merge(const struct DecodeArgs* a, const float* partials, int64_t parts, int64_t b, int h, int dtype) {
+  const int KVH = a->num_kv_heads, D = a->head_dim, G = a->num_heads / KVH;
+  const int64_t item = (int64_t)G * (2 + D), row = a->query_start_loc[b];
+  for (int g = 0; g < G; g++) {
+    const float* head = partials + h * item + (int64_t)g * (2 + D);   /* partition p's: + p * KVH * item */
+    float M = -INFINITY, l = 0.0f, acc[D];
+    for (int64_t p = 0; p < parts; p++) M = fmaxf(M, head[p * KVH * item]);
+    memset(acc, 0, sizeof acc);
+    for (int64_t p = 0; p < parts; p++) {
+      const float* part = head + p * KVH * item;
+      const float w = exp2_neg(part[0] - M);
+      l += w * part[1];
+      for (int d = 0; d < D; d++) acc[d] += w * part[2 + d];
+    }
+    const int64_t o0 = (row * a->num_heads + h * G + g) * (int64_t)D;
+    for (int d = 0; d < D; d++) store(a->out, o0 + d, acc[d] / l, dtype);
   }
 }
 
 /* ---- the entry point ---- */
 
+/* the first position sequence b's query sees */
+INLINE int64_t first_seen(const struct DecodeArgs* a, int64_t len) {
+  return a->window > 0 && len > a->window ? len - a->window : 0;
+}
+
+/* Each case its own copy of the function, dtype a constant in it (per call or work item,
+ * not per element). */
+#define BY_DTYPE(dtype, call)   \
+  switch (dtype) {              \
+    case BF16: call(BF16); break; \
+    case F16: call(F16); break; \
+    default: call(F32);         \
+  }
+
 int paged_decode(struct DecodeArgs* a) {
   if (a->dtype == F16 && !paged_decode_has_float16()) return NO_F16;
   /* First, serially, what the engine promises: every read below stays inside the tensors,
    * whatever a caller passes. An int per block read: cheap next to the attention. */
+  int64_t total = 0;
   for (int64_t i = 0; i < a->n; i++) {
     const int64_t b = a->seqs[i];
     a->bad = b;
@@ -314,21 +384,57 @@ int paged_decode(struct DecodeArgs* a) {
     const int64_t len = a->seq_lens[b], row = a->query_start_loc[b];
     if (len < 1 || len > a->max_blocks * a->block_size) return BAD_LEN;
     if (row < 0 || row >= a->num_tokens) return BAD_ROW;
-    const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t first = first_seen(a, len);
     for (int64_t blk = first / a->block_size; blk <= (len - 1) / a->block_size; blk++) {
       const int32_t id = a->block_tables[b * a->max_blocks + blk];
       if (id < 0 || id >= a->num_blocks) return BAD_BLOCK;
     }
+    total += len - first;
   }
-  const int64_t work = a->n * a->num_kv_heads;
+  /* The work items: sequence i's are start[i] .. start[i + 1] - 1, partition-major (the
+   * kv heads of one partition side by side: they read the same blocks). */
+  const int64_t KVH = a->num_kv_heads, part = partition(a, total);
+  const int64_t item = (int64_t)(a->num_heads / KVH) * (2 + a->head_dim);   /* floats of a partial */
+  int64_t* start = malloc((a->n + 1) * sizeof *start);
+  if (!start) return NO_MEMORY;
+  start[0] = 0;
+  for (int64_t i = 0; i < a->n; i++) {
+    const int64_t len = a->seq_lens[a->seqs[i]];
+    start[i + 1] = start[i] + ((len - first_seen(a, len) - 1) / part + 1) * KVH;
+  }
+  const int64_t items = a->work_items = start[a->n];
+  float* partials = NULL;   /* item w's partial at partials + w * item: unused by unsplit sequences */
+  if (items > a->n * KVH && !(partials = malloc(items * item * sizeof *partials))) {
+    free(start);
+    return NO_MEMORY;
+  }
   /* dynamic: contexts differ in length, so equal shares of work items are not equal work */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(a->num_threads)
-  for (int64_t w = 0; w < work; w++) {
-    switch (a->dtype) {   /* per work item, not per element: each case is its own copy of attend */
-      case BF16: attend(a, w, BF16); break;
-      case F16: attend(a, w, F16); break;
-      default: attend(a, w, F32);
+  for (int64_t w = 0; w < items; w++) {
+    int64_t lo = 0, hi = a->n - 1;   /* the sequence i with start[i] <= w < start[i + 1] */
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (start[mid] <= w) lo = mid; else hi = mid - 1;
+    }
+    const int64_t b = a->seqs[lo], len = a->seq_lens[b], parts = (start[lo + 1] - start[lo]) / KVH;
+    const int64_t p = (w - start[lo]) / KVH, t0 = first_seen(a, len) + p * part;
+    const int h = (int)((w - start[lo]) % KVH);
+    const int64_t t1 = len - t0 <= part ? len : t0 + part;
+    float* partial = parts > 1 ? partials + w * item : NULL;
+#define ATTEND(dt) attend(a, b, h, t0, t1, partial, dt)
+    BY_DTYPE(a->dtype, ATTEND)
+  }
+  if (partials) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(a->num_threads)
+    for (int64_t w = 0; w < a->n * KVH; w++) {   /* (sequence, kv head) */
+      const int64_t i = w / KVH, parts = (start[i + 1] - start[i]) / KVH;
+      if (parts > 1) {
+#define MERGE(dt) merge(a, partials + start[i] * item, parts, a->seqs[i], (int)(w % KVH), dt)
+        BY_DTYPE(a->dtype, MERGE)
+      }
     }
   }
+  free(partials);
+  free(start);
   return OK;
 }

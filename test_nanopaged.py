@@ -6347,6 +6347,9 @@ def test_cpu_kernel_refuses_what_it_cannot_read_by_name():
     for window in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="window must be None or an int >= 1"):
             call(window=window)
+    for partition_size in (-1, 2.0, True, 2**62):
+        with pytest.raises(ValueError, match="partition_size must be an int >= 0"):
+            call(partition_size=partition_size)
     # a dropped block (-1) before a sliding window is never read, so not refused
     windowed = torch.where(bt == bt[1, 0], -1, bt)
     call(block_tables=windowed, window=8)
@@ -6355,6 +6358,48 @@ def test_cpu_kernel_refuses_what_it_cannot_read_by_name():
     with pytest.raises(ValueError, match="too large"):
         call(q=torch.zeros(2, 2048, 16), k_cache=kc[..., :1, :].contiguous(), v_cache=vc[..., :1, :].contiguous(),
              out=torch.zeros(2, 2048, 16))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (40, 0.5)])
+def test_cpu_kernel_split_k_partitions_merge_to_the_same_attention(window, softcap):
+    """Contexts cut into partitions of 1, 5, 16 and 100 positions (inside a block, across
+    blocks, a block each, several blocks; with a window, partitions from its first position
+    on), merged: the reference's attention, every slot outside a context NaN. Catches a
+    partition reading past its end or before a window, a max not rescaled in the merge."""
+    specs = [(1, 1), (1, 16), (1, 37), (1, 300), (5, 18), (1, 129)]
+    for block_size in (1, 4, 16):
+        q, kc, vc, bt, sl, qsl, _ = make_paged_batch(specs, block_size, 6, 2, 24, seed=block_size, window=window)
+        decodes = torch.tensor([b for b, (n, _) in enumerate(specs) if n == 1])
+        ref = paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.2, window, softcap=softcap)[qsl[decodes].long()]
+        for partition_size in (1, 5, 16, 100):
+            out = torch.zeros_like(q)
+            cpu_kernel().decode_attention(q, kc, vc, bt, sl, qsl, decodes, 0.2, out, window, softcap, partition_size)
+            torch.testing.assert_close(out[qsl[decodes].long()], ref, rtol=1e-5, atol=1e-5)
+            seen = [min(n, window or n) for _, n in specs]   # positions each decode reads
+            assert cpu_kernel().work_items == sum(-(-seen[b] // partition_size) * 2 for b in decodes.tolist())
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_splits_a_context_only_where_items_are_too_few_for_the_threads():
+    """Left to choose (partition_size 0), the kernel cuts one long context into partitions of
+    whole blocks, about 4 items per thread, at least 256 positions each; a batch that gives
+    every thread two (sequence, kv head) items, or a short context, stays whole."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)   # (the kernel takes torch's thread count)
+        q, kc, vc, bt, sl, qsl, _ = make_paged_batch([(1, 3000)] + [(1, 20)] * 3, 16, 4, 2, 16)
+        ref = paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.25)
+        for seqs, items in [([0], 8 * 2),   # 3000 positions x 2 kv heads / 16 items: 375 -> 384 (whole blocks)
+                            ([1], 2),       # (20 positions: one partition, of 256 at least)
+                            ([0, 1], 8 * 2 + 2),   # 4 items < 2 per thread: 3020 x 2 / 16 -> 384
+                            ([0, 1, 2, 3], 4 * 2)]:   # 8 items, 2 per thread: whole contexts
+            out = torch.zeros_like(q)
+            cpu_kernel().decode_attention(q, kc, vc, bt, sl, qsl, torch.tensor(seqs), 0.25, out)
+            assert cpu_kernel().work_items == items, seqs
+            torch.testing.assert_close(out[seqs], ref[seqs], rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_cpu_kernel
