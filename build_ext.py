@@ -793,6 +793,7 @@ class CpuKernels:
         lib.paged_decode.argtypes = [ctypes.POINTER(DecodeArgs)]
         lib.paged_decode.restype = ctypes.c_int
         self.dtypes = [d for d in CPU_DTYPES if d != "float16" or lib.paged_decode_has_float16()]
+        self.work_items = 0   # the last call's (split-K makes more than its sequences x kv heads)
 
     def unsupported(self, dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
         """Why a model of these shapes cannot use the kernel, or None."""
