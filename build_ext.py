@@ -36,7 +36,7 @@ emulator (see EMULATOR below): CPU tensors, no GPU, slow but exact — the tests
 run the kernels that way on every CI run.
 
 kernels_cpu.c, the CPU's decode kernel, is built apart, with the system's C compiler
-(no torch headers: about a second), and called through ctypes:
+(no torch headers: a few seconds), and called through ctypes:
 
     kernel = load_cpu_kernels()     # CpuKernels, or None: cpu_unavailable_reason()
     kernel.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
