@@ -71,6 +71,8 @@ def _unreadable(path: Path, why: str) -> ModelError:
     if pointer:
         return ModelError(f"{path}: a Git LFS pointer, not the file itself (the repository was cloned "
                           f"without git-lfs: run `git lfs pull` in it)")
+    if cache_dir().resolve() in path.resolve().parents:   # a conversion of a GGUF, damaged since it was written
+        why += f"; nanopaged wrote it converting a GGUF: delete {path.parent} and it is converted again"
     return ModelError(f"{path}: {why}")
 
 

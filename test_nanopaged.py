@@ -2298,6 +2298,26 @@ def test_a_gguf_is_known_by_its_first_bytes_whatever_its_name(tmp_path, own_cach
         load_model(tmp_path / "notes")
 
 
+def test_a_damaged_conversion_says_how_to_convert_again(tmp_path, own_cache):
+    """A cached conversion damaged after it was written (a disk error, a hand edit) is named,
+    with the way out: delete it, and the next load converts the GGUF again."""
+    path = write_gguf(tmp_path / "m.gguf", L=1)
+    load_model(path)
+    [converted] = own_cache.iterdir()
+    for name, damage in [("model.safetensors", b"\x00" * 8), ("config.json", b"{")]:
+        original = (converted / name).read_bytes()
+        (converted / name).write_bytes(damage)
+        with pytest.raises(ModelError, match=f"{name}: not .*; nanopaged wrote it converting a GGUF: delete "
+                                             f"{re.escape(str(converted))} and it is converted again$"):
+            load_model(path)
+        (converted / name).write_bytes(original)
+    shutil.rmtree(converted)
+    assert load_model(path) and [converted] == list(own_cache.iterdir())
+    with pytest.raises(ModelError, match=r"x.safetensors: not a readable safetensors file \(.*\)$"):   # not the cache's
+        (tmp_path / "x.safetensors").write_bytes(b"\x00" * 8)
+        model_module._open_safetensors(tmp_path / "x.safetensors")
+
+
 def test_sentencepiece_gguf_encodes_as_its_tokenizer_json(tmp_path, own_cache):
     """A Llama 2 GGUF keeps a score per token and no merges: the merges made from the
     scores, and llama.cpp's defaults (a BOS first, a space before the text), give the ids of
