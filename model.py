@@ -59,13 +59,18 @@ class ModelError(ValueError):
 LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
+def _begins_with(path: Path, prefix: bytes) -> bool:
+    """Whether the file's first bytes are `prefix` (OSError where it cannot be read)."""
+    with open(path, "rb") as f:
+        return f.read(len(prefix)) == prefix
+
+
 def _unreadable(path: Path, why: str) -> ModelError:
     """The error for a file that does not parse. A model repository cloned without git-lfs
     holds, in place of each large file, a pointer of a hundred bytes or so that begins with
     LFS_POINTER: said as such, rather than as the parser's complaint about its first byte."""
     try:
-        with open(path, "rb") as f:
-            pointer = f.read(len(LFS_POINTER)) == LFS_POINTER
+        pointer = _begins_with(path, LFS_POINTER)
     except OSError:
         pointer = False
     if pointer:
@@ -2049,11 +2054,10 @@ def resolve_model_dir(model=None) -> Path:
         # A GGUF is known by its first bytes, whatever its name: Ollama, for one, keeps its
         # models as GGUF files named by their hash (~/.ollama/models/blobs/sha256-...).
         try:
-            with path.open("rb") as f:
-                magic = f.read(4)
+            gguf = _begins_with(path, b"GGUF")
         except OSError as e:
             raise ModelError(f"{path}: cannot be read ({e.strerror})") from None
-        if magic == b"GGUF":
+        if gguf:
             return convert_gguf(path)
         raise ModelError(f"{path}: a file, not a model (a model is a local Hugging Face layout directory "
                          f"or a GGUF file)")
