@@ -570,8 +570,10 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
     if partial != 1.0 and model_type != "phi3":   # (of the family, only HF's Phi-3 splits heads: Phi-4-mini)
         raise ModelError(f"partial_rotary_factor {partial!r} is not supported for {model_type}: its "
                          f"transformers class turns whole heads, ignoring it (only Phi-3's turns part of each)")
+    if partial > 1:   # (refused before the product: 1e308 * head_dim is inf, which int() refuses)
+        raise ModelError(f"partial_rotary_factor {partial!r} exceeds 1: RoPE turns at most the whole head")
     rotary_dim = _rotary_dim(head_dim, partial)
-    if partial > 1 or rotary_dim < 2 or rotary_dim % 2:
+    if rotary_dim < 2 or rotary_dim % 2:
         raise ModelError(f"partial_rotary_factor {partial!r} of head_dim {head_dim} gives {rotary_dim} "
                          f"rotated dimensions: RoPE turns an even number of them, at least 2, at most head_dim")
     # A factor without a type would scale nothing (transformers 5 reads it so, with a warning):
@@ -2025,6 +2027,8 @@ def _kind(path: Path) -> int | None:
         return None
     except OSError as e:
         raise ModelError(f"{e.filename or path}: cannot be read ({e.strerror})") from None
+    except ValueError:   # (os.stat's "embedded null byte")
+        raise ModelError(f"{str(path)!r} is no path: it holds a NUL character") from None
 
 
 def _is_regular(path: Path) -> bool:
@@ -2043,7 +2047,10 @@ def resolve_model_dir(model=None) -> Path:
         return convert_gguf(default_gguf())
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise ModelError(f"model must be a path (a directory or a GGUF file), got {model!r}")
-    path = Path(model).expanduser()
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError:   # "~name/..." where no user is called name (a typo of "~/name/...")
+        raise ModelError(f"{model}: not found ({str(model).split('/')[0]} is no user's home directory)") from None
     is_file, is_dir = _is_regular(path), _is_dir(path)
     has_config = is_dir and _is_regular(path / "config.json")
     if path.suffix == ".gguf":
@@ -2221,14 +2228,18 @@ def _read_safetensors(model_dir: Path, where: dict[str, Path], shapes: dict, dty
                     if shape != shapes[name]:
                         raise ModelError(f"{path}: tensor {stored!r} has shape {shape}, "
                                          f"expected {shapes[name]}")
-                    # weights are floats; integers would be quantized values, float8 needs its scales
-                    if stored_dtype not in CHECKPOINT_DTYPES:
-                        raise ModelError(f"{path}: tensor {stored!r} is stored as {stored_dtype}; nanopaged reads "
-                                         f"unquantized weights ({', '.join(CHECKPOINT_DTYPES)})")
+                    _check_stored_dtype(path, stored, stored_dtype)
                     hf[name] = f.get_tensor(stored).to(device=device, dtype=dtype)
                 except SafetensorError as e:
                     raise ModelError(f"{path}: cannot read tensor {stored!r} ({e})") from None
     return hf
+
+
+def _check_stored_dtype(path: Path, name: str, stored_dtype: str):
+    """Weights are floats: integers would be quantized values, and float8 needs its scales."""
+    if stored_dtype not in CHECKPOINT_DTYPES:
+        raise ModelError(f"{path}: tensor {name!r} is stored as {stored_dtype}; nanopaged reads "
+                         f"unquantized weights ({', '.join(CHECKPOINT_DTYPES)})")
 
 
 def _untie_if_distinct(model_dir: Path, where: dict[str, Path], config: ModelConfig) -> ModelConfig:
@@ -2243,6 +2254,8 @@ def _untie_if_distinct(model_dir: Path, where: dict[str, Path], config: ModelCon
         return config   # (a missing embedding is _read_safetensors' to name)
     with _open_safetensors(where[head]) as f, _open_safetensors(where[embed]) as g:
         try:   # (memory-mapped: compared without a copy in memory; another shape is unequal)
+            for path, file, name in ((where[head], f, head), (where[embed], g, embed)):
+                _check_stored_dtype(path, name, file.get_slice(name).get_dtype())   # (torch.equal cannot read float8)
             same = torch.equal(f.get_tensor(head), g.get_tensor(embed))
         except SafetensorError:
             same = False   # (a damaged tensor: _read_safetensors names it)
@@ -2405,9 +2418,10 @@ def convert_gguf(gguf_path: Path) -> Path:
             path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
         try:
             tmp.rename(out)
-        except OSError:
+        except OSError as e:
             if not out.is_dir():  # not just another process finishing first
-                raise
+                raise ModelError(f"{out}: cannot hold the converted model ({e.strerror}): delete it, "
+                                 f"and {gguf_path.name} is converted again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

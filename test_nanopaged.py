@@ -1086,6 +1086,11 @@ def test_a_tied_config_with_a_distinct_lm_head_unties_it_as_transformers_does(tm
                                        "from them: it is used, untied, as transformers does\n")
     ids = torch.tensor([3, 1, 4, 1, 5])
     untied = forward_all(net, ids)
+    # a head in float8 is named as such, as any tensor nanopaged cannot read (torch.equal
+    # comparing it with the embeddings raised a RuntimeError)
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].to(torch.float8_e4m3fn)
+    with pytest.raises(ModelError, match="tensor 'lm_head.weight' is stored as F8_E4M3; nanopaged reads unquantized"):
+        load_model(write_checkpoint(tmp_path / "float8", c, w))
     w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()   # a saved copy: tied, as the config says
     net = load_model(write_checkpoint(tmp_path / "copy", c, w))
     assert net.config.tie_word_embeddings and net.lm_head is None and capsys.readouterr().err == ""
@@ -1108,6 +1113,16 @@ def test_paths_that_cannot_be_looked_at_are_named(tmp_path):
         index | {"weight_map": dict.fromkeys(index["weight_map"], long)}))
     with pytest.raises(ModelError, match=f"shards/{long}: cannot be read \\(File name too long\\)$"):
         load_model(path)
+    # a NUL character (os.stat's ValueError), in a shard's name or the model's, and a "~name/"
+    # that names no user (pathlib's RuntimeError)
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        index | {"weight_map": dict.fromkeys(index["weight_map"], "model\0.safetensors")}))
+    for model in (path, tmp_path / "a\0b"):
+        with pytest.raises(ModelError, match=r"'.*\\x00.*' is no path: it holds a NUL character$"):
+            load_model(model)
+    with pytest.raises(ModelError, match="^~nanopaged-no-such-user/m: not found "
+                                         r"\(~nanopaged-no-such-user is no user's home directory\)$"):
+        load_model("~nanopaged-no-such-user/m")
     path = write_checkpoint(tmp_path / "fifo", c, llama_tensors(c))
     fifo = path / "model.safetensors"
     fifo.unlink()
@@ -1401,7 +1416,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor 0.5 is not supported for qwen2"),
     ({"model_type": "phi3", "partial_rotary_factor": 0.2}, "partial_rotary_factor 0.2 of head_dim 8 gives 1 rotated"),
-    ({"model_type": "phi3", "partial_rotary_factor": 2}, "partial_rotary_factor 2.0 of head_dim 8 gives 16 rotated"),
+    ({"model_type": "phi3", "partial_rotary_factor": 2}, "partial_rotary_factor 2.0 exceeds 1"),
+    ({"model_type": "phi3", "partial_rotary_factor": 1e308}, "partial_rotary_factor 1e[+]308 exceeds 1"),
     ({"model_type": "phi3", "partial_rotary_factor": "0.5"}, "'partial_rotary_factor' is '0.5', expected a positive"),
     # LongRoPE (Phi-3 128k, Phi-3.5): one factor per frequency, each a positive number
     ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0] * 4}},
@@ -2313,6 +2329,12 @@ def test_a_damaged_conversion_says_how_to_convert_again(tmp_path, own_cache):
         (converted / name).write_bytes(original)
     shutil.rmtree(converted)
     assert load_model(path) and [converted] == list(own_cache.iterdir())
+    shutil.rmtree(converted)
+    converted.write_bytes(b"")   # a file where the conversion goes: no traceback from the rename
+    with pytest.raises(ModelError, match=f"{re.escape(str(converted))}: cannot hold the converted model "
+                                         r"\(Not a directory\): delete it, and m.gguf is converted again$"):
+        load_model(path)
+    converted.unlink()
     with pytest.raises(ModelError, match=r"x.safetensors: not a readable safetensors file \(.*\)$"):   # not the cache's
         (tmp_path / "x.safetensors").write_bytes(b"\x00" * 8)
         model_module._open_safetensors(tmp_path / "x.safetensors")
@@ -2370,7 +2392,7 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
             (rope_meta[:2], rope_tensors + [("rope_freqs.weight", np.ones(3))], "holds both rope_freqs and LongRoPE"),
             (rope_meta[:1], rope_tensors, "phi3.rope.scaling.original_context_length is missing"),
             (rope_meta[:1], [], None), ([("phi3.rope.dimension_count", "six")], [], "dimension_count is 'six', expected"),
-            ([("phi3.rope.dimension_count", 9)], [], "partial_rotary_factor 1.125 of head_dim 8 gives 9 rotated dim"),
+            ([("phi3.rope.dimension_count", 9)], [], "partial_rotary_factor 1.125 exceeds 1"),
             (rope_meta, [(name, np.ones(4)) for name, _ in rope_tensors], "longrope's short_factor is .*, expected "
                                                                            "a list of 3 numbers"))):
         path = write_gguf(tmp_path / f"bad{i}.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3",
