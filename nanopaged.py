@@ -2138,12 +2138,63 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
         conversation.append({"role": "assistant", "content": "".join(shown)})
 
 
+class OutputError(Exception):
+    """The command line's answer could not be written: stdout on a full disk, or open for reading."""
+
+
+class CheckedStdout:
+    """sys.stdout while the command line runs: a write or flush that fails raises OutputError,
+    which main() reports in one line. As a bare OSError it could not be told from the engine's
+    own (a model file that cannot be read), and the flush that input() does before reading a
+    --chat turn would read as stdin's failure. A closed pipe stays a BrokenPipeError: the
+    reader of `| head` has gone, which is no error to report."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        with self._checked():
+            return self.stream.write(text)
+
+    def flush(self):
+        with self._checked():
+            self.stream.flush()
+
+    @contextlib.contextmanager
+    def _checked(self):
+        try:
+            yield
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OutputError(f"cannot write the output: {e.strerror or e}") from None
+
+    def __getattr__(self, name):   # fileno(), isatty(), reconfigure(): the stream's own
+        return getattr(self.stream, name)
+
+
 def main(argv=None) -> int:
+    # A descriptor closed when the process started is None in sys: print(file=None) writes to
+    # stdout, so with stderr closed (2>&-) the notes and errors would land in the answer, and with
+    # stdout closed (>&-) the answer would vanish without a word, status 0.
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")   # (the notes are dropped; the exit status still tells)
+    if sys.stdout is None:
+        print("nanopaged: error: stdout is closed: the answer has nowhere to go", file=sys.stderr)
+        return 1
+    stdout, sys.stdout = sys.stdout, CheckedStdout(sys.stdout)
+    try:
+        return run_cli(argv)
+    finally:
+        sys.stdout = stdout
+
+
+def run_cli(argv) -> int:
     args = build_parser().parse_args(argv)
     # The model writes any character: where stdout's encoding lacks one (an ASCII or Latin-1 locale,
     # cp1252 on Windows when redirected), a "?" shows, rather than a UnicodeEncodeError cutting the
     # answer off halfway (a ValueError: it read as bad input, status 2)
-    if hasattr(sys.stdout, "reconfigure"):   # (a TextIOWrapper; not a closed stdout's None)
+    if hasattr(sys.stdout, "reconfigure"):   # (a TextIOWrapper's)
         sys.stdout.reconfigure(errors="replace")
     line_open = False   # streamed text waits on its line: an error message starts a new one
 
@@ -2256,6 +2307,7 @@ def main(argv=None) -> int:
                 raise GenerationError(f"{NOT_FINITE} for the samples marked (error)")
         if args.stats and not args.chat:   # (--chat prints them after each answer)
             print(llm.stats.summary(llm.pool.num_blocks), file=sys.stderr)
+        sys.stdout.flush()   # (a write that fails fails here, not at exit, where no one would report it)
     except ValueError as e:   # bad input of any kind: one clear line, exit status 2
         print(f"nanopaged: error: {e}", file=sys.stderr)
         return 2
@@ -2265,7 +2317,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's usual status
         print("\n" * line_open + "nanopaged: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:    # `| head`: the reader has gone; say nothing more
+    except (BrokenPipeError, OutputError) as e:   # `| head`: the reader has gone; say nothing more
+        if isinstance(e, OutputError):
+            print("\n" * line_open + f"nanopaged: error: {e}", file=sys.stderr)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (Python would flush into it at exit)
         return 1
     return 0
