@@ -2053,7 +2053,10 @@ def resolve_model_dir(model=None) -> Path:
         raise ModelError(f"{model}: not found ({str(model).split('/')[0]} is no user's home directory)") from None
     is_file, is_dir = _is_regular(path), _is_dir(path)
     has_config = is_dir and _is_regular(path / "config.json")
-    if path.suffix == ".gguf":
+    if not (is_file or is_dir) and _kind(path) is not None:   # /dev/null, a FIFO, a socket
+        raise ModelError(f"{path}: neither a file nor a directory (a model is a local Hugging Face layout "
+                         f"directory or a GGUF file)")
+    if path.suffix == ".gguf" and not is_dir:   # (a directory so named is read as any other)
         if not is_file:
             raise ModelError(f"{path}: GGUF file not found")
         return convert_gguf(path)

@@ -1065,6 +1065,11 @@ def test_missing_directory_and_files(tmp_path):
         load_model(tmp_path)
     with pytest.raises(ModelError, match="GGUF file not found"):
         load_model(tmp_path / "nope.gguf")
+    (tmp_path / "dir.gguf").mkdir()   # a directory, whatever its name
+    with pytest.raises(ModelError, match="dir.gguf: no config.json"):
+        load_model(tmp_path / "dir.gguf")
+    with pytest.raises(ModelError, match="^/dev/null: neither a file nor a directory"):
+        load_model("/dev/null")
     (tmp_path / "config.json").write_text(json.dumps(llama_config()))
     with pytest.raises(ModelError, match="no model.safetensors"):
         load_model(tmp_path)
