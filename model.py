@@ -1233,24 +1233,25 @@ def _compile_chat_template(template: str):
 
 def _render_bounded(template: jinja2.Template, variables: dict) -> str:
     """template.render(variables), stopped with a ValueError past RENDER_SECONDS or
-    RENDER_CHARS of text. Jinja compiles a template to Python code (its file name
-    "<template>"), and a trace function sees each of its lines run, every turn of a loop
-    included: there the clock is read. (Where a debugger or coverage tool traces already,
-    it is left in charge and the render is not timed.) Between two reads of the clock, a
-    template can still build text a piece at a time: seconds of that is some gigabytes."""
+    RENDER_CHARS of text. Jinja compiles a template to Python code, and a trace function
+    sees each line of Python run during the render, every turn of a loop included: the
+    template's own, and those of the filters it calls (markupsafe's striptags, quadratic
+    in Python, took minutes on a few megabytes); there the clock is read. (Where a
+    debugger or coverage tool traces already, it is left in charge and the render is not
+    timed.) Between two reads of the clock, a template can still build text a piece at a
+    time, or one call in C make a long string (a width of 10^9): seconds of that is some
+    gigabytes. Tracing every line costs little: SmolLM2's template renders 21 messages in 0.54
+    ms, against 0.34 ms when only the template's own lines were traced."""
     deadline = time.monotonic() + RENDER_SECONDS
 
-    def on_line(frame, event, arg):
+    def on_line(frame, event, arg):   # (also a new frame's trace function: every frame is timed)
         if time.monotonic() > deadline:
             raise ValueError(f"rendering took more than {RENDER_SECONDS:g} s")
         return on_line
 
-    def on_call(frame, event, arg):   # (a new frame: the template's own, or Jinja's and ours)
-        return on_line if frame.f_code.co_filename == "<template>" else None
-
     timed = sys.gettrace() is None
     if timed:
-        sys.settrace(on_call)
+        sys.settrace(on_line)
     try:
         return _join_bounded(template.generate(variables))   # (the text as it is made)
     finally:

@@ -2142,7 +2142,14 @@ def test_a_chat_template_that_runs_away_is_stopped(tmp_path, monkeypatch):
         (path / "chat_template.jinja").write_text(template)
         with pytest.raises(ValueError, match=f"the model's chat template failed: ValueError: .*{message}"):
             load_tokenizer(path).apply_chat_template("Hi")
-    (path / "chat_template.jinja").write_text("{{ lipsum(n=10**7) }}")   # (Jinja's own code: no clock there)
+    # a filter's own Python loop is timed too: markupsafe's striptags, quadratic, went on for
+    # about 15 s on this text (minutes on some megabytes) before the clock was read
+    (path / "chat_template.jinja").write_text("{{ ('<>' * 640000) | striptags }}")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="rendering took more than 0.5 s"):
+        load_tokenizer(path).apply_chat_template("Hi")
+    assert time.monotonic() - start < 4
+    (path / "chat_template.jinja").write_text("{{ lipsum(n=10**7) }}")   # (Jinja's, left out of the globals)
     with pytest.raises(ValueError, match="UndefinedError: 'lipsum' is undefined"):
         load_tokenizer(path).apply_chat_template("Hi")
     (path / "chat_template.jinja").write_text("{{ 'ab' * 2 }}{{ [1] + [2] }}{{ 2 ** 10 }}")   # small ones work
