@@ -868,19 +868,29 @@ class Tokenizer:
         itself does; SentencePiece's Metaspace puts a "▁" there only). An lstrip (rstrip) token
         drops the whitespace on its left (right). A single_word token found inside a word is no
         token there: as HF, its text stays text between tokens, and the search goes on after
-        it (it does not try a shorter token at that place, nor one starting within it)."""
-        (added, tokens), ids, start, strip_left = search, [], 0, False
+        it (it does not try a shorter token at that place, nor one starting within it). An lstrip
+        token takes whitespace back to where the token before it ended, with what that one
+        took: a whitespace token that an rstrip token before it took whole is no token (HF's
+        empty match, dropped)."""
+        (added, tokens), ids, start = search, [], 0   # start: where the text not yet taken begins
         for m in added.finditer(text):
             token, lstrip, rstrip, single_word = tokens[m.group()]
             if single_word and (WORD_CHAR.match(text, m.end()) or m.start() and WORD_CHAR.match(text, m.start() - 1)):
                 continue
-            gap = text[start:m.start()]
-            gap = gap.lstrip(WHITE_SPACE) if strip_left else gap   # after an rstrip token
-            ids += encode_gap(gap.rstrip(WHITE_SPACE) if lstrip else gap, at_start and start == 0)
+            begin, end = m.start(), m.end()   # the text the token takes, its whitespace included
+            if lstrip:
+                while begin > start and text[begin - 1] in WHITE_SPACE:
+                    begin -= 1
+                begin = max(begin, start)
+            while rstrip and end < len(text) and text[end] in WHITE_SPACE:
+                end += 1
+            if begin >= end:
+                continue
+            if start < begin:
+                ids += encode_gap(text[start:begin], at_start and start == 0)
             ids.append(token)
-            start, strip_left = m.end(), rstrip
-        tail = text[start:]
-        return ids + encode_gap(tail.lstrip(WHITE_SPACE) if strip_left else tail, at_start and start == 0)
+            start = end
+        return ids + encode_gap(text[start:], at_start and start == 0)
 
     def _encode_normalized(self, text: str, at_start: bool) -> list[int]:
         """Text between added tokens: normalized, as HF's normalizer acts here (NFC over the

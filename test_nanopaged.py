@@ -1804,6 +1804,21 @@ def test_added_tokens_are_matched_as_hf_matches_them(tmp_path):
     assert {text: tok.encode(text) for text in cases} == cases
 
 
+def test_whitespace_an_rstrip_token_took_is_no_token_again(tmp_path):
+    """An rstrip token takes the whitespace after it; an lstrip token found inside that
+    whitespace is an empty match to HF, and dropped (it was emitted a second time); one
+    without lstrip is kept. The expected ids are HF tokenizers' (0.23)."""
+    d, x, y, z = map(ord, "dxyz")
+    for added, cases in (
+            ([{"content": "  ", "id": 257, "lstrip": True, "rstrip": True}],
+             {"d    ": [d, 257], "d   ": [d, 257], "d  x  ": [d, 257, x, 257], "  ": [257]}),
+            ([{"content": "<x>", "id": 257, "rstrip": True}, {"content": "  ", "id": 258, "lstrip": True}],
+             {"<x>  y": [257, y], "<x> y  z": [257, y, 258, z]}),
+            ([{"content": "<x>", "id": 257, "rstrip": True}, {"content": "  ", "id": 258}], {"<x>  y": [257, 258, y]})):
+        tok = load_tokenizer(tiny_tokenizer_dir(tmp_path / str(len(cases)), added_tokens=added))
+        assert {text: tok.encode(text) for text in cases} == cases
+
+
 def test_an_added_token_thousands_of_characters_long_is_found(tmp_path):
     """(The trie of the added tokens, a level a character, was written out as a regex by
     recursion: a RecursionError at load.)"""
