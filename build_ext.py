@@ -51,6 +51,7 @@ import importlib
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -630,9 +631,25 @@ def find_cuda_home() -> str | None:
     return None
 
 
+def cache_root() -> Path | None:
+    """Where nanopaged keeps what it makes once (GGUF conversions, compiled kernels):
+    $NANOPAGED_CACHE, else ~/.cache/nanopaged; None where there is no home directory (no
+    $HOME, and no passwd entry for the user: a container run under an arbitrary uid)."""
+    if os.environ.get("NANOPAGED_CACHE"):
+        return Path(os.environ["NANOPAGED_CACHE"])
+    try:
+        return Path.home() / ".cache" / "nanopaged"
+    except RuntimeError:   # (pathlib's "Could not determine home directory")
+        return None
+
+
+NO_CACHE = "no home directory to keep a cache in (no $HOME, no passwd entry for this user): set NANOPAGED_CACHE"
+
+
 def build_dir() -> Path:
-    cache = os.environ.get("NANOPAGED_CACHE") or Path.home() / ".cache" / "nanopaged"
-    return Path(cache) / "kernels"
+    if (root := cache_root()) is None:
+        raise KernelsUnavailable(NO_CACHE)
+    return root / "kernels"
 
 
 def first_error(log: str) -> str:
@@ -867,9 +884,13 @@ def cpu_cache_key(cc: str) -> str:
 
 
 def find_cc() -> str:
-    """The C compiler: $CC, else cc, else gcc."""
+    """The C compiler: $CC (a command line, as make reads it: "ccache gcc" too), else cc, else gcc."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc or not shutil.which(cc):
+    try:
+        program = shlex.split(cc)[0] if cc else None
+    except (ValueError, IndexError):   # an unclosed quote; only spaces
+        program = None
+    if not program or not shutil.which(program):
         raise KernelsUnavailable(f"no C compiler found ({'$CC = ' + repr(cc) if cc else 'cc, gcc'}): "
                                  "the CPU kernel is compiled on first use")
     return cc
@@ -877,13 +898,42 @@ def find_cc() -> str:
 
 def compile_cpu_kernels(cc: str, lib: str, extra=()) -> str:
     """cc kernels_cpu.c into the shared library lib; the compiler's output (raises on failure)."""
-    run = subprocess.run([cc, *CPU_CFLAGS, *extra, str(CPU_KERNELS), "-o", lib, "-lm"], capture_output=True, text=True)
+    run = subprocess.run([*shlex.split(cc), *CPU_CFLAGS, *extra, str(CPU_KERNELS), "-o", lib, "-lm"],
+                         capture_output=True, text=True)
+    output = run.stdout + run.stderr
     if run.returncode != 0:
-        log = build_dir() / "cpu" / "build.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(run.stdout + run.stderr)
-        raise KernelsUnavailable(f"compiling kernels_cpu.c failed: {first_error(run.stdout + run.stderr)} (log: {log})")
-    return run.stdout + run.stderr
+        try:   # the whole log kept where it can be (a cache it cannot write: the reason without it)
+            log = build_dir() / "cpu" / "build.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(output)
+            kept = f" (log: {log})"
+        except (OSError, KernelsUnavailable):
+            kept = ""
+        raise KernelsUnavailable(f"compiling kernels_cpu.c failed: {first_error(output)}{kept}")
+    if not library_is_whole(Path(lib)):
+        raise KernelsUnavailable(f"{cc} exited 0 but wrote no whole library into {lib}")
+    return output
+
+
+def library_is_whole(path: Path) -> bool:
+    """Whether a shared library's file is all there. A file cut short (a crash before it
+    reached the disk) would kill the process with a bus error when the loader maps past its
+    end. An ELF file (Linux) ends with its section header table, so one cut short lacks it:
+    e_shoff + e_shnum * e_shentsize bytes (header fields at 0x28/0x3c/0x3a in 64-bit files,
+    0x20/0x30/0x2e in 32-bit ones). Another format (macOS's Mach-O) is trusted if not empty."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return False
+    if head[:4] != b"\x7fELF" or len(head) < 64:
+        return size > 0 and head[:4] != b"\x7fELF"
+    order = "little" if head[5] == 1 else "big"
+    field = lambda at, n: int.from_bytes(head[at:at + n], order)
+    shoff, shentsize, shnum = (field(0x28, 8), field(0x3A, 2), field(0x3C, 2)) if head[4] == 2 else \
+                              (field(0x20, 4), field(0x2E, 2), field(0x30, 2))
+    return size >= shoff + shnum * shentsize
 
 
 # OpenMP runtimes by file name: GCC's libgomp, LLVM's libomp, Intel's libiomp5
@@ -907,7 +957,7 @@ def _build_cpu() -> CpuKernels:
     cc = find_cc()
     out = build_dir() / "cpu"
     lib = out / f"kernels_cpu-{cpu_cache_key(cc)}.so"
-    if not lib.exists():
+    if not library_is_whole(lib):   # not built yet, or damaged since: built (again)
         try:
             out.mkdir(parents=True, exist_ok=True)
             # into a temporary name, then renamed: a process that finds the library finds it whole
@@ -927,7 +977,7 @@ def _build_cpu() -> CpuKernels:
         _torch_openmp = openmp_runtimes()
     try:
         kernels = CpuKernels(ctypes.CDLL(str(lib)))
-    except OSError as e:
+    except (OSError, AttributeError) as e:   # (AttributeError: a library without paged_decode)
         raise KernelsUnavailable(f"loading {lib} failed: {e}") from None
     # A compiler brings its own OpenMP runtime: gcc's libgomp is the one torch's Linux wheels
     # bundle (same soname: the loader hands the kernel torch's copy, one thread pool), but

@@ -51,6 +51,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from build_ext import NO_CACHE, cache_root   # (the kernels' module: stdlib only, nothing of torch)
+
 
 class ModelError(ValueError):
     """Bad model input (missing file, bad config, wrong tensor...): the message names it."""
@@ -76,7 +78,8 @@ def _unreadable(path: Path, why: str) -> ModelError:
     if pointer:
         return ModelError(f"{path}: a Git LFS pointer, not the file itself (the repository was cloned "
                           f"without git-lfs: run `git lfs pull` in it)")
-    if cache_dir().resolve() in path.resolve().parents:   # a conversion of a GGUF, damaged since it was written
+    root = cache_root()
+    if root is not None and root.resolve() in path.resolve().parents:   # a conversion of a GGUF, damaged since
         why += f"; nanopaged wrote it converting a GGUF: delete {path.parent} and it is converted again"
     return ModelError(f"{path}: {why}")
 
@@ -2025,7 +2028,9 @@ ARCHITECTURES = {"gpt2": GPT2} | dict.fromkeys(LLAMA_FAMILY, Llama)
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("NANOPAGED_CACHE") or Path.home() / ".cache" / "nanopaged")
+    if (root := cache_root()) is None:
+        raise ModelError(NO_CACHE)
+    return root
 
 
 def _kind(path: Path) -> int | None:

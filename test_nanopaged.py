@@ -6532,6 +6532,37 @@ def test_cpu_kernel_falls_back_with_one_line_or_refuses_when_forced(monkeypatch,
     monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "a-file"))
     assert build_ext.load_cpu_kernels() is None
     assert build_ext.cpu_unavailable_reason().startswith(f"building kernels_cpu.c into {tmp_path / 'a-file'}")
+    # ... and a compiler that fails there: its reason, without a log (build_ext --check's
+    # traceback from writing the log)
+    with pytest.raises(build_ext.KernelsUnavailable) as e:
+        build_ext.compile_cpu_kernels(shutil.which("false") or "/bin/false", str(tmp_path / "x.so"))
+    assert str(e.value).startswith("compiling kernels_cpu.c failed: ") and "log:" not in str(e.value)
+
+
+@needs_cpu_kernel
+def test_a_damaged_cached_cpu_kernel_is_built_again(monkeypatch, tmp_path):
+    """A cached library cut short (a crash before it reached the disk) is built again, not
+    mapped: the loader died on it with a bus error, in every later run. A compiler that exits
+    0 without writing a library is a reason, not a library cached empty. $CC is a command
+    line, as make reads it ("gcc -O1": was "no C compiler found")."""
+    if cpu_kernel() is None:
+        pytest.skip("needs a C compiler")
+    good = Path(cpu_kernel().lib._name)
+    whole = good.read_bytes()   # (this process maps it: read, never cut)
+    cc = f"{build_ext.find_cc()} -O1"
+    monkeypatch.setattr(build_ext, "_loaded", {})
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", cc)
+    lib = tmp_path / "kernels" / "cpu" / f"kernels_cpu-{build_ext.cpu_cache_key(cc)}.so"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(whole[:len(whole) // 2])
+    assert build_ext.library_is_whole(good) and not build_ext.library_is_whole(lib)
+    assert build_ext.load_cpu_kernels() is not None and build_ext.library_is_whole(lib)
+    monkeypatch.setattr(build_ext, "_loaded", {})
+    monkeypatch.setenv("CC", shutil.which("true") or "/bin/true")
+    assert build_ext.load_cpu_kernels() is None
+    assert re.fullmatch(r"\S*true exited 0 but wrote no whole library into \S*\.so", build_ext.cpu_unavailable_reason())
+    assert list(lib.parent.glob("*.so")) == [lib]
 
 
 @needs_cpu_kernel
@@ -7157,6 +7188,16 @@ def test_gencode_flags_and_the_build_directory(tmp_path, monkeypatch):
     assert build_ext.build_dir() == tmp_path / "kernels"
     monkeypatch.delenv("NANOPAGED_CACHE")
     assert build_ext.build_dir() == Path.home() / ".cache" / "nanopaged" / "kernels"
+    # no home directory (no $HOME, no passwd entry: pathlib's RuntimeError): a reason naming
+    # NANOPAGED_CACHE, for the kernels and for a GGUF's conversion
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    why = r"^no home directory to keep a cache in \(no \$HOME, no passwd entry for this user\): set NANOPAGED_CACHE$"
+    with pytest.raises(build_ext.KernelsUnavailable, match=why):
+        build_ext.build_dir()
+    with pytest.raises(ModelError, match=why):
+        model_module.cache_dir()
 
 
 def test_write_if_changed_rewrites_only_a_changed_source(tmp_path):
