@@ -769,6 +769,15 @@ CPU_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}   # F32, BF16, F16 in k
 CPU_STACK_LIMIT = 256 << 10
 
 
+def openmp_stack_bytes() -> int | None:
+    """The stack OpenMP gives its threads where OMP_STACKSIZE (or libgomp's GOMP_STACKSIZE)
+    sets it: a number of KiB, or of bytes, KiB, MiB, GiB with a suffix B, K, M, G; None where
+    unset or unreadable (the runtime's default: megabytes)."""
+    value = os.environ.get("OMP_STACKSIZE") or os.environ.get("GOMP_STACKSIZE") or ""
+    m = re.fullmatch(r"\s*(\d+)\s*([bkmg]?)\s*", value, re.I)
+    return int(m[1]) << {"b": 0, "": 10, "k": 10, "m": 20, "g": 30}[m[2].lower()] if m else None
+
+
 def check_window(window):
     """A sliding window is None (full attention) or a number of positions, at least 1 (each
     query sees itself): for every attention path (nanopaged's torch paths use it too). The
@@ -818,9 +827,14 @@ class CpuKernels:
         if name not in self.dtypes:
             return f"the CPU kernel is built for {', '.join(self.dtypes)}, not {name}"
         group = num_heads // num_kv_heads
-        if 4 * (2 * group * head_dim + 2 * group + block_size) > CPU_STACK_LIMIT:
+        # (half of a stack OMP_STACKSIZE makes small: the rest of the frames need room too;
+        # past it the kernel's threads overflowed theirs, a segfault)
+        stack = openmp_stack_bytes()
+        limit = CPU_STACK_LIMIT if stack is None else min(CPU_STACK_LIMIT, stack // 2)
+        if 4 * (2 * group * head_dim + 2 * group + block_size) > limit:
             return (f"the CPU kernel keeps a GQA group's state on the stack: {group} heads x head_dim {head_dim} "
-                    f"with block_size {block_size} is too large")
+                    f"with block_size {block_size} is too large" +
+                    (f" for OpenMP's threads' stacks of {stack >> 10} KiB (OMP_STACKSIZE)" if limit < CPU_STACK_LIMIT else ""))
         return None
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs, scale: float,

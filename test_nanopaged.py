@@ -6583,6 +6583,25 @@ def test_cpu_kernel_is_not_used_for_what_it_does_not_fit(capsys):
             nanopaged._pick_cpu_kernel("cpu", cpu, cfg, 16, dtype)
 
 
+@needs_cpu_kernel
+def test_cpu_kernel_fits_its_state_into_the_stacks_omp_stacksize_gives(monkeypatch):
+    """48 heads on one kv head of 256 (98 KiB of state) fit the default stacks; with
+    OMP_STACKSIZE=64K the kernel's threads overflowed theirs (a segfault): refused instead."""
+    for name in ("OMP_STACKSIZE", "GOMP_STACKSIZE"):
+        monkeypatch.delenv(name, raising=False)
+    fits = lambda: cpu_kernel().unsupported(torch.float32, 48, 1, 256, 16)
+    assert fits() is None
+    for name, value, kib in (("OMP_STACKSIZE", "64K", 64), ("OMP_STACKSIZE", " 128 k", 128), ("GOMP_STACKSIZE", "100", 100),
+                             ("OMP_STACKSIZE", "131072B", 128)):
+        monkeypatch.setenv(name, value)
+        assert fits() == (f"the CPU kernel keeps a GQA group's state on the stack: 48 heads x head_dim 256 with "
+                          f"block_size 16 is too large for OpenMP's threads' stacks of {kib} KiB (OMP_STACKSIZE)")
+        monkeypatch.delenv(name)
+    for value in ("1M", "lots"):   # room enough; unreadable (the runtime's default)
+        monkeypatch.setenv("OMP_STACKSIZE", value)
+        assert fits() is None
+
+
 def test_cpu_kernel_on_an_openmp_runtime_beside_torchs_is_refused(monkeypatch):
     """A kernel whose OpenMP runtime is not torch's (clang's libomp beside torch's libgomp)
     would run a second thread pool on the same cores: "auto" takes the torch path, saying why."""
