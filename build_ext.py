@@ -643,6 +643,13 @@ def cache_root() -> Path | None:
         return None
 
 
+def current_umask() -> int:
+    """The process's umask (os has no getter: it is read by setting it, and set back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 NO_CACHE = "no home directory to keep a cache in (no $HOME, no passwd entry for this user): set NANOPAGED_CACHE"
 
 
@@ -979,6 +986,9 @@ def _build_cpu() -> CpuKernels:
             os.close(fd)
             try:
                 compile_cpu_kernels(cc, tmp)
+                # mkstemp's 0600, which the linker keeps (adding x): given the modes of what
+                # the user creates (the umask's), a cache shared by users serves them all
+                os.chmod(tmp, 0o755 & ~current_umask())
                 os.replace(tmp, lib)
             finally:
                 if os.path.exists(tmp):

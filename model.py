@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from build_ext import NO_CACHE, cache_root   # (the kernels' module: stdlib only, nothing of torch)
+from build_ext import NO_CACHE, cache_root, current_umask   # (the kernels' module: stdlib only, no torch)
 
 
 class ModelError(ValueError):
@@ -2431,8 +2431,7 @@ def convert_gguf(gguf_path: Path) -> Path:
             raise ModelError(f"{gguf_path}: its tokenizer cannot be used: {why}") from None
         # mkdtemp makes the directory 0700 and safetensors writes 0600: given the modes of
         # anything else the user creates (the umask's), a cache shared by users serves them all
-        umask = os.umask(0)
-        os.umask(umask)
+        umask = current_umask()
         for path in (tmp, *tmp.iterdir()):
             path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
         try:

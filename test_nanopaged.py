@@ -6558,6 +6558,7 @@ def test_a_damaged_cached_cpu_kernel_is_built_again(monkeypatch, tmp_path):
     lib.write_bytes(whole[:len(whole) // 2])
     assert build_ext.library_is_whole(good) and not build_ext.library_is_whole(lib)
     assert build_ext.load_cpu_kernels() is not None and build_ext.library_is_whole(lib)
+    assert lib.stat().st_mode & 0o777 == 0o755 & ~build_ext.current_umask()   # (was mkstemp's 0600, plus x)
     monkeypatch.setattr(build_ext, "_loaded", {})
     monkeypatch.setenv("CC", shutil.which("true") or "/bin/true")
     assert build_ext.load_cpu_kernels() is None
