@@ -948,8 +948,10 @@ def library_is_whole(path: Path) -> bool:
             head = f.read(64)
     except OSError:
         return False
-    if head[:4] != b"\x7fELF" or len(head) < 64:
-        return size > 0 and head[:4] != b"\x7fELF"
+    if head[:4] != b"\x7fELF":
+        return size > 0   # (another format: trusted unless empty)
+    if len(head) < 64:   # (not even the ELF header)
+        return False
     order = "little" if head[5] == 1 else "big"
     field = lambda at, n: int.from_bytes(head[at:at + n], order)
     shoff, shentsize, shnum = (field(0x28, 8), field(0x3A, 2), field(0x3C, 2)) if head[4] == 2 else \
