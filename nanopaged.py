@@ -2190,7 +2190,6 @@ def main(argv=None) -> int:
 
 
 def run_cli(argv) -> int:
-    args = build_parser().parse_args(argv)
     # The model writes any character: where stdout's encoding lacks one (an ASCII or Latin-1 locale,
     # cp1252 on Windows when redirected), a "?" shows, rather than a UnicodeEncodeError cutting the
     # answer off halfway (a ValueError: it read as bad input, status 2)
@@ -2211,6 +2210,7 @@ def run_cli(argv) -> int:
         line_open = False
 
     try:
+        args = build_parser().parse_args(argv)   # (in here: --help's text fails to write as any answer does)
         if args.chat and (args.prompt or args.n > 1 or args.logprobs is not None or args.trace or args.raw):
             raise ValueError("--chat reads its turns from stdin and streams one answer at a time: "
                              "--prompt, --n, --logprobs, --trace and --raw go without it")

@@ -5158,12 +5158,13 @@ def test_cli_output_into_a_closed_pipe_is_quiet(smollm2_dir):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_cli_output_that_cannot_be_written_is_one_line(smollm2_dir):
     """Where the answer cannot be written (stdout on a full disk, or closed from the start:
-    >&-), one line says so, status 1: not a traceback, nor silence and status 0. A --chat
+    >&-), one line says so, status 1: not a traceback (--help's text gave one), nor silence and status 0. A --chat
     turn's answer that fails to be written was reported as stdin's failure (input() flushes
     stdout). With stderr closed (2>&-), the notes are dropped, not mixed into the answer."""
     base = f"{sys.executable} {HERE / 'nanopaged.py'} --model {smollm2_dir} --max-tokens 2"
     full = "cannot write the output: No space left on device"
     for cmd, message in ((f"{base} --prompt Hi >/dev/full", full), (f"printf 'Hi\\n' | {base} --chat >/dev/full", full),
+                         (f"{base} --help >/dev/full", full),
                          (f"{base} --prompt Hi >&-", "stdout is closed: the answer has nowhere to go")):
         run = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
         assert (run.returncode, run.stderr) == (1, f"nanopaged: error: {message}\n"), cmd
