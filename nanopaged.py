@@ -673,9 +673,8 @@ class BeamSearchSequence:
                                # its beam at that step, {token id: Logprob}, the chosen one first
     cum_logprob: float = 0.0   # the sum of the output tokens' log-probabilities (a final EOS's too)
     text: str | None = None    # all the tokens decoded, prompt included, special tokens kept (vLLM's)
-    finish_reason: str | None = None   # "stop" (EOS), "length", "abort" or "error"
-    stop_reason: int | str | None = None   # with "stop": the EOS id (left out of tokens and text
-                                           # unless include_stop_str_in_output)
+    finish_reason: str | None = None   # "stop" (EOS), "length", "abort" or "error" (nanopaged's)
+    stop_reason: int | str | None = None   # with "stop": the EOS id, the last of tokens (nanopaged's)
 
 
 @dataclass
@@ -1511,11 +1510,12 @@ class LLM:
         for r in results:
             sequences = []
             for o in r.outputs:
-                # as vLLM: a beam that ended in EOS leaves the EOS out of its tokens (and text)
-                # unless include_stop_str_in_output, and names it as its stop_reason; its
-                # logprobs and cumulative logprob count it all the same
+                # as vLLM's LLM.beam_search: a final EOS stays in the tokens and the text (which
+                # keeps special tokens), whatever include_stop_str_in_output says (vLLM's server
+                # reads it; its offline search, as generate here, its RequestOutput's text);
+                # finish_reason and stop_reason are nanopaged's (vLLM's stay None)
                 eos = o.token_ids[-1] if o.finish_reason == "stop" else None
-                tokens = r.prompt_token_ids + without_stop_token(o.token_ids, eos, params.include_stop_str_in_output)
+                tokens = r.prompt_token_ids + o.token_ids
                 sequences.append(BeamSearchSequence(tokens, o.logprobs, o.cumulative_logprob,
                                                     self.tokenizer.decode(tokens), o.finish_reason, eos))
             outputs.append(BeamSearchOutput(sequences))

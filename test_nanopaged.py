@@ -4125,18 +4125,15 @@ def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm, mo
         out = llm.beam_search([prompt], BeamSearchParams(width, max_tokens, length_penalty=penalty))[0]
         want = reference_beam_search(llm.model, prompt, width, max_tokens, eos, penalty)
         wants.append(want)
-        # vLLM's shape: the prompt's tokens first, then the output's, a final EOS left out (it
-        # is the stop_reason) unless include_stop_str_in_output; all of them decoded
-        kept = llm.beam_search([prompt], BeamSearchParams(width, max_tokens, length_penalty=penalty,
-                                                          include_stop_str_in_output=True))[0]
-        assert_same_beams([(s.tokens[len(prompt):], s.cum_logprob) for s in kept.sequences], want)
-        for s, k in zip(out.sequences, kept.sequences):
-            ended = k.tokens[-1] in eos
-            assert s.tokens == (k.tokens[:-1] if ended else k.tokens) and s.tokens[:len(prompt)] == prompt
-            assert s.text == tok.decode(s.tokens) and k.text == tok.decode(k.tokens)
-            assert (s.finish_reason, s.stop_reason) == (("stop", k.tokens[-1]) if ended else ("length", None))
+        # vLLM's LLM.beam_search's shape: the prompt's tokens first, then the output's, a final
+        # EOS kept (and named as the stop_reason); all of them decoded, special tokens kept
+        assert_same_beams([(s.tokens[len(prompt):], s.cum_logprob) for s in out.sequences], want)
+        for s in out.sequences:
+            ended = s.tokens[-1] in eos
+            assert s.tokens[:len(prompt)] == prompt and s.text == tok.decode(s.tokens)
+            assert (s.finish_reason, s.stop_reason) == (("stop", s.tokens[-1]) if ended else ("length", None))
             # each token's entry (the EOS's too): its beam's 2 * width candidates, the chosen one first
-            output = k.tokens[len(prompt):]
+            output = s.tokens[len(prompt):]
             assert len(s.logprobs) == len(output) and all(
                 len(d) == 2 * width and next(iter(d)) == t for d, t in zip(s.logprobs, output))
             assert s.cum_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(s.logprobs, output)))
@@ -4147,7 +4144,7 @@ def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm, mo
             monkeypatch.setattr(tok, "eos_token_id", tokenizer_eos)
             gen = llm.generate([prompt], BeamSearchParams(width, max_tokens, length_penalty=penalty))[0]
             monkeypatch.undo()
-            for c, k in zip(gen.outputs, kept.sequences):
+            for c, k in zip(gen.outputs, out.sequences):
                 ended = c.finish_reason == "stop"
                 assert c.token_ids == k.tokens[len(prompt):] and ended == (k.tokens[-1] in eos)
                 assert c.stop_reason == (c.token_ids[-1] if ended and tokenizer_eos == -1 else None)
