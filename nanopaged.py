@@ -1047,7 +1047,7 @@ class LLM:
                 raise ValueError(f"{name} has token ids outside [0, {V}) (the model's vocab_size): {bad[:5]}")
         banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}   # always
         if params.min_tokens:   # at first
-            banned |= set(stop_tokens_in_vocab(params, self.scheduler.eos_token_ids, V))
+            banned |= set(min_tokens_bans(params, self.scheduler.eos_token_ids, V))
         allowed = params.allowed_token_ids
         if (len(banned) == V) if allowed is None else set(allowed) <= banned:
             raise ValueError(nothing_to_draw(params))
@@ -1811,7 +1811,7 @@ def process_logits(logits, seq, eos_token_ids):
         banned += [w[-1] for w in p.bad_words_token_ids
                    if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1]]
     if seq.num_output_tokens < p.min_tokens:   # too early to stop: no token that would stop it
-        banned += stop_tokens_in_vocab(p, eos_token_ids, V)
+        banned += min_tokens_bans(p, eos_token_ids, V)
     if banned:
         logits[banned] = float("-inf")
 
@@ -1837,9 +1837,11 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return spellings
 
 
-def stop_tokens_in_vocab(p: SamplingParams, eos_token_ids, vocab_size: int) -> list[int]:
-    """The stop_token_set that the model can draw: ids past the vocabulary never come."""
-    return sorted(t for t in stop_token_set(p, eos_token_ids) if 0 <= t < vocab_size)
+def min_tokens_bans(p: SamplingParams, eos_token_ids, vocab_size: int) -> list[int]:
+    """The tokens min_tokens holds back: the stop tokens and every EOS id, under ignore_eos too
+    (vLLM's rule: 'at least min_tokens before an EOS' holds whether or not EOS would stop),
+    those the model can draw (ids past the vocabulary never come)."""
+    return sorted(t for t in stop_token_set(p, eos_token_ids) | set(eos_token_ids) if 0 <= t < vocab_size)
 
 
 def sampling_probs(logits, p: SamplingParams):

@@ -6684,22 +6684,26 @@ def test_min_tokens_bans_stop_tokens_only_before_the_min_tokens_th_output_token(
     """min_tokens = 2: the stop tokens (EOS, stop_token_ids) are banned while the output has
     fewer than 2 tokens, and drawable again once it has 2 (another edit, here a logit_bias,
     keeps process_logits running past min_tokens). Catches: `num_output_tokens <= min_tokens`
-    in process_logits (the ban held one token too long)."""
-    for out, banned in (([7], True), ([7, 8], False)):
-        logits = torch.zeros(10)
-        seq = fake_seq([1, 2], out, min_tokens=2, stop_token_ids=[5], logit_bias={0: 1.0})
-        nanopaged_module.process_logits(logits, seq, {3})
-        assert (logits[[3, 5]] == float("-inf")).tolist() == [banned, banned], out
-        assert logits[0] == 1.0 and logits[4] == 0.0
+    in process_logits (the ban held one token too long). Under ignore_eos the EOS is held back
+    all the same, as vLLM holds it (its min_tokens bans all_stop_token_ids, which has the EOS
+    whatever ignore_eos says). Catches: the ban built from the stop tokens only (EOS drawn
+    within min_tokens under ignore_eos)."""
+    for ignore_eos in (False, True):
+        for out, banned in (([7], True), ([7, 8], False)):
+            logits = torch.zeros(10)
+            seq = fake_seq([1, 2], out, min_tokens=2, stop_token_ids=[5], logit_bias={0: 1.0}, ignore_eos=ignore_eos)
+            nanopaged_module.process_logits(logits, seq, {3})
+            assert (logits[[3, 5]] == float("-inf")).tolist() == [banned, banned], (out, ignore_eos)
+            assert logits[0] == 1.0 and logits[4] == 0.0
 
 
 def test_stop_token_ids_past_the_vocabulary_are_never_banned():
     """A stop token id past the vocabulary can never be drawn, so min_tokens has nothing to
     ban for it (banning it would index past the logits). Catches: `0 <= t <= vocab_size` in
-    stop_tokens_in_vocab."""
+    min_tokens_bans."""
     V = 10
     p = SamplingParams(stop_token_ids=[V - 1, V, V + 5], min_tokens=1)
-    assert nanopaged_module.stop_tokens_in_vocab(p, {2, V}, V) == [2, V - 1]
+    assert nanopaged_module.min_tokens_bans(p, {2, V}, V) == [2, V - 1]
     logits = torch.zeros(V)
     seq = SimpleNamespace(params=p, token_ids=[1], output_token_ids=[], num_output_tokens=0)
     nanopaged_module.process_logits(logits, seq, {2, V})
