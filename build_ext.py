@@ -48,6 +48,7 @@ kernels_cpu.c, the CPU's decode kernel, is built apart, with the system's C comp
 import ctypes
 import hashlib
 import importlib
+import math
 import os
 import platform
 import re
@@ -785,6 +786,14 @@ def openmp_stack_bytes() -> int | None:
     return int(m[1]) << {"b": 0, "": 10, "k": 10, "m": 20, "g": 30}[m[2].lower()] if m else None
 
 
+def check_softcap(softcap):
+    """An attention softcap (Gemma 2's) is None (none) or a finite number > 0: the scores become
+    softcap * tanh(s / softcap). The kernels spell None as 0."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+
+
 def check_window(window):
     """A sliding window is None (full attention) or a number of positions, at least 1 (each
     query sees itself): for every attention path (nanopaged's torch paths use it too). The
@@ -813,7 +822,8 @@ CPU_REFUSALS = {1: "sequence {bad} of seqs is not in the batch",
                 3: "query_start_loc[{bad}] is not a row of q",
                 4: "block_tables[{bad}] holds a block id outside the cache, in the positions it reads",
                 5: "this compiler has no _Float16: float16 is not supported",
-                6: "no memory for the list of work items, or for the partitions' partial results"}
+                6: "no memory for the list of work items, or for the partitions' partial results",
+                7: "sequence {bad} of seqs has more than one query row (query_start_loc): the kernel decodes one each"}
 
 
 class CpuKernels:
@@ -877,6 +887,7 @@ class CpuKernels:
         if reason:
             raise ValueError(reason)
         check_window(window)
+        check_softcap(softcap)
         window = min(window or 0, 2**31 - 1)   # (a window past any context is none: int32 must not wrap)
         if isinstance(partition_size, bool) or not isinstance(partition_size, int) or not 0 <= partition_size < 2**62:
             raise ValueError(f"partition_size must be an int >= 0 (0: the kernel picks), got {partition_size!r}")

@@ -36,7 +36,7 @@ struct DecodeArgs {            /* shapes as in DESIGN.md; T tokens, B sequences 
   const int32_t* block_tables; /* (B, max_blocks); entries before a window may be -1 */
   int64_t max_blocks;
   const int32_t* seq_lens;     /* (B) context length, this step's token included */
-  const int32_t* query_start_loc;  /* (B + 1); decode sequence b's query: row query_start_loc[b] */
+  const int32_t* query_start_loc;  /* (B + 1); decode sequence b's one query: row query_start_loc[b] */
   int64_t num_seqs;            /* B */
   int64_t num_tokens;          /* T */
   const int64_t* seqs;         /* (n) the decode sequences to serve */
@@ -54,7 +54,7 @@ struct DecodeArgs {            /* shapes as in DESIGN.md; T tokens, B sequences 
 };
 
 /* What paged_decode returns: 0, or why it refused the call (before reading anything). */
-enum { OK = 0, BAD_SEQ = 1, BAD_LEN = 2, BAD_ROW = 3, BAD_BLOCK = 4, NO_F16 = 5, NO_MEMORY = 6 };
+enum { OK = 0, BAD_SEQ = 1, BAD_LEN = 2, BAD_ROW = 3, BAD_BLOCK = 4, NO_F16 = 5, NO_MEMORY = 6, NOT_DECODE = 7 };
 
 int paged_decode_has_float16(void) {
 #ifdef __FLT16_MAX__   /* _Float16: gcc 12+ and clang, on x86-64 and arm64 */
@@ -386,6 +386,7 @@ int paged_decode(struct DecodeArgs* a) {
     const int64_t len = a->seq_lens[b], row = a->query_start_loc[b];
     if (len < 1 || len > a->max_blocks * a->block_size) return BAD_LEN;
     if (row < 0 || row >= a->num_tokens) return BAD_ROW;
+    if (a->query_start_loc[b + 1] != row + 1) return NOT_DECODE;   /* (its rows but the first: unserved) */
     const int64_t first = first_seen(a, len);
     for (int64_t blk = first / a->block_size; blk <= (len - 1) / a->block_size; blk++) {
       const int32_t id = a->block_tables[b * a->max_blocks + blk];

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import build_ext
-from build_ext import check_window   # (every attention path's: the kernels' module has it)
+from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
 from model import ModelConfig, load_model, load_tokenizer, resolve_model_dir, tanh_softcap
 from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, hash_block, stop_token_set
 
@@ -358,6 +358,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     scores squashed into (-softcap, softcap), softcap * tanh(s / softcap), before the softmax.
     """
     check_window(window)
+    check_softcap(softcap)
     T, H, D = q.shape
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     group = H // kvh
@@ -495,6 +496,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                              gather_decodes=decode_kernel is None)
     if plan.window != window:
         raise ValueError(f"the plan was made for window {plan.window}, not {window}")
+    check_softcap(softcap)
     if decode_kernel is None and not plan.gather_decodes and len(plan.decode_seqs):
         raise ValueError("the plan was made for the CPU kernel (gather_decodes=False): pass decode_kernel")
     T, H, D = q.shape
@@ -571,6 +573,7 @@ class PagedAttention:
     """
 
     def __init__(self, pool: BlockPool, scale: float, ops=None, softcap: float | None = None, decode_kernel=None):
+        check_softcap(softcap)
         if ops is not None and softcap is not None:
             raise ValueError("the CUDA kernel has no softcap for the attention scores")
         if ops is not None and decode_kernel is not None:

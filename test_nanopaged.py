@@ -2797,6 +2797,10 @@ def test_paged_attention_softcap(window, monkeypatch):
         q, kc, vc, bt, sl, qsl, 0.25, window)
     changed = (capped - plain).abs().amax(dim=(1, 2)) > 1e-3   # (T,): all but the 2 queries that see only themselves
     assert changed.sum() == len(q) - 2 and not changed[0] and not changed[2]
+    for attention in (paged_attention_ref, paged_attention):   # a cap of 0 zeroed every score; -5 acted as 5
+        for cap in (0.0, -5.0):
+            with pytest.raises(ValueError, match="softcap must be None or a finite number > 0"):
+                attention(q, kc, vc, bt, sl, qsl, 0.25, window, softcap=cap)
 
 
 def test_fast_path_equals_reference_half_precision():
@@ -6422,7 +6426,8 @@ def test_cpu_kernel_refuses_what_it_cannot_read_by_name():
             (dict(seq_lens=sl[:1]), "disagree on the number of sequences"),
             (dict(seqs=torch.tensor([0, 2])), "sequence 2 of seqs is not in the batch"),
             (dict(seq_lens=torch.tensor([9, 9999], dtype=torch.int32)), r"seq_lens\[1\] is outside"),
-            (dict(query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32)), r"query_start_loc\[1\] is not a row"),
+            (dict(query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32), seqs=torch.tensor([1])),
+             r"query_start_loc\[1\] is not a row"),
             (dict(block_tables=torch.where(bt == bt[1, 4], len(kc), bt)), r"block_tables\[1\] holds a block id"),
             (dict(block_tables=torch.where(bt == bt[0, 0], -1, bt)), r"block_tables\[0\] holds a block id")]:
         with pytest.raises(ValueError, match=message):
@@ -6433,6 +6438,14 @@ def test_cpu_kernel_refuses_what_it_cannot_read_by_name():
     for partition_size in (-1, 2.0, True, 2**62):
         with pytest.raises(ValueError, match="partition_size must be an int >= 0"):
             call(partition_size=partition_size)
+    for softcap in (0, -5.0, float("nan"), float("inf"), True):   # (0 was read as none; -5 as 5)
+        with pytest.raises(ValueError, match="softcap must be None or a finite number > 0"):
+            call(softcap=softcap)
+    # a sequence of 3 query rows is no decode: its first row would be served as its last position's
+    chunk = make_paged_batch([(3, 9), (1, 20)], 4, 4, 2, 16)
+    with pytest.raises(ValueError, match="sequence 0 of seqs has more than one query row"):
+        call(**dict(zip(("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc"), chunk)),
+             seqs=torch.tensor([1, 0]), out=torch.empty_like(chunk[0]))
     # a dropped block (-1) before a sliding window is never read, so not refused
     windowed = torch.where(bt == bt[1, 0], -1, bt)
     call(block_tables=windowed, window=8)
