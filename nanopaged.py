@@ -993,7 +993,8 @@ class LLM:
             # its blocks before the window are dropped; else the scheduler says what the pool lacks)
             params.max_tokens = max(min(params.max_tokens or room, room), 1)
         need = beams * self.scheduler.blocks_at_most(len(ids) + params.max_tokens)
-        if params.beam and need > self.pool.num_blocks:
+        # (past the context, the scheduler's message says so: that, not the pool, is the fault)
+        if params.beam and need > self.pool.num_blocks and len(ids) + params.max_tokens <= self.max_model_len:
             raise ValueError(f"beam_width = {beams} beams of prompt + max_tokens = {len(ids) + params.max_tokens} "
                              f"tokens need up to {need} KV blocks, but the whole pool has {self.pool.num_blocks}")
         # (a text prompt too: a tokenizer may know more tokens than config.json's vocab_size)

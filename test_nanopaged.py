@@ -4255,6 +4255,17 @@ def test_beam_searches_in_a_tight_pool_after_a_failed_step(tmp_path, monkeypatch
             assert_same_beams(got, want)
 
 
+def test_a_beam_search_past_the_context_is_refused_for_the_context_not_the_pool(tmp_path):
+    """A prompt past max_model_len, in a pool too small for its beams: the message names the
+    context, as it does with a larger pool. Catches: the beams' pool check run first."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", block_size=4, num_blocks=12, max_model_len=64)
+    with pytest.raises(ValueError, match=r"prompt \(70 tokens\) \+ max_tokens \(3\) = 73 exceeds the context served"):
+        llm.beam_search([list(range(1, 71))], BeamSearchParams(beam_width=2, max_tokens=3))
+    with pytest.raises(ValueError, match=r"beam_width = 2 beams of prompt \+ max_tokens = 33 tokens need up to 18 KV"):
+        llm.beam_search([list(range(1, 31))], BeamSearchParams(beam_width=2, max_tokens=3))
+    assert_nothing_leaked(llm)
+
+
 def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
     for kwargs, message in (({"beam_width": 0}, "beam_width must be an integer >= 1"),
                             ({"beam_width": True}, "beam_width must be an integer >= 1"),
