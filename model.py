@@ -2472,8 +2472,11 @@ def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -
         if _rotary_dim(c.head_dim, partial) < dims:   # (30 / 44 * 44 is 29.99...: the next float up gives 30)
             partial = math.nextafter(partial, math.inf)
         config["partial_rotary_factor"] = partial
-    factors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
-               for t in reader.tensors if t.name in GGUF_ROPE_TENSORS}
+    factors = {}
+    for t in reader.tensors:
+        if t.name in GGUF_ROPE_TENSORS:
+            _check_dequantizable(gguf_path, t)
+            factors[t.name] = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
     key = f"{arch}.rope.scaling."   # (llama.cpp's scaling keys, as HF's names)
     scaling = {"rope_type": meta.get(key + "type", "none"), "factor": meta.get(key + "factor"),
                "original_max_position_embeddings": meta.get(key + "original_context_length"),
@@ -2525,16 +2528,16 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
              .reshape(rows, cols))                      # (heads * D, C)
 
 
-def _dequantizable(tensor_type) -> bool:
-    """Whether gguf.quants.dequantize knows this storage type (some, such as Q8_1, F64 or
-    integers, it does not): tried on one block of zeros."""
+def _check_dequantizable(gguf_path: Path, t) -> None:
+    """Refuse a tensor whose storage type gguf.quants.dequantize does not know (some, such as
+    Q8_1, F64 or integers, it does not): tried on one block of zeros."""
     import gguf
-    block_bytes = gguf.GGML_QUANT_SIZES[tensor_type][1]
+    block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type][1]
     try:
-        gguf.quants.dequantize(np.zeros(block_bytes, dtype=np.uint8), tensor_type)
-        return True
+        gguf.quants.dequantize(np.zeros(block_bytes, dtype=np.uint8), t.tensor_type)
     except NotImplementedError:
-        return False
+        raise ModelError(f"{gguf_path}: tensor {t.name!r} is stored as {t.tensor_type.name}, "
+                         f"which the gguf package cannot dequantize") from None
 
 
 def _gguf_name(hf_name: str, sandwich: bool = False) -> str:
@@ -2576,12 +2579,37 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         import gguf  # llama.cpp's own reader; only conversion needs it
     except ImportError:
         raise ModelError("reading GGUF files needs the gguf package: pip install gguf") from None
+    class WholeReader(gguf.GGUFReader):
+        """The gguf package's reader, whose one read primitive now refuses to read past the end
+        of the file. Its own returns what the file has left, nothing at the end, so a metadata
+        array whose count is absurd (2**60 bytes, in a damaged file) was read an element at a
+        time for ever, each one empty, the list of them growing until memory ran out."""
+        def _get(self, offset, dtype, count=1, override_order=None):
+            values = super()._get(offset, dtype, count, override_order)
+            if len(values) < int(count):
+                raise ValueError(f"the data at byte {offset} runs past the end of the file")
+            return values
+
     try:
-        reader = gguf.GGUFReader(gguf_path)
+        reader = WholeReader(gguf_path)
         meta = {name: f.contents() for name, f in reader.fields.items()}
     except Exception as e:  # the reader raises assorted errors, numpy's for a file cut short
         raise _unreadable(gguf_path, f"not a readable GGUF file ({e}): damaged, cut short (an incomplete "
                                      f"download?), or newer than the gguf package reads") from None
+    if reader.byte_order == "S":   # (the reader reads it, but dequantize reinterprets its bytes as ours)
+        raise ModelError(f"{gguf_path}: a GGUF file of the other byte order (big-endian: llama.cpp's "
+                         f"--bigendian) is not supported; convert the model again without it")
+    # Each tensor's data follows the one before it, padded to the alignment, as llama.cpp checks
+    # (and refuses otherwise): an offset that points elsewhere would read another tensor's bytes,
+    # or bytes shifted by a few, as weights, with no error.
+    expected = 0
+    for t in reader.tensors:
+        offset = int(t.data_offset) - reader.data_offset
+        if offset != expected:
+            raise ModelError(f"{gguf_path}: tensor {t.name!r} has its data at byte {offset} of the data section, "
+                             f"expected {expected} (right after the tensor before it, padded to "
+                             f"{reader.alignment} bytes): the file is damaged")
+        expected += -(-int(t.n_bytes) // reader.alignment) * reader.alignment
     # The keys read below as strings, flags, token ids and lists must be of that kind (a damaged or
     # hand-made file may hold another); the numbers of the config are ModelConfig's to check.
     string = lambda x: isinstance(x, str)  # noqa: E731
@@ -2716,9 +2744,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         if shape != shapes[hf_name[t.name]]:
             raise ModelError(f"{gguf_path}: tensor {t.name!r} has shape {shape}, expected "
                              f"{shapes[hf_name[t.name]]}")
-        if not _dequantizable(t.tensor_type):
-            raise ModelError(f"{gguf_path}: tensor {t.name!r} is stored as {t.tensor_type.name}, "
-                             f"which the gguf package cannot dequantize")
+        _check_dequantizable(gguf_path, t)
     missing = [name for name in hf_name if name not in tensors]
     if missing:
         raise ModelError(f"{gguf_path}: tensor {missing[0]!r} is missing")

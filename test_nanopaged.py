@@ -25,6 +25,7 @@ import resource
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -2624,6 +2625,46 @@ def test_a_truncated_gguf_is_said_to_be_one(tmp_path, own_cache):
         with pytest.raises(ModelError, match=f"cut{cut}.gguf: not a readable GGUF file \\(.*\\): damaged, cut short "
                                              r"\(an incomplete download\?\), or newer than the gguf package reads$"):
             load_model(tmp_path / f"cut{cut}.gguf")
+
+
+def test_a_gguf_that_would_load_as_garbage_or_never_load_is_refused_by_name(tmp_path, own_cache):
+    """Four files the gguf package reads without a word: a tensor's data offset not where
+    llama.cpp requires it (right after the tensor before it: the weights came out shifted by a
+    float); a big-endian file (dequantize reinterprets its bytes: weights off by 1e38); a
+    metadata array whose count runs past the end of the file (read an empty element at a time,
+    for ever, with a damaged count of 2**60); RoPE factors stored as F64 (a NotImplementedError
+    from deep inside). Catches: each check dropped."""
+    import gguf
+    def patched(name, fields, **kwargs):   # fields: (bytes past a key's or tensor's name, struct format, value)
+        data = bytearray(write_gguf(tmp_path / "ok.gguf", **kwargs).read_bytes())
+        for after, fmt, value in fields:
+            at = data.index(name) + len(name) + after
+            data[at:at + struct.calcsize(fmt)] = struct.pack(fmt, value)
+        (tmp_path / f"{name.decode()}.gguf").write_bytes(data)
+        return tmp_path / f"{name.decode()}.gguf"
+    # token_embd.weight: 2 dims (u32), its dims (2 x u64), its type (u32), then its offset
+    shifted = patched(b"token_embd.weight", [(4 + 16 + 4, "<Q", 32)])
+    # tokenizer.ggml.token_type: the value type (u32: an array), its elements' (u32: made uint8, 0,
+    # whose reads past the end come back empty rather than failing), then its count
+    endless = patched(b"tokenizer.ggml.token_type", [(4, "<I", 0), (8, "<Q", 10**6)], token_types=[1] * 256)
+    big = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(big, "llama", endianess=gguf.GGUFEndian.BIG)
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f64 = write_gguf(tmp_path / "f64.gguf", extra=[("rope_freqs.weight", np.ones(2))],
+                     dtypes={"rope_freqs.weight": np.float64})
+    for path, message in (
+            (shifted, "tensor 'token_embd.weight' has its data at byte 32 of the data section, expected 0 "
+                      r"\(right after the tensor before it, padded to 32 bytes\): the file is damaged"),
+            (endless, r"not a readable GGUF file \(the data at byte \d+ runs past the end of the file\)"),
+            (big, "a GGUF file of the other byte order \\(big-endian"),
+            (f64, "tensor 'rope_freqs.weight' is stored as F64, which the gguf package cannot dequantize")):
+        with pytest.raises(ModelError, match=f"{path.name}: {message}"):
+            load_model(path)
+    assert not list(own_cache.iterdir())
 
 
 def test_a_conversion_that_cannot_be_written_is_named_and_leaves_nothing(tmp_path, own_cache):
