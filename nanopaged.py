@@ -182,6 +182,15 @@ class BlockPool:
             self.block_hash[block] = prefix_hash
             self.block_tokens[block] = tokens
 
+    def reset_prefix_cache(self):
+        """Every cached block becomes a plain free one (LLM.reset_prefix_cache: none is held)."""
+        self.free_list.extend(self.evictable)
+        self.evictable.clear()
+        self.cached_blocks.clear()
+        self.block_hash.clear()
+        self.block_tokens.clear()
+        self.say("prefix cache reset: every cached block is free")
+
     def _uncache(self, block: int):
         del self.cached_blocks[self.block_hash.pop(block)]
         del self.block_tokens[block]
@@ -798,6 +807,41 @@ def defer_ctrl_c():
             signal.raise_signal(signal.SIGINT)   # now: the usual handler raises KeyboardInterrupt
 
 
+# vLLM's LLM(...) options for what nanopaged leaves out (README: "What nanopaged leaves to
+# production engines"), or does its own way: name -> (the values that ask for nothing it lacks,
+# what to say of any other). A vLLM script runs unchanged where it passes those values (vLLM's
+# examples write tensor_parallel_size=1, enforce_eager=True...), and any other value is refused
+# by name, not with a TypeError about an unexpected keyword.
+VLLM_ONLY_OPTIONS = {
+    "tensor_parallel_size": ((1,), "nanopaged runs on one device: no tensor parallelism"),
+    "pipeline_parallel_size": ((1,), "nanopaged runs on one device: no pipeline parallelism"),
+    "data_parallel_size": ((1,), "nanopaged runs one engine: no data parallelism"),
+    "quantization": ((None,), "nanopaged has no quantized weights (a GGUF's are dequantized as it is converted)"),
+    "kv_cache_dtype": (("auto",), "nanopaged stores K and V in the model's dtype: no quantized KV cache"),
+    "enable_lora": ((False,), "nanopaged has no LoRA adapters"),
+    "speculative_config": ((None,), "nanopaged has no speculative decoding"),
+    # (nanopaged always runs eagerly, without CUDA graphs, which False only allows; and runs
+    # no code from a model's files, whatever trust_remote_code permits)
+    "enforce_eager": ((True, False), ""),
+    "trust_remote_code": ((True, False), ""),
+    "disable_log_stats": ((True,), "nanopaged logs no stats as it runs: llm.stats holds them"),
+    "gpu_memory_utilization": ((), "nanopaged sizes its KV cache by kv_cache_memory (bytes) or num_blocks"),
+    "tokenizer": ((None,), "nanopaged reads the tokenizer in the model's own files"),
+    "task": (("auto", "generate"), "nanopaged generates: no other task"),
+    "runner": (("auto", "generate"), "nanopaged generates: no other runner"),
+}
+
+
+def _check_vllm_options(options: dict):
+    for name, value in options.items():
+        if name not in VLLM_ONLY_OPTIONS:   # (a typo: as Python says it)
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        accepted, why = VLLM_ONLY_OPTIONS[name]
+        if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
+            took = f" (it takes {' or '.join(map(repr, accepted))})" if accepted else ""
+            raise ValueError(f"{name}={value!r}: {why}{took}")
+
+
 class LLM:
     """The engine, with vLLM's API: LLM(...).generate(prompts, SamplingParams(...))."""
 
@@ -806,7 +850,12 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto",
-                 preemption_mode: str = "recompute", swap_space: float = 4):
+                 preemption_mode: str = "recompute", swap_space: float = 4, seed: int | None = 0,
+                 **vllm_options):
+        _check_vllm_options(vllm_options)
+        if seed is not None and not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
+                                     and 0 <= seed < 2**63):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
         device = _parse_device(device)
         if dtype in (None, "auto"):   # (vLLM's "auto" reads the checkpoint's dtype; here: by device)
             dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -902,6 +951,10 @@ class LLM:
         self.attn = PagedAttention(self.pool, cfg.attn_scale, _pick_kernels(attn_backend, device, cfg, block_size, dtype),
                                    softcap=cfg.attn_logit_softcapping,
                                    decode_kernel=_pick_cpu_kernel(attn_backend, device, cfg, block_size, dtype))
+        # The draws of requests without a seed of their own come from this generator, seeded once
+        # (vLLM's LLM(seed=0), its default: a script's sampled output is the same each run it
+        # makes the same calls); seed=None leaves them to torch's global generator.
+        self._rng = None if seed is None else torch.Generator(device).manual_seed(int(seed))
         self.stats = Stats()
         self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
         self._to_report: dict = {}   # ids of requests run or aborted and not reported yet (an ordered set)
@@ -912,6 +965,15 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached block (a cold start, for a benchmark; or new weights,
+        which make the cached K and V wrong). Only while no block is held, as vLLM: False, and
+        nothing done, while a request holds some."""
+        if self.pool.num_used or (self.swap_pool is not None and self.swap_pool.num_used):
+            return False
+        self.pool.reset_prefix_cache()   # (the swap space caches nothing)
+        return True
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate, chat, stream and add_request use when given no SamplingParams."""
@@ -1270,9 +1332,10 @@ class LLM:
         """The generator of one draw of a seeded request, seeded by a hash of (seed, sample,
         position): a draw depends on nothing else, not on the batch around it, and not on a
         step that failed after drawing and was rolled back. (Well mixed: seeds 0 and 1 share
-        no sample, where seed + i would share n - 1.)"""
+        no sample, where seed + i would share n - 1.) A request without a seed draws from the
+        engine's generator."""
         if seq.params.seed is None:
-            return None
+            return self._rng   # (the engine's: see __init__)
         # hash_block as a seed mixer: the seed in the parent's place, (sample, position) as tokens
         seed = hash_block(seq.params.seed, [sample_index, seq.num_output_tokens])
         return torch.Generator(self.device).manual_seed(seed)
@@ -1496,17 +1559,27 @@ class LLM:
                 s.prompt_tokens = before[2]
 
     # --- the whole loop ---
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False, *, lora_request=None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (each as add_request takes it); outputs come back in the
         order of the prompts. sampling_params: one SamplingParams for all prompts, or a list
         with one per prompt. use_tqdm: draw a progress line on stderr (vLLM's name; nanopaged
-        draws its own, and is quiet by default)."""
+        draws its own, and is quiet by default). lora_request and priority: vLLM's, taken at
+        what asks for nothing (None; priorities all 0, as vLLM's first-come-first-served
+        scheduler takes them)."""
+        _check_lora(lora_request)
+        if priority is not None and (not isinstance(priority, (list, tuple)) or any(p != 0 for p in priority)):
+            raise ValueError(f"priority={priority!r}: nanopaged's scheduler is first-come-first-served, "
+                             f"with no priorities (it takes None, or a 0 for each prompt)")
         return self._generate(self._parse_prompts(prompts), sampling_params, use_tqdm)
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's beam search: for each prompt (as generate takes them), the params.beam_width
         best outputs, best first (see _beam_step). (generate and add_request take
-        BeamSearchParams too, and give RequestOutputs, their outputs the beams.)"""
+        BeamSearchParams too, and give RequestOutputs, their outputs the beams.) lora_request:
+        vLLM's, None."""
+        _check_lora(lora_request)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         results = self._generate(self._parse_prompts(prompts), params, use_tqdm, "beam_search()")
@@ -1540,14 +1613,17 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         return parsed
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, lora_request=None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's chat: one conversation (a list of messages such as {"role": "user",
         "content": ...}) or a list of conversations, each rendered with the model's chat
         template, or `chat_template`, (render_chat) and generated for; one RequestOutput per
         conversation, whose prompt is the rendered text. continue_final_message, tools and
-        chat_template_kwargs (the template's own variables) go to apply_chat_template."""
+        chat_template_kwargs (the template's own variables) go to apply_chat_template.
+        lora_request: vLLM's, None."""
+        _check_lora(lora_request)
         if chat_template_kwargs is not None and not (isinstance(chat_template_kwargs, dict)
                                                      and all(isinstance(k, str) for k in chat_template_kwargs)):
             raise ValueError(f"chat_template_kwargs must be a dict with string keys, got {chat_template_kwargs!r}")
@@ -1983,6 +2059,11 @@ def render_chat(tokenizer, conversation, /, **options) -> tuple[str, list[int]]:
     no special tokens added, as HF and vLLM encode it)."""
     text = tokenizer.apply_chat_template(conversation, **options)
     return text, tokenizer.encode_chat(text)
+
+
+def _check_lora(lora_request):
+    if lora_request is not None:
+        raise ValueError(f"lora_request={lora_request!r}: nanopaged has no LoRA adapters (it takes None)")
 
 
 def _check_request_id(request_id):

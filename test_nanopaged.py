@@ -6799,7 +6799,88 @@ def test_a_seeded_sample_draws_from_a_fresh_generator_at_each_position(llm):
     assert draw(0, 3) == draw(0, 3)                      # reproducible
     firsts = [draw(0, pos) for pos in range(4)] + [draw(1, 0)]
     assert len({tuple(d) for d in firsts}) == 5
-    assert llm._generator(SimpleNamespace(params=SamplingParams(), num_output_tokens=0), 0) is None
+    assert llm._generator(SimpleNamespace(params=SamplingParams(), num_output_tokens=0), 0) is llm._rng
+
+
+def test_unseeded_draws_repeat_from_run_to_run_with_the_engines_seed(tmp_path):
+    """LLM(seed=0), vLLM's default: requests without a seed draw from the engine's generator,
+    seeded once, so a script's sampled output is the same each run; another seed gives
+    another; seed=None leaves the draws to torch's global generator. Catches: the engine's
+    seed not used (unseeded draws from the global generator: a run differs from the last)."""
+    model_dir = tiny_llama_dir(tmp_path)
+    params = SamplingParams(n=2, max_tokens=12, ignore_eos=True)
+    def run(seed, global_seed):   # (torch's global generator, where each run of a script may leave it)
+        torch.manual_seed(global_seed)
+        llm = LLM(model_dir, load_format="dummy", num_blocks=64, seed=seed)
+        return [c.token_ids for r in llm.generate(["ab", "cd"], params) for c in r.outputs]
+    first = run(0, 0)
+    assert run(0, 1) == first and len({tuple(t) for t in first}) == 4
+    assert run(1, 0) != first
+    torch.manual_seed(3)
+    unseeded = LLM(model_dir, load_format="dummy", num_blocks=64, seed=None)
+    assert unseeded._rng is None
+    for bad in (-1, 2**63, 1.5, True, "0"):
+        with pytest.raises(ValueError, match=r"seed must be None or an integer in \[0, 2\*\*63\)"):
+            LLM(model_dir, load_format="dummy", num_blocks=64, seed=bad)
+
+
+def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_name(tmp_path):
+    """vLLM's LLM options (VLLM_ONLY_OPTIONS) at the values that ask for nothing nanopaged
+    lacks run a vLLM script unchanged; other values are refused naming what is missing; a
+    misspelt option is still Python's TypeError. generate's lora_request and priority, chat's
+    and beam_search's lora_request the same (beam_search's third argument is vLLM's
+    lora_request). Catches: an option taken at any value, or refused at its off value."""
+    model_dir = tiny_llama_dir(tmp_path)
+    llm = LLM(model_dir, load_format="dummy", num_blocks=64, tensor_parallel_size=1, pipeline_parallel_size=1,
+              quantization=None, kv_cache_dtype="auto", enable_lora=False, enforce_eager=True,
+              trust_remote_code=True, disable_log_stats=True, tokenizer=None, task="generate")
+    for option, message in (({"tensor_parallel_size": 2}, "tensor_parallel_size=2: nanopaged runs on one device: "
+                                                           "no tensor parallelism \\(it takes 1\\)"),
+                            ({"tensor_parallel_size": True}, "tensor_parallel_size=True"),
+                            ({"quantization": "awq"}, "quantization='awq': nanopaged has no quantized weights"),
+                            ({"kv_cache_dtype": "fp8"}, "no quantized KV cache \\(it takes 'auto'\\)"),
+                            ({"enable_lora": True}, "nanopaged has no LoRA adapters"),
+                            ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization=0.9: nanopaged sizes its KV "
+                                                              "cache by kv_cache_memory \\(bytes\\) or num_blocks$"),
+                            ({"disable_log_stats": False}, "llm.stats holds them")):
+        with pytest.raises(ValueError, match=message):
+            LLM(model_dir, load_format="dummy", num_blocks=64, **option)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tensor_paralel_size'"):
+        LLM(model_dir, load_format="dummy", num_blocks=64, tensor_paralel_size=1)
+    params = SamplingParams(max_tokens=2)
+    assert len(llm.generate(["ab", "cd"], params, lora_request=None, priority=[0, 0])) == 2
+    for kw, message in ((dict(lora_request="adapter"), "lora_request='adapter': nanopaged has no LoRA adapters"),
+                        (dict(priority=[0, 1]), "priority=\\[0, 1\\]: nanopaged's scheduler is first-come-first-served")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(["ab", "cd"], params, **kw)
+    chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert llm.chat([{"role": "user", "content": "ab"}], params, False, None, chat_template=chat_template)
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        llm.chat([{"role": "user", "content": "ab"}], params, False, "adapter", chat_template=chat_template)
+    assert llm.beam_search(["ab"], BeamSearchParams(2, 2), None, False)[0].sequences
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        llm.beam_search(["ab"], BeamSearchParams(2, 2), "adapter")
+    assert_nothing_leaked(llm)
+
+
+def test_reset_prefix_cache_frees_every_cached_block_but_only_while_none_is_held(tmp_path):
+    """vLLM's reset_prefix_cache: the cached blocks become free and the next request computes
+    its whole prompt; while a request holds blocks it refuses (False) and changes nothing.
+    Catches: cached blocks left registered (a hit after the reset), or reset under a request."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", block_size=4, num_blocks=64)
+    prompt, params = list(range(1, 30)), SamplingParams(temperature=0, max_tokens=3)
+    first = llm.generate(prompt, params)[0]
+    assert llm.pool.num_cached > 0 and llm.generate(prompt, params)[0].num_cached_tokens == 28
+    rid = llm.add_request(prompt, params)
+    llm.step()
+    cached = llm.pool.num_cached
+    assert llm.reset_prefix_cache() is False and llm.pool.num_cached == cached
+    llm.abort(rid)
+    assert llm.reset_prefix_cache() is True
+    assert (llm.pool.num_cached, llm.pool.num_free, llm.pool.cached_blocks) == (0, 64, {})
+    again = llm.generate(prompt, params)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_nothing_leaked(llm)
 
 
 def test_a_gpt2_through_the_engine_gets_each_tokens_own_position(tmp_path):
