@@ -760,6 +760,8 @@ class Stats:
     tpots: list = field(default_factory=list)
     peak_blocks_used: int = 0
     peak_running: int = 0      # (not in the summary: bench.py's memory comparison reads it)
+    peak_blocks_listed: int = 0   # the running sequences' tables' blocks, a shared one once per table:
+                                  # what unshared copies would use (bench.py's beam search reads it)
     allocated_slots: int = 0   # summed over steps, per sequence: blocks held x block_size
     filled_slots: int = 0      # ... and slots actually holding a token
     preemptions: int = 0
@@ -1470,6 +1472,7 @@ class LLM:
         s.steps += 1
         s.peak_blocks_used = max(s.peak_blocks_used, pool.num_used)
         s.peak_running = max(s.peak_running, len(sched.running))
+        s.peak_blocks_listed = max(s.peak_blocks_listed, sum(seq.block_table.num_held for seq in sched.running))
         for seq in sched.running:
             table = seq.block_table
             s.allocated_slots += table.num_held * pool.block_size
