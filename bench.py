@@ -250,10 +250,17 @@ def offline_workload(vocab_size, seed=0, num_requests=64):
     return prompts, params
 
 
+def new_engine(args, **options):
+    """An engine for a bench: the command line's model, dtype, attention backend and token
+    budget, but for the options the bench sets itself."""
+    from nanopaged import LLM
+    return LLM(args.model, **({"dtype": args.dtype, "attn_backend": args.attn_backend,
+                              "max_num_batched_tokens": args.max_num_batched_tokens} | options))
+
+
 def fresh_engine(args, **options):
     """An engine for the offline workload, warmed up on prompts it shares nothing with."""
-    from nanopaged import LLM
-    llm = LLM(args.model, dtype=args.dtype, **options)
+    llm = new_engine(args, **options)
     llm.generate([[17] * 64] * 2, SamplingParams(temperature=0, max_tokens=4))
     return llm
 
@@ -367,13 +374,12 @@ def hf_generate(model_name, dtype, prompts, params):
 
 
 def bench_prefix(args):
-    from nanopaged import LLM
     system = ("You are a meticulous assistant for a library. " * 120)
     questions = ["Where are the maps?", "When do you open?", "Can I renew a book?", "Is there wifi?",
                  "Who wrote Dracula?", "Do you have audiobooks?", "How much is a late fee?", "Where can I print?"]
     row = {}
     for caching in (True, False):
-        llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=caching)
+        llm = new_engine(args, enable_prefix_caching=caching)
         n_system = len(llm.get_tokenizer().encode(system))
         llm.generate(system + "Hello.", SamplingParams(temperature=0, max_tokens=1))  # the first visitor
         ttfts = [llm.generate(system + q, SamplingParams(temperature=0, max_tokens=1))[0].ttft for q in questions]
@@ -385,7 +391,7 @@ def bench_prefix(args):
     # a step's token budget: the first computes the prompt, the others share its blocks in
     # that very step. Each call starts its prompts with a new session number: a cold cache.
     system, sessions = system[:len(system) // 6], iter(range(10**6))
-    engines = {caching: LLM(args.model, dtype=args.dtype, enable_prefix_caching=caching) for caching in (True, False)}
+    engines = {caching: new_engine(args, enable_prefix_caching=caching) for caching in (True, False)}
     hits = {}
 
     def together(caching):
@@ -406,13 +412,12 @@ def bench_prefix(args):
 
 
 def bench_parallel(args):
-    from nanopaged import LLM
     prompts = ["Write a story about a dragon who learns to read, in the style of a fairy tale, "
                "with a happy ending and a moral about patience. " * 6, "List ten uses for a paperclip."]
     rows = []
     for label, n, copies, caching in (("n=4, blocks shared + copy-on-write", 4, 1, True),
                                        ("4 independent requests, no sharing", 1, 4, False)):
-        llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=caching)
+        llm = new_engine(args, enable_prefix_caching=caching)
         p = SamplingParams(n=n, temperature=0.8, seed=0, max_tokens=64, ignore_eos=True)
         llm.generate([q for q in prompts for _ in range(copies)], p)
         rows.append((label, llm.stats.peak_blocks_used, llm.stats.output_tokens))
@@ -429,13 +434,11 @@ def bench_preempt(args):
     output again; swapping copies its blocks to CPU memory and back (on this CPU, from one
     part of RAM to another: what is measured is the copy against the recompute). Medians of
     args.repeats, the three engines timed in turns."""
-    from nanopaged import LLM
     rng = random.Random(0)
-    engines = {"roomy pool (no preemption)": LLM(args.model, dtype=args.dtype, num_blocks=512,
-                                                 enable_prefix_caching=False),
-               "64 blocks, recompute": LLM(args.model, dtype=args.dtype, num_blocks=64, enable_prefix_caching=False),
-               "64 blocks, swap": LLM(args.model, dtype=args.dtype, num_blocks=64, enable_prefix_caching=False,
-                                      preemption_mode="swap")}
+    engines = {"roomy pool (no preemption)": new_engine(args, num_blocks=512, enable_prefix_caching=False),
+               "64 blocks, recompute": new_engine(args, num_blocks=64, enable_prefix_caching=False),
+               "64 blocks, swap": new_engine(args, num_blocks=64, enable_prefix_caching=False,
+                                             preemption_mode="swap")}
     vocab = next(iter(engines.values())).config.vocab_size
     prompts = [[rng.randrange(17, vocab) for _ in range(400)] for _ in range(16)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -488,9 +491,9 @@ def bench_beam(args):
     engine. Peak KV blocks used, against the blocks the live beams' tables list (what
     unshared copies would hold), and time; medians, timed in turns. Each run's prompt
     begins with its own number, so that no run finds another's blocks in the prefix cache."""
-    from nanopaged import LLM, render_chat
+    from nanopaged import render_chat
     width, max_tokens = 4, 64
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = new_engine(args)
     story = ("You are a storyteller for children. Your stories are gentle, vivid and full of small "
              "details: the colour of a scarf, the smell of bread, the sound of rain on a tin roof. ") * 4
     runs, results = itertools.count(), {}
@@ -530,8 +533,7 @@ def bench_beam(args):
 
 
 def bench_sampling(args):
-    from nanopaged import LLM
-    llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)   # (else repeats skip the prompts)
+    llm = new_engine(args, enable_prefix_caching=False)   # (else repeats skip the prompts)
     rng = random.Random(0)
     prompts = [[rng.randrange(17, llm.config.vocab_size) for _ in range(100)] for _ in range(16)]
     base = dict(temperature=0, max_tokens=32, ignore_eos=True)
@@ -558,9 +560,9 @@ def bench_dtype(args):
     every weight once per token, so bytes per weight count), then a batch of 16 such
     requests (where matmuls have rows to share each weight), in each dtype, timed in turns.
     Also: for how many tokens the greedy output stays float32's."""
-    from nanopaged import LLM, render_chat
+    from nanopaged import render_chat
     dtypes = ["float32", "bfloat16", "float16"]
-    engines = {dt: LLM(args.model, dtype=dt, enable_prefix_caching=False) for dt in dtypes}
+    engines = {dt: new_engine(args, dtype=dt, enable_prefix_caching=False) for dt in dtypes}
     rng = random.Random(0)
     vocab = engines["float32"].config.vocab_size
     prompts = [[rng.randrange(17, vocab) for _ in range(200)] for _ in range(16)]
@@ -838,13 +840,18 @@ def main(argv=None):
     ap.add_argument("--runs", type=count, default=1, help="engine workload runs (the median is shown)")
     ap.add_argument("--model", help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--attn-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"],
+                    help="the engines' attention (the numbers before 2026-12-01 were taken on torch)")
+    ap.add_argument("--max-num-batched-tokens", type=count, help="the engines' token budget of a step")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
     args = ap.parse_args(argv)
     # These measure a workload of their own (the default model's loading, no model at all, or,
-    # dtype, each of the three dtypes): a --model or --dtype given them would go unmeasured.
+    # dtype, each of the three dtypes; backends, both backends): a flag given them would go unmeasured.
     own = {"load", "attention", "scheduler", "kernel"}
     for flag, given, ignored_by in (("--model", args.model is not None, own),
-                                    ("--dtype", args.dtype != "float32", own | {"dtype"})):
+                                    ("--dtype", args.dtype != "float32", own | {"dtype"}),
+                                    ("--attn-backend", args.attn_backend != "auto", own | {"backends"}),
+                                    ("--max-num-batched-tokens", args.max_num_batched_tokens is not None, own)):
         if given and args.which in ignored_by:
             ap.error(f"{flag} is not for '{args.which}', which measures a workload of its own")
     status = 0

@@ -5684,13 +5684,17 @@ def test_bench_refuses_bad_arguments_in_one_line(tmp_path, capsys):
         assert exit_.value.code == 2 and "must be an integer >= 1" in capsys.readouterr().err
     # a flag the benchmark would ignore (it measures its own workload): said, not measured without
     for argv, flag in ((["load", "--model", str(tmp_path)], "--model"), (["attention", "--dtype", "bfloat16"], "--dtype"),
-                       (["dtype", "--dtype", "float16"], "--dtype")):
+                       (["dtype", "--dtype", "float16"], "--dtype"), (["backends", "--attn-backend", "torch"],
+                                                                      "--attn-backend"),
+                       (["scheduler", "--max-num-batched-tokens", "512"], "--max-num-batched-tokens")):
         with pytest.raises(SystemExit) as exit_:
             bench.main(argv)
         assert exit_.value.code == 2
         assert f"{flag} is not for '{argv[0]}', which measures a workload of its own" in capsys.readouterr().err
     for argv, why in ((["beam", "--model", str(tmp_path / "none")], "no such directory"),
-                      (["prefix", "--dtype", "int8"], "unsupported dtype 'int8'")):
+                      (["prefix", "--dtype", "int8"], "unsupported dtype 'int8'"),
+                      # (the engines' flags reach them: the engine's own refusal)
+                      (["sampling", "--attn-backend", "cuda"], "attn_backend='cuda' needs device='cuda'")):
         assert bench.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("bench.py: error: ") and why in err and err.count("\n") == 1
