@@ -89,6 +89,11 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        # vLLM's spellings: seed -1 is no seed; logprobs=True (prompt_logprobs=True) is 1
+        if _integer(self.seed) and self.seed == -1:
+            self.seed = None
+        self.logprobs = 1 if self.logprobs is True else self.logprobs
+        self.prompt_logprobs = 1 if self.prompt_logprobs is True else self.prompt_logprobs
         checks = [
             (_integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (_finite_number(self.temperature) and self.temperature >= 0,

@@ -4376,6 +4376,16 @@ def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
         assert_nothing_leaked(llm)
 
 
+def test_vllms_spellings_of_no_seed_and_one_logprob():
+    """vLLM's SamplingParams takes seed=-1 as no seed, and logprobs=True (prompt_logprobs=True)
+    as 1: a script that writes them runs. Catches: either refused as out of range."""
+    p = SamplingParams(seed=-1, logprobs=True, prompt_logprobs=True)
+    assert (p.seed, p.logprobs, p.prompt_logprobs) == (None, 1, 1)
+    for bad, message in ((dict(seed=-2), "seed must be"), (dict(logprobs=False), "logprobs must be")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**bad)
+
+
 def test_sampling_bounds(llm):
     prompt = "The weather today is"
     g = llm.generate(prompt, greedy(10, ignore_eos=True))[0].outputs[0].token_ids
