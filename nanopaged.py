@@ -2142,7 +2142,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s, off)")
     ap.add_argument("--min-p", type=float, default=0.0,
                     help="drop tokens less than min-p times as likely as the likeliest (default: 0, off)")
-    ap.add_argument("--seed", type=int, help="makes sampling reproducible (default: none)")
+    ap.add_argument("--seed", type=int, help="makes sampling reproducible (default: none, each run draws anew)")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt, prefilled once then forked (default: 1)")
     ap.add_argument("--beam-width", type=int, metavar="K",
                     help="beam search: the K likeliest outputs by the model's own log-probabilities, best first "
@@ -2341,7 +2341,8 @@ def run_cli(argv) -> int:
                       num_blocks=args.num_blocks, max_model_len=args.max_model_len,
                       enable_prefix_caching=not args.no_prefix_caching,
                       attn_backend=args.attn_backend, preemption_mode=args.preemption_mode,
-                      generation_config="vllm")   # (the flags' own defaults sample: greedy)
+                      generation_config="vllm",   # (the flags' own defaults sample: greedy)
+                      seed=None)   # (without --seed, each run draws anew, as a command line's user expects)
         except ValueError as e:   # (the flag's name, not the argument's)
             raise ValueError(str(e).replace("max_model_len = ", "--max-model-len ", 1)) from None
         tok = llm.get_tokenizer()

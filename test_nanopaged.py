@@ -5615,6 +5615,19 @@ def test_cli_chat_ctrl_c_stops_the_answer_not_the_conversation(tmp_path, capsys,
         assert_nothing_leaked(engines[-1])
 
 
+def test_cli_draws_anew_each_run_without_seed(capsys, smollm2_dir, monkeypatch):
+    """The command line's engine has no seed of its own (LLM(seed=None)): without --seed, each
+    run samples anew, as --help says; the API's LLM() keeps vLLM's seed=0. Catches: the CLI
+    left at the API's default (every run of `--temperature 0.8` the same answer)."""
+    seeds, real_init = [], LLM.__init__
+    def init(self, *args, **kwargs):
+        seeds.append(kwargs.get("seed", "the default"))
+        real_init(self, *args, **kwargs)
+    monkeypatch.setattr(LLM, "__init__", init)
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "1")
+    assert code == 0 and seeds == [None]
+
+
 def test_cli_says_which_flags_greedy_ignores(capsys, smollm2_dir):
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Hi", "--max-tokens", "1",
                              "--seed", "3", "--top-p", "0.5", "--min-p", "0.1", "--n", "2")
