@@ -1005,8 +1005,12 @@ class LLM:
         """A prompt's text (None if given as ids) and token ids."""
         if isinstance(prompt, dict):   # vLLM's TextPrompt and TokensPrompt
             if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & prompt.keys():
-                raise ValueError('a prompt dict holds one key, "prompt" (text) or "prompt_token_ids" '
-                                 f"(nanopaged has no multimodal inputs), got keys {sorted(map(str, prompt))}")
+                # (vLLM's other keys: what they would ask of nanopaged)
+                why = {"multi_modal_data": "no multimodal inputs", "mm_processor_kwargs": "no multimodal inputs",
+                       "cache_salt": "one prefix cache shared by all requests, unsalted"}
+                lacks = sorted({why[k] for k in prompt if k in why})
+                raise ValueError('a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", got keys '
+                                 f"{sorted(map(str, prompt))}" + (f" (nanopaged has {'; '.join(lacks)})" if lacks else ""))
             (key, prompt), = prompt.items()
             if not (isinstance(prompt, str) if key == "prompt" else _is_token_ids(prompt)):
                 raise ValueError(f"{key} must be {'a string' if key == 'prompt' else 'a list of token ids'}, "

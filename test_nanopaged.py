@@ -4730,7 +4730,12 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     outs = llm.generate([{"prompt": text}, {"prompt_token_ids": tok.encode(text)}, text], greedy(4))
     assert outs[0].prompt == text and outs[1].prompt is None
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
-    for bad, message in (({"prompt": text, "multi_modal_data": {}}, "prompt 1: a prompt dict holds one key"),
+    for bad, message in (({"prompt": text, "multi_modal_data": {}}, "prompt 1: a prompt dict holds one key.*"
+                                                                     r"\(nanopaged has no multimodal inputs\)"),
+                         # (vLLM's cache_salt was said to be a multimodal input)
+                         ({"prompt": text, "cache_salt": "a"}, r"\(nanopaged has one prefix cache shared by all "
+                                                               r"requests, unsalted\)$"),
+                         ({"prompt": text, "prompt_token_ids": ids}, "got keys \\['prompt', 'prompt_token_ids'\\]$"),
                          ({"prompt": ids}, 'prompt 1: prompt must be a string'),
                          ({"prompt_token_ids": text}, "prompt 1: prompt_token_ids must be a list of token ids")):
         with pytest.raises(ValueError, match=message):
