@@ -822,10 +822,9 @@ VLLM_ONLY_OPTIONS = {
     "kv_cache_dtype": (("auto",), "nanopaged stores K and V in the model's dtype: no quantized KV cache"),
     "enable_lora": ((False,), "nanopaged has no LoRA adapters"),
     "speculative_config": ((None,), "nanopaged has no speculative decoding"),
-    # (nanopaged always runs eagerly, without CUDA graphs, which False only allows; and runs
-    # no code from a model's files, whatever trust_remote_code permits)
-    "enforce_eager": ((True, False), ""),
-    "trust_remote_code": ((True, False), ""),
+    # (either value: False only allows CUDA graphs, True only permits a model's own code)
+    "enforce_eager": ((True, False), "nanopaged always runs eagerly, without CUDA graphs"),
+    "trust_remote_code": ((True, False), "nanopaged runs no code from a model's files"),
     "disable_log_stats": ((True,), "nanopaged logs no stats as it runs: llm.stats holds them"),
     "gpu_memory_utilization": ((), "nanopaged sizes its KV cache by kv_cache_memory (bytes) or num_blocks"),
     "tokenizer": ((None,), "nanopaged reads the tokenizer in the model's own files"),

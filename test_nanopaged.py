@@ -6877,7 +6877,9 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
                             ({"enable_lora": True}, "nanopaged has no LoRA adapters"),
                             ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization=0.9: nanopaged sizes its KV "
                                                               "cache by kv_cache_memory \\(bytes\\) or num_blocks$"),
-                            ({"disable_log_stats": False}, "llm.stats holds them")):
+                            ({"disable_log_stats": False}, "llm.stats holds them"),
+                            ({"enforce_eager": "yes"}, "enforce_eager='yes': nanopaged always runs eagerly, without "
+                                                       "CUDA graphs \\(it takes True or False\\)")):
         with pytest.raises(ValueError, match=message):
             LLM(model_dir, load_format="dummy", num_blocks=64, **option)
     with pytest.raises(TypeError, match="unexpected keyword argument 'tensor_paralel_size'"):
