@@ -4503,7 +4503,7 @@ def test_logprobs_and_prompt_logprobs_are_the_models_own(smollm2_dir, llm, monke
     assert broken.outputs[0].finish_reason == "error" and broken.outputs[0].token_ids == []
     assert fine.outputs[0].token_ids == llm.generate(prompts[2], greedy(3))[0].outputs[0].token_ids
     assert_nothing_leaked(llm)
-    for bad in (dict(logprobs=-1), dict(logprobs=21), dict(prompt_logprobs=True), dict(prompt_logprobs=1.0)):
+    for bad in (dict(logprobs=-1), dict(logprobs=21), dict(prompt_logprobs=False), dict(prompt_logprobs=1.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
 
