@@ -1475,11 +1475,11 @@ class LLM:
         s.steps += 1
         s.peak_blocks_used = max(s.peak_blocks_used, pool.num_used)
         s.peak_running = max(s.peak_running, len(sched.running))
-        s.peak_blocks_listed = max(s.peak_blocks_listed, sum(seq.block_table.num_held for seq in sched.running))
+        listed = sum(seq.block_table.num_held for seq in sched.running)   # (a shared block once per table)
+        s.peak_blocks_listed = max(s.peak_blocks_listed, listed)
+        s.allocated_slots += listed * pool.block_size
         for seq in sched.running:
-            table = seq.block_table
-            s.allocated_slots += table.num_held * pool.block_size
-            s.filled_slots += table.num_tokens - table.num_dropped * pool.block_size
+            s.filled_slots += seq.block_table.num_tokens - seq.block_table.num_dropped * pool.block_size
         s.preemptions, s.swapped_out, s.prefix_hit_tokens, s.prefix_query_tokens = (
             sched.num_preemptions, sched.num_swapped_out, sched.prefix_hit_tokens, sched.prefix_query_tokens)
 
