@@ -49,6 +49,7 @@ import ctypes
 import hashlib
 import importlib
 import math
+import numbers
 import os
 import platform
 import re
@@ -789,7 +790,7 @@ def openmp_stack_bytes() -> int | None:
 def check_softcap(softcap):
     """An attention softcap (Gemma 2's) is None (none) or a finite number > 0: the scores become
     softcap * tanh(s / softcap). The kernels spell None as 0."""
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
                                 or not 0 < softcap < math.inf):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
 
@@ -823,7 +824,7 @@ CPU_REFUSALS = {1: "sequence {bad} of seqs is not in the batch",
                 4: "block_tables[{bad}] holds a block id outside the cache, in the positions it reads",
                 5: "this compiler has no _Float16: float16 is not supported",
                 6: "no memory for the list of work items, or for the partitions' partial results",
-                7: "sequence {bad} of seqs has more than one query row (query_start_loc): the kernel decodes one each"}
+                7: "sequence {bad} of seqs does not have exactly one query row (query_start_loc): the kernel decodes one each"}
 
 
 class CpuKernels:

@@ -2602,14 +2602,14 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     # Each tensor's data follows the one before it, padded to the alignment, as llama.cpp checks
     # (and refuses otherwise): an offset that points elsewhere would read another tensor's bytes,
     # or bytes shifted by a few, as weights, with no error.
-    expected = 0
+    expected, align = 0, int(reader.alignment)   # (a numpy uint32 where the file sets general.alignment)
     for t in reader.tensors:
-        offset = int(t.data_offset) - reader.data_offset
+        offset = int(t.data_offset) - int(reader.data_offset)
         if offset != expected:
             raise ModelError(f"{gguf_path}: tensor {t.name!r} has its data at byte {offset} of the data section, "
                              f"expected {expected} (right after the tensor before it, padded to "
-                             f"{reader.alignment} bytes): the file is damaged")
-        expected += -(-int(t.n_bytes) // reader.alignment) * reader.alignment
+                             f"{align} bytes): the file is damaged")
+        expected += -(-int(t.n_bytes) // align) * align
     # The keys read below as strings, flags, token ids and lists must be of that kind (a damaged or
     # hand-made file may hold another); the numbers of the config are ModelConfig's to check.
     string = lambda x: isinstance(x, str)  # noqa: E731

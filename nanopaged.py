@@ -838,7 +838,9 @@ def _check_vllm_options(options: dict):
         if name not in VLLM_ONLY_OPTIONS:   # (a typo: as Python says it)
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
         accepted, why = VLLM_ONLY_OPTIONS[name]
-        if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
+        # (None and the flags by identity; numbers and strings by value: numpy's 1 is 1)
+        if not any(value is a or (a is not None and not isinstance(a, bool) and not isinstance(value, bool)
+                                  and value == a) for a in accepted):
             took = f" (it takes {' or '.join(map(repr, accepted))})" if accepted else ""
             raise ValueError(f"{name}={value!r}: {why}{took}")
 
@@ -1574,10 +1576,13 @@ class LLM:
         what asks for nothing (None; priorities all 0, as vLLM's first-come-first-served
         scheduler takes them)."""
         _check_lora(lora_request)
+        prompts = self._parse_prompts(prompts)
         if priority is not None and (not isinstance(priority, (list, tuple)) or any(p != 0 for p in priority)):
             raise ValueError(f"priority={priority!r}: nanopaged's scheduler is first-come-first-served, "
                              f"with no priorities (it takes None, or a 0 for each prompt)")
-        return self._generate(self._parse_prompts(prompts), sampling_params, use_tqdm)
+        if priority is not None and len(priority) != len(prompts):   # (as vLLM refuses it)
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        return self._generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, lora_request=None,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -2068,7 +2073,9 @@ def render_chat(tokenizer, conversation, /, **options) -> tuple[str, list[int]]:
 
 
 def _check_lora(lora_request):
-    if lora_request is not None:
+    """vLLM's lora_request: one, or one per prompt; None asks for no adapter."""
+    if lora_request is not None and not (isinstance(lora_request, (list, tuple))
+                                         and all(r is None for r in lora_request)):
         raise ValueError(f"lora_request={lora_request!r}: nanopaged has no LoRA adapters (it takes None)")
 
 

@@ -2226,7 +2226,7 @@ def llama2_gguf_vocab():
 
 def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None,
                dtypes=None, pre="smollm", add_bos=None, pad=0, meta=(), block_count=None, merges=(),
-               sentencepiece=False, arch="llama", weights=None, window=None):
+               sentencepiece=False, arch="llama", weights=None, window=None, alignment=None):
     """A tiny Llama GGUF: the 256 byte tokens (and `pad` padding ones after them, as llama.cpp
     writes an embedding matrix longer than the vocab), random float32 weights (tied
     embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
@@ -2236,10 +2236,13 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     (key, array, integer or string) metadata; `block_count`, another layer count than the L layers it holds.
     sentencepiece: the SentencePiece tokenizer of testdata/llama2_tokenizer instead, with its
     scores and no merges, as llama.cpp writes a Llama 2. arch: another architecture's keys;
-    weights: these HF-named tensors instead of random ones (and `extra`'s); window: a sliding window."""
+    weights: these HF-named tensors instead of random ones (and `extra`'s); window: a sliding window;
+    alignment: the tensor data's, written as general.alignment (else the default 32, unwritten)."""
     import gguf
     vocab, _ = byte_vocab()
     writer = gguf.GGUFWriter(path, arch)
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
     if window is not None:
         writer.add_sliding_window(window)
     writer.add_block_count(L if block_count is None else block_count)
@@ -2319,6 +2322,11 @@ def test_tiny_gguf_loads(tmp_path, own_cache):
     path = write_gguf(tmp_path / "ok.gguf", L=2)
     logits = load_model(path)(torch.tensor([1, 2, 3]), torch.arange(3), lambda i, q, k, v, window: q)
     assert logits.shape == (3, 256) and load_tokenizer(path).encode("ab") == [97, 98]
+    # general.alignment written (the reader's alignment then a numpy uint32: the offsets' check
+    # overflowed), any power of two: the same weights
+    for alignment in (8, 32, 64):
+        aligned = load_model(write_gguf(tmp_path / f"aligned{alignment}.gguf", L=2, alignment=alignment))
+        assert torch.equal(aligned(torch.tensor([1, 2, 3]), torch.arange(3), lambda i, q, k, v, window: q), logits)
     # the padding llama.cpp writes past the vocab (Qwen's "[PAD151665]"...) is no token: decode skips it
     padded = write_gguf(tmp_path / "padded.gguf", pad=4)
     tok = load_tokenizer(padded)
@@ -6530,7 +6538,7 @@ def test_cpu_kernel_refuses_what_it_cannot_read_by_name():
             call(softcap=softcap)
     # a sequence of 3 query rows is no decode: its first row would be served as its last position's
     chunk = make_paged_batch([(3, 9), (1, 20)], 4, 4, 2, 16)
-    with pytest.raises(ValueError, match="sequence 0 of seqs has more than one query row"):
+    with pytest.raises(ValueError, match="sequence 0 of seqs does not have exactly one query row"):
         call(**dict(zip(("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc"), chunk)),
              seqs=torch.tensor([1, 0]), out=torch.empty_like(chunk[0]))
     # a dropped block (-1) before a sliding window is never read, so not refused
@@ -6884,8 +6892,12 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
             LLM(model_dir, load_format="dummy", num_blocks=64, **option)
     with pytest.raises(TypeError, match="unexpected keyword argument 'tensor_paralel_size'"):
         LLM(model_dir, load_format="dummy", num_blocks=64, tensor_paralel_size=1)
+    assert LLM(model_dir, load_format="dummy", num_blocks=64, tensor_parallel_size=np.int64(1))   # (numpy's 1 is 1)
     params = SamplingParams(max_tokens=2)
     assert len(llm.generate(["ab", "cd"], params, lora_request=None, priority=[0, 0])) == 2
+    assert len(llm.generate(["ab", "cd"], params, lora_request=[None, None])) == 2   # (vLLM's one per prompt)
+    with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
+        llm.generate(["ab", "cd"], params, priority=[0])
     for kw, message in ((dict(lora_request="adapter"), "lora_request='adapter': nanopaged has no LoRA adapters"),
                         (dict(priority=[0, 1]), "priority=\\[0, 1\\]: nanopaged's scheduler is first-come-first-served")):
         with pytest.raises(ValueError, match=message):
