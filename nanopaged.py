@@ -1549,22 +1549,24 @@ class LLM:
         if not outputs:
             return   # (most decode steps finish nothing)
         s = self.stats
-        with defer_ctrl_c() as held:
-            before = len(s.ttfts), len(s.tpots), s.prompt_tokens
-            forgotten = {}
-            for output in outputs:
-                forgotten[output.request_id] = req = self._requests.pop(output.request_id)
-                self._to_report.pop(output.request_id, None)
-                s.ttfts.append(output.ttft)
-                s.tpots += [(q.finish_time - q.first_token_time) / (q.num_output_tokens - 1)
-                            for q in req["seqs"] if q.first_token_time and q.num_output_tokens > 1
-                            and q.finish_reason != "dropped"]   # (a beam search's results only)
-                s.prompt_tokens += len(output.prompt_token_ids)
-            if held:   # the caller will not get them: all back, for the next step() to return
+        before, forgotten = (len(s.ttfts), len(s.tpots), s.prompt_tokens), {}
+        try:
+            with defer_ctrl_c():
+                for output in outputs:
+                    forgotten[output.request_id] = req = self._requests.pop(output.request_id)
+                    self._to_report.pop(output.request_id, None)
+                    s.ttfts.append(output.ttft)
+                    s.tpots += [(q.finish_time - q.first_token_time) / (q.num_output_tokens - 1)
+                                for q in req["seqs"] if q.first_token_time and q.num_output_tokens > 1
+                                and q.finish_reason != "dropped"]   # (a beam search's results only)
+                    s.prompt_tokens += len(output.prompt_token_ids)
+        except KeyboardInterrupt:   # held until the block's end (even one that came as it ended): the
+            with defer_ctrl_c():    # caller will not get them, so all back, for the next step() to return
                 self._requests |= forgotten
                 self._to_report |= dict.fromkeys(forgotten)
                 del s.ttfts[before[0]:], s.tpots[before[1]:]
                 s.prompt_tokens = before[2]
+            raise
 
     # --- the whole loop ---
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False, *, lora_request=None,

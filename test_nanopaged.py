@@ -5142,6 +5142,25 @@ def test_ctrl_c_in_the_bookkeeping_waits_for_its_end(llm, monkeypatch):
     assert len(llm.stats.ttfts) == 2
     assert llm.stats.prompt_tokens == sum(len(done[i].prompt_token_ids) for i in ids)
     assert_nothing_leaked(llm)
+    # ... and one that lands as the hold ends (in its __exit__, the handler not yet put back):
+    # held, raised there, and they are put back all the same (they were lost: the check for a
+    # held Ctrl-C had run before it came)
+    ids = [llm.add_request(p, params[0]) for p in prompts[:2]]
+    fired = []
+    def ctrl_c_as_the_hold_ends(frame, event, arg):
+        if (event == "call" and frame.f_code.co_name == "__exit__" and not fired
+                and frame.f_back is not None and frame.f_back.f_code.co_name == "_hand_back"):
+            fired.append(signal.raise_signal(signal.SIGINT))
+    sys.settrace(ctrl_c_as_the_hold_ends)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step_to_the_end(llm)
+    finally:
+        sys.settrace(None)
+    assert fired
+    done = step_to_the_end(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == [alone[0], alone[1][:3]]
+    assert_nothing_leaked(llm)
 
 
 def test_a_request_keeps_its_own_copy_of_the_sampling_params(llm):
