@@ -796,13 +796,13 @@ def defer_ctrl_c():
     KeyboardInterrupt between any two bytecodes; in the middle of moving a sequence between
     queues or a block between owners, it would leave a sequence in no queue or a block
     owned by nobody. (Signals reach the main thread only: elsewhere nothing to hold.)"""
-    held = []   # what the block sees (`as held`): non-empty once a Ctrl-C is being held
+    held = []   # the Ctrl-Cs that came inside the block
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield held   # (None: a handler installed outside Python, which we could not put back)
+        yield   # (None: a handler installed outside Python, which we could not put back)
         return
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
-        yield held
+        yield
     finally:
         signal.signal(signal.SIGINT, previous)
         if held:
