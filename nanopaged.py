@@ -964,6 +964,10 @@ class LLM:
         self._next_id = 0
         self._open_stream = None   # the request id of a stream() being read
         self._generating = False   # whether generate() is running (its steps own the engine)
+        # Set as generate() or stream() begins, cleared once nothing of theirs is left (by
+        # _drop_all, which frees what an error left): should a second Ctrl-C cut that short,
+        # their leftovers are dropped as the engine is next used.
+        self._cleanup_due = False
         self._trace: list[str] | None = None   # the block trace's lines of this step; None: off
 
     def get_tokenizer(self):
@@ -1671,7 +1675,7 @@ class LLM:
         self._check_alone(caller)
         ids, first_id = [], self._next_id
         try:
-            self._generating = True   # (before its requests exist: a step elsewhere would run them)
+            self._generating = self._cleanup_due = True   # (before its requests exist: a step elsewhere would run them)
             for i, ((text, token_ids), p) in enumerate(zip(prompts, params)):
                 try:
                     ids.append(self._add(text, token_ids, p))
@@ -1685,6 +1689,7 @@ class LLM:
                     results[r.request_id] = r
                 if use_tqdm:
                     _progress(len(results), len(ids), self.stats)
+            self._cleanup_due = False   # (all reported: nothing left)
         except BaseException:
             self._drop_all()   # a refused prompt, an interrupt...: leave nothing behind
             raise
@@ -1710,6 +1715,8 @@ class LLM:
         if self._open_stream is not None:
             raise ValueError(f"{caller} cannot run while a stream() is being read: read it to the end, "
                              "or close() it")
+        if self._cleanup_due:   # neither runs any more: what they left is nobody's
+            self._drop_all()
 
     def _check_not_generating(self, caller: str):
         if self._generating:
@@ -1726,6 +1733,7 @@ class LLM:
                     self.scheduler.abort(rid)
                 del self._requests[rid]
             self._to_report.clear()
+            self._cleanup_due = False
         self._flush_trace()
 
     def reset_stats(self):
@@ -1751,7 +1759,8 @@ class LLM:
 
     def _stream(self, prompt, params):
         try:
-            rid = self.add_request(prompt, params)
+            self._cleanup_due = True   # (stream() checked the engine was free: add, unchecked)
+            rid = self._add(*self._parse_prompt(prompt), params)
             seq, self._open_stream = self._requests[rid]["seqs"][0], rid
             detokenizer, shown, held = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens), 0, ""
             # hold back text that could be the start of a stop string, until we know (the
@@ -1776,9 +1785,8 @@ class LLM:
             if rest := held + detokenizer.utf8.decode(b"", final=True):
                 yield rest
         finally:   # the caller stopped reading early, or a step raised: free its blocks
-            with defer_ctrl_c():
-                self._open_stream = None
-                self._drop_all()
+            self._open_stream = None   # (first, and with no call before it: no Ctrl-C lands ahead of it)
+            self._drop_all()
 
     def enable_trace(self, emit=print):
         """Narrate every step: the chapter's figures, live. The lines are collected during

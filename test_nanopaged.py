@@ -5067,6 +5067,23 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     outs = llm.generate(prompts, greedy(12, ignore_eos=True))   # prefix-cache hits on what came before
     assert [o.outputs[0].token_ids for o in outs] == alone and llm.stats.prefix_hit_tokens > 0
     assert_nothing_leaked(llm)
+    # ... and a second Ctrl-C that cuts its cleanup short (in generate(), or as a stream is
+    # closed): what they left is dropped as the engine is next used, not run as someone's
+    for interrupted in ("generate", "stream"):
+        monkeypatch.setattr(llm.model, "forward", interrupted_on_call(3, forward))
+        monkeypatch.setattr(llm, "_drop_all", interrupted_on_call(1, llm._drop_all))
+        with pytest.raises(KeyboardInterrupt):
+            if interrupted == "generate":
+                llm.generate(prompts, greedy(12, ignore_eos=True))
+            else:
+                list(llm.stream(prompts[0], greedy(12, ignore_eos=True)))
+        monkeypatch.undo()
+        assert llm.has_unfinished_requests() and llm.scheduler.has_unfinished()   # left behind
+        assert llm.step() == []
+        assert_nothing_leaked(llm)
+    outs = llm.generate(prompts, greedy(12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert_nothing_leaked(llm)
     # a step that fails after it began to sample: seeded samples redraw the same tokens
     # (the first sequence has drawn its token when the second's draw is interrupted)
     seeded = SamplingParams(temperature=3.0, seed=1234, max_tokens=6, ignore_eos=True)   # flat: draws differ
