@@ -1754,20 +1754,26 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 # ----------------------------------------------------------------------------------------
 # Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3)
 
-class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: its weights are offsets from 1 (it scales by 1 + weight, so a weight of
-    zero keeps x), and it computes in float32, casting back only at the end, as HF's does."""
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, rounded as transformers rounds it: normalized in float32 and cast
+    back to x's dtype before the weight scales it (nn.RMSNorm scales first: in bfloat16, nine
+    logits in ten of a small Llama then differ from transformers' by up to 0.1, enough to flip
+    a greedy near-tie). Gemma's weights are offsets from 1 (it scales by 1 + weight, so a
+    weight of zero keeps x), and it scales in float32, casting back only at the end."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.empty(dim))
+        self.eps, self.gemma, self.weight = eps, gemma, nn.Parameter(torch.empty(dim))
 
     def forward(self, x):
-        return (F.rms_norm(x.float(), x.shape[-1:], eps=self.eps) * (1.0 + self.weight.float())).type_as(x)
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)   # (..., dim) float32
+        if self.gemma:
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * normed.type_as(x)
 
 
 def rms_norm(config: ModelConfig, dim: int) -> nn.Module:
-    return GemmaRMSNorm(dim, config.norm_eps) if config.gemma else nn.RMSNorm(dim, eps=config.norm_eps)
+    return RMSNorm(dim, config.norm_eps, gemma=config.gemma)
 
 
 class LlamaAttention(nn.Module):

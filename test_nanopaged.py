@@ -419,8 +419,8 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
     torch.testing.assert_close(forward_all(model, IDS), torch.tensor(expected["logits"]), rtol=1e-4, atol=1e-4)
 
 
-# Gemma rounds as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
-BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled")
+# these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
+BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -438,12 +438,14 @@ def paged_forward_all(model, ids, block_size=4):
 
 
 @pytest.mark.parametrize("variant", BFLOAT16_VARIANTS)
-def test_gemma_in_bfloat16_rounds_as_transformers(tmp_path, variant):
+def test_bfloat16_rounds_as_transformers(tmp_path, variant):
     """In bfloat16 Gemma's sqrt(C) embedding scale is rounded to bfloat16 (sqrt(48) = 6.93
-    becomes 6.94) and its RMSNorms compute in float32, as in transformers: through the paged
-    attention, the logits come out with transformers' bits (here all of them; a few may move
-    with another torch's kernels). Catches: the scale kept in full precision, or the norms
-    computed in bfloat16 (either changes about 80% of the logits)."""
+    becomes 6.94) and its RMSNorms compute in float32; the Llama family's RMSNorms (Qwen 3's
+    q/k norms too) round to bfloat16 before the weight scales, as in transformers: through the
+    paged attention, the logits come out with transformers' bits (here all of them; a few may
+    move with another torch's kernels). Catches: the scale kept in full precision, or the norms
+    computed in bfloat16, or scaled before rounding (nn.RMSNorm; each changes about 80% of the
+    logits)."""
     c = LLAMA_FAMILY_VARIANTS[variant]
     expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())[variant + "_bfloat16"]
     assert expected["config"] == c
