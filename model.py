@@ -324,8 +324,7 @@ class ModelConfig:
                 raise ModelError(f"activation_function {d['activation_function']!r} is not "
                                  f"supported (only the tanh GELU: 'gelu_new')")
             # GPT-2 variants that change the math: refused, rather than run differently
-            for key, plain in (("tie_word_embeddings", True), ("scale_attn_weights", True),
-                               ("scale_attn_by_inverse_layer_idx", False)):
+            for key, plain in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
                 if d.get(key, plain) != plain:
                     raise ModelError(f"{key} = {d[key]!r} is not supported for gpt2 (only {plain!r})")
             hidden, heads = _positive(d, "n_embd"), _positive(d, "n_head")
@@ -336,7 +335,8 @@ class ModelConfig:
                 num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
                 intermediate_size=_positive(d, "n_inner", default=4 * hidden),
                 max_position_embeddings=_positive(d, "n_positions"),
-                norm_eps=_positive(d, "layer_norm_epsilon", float, 1e-5), tie_word_embeddings=True)
+                norm_eps=_positive(d, "layer_norm_epsilon", float, 1e-5),
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", default=True))
             default_token_id = 50256  # <|endoftext|>
         else:
             raise ModelError(f"model_type {model_type!r} is not supported "
@@ -375,12 +375,12 @@ def _check_checkpoint_kind(d: dict) -> None:
                          f"instead of predicting the next token")
 
 
-def _flag(d: dict, key: str) -> bool:
-    """d[key] as a JSON boolean, false if absent or null (a string "false" would be true)."""
+def _flag(d: dict, key: str, default: bool = False) -> bool:
+    """d[key] as a JSON boolean, default if absent or null (a string "false" would be true)."""
     value = d.get(key)
     if not isinstance(value, bool | None):
         raise ModelError(f"{key!r} is {value!r}, expected true or false")
-    return bool(value)
+    return default if value is None else value
 
 
 def _gemma3_text_config(d: dict) -> dict:
@@ -1990,6 +1990,9 @@ class GPT2(nn.Module):
         self.wpe = embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        # GPT-2's head is its embedding matrix; a fine-tune saved untied has its own
+        self.lm_head = (None if config.tie_word_embeddings else
+                        nn.Linear(config.hidden_size, config.vocab_size, bias=False))
 
     def forward(self, input_ids, positions, attn, logits_indices=None):
         x = self.wte(input_ids) + self.wpe(positions)  # (T, C): learned positions, no RoPE
@@ -1997,7 +2000,8 @@ class GPT2(nn.Module):
             x = block(x, attn)
         if logits_indices is not None:                 # LM head on sampled tokens only
             x = x[logits_indices]                      # (S, C)
-        return F.linear(self.ln_f(x), self.wte.weight)  # (S, V): head tied to the embedding
+        head = self.wte if self.lm_head is None else self.lm_head
+        return F.linear(self.ln_f(x), head.weight)     # (S, V)
 
     @staticmethod
     def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
@@ -2007,6 +2011,8 @@ class GPT2(nn.Module):
         shapes = {"transformer.wte.weight": (config.vocab_size, C),
                   "transformer.wpe.weight": (config.max_position_embeddings, C),
                   "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,)}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, C)
         for i in range(config.num_hidden_layers):
             p = f"transformer.h.{i}."
             shapes |= {
@@ -2112,8 +2118,8 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
     config = config or ModelConfig.from_json(model_dir / "config.json")
     arch = ARCHITECTURES[config.model_type]
     where = None if dummy else _tensor_files(model_dir)
-    if where and config.tie_word_embeddings and arch is not GPT2:   # (GPT-2's head is always its wte)
-        config = _untie_if_distinct(model_dir, where, config)
+    if where and config.tie_word_embeddings:
+        config = _untie_if_distinct(model_dir, where, config, arch)
     check_size(model_dir, config, arch, dtype, device, stored=None if dummy else len(where),
                max_model_len=max_model_len)
     shapes = arch.checkpoint_shapes(config)
@@ -2267,14 +2273,14 @@ def _check_stored_dtype(path: Path, name: str, stored_dtype: str):
                          f"unquantized weights ({', '.join(CHECKPOINT_DTYPES)})")
 
 
-def _untie_if_distinct(model_dir: Path, where: dict[str, Path], config: ModelConfig) -> ModelConfig:
+def _untie_if_distinct(model_dir: Path, where: dict[str, Path], config: ModelConfig, arch) -> ModelConfig:
     """transformers' rule for a config that ties the LM head to the embeddings while the
     checkpoint holds an lm_head.weight of other values (a fine-tune saved with the wrong
     flag): the head is not tied, the checkpoint's own is used, and that is said. (A copy of
     the embeddings, as some checkpoints save, changes nothing. vLLM ties it all the same,
     leaving the checkpoint's head out; the tests' reference is transformers.)"""
     head = _checkpoint_name("lm_head.weight", where)
-    embed = _checkpoint_name("model.embed_tokens.weight", where)
+    embed = _checkpoint_name("transformer.wte.weight" if arch is GPT2 else "model.embed_tokens.weight", where)
     if head is None or embed is None:
         return config   # (a missing embedding is _read_safetensors' to name)
     with _open_safetensors(where[head]) as f, _open_safetensors(where[embed]) as g:

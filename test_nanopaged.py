@@ -302,7 +302,7 @@ def reference_gpt2(c, w, ids):
         h = conv1d(ln(x, p + "ln_2"), p + "mlp.c_fc")
         x = x + conv1d(0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))),
                        p + "mlp.c_proj")
-    return ln(x, "ln_f") @ w["wte.weight"].T
+    return ln(x, "ln_f") @ w["lm_head.weight" if "lm_head.weight" in w else "wte.weight"].T
 
 
 IDS = [5, 17, 99, 3, 42, 42, 0, 64, 7, 100, 23]
@@ -635,6 +635,23 @@ def test_gpt2_matches_reference(tmp_path, prefix):
     model = load_model(write_checkpoint(tmp_path / "gpt2", GPT2_CONFIG, w))
     torch.testing.assert_close(forward_all(model, IDS), reference_gpt2(GPT2_CONFIG, w, IDS),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_gpt2_with_a_head_of_its_own(tmp_path, capsys):
+    """A GPT-2 saved untied (tie_word_embeddings false: its lm_head.weight) runs with that
+    head; one whose config ties while its checkpoint holds a distinct lm_head.weight is untied,
+    with a note, as transformers does (it ran with wte: logits 26 away from transformers')."""
+    w = gpt2_tensors(GPT2_CONFIG)
+    w["lm_head.weight"] = 0.2 * torch.randn(GPT2_CONFIG["vocab_size"], GPT2_CONFIG["n_embd"])
+    untied = GPT2_CONFIG | {"tie_word_embeddings": False}
+    model = load_model(write_checkpoint(tmp_path / "untied", untied, w))
+    expected = reference_gpt2(untied, w, IDS)
+    torch.testing.assert_close(forward_all(model, IDS), expected, rtol=1e-4, atol=1e-4)
+    model = load_model(write_checkpoint(tmp_path / "tied", GPT2_CONFIG, w))
+    assert "but the checkpoint's lm_head.weight differs from them: it is used, untied" in capsys.readouterr().err
+    torch.testing.assert_close(forward_all(model, IDS), expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ModelError, match="tensor 'lm_head.weight' is missing"):   # untied, and no head
+        load_model(write_checkpoint(tmp_path / "headless", untied, gpt2_tensors(GPT2_CONFIG)))
 
 
 def test_sharded_checkpoint_equals_single_file(tmp_path):
@@ -1500,7 +1517,6 @@ def test_llama_config_values_are_checked(change, message):
     ({"layer_norm_epsilon": -1e-5}, "'layer_norm_epsilon' is -1e-05"),
     ({"eos_token_id": "50256"}, "'eos_token_id' is '50256'"),
     # variants whose math nanopaged's GPT2 does not do (HF's logits differ by up to 7)
-    ({"tie_word_embeddings": False}, "tie_word_embeddings = False is not supported for gpt2"),
     ({"scale_attn_weights": False}, "scale_attn_weights = False is not supported"),
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx = True is not supported"),
 ])
