@@ -1059,9 +1059,9 @@ class LLM:
             if beams * self.scheduler.blocks_at_most(limit) > self.pool.num_blocks:
                 limit = min(limit, self.pool.num_blocks // beams * self.pool.block_size)
             room = limit - len(ids)
-            if room < 1 and limit == self.max_model_len:   # (the scheduler would name a max_tokens never given)
+            if len(ids) >= self.max_model_len:   # (the scheduler would name a max_tokens never given)
                 raise ValueError(f"prompt ({len(ids)} tokens) leaves no room for an output token in the "
-                                 f"context served, max_model_len = {limit} tokens")
+                                 f"context served, max_model_len = {self.max_model_len} tokens")
             # (short of the pool, one token: under a sliding window the prompt may still fit, since
             # its blocks before the window are dropped; else the scheduler says what the pool lacks)
             params.max_tokens = max(min(params.max_tokens or room, room), 1)
@@ -1198,6 +1198,7 @@ class LLM:
             # step off. (Should a second Ctrl-C cut this short, the next schedule() does it.)
             with defer_ctrl_c():
                 self.scheduler.rollback()
+            self._record_counts()
             self._flush_trace()
             raise
         self._flush_trace()
@@ -1486,6 +1487,12 @@ class LLM:
         s.allocated_slots += listed * pool.block_size
         for seq in sched.running:
             s.filled_slots += seq.block_table.num_tokens - seq.block_table.num_dropped * pool.block_size
+        self._record_counts()
+
+    def _record_counts(self):
+        """The scheduler's counts so far (after a step is scheduled, or rolled back: its
+        sequences preempted)."""
+        s, sched = self.stats, self.scheduler
         s.preemptions, s.swapped_out, s.prefix_hit_tokens, s.prefix_query_tokens = (
             sched.num_preemptions, sched.num_swapped_out, sched.prefix_hit_tokens, sched.prefix_query_tokens)
 

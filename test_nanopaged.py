@@ -4859,6 +4859,8 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
     with pytest.raises(ValueError, match=r"prompt \(64 tokens\) leaves no room for an output token in the "
                                          r"context served, max_model_len = 64 tokens$"):
         small.generate([5] * 64, up_to)
+    with pytest.raises(ValueError, match=r"prompt \(64 tokens\) leaves no room .* max_model_len = 64 tokens$"):
+        LLM(model_dir, load_format="dummy", num_blocks=8, block_size=4, max_model_len=64).generate([5] * 64, up_to)
     # ... or up to what the whole KV pool holds, where that is less (4 blocks of 16 slots)
     tiny_pool = LLM(model_dir, load_format="dummy", num_blocks=4, block_size=16)
     assert len(tiny_pool.generate([5] * 10, up_to)[0].outputs[0].token_ids) == 54
@@ -5068,6 +5070,10 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     ids = failed_step(KeyboardInterrupt, (llm.model, "forward", broken),
                       (llm.scheduler, "rollback", interrupted_on_call(2, llm.scheduler.rollback)))
     assert llm.scheduler.scheduled is not None   # not rolled back yet
+    assert tokens_at_the_end(ids) == alone
+    # the stats count a rolled-back step's preemptions as it fails, not at the next step
+    ids = failed_step(RuntimeError, (llm.model, "forward", broken))
+    assert llm.stats.preemptions == llm.scheduler.num_preemptions > 0
     assert tokens_at_the_end(ids) == alone
     # an exception inside Scheduler.update, after it recorded the first sequence's computed
     # tokens (a bug, say): the step is rolled back all the same. (Not once it has forked and
