@@ -2234,7 +2234,13 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
             continue
         # a CRLF line end (turns written on Windows) is a line end: its \r is not the turn's text
         conversation.append({"role": "user", "content": line.removesuffix("\r")})
-        ids = render_chat(llm.tokenizer, conversation)[1]   # (a template that fails: main's error, exit 2)
+        text = llm.tokenizer.apply_chat_template(conversation)   # (a template that fails: main's error, exit 2)
+        try:   # (render_chat's two steps, apart: a turn the tokenizer refuses ends no conversation)
+            ids = llm.tokenizer.encode_chat(text)
+        except ValueError as e:   # (a run of 500,000 spaces...)
+            print(f"nanopaged: error: {e}; the turn is left out", file=sys.stderr)
+            conversation.pop()
+            continue
         try:
             pieces = llm.stream(ids, params)
         except ValueError as e:   # the conversation outgrew the context, or the KV pool

@@ -5642,6 +5642,12 @@ def test_cli_chat_stdin_closed_unreadable_or_not_utf8(tmp_path, capsys, monkeypa
     prompts.clear()
     code, out, err = run_cli(capsys, "--model", str(path), "--chat")
     assert code == 0 and out == "ok\n" and prompts == ["Hi"]
+    # a turn the tokenizer refuses is left out, with one line; the chat goes on (it ended, status 2)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a" + " " * 500_000 + "b\nHi\n"))
+    prompts.clear()
+    code, out, err = run_cli(capsys, "--model", str(path), "--chat")
+    assert code == 0 and out == "ok\n" and prompts == ["Hi"]   # (the template shows the first turn)
+    assert err.startswith("nanopaged: error: the text holds a run of 500,000") and err.endswith("; the turn is left out\n")
 
 
 def test_cli_chat_ctrl_c_stops_the_answer_not_the_conversation(tmp_path, capsys, monkeypatch):
