@@ -4148,6 +4148,7 @@ def test_parallel_sampling_forks_and_is_reproducible(llm):
     again = llm.generate(prompt, p)[0]
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1      # the samples differ
+    assert len({c.token_ids[0] for c in first.outputs}) > 1           # from the first token: each its own draw
     # neighbouring seeds share no samples (seeding sample i with seed + i, they would share 3)
     other = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=124, max_tokens=12, ignore_eos=True))[0]
     assert [c.token_ids for c in other.outputs[:3]] != [c.token_ids for c in first.outputs[1:]]
@@ -6993,6 +6994,7 @@ def test_reset_prefix_cache_frees_every_cached_block_but_only_while_none_is_held
     llm.abort(rid)
     assert llm.reset_prefix_cache() is True
     assert (llm.pool.num_cached, llm.pool.num_free, llm.pool.cached_blocks) == (0, 64, {})
+    assert llm.pool.block_hash == llm.pool.block_tokens == {}   # (a block still hashed is never cached again)
     again = llm.generate(prompt, params)[0]
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
     assert_nothing_leaked(llm)
