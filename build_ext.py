@@ -210,8 +210,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK_VALUE(B > 0 || T == 0, "q has ", T, " tokens but block_tables has no sequence to own them");
   TORCH_CHECK_VALUE(max_seq_len <= max_blocks * block_size, "max_seq_len ", max_seq_len,
                     " does not fit in block_tables of ", max_blocks, " blocks of ", block_size);
+  // (keys below 2^30: a warp's tile index steps up to kNumWarps * TILE past the last key,
+  // and must not wrap past 2^31 on the way)
   TORCH_CHECK_VALUE(T * H < (int64_t(1) << 31) && T + 8 * B < (int64_t(1) << 31) &&
-                    max_blocks * block_size < (int64_t(1) << 31),
+                    max_blocks * block_size < (int64_t(1) << 30),
                     "batch too large for the kernel's 32-bit row, tile and position indices");
   TORCH_CHECK_VALUE(partition_size >= 0 && partition_size < (int64_t(1) << 31), "partition_size must be "
                     "0 (the planner chooses) or a number of keys below 2^31, got ", partition_size);

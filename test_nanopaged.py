@@ -6331,7 +6331,10 @@ def check_bad_input(ops, device, elsewhere):
            ("partition_size must be", dict(partition_size=-1)),
            ("partition_size must be", dict(partition_size=2**32 + 1)),   # would wrap to 1 in an int
            ("window must be", dict(window=-1)),
-           ("window must be", dict(window=2**32 + 5))]
+           ("window must be", dict(window=2**32 + 5)),
+           # 2^26 blocks of 16: 2^30 keys, where a tile index stepping past the last would near 2^31
+           ("batch too large", dict(block_tables=torch.zeros(1, 2**26, dtype=torch.int32, device=device),
+                                    seq_lens=seq_lens[:1], query_start_loc=qsl[:2]))]
     for message, change in bad:
         with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
             ops.paged_attention(**{**args, **change})
