@@ -642,7 +642,7 @@ class PagedAttention:
 class Logprob:
     logprob: float             # natural log of the token's probability
     rank: int                  # its place by probability, 1 the likeliest (ties count against it)
-    decoded_token: str
+    decoded_token: str | None  # None where the request asked for no text (detokenize=False)
 
 
 @dataclass
@@ -1316,25 +1316,27 @@ class LLM:
         for those that score their prompt, from one batched log_softmax. Also {seq: NOT_FINITE}
         for those whose prompt rows are broken (NaN or inf): they fail, as a broken sampled row does.
         logits: (S + R, vocab), the S rows of due, then the R prompt rows; finite: per row."""
-        rows, targets, ks = [], [], []
+        rows, targets, ks, decode = [], [], [], []
         for row, seq in enumerate(due):
             if seq in sampled and seq.params.logprobs is not None:
                 rows += [row] * len(sampled[seq])
                 targets += sampled[seq]
                 ks += [seq.params.logprobs] * len(sampled[seq])
+                decode += [seq.params.detokenize] * len(sampled[seq])
         scored, broken, r = [], {}, len(due)   # r: the next prompt row
         for seq, first, count in prompt_rows:
             if all(finite[r:r + count]):
                 rows += range(r, r + count)
                 targets += seq.token_ids[first:first + count]
                 ks += [seq.params.prompt_logprobs] * count
+                decode += [seq.params.detokenize] * count
                 scored.append((seq, first, count))
             else:
                 broken[seq] = NOT_FINITE
             r += count
         if not rows:
             return {}, [], broken
-        entries = iter(logprob_dicts(logits[rows], targets, ks, self.tokenizer))
+        entries = iter(logprob_dicts(logits[rows], targets, ks, self.tokenizer, decode))
         token_logprobs = {seq: [next(entries) for _ in sampled[seq]] for seq in due
                           if seq in sampled and seq.params.logprobs is not None}
         prompt_logprobs = [(seq, first, [next(entries) for _ in range(count)]) for seq, first, count in scored]
@@ -1536,7 +1538,7 @@ class LLM:
             stop_token = ids[-1] if q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(p, eos) else None
             # (an output continues its prompt: the space a SentencePiece token starts with stays)
             text = self.tokenizer.decode(without_stop_token(ids, stop_token, p.include_stop_str_in_output),
-                                         p.skip_special_tokens, continuation=True)
+                                         p.skip_special_tokens, continuation=True) if p.detokenize else ""
             stop_reason = self._stop_reason(stop_token, p.ignore_eos)
             scan = req["stop_scans"].get(q.sample_index)
             if scan and scan.found is not None:   # the text ends before the stop string, or after it
@@ -1754,6 +1756,9 @@ class LLM:
             raise ValueError("stream() generates one sample: use generate() for n > 1")
         if isinstance(params, BeamSearchParams):
             raise ValueError("stream() generates one sample: use beam_search() for a beam search")
+        if isinstance(params, SamplingParams) and not params.detokenize:
+            raise ValueError("stream() yields text, which detokenize=False leaves out: add_request() and "
+                             "step() give the token ids")
         self._check_alone("stream()")
         pieces = self._stream(prompt, params)
         # Run the generator to its first yield, which comes right after it queued the request:
@@ -1974,20 +1979,22 @@ def sampling_probs(logits, p: SamplingParams):
     return probs.to(logits.dtype)
 
 
-def logprob_dicts(logits, targets: list[int], ks: list[int], tokenizer) -> list[dict[int, Logprob]]:
+def logprob_dicts(logits, targets: list[int], ks: list[int], tokenizer, decode: list[bool]) -> list[dict[int, Logprob]]:
     """For each row of logits (M, V): {token id: Logprob} of its target token, then of its k
     most likely tokens. These are the model's own probabilities, before the penalties, the
-    constraints, temperature, top-k, min-p and top-p (vLLM's default), in float32."""
+    constraints, temperature, top-k, min-p and top-p (vLLM's default), in float32. decode: per
+    row, whether its tokens' text is wanted (decoded_token; else None: detokenize=False)."""
     lp = torch.log_softmax(logits.float(), dim=-1)                       # (M, V)
     target_lp = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])   # (M, 1)
     ranks = (lp >= target_lp).sum(dim=-1).tolist()                       # (M,) ties count against it
     top_lp, top_ids = lp.topk(max(ks), dim=-1)                           # (M, max k), most likely first
     result = []
-    for target, t_lp, rank, k, row_lp, row_ids in zip(targets, target_lp[:, 0].tolist(), ranks, ks,
-                                                      top_lp.tolist(), top_ids.tolist()):
-        d = {target: Logprob(t_lp, rank, tokenizer.decode([target]))}
+    for target, t_lp, rank, k, row_lp, row_ids, text in zip(targets, target_lp[:, 0].tolist(), ranks, ks,
+                                                            top_lp.tolist(), top_ids.tolist(), decode):
+        d = {target: Logprob(t_lp, rank, tokenizer.decode([target]) if text else None)}
         for r, (x, t) in enumerate(zip(row_lp[:k], row_ids[:k]), start=1):
-            d[t] = Logprob(x, r, tokenizer.decode([t]))   # (the target among them keeps its place, first)
+            # (the target among them keeps its place, first)
+            d[t] = Logprob(x, r, tokenizer.decode([t]) if text else None)
         result.append(d)
     return result
 

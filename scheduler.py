@@ -58,6 +58,8 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True    # the text leaves out special tokens (<|im_end|>...); the ids keep them
     include_stop_str_in_output: bool = False   # the text ends after the stop string, not before
+    detokenize: bool = True             # False: token ids only, no text (and no decoded_token in the
+                                        # logprobs), as vLLM's throughput benchmark asks; no stop strings
     logprobs: int | None = None         # per output token: its log-probability, and the top k tokens
                                         # (the chosen one may be among them)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
@@ -114,7 +116,9 @@ class SamplingParams:
              f"seed must be an integer in [0, 2**63), got {self.seed!r}"),
             *[(isinstance(x, bool), f"{name} must be True or False, got {x!r}")
               for name, x in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
-                              ("include_stop_str_in_output", self.include_stop_str_in_output))],
+                              ("include_stop_str_in_output", self.include_stop_str_in_output),
+                              ("detokenize", self.detokenize))],
+            (self.detokenize or not self.stop, "stop strings are found in the text: they need detokenize=True"),
             *[(_finite_number(x) and -2 <= x <= 2, f"{name} must be a number in [-2, 2], got {x!r}")
               for name, x in (("presence_penalty", self.presence_penalty),
                               ("frequency_penalty", self.frequency_penalty))],

@@ -4473,12 +4473,12 @@ def test_logprob_ranks_with_ties_as_vllm():
     logits = torch.tensor([[2.0, 2.0, 2.0, 0.0]])   # a three-way tie for the top
     top = logits.topk(3).indices[0].tolist()       # (which of them comes first is topk's choice)
     # a target among the top k takes its place there, first in the dict
-    (d,) = logprob_dicts(logits, [top[0]], [2], Names())
+    (d,) = logprob_dicts(logits, [top[0]], [2], Names(), [True])
     assert list(d) == top[:2] and [e.rank for e in d.values()] == [1, 2]
     # one past them: every token at least as likely counts against it
-    (d,) = logprob_dicts(logits, [top[2]], [1], Names())
+    (d,) = logprob_dicts(logits, [top[2]], [1], Names(), [True])
     assert list(d) == [top[2], top[0]] and d[top[2]].rank == 3 and d[top[0]].rank == 1
-    (d,) = logprob_dicts(logits, [3], [0], Names())
+    (d,) = logprob_dicts(logits, [3], [0], Names(), [True])
     assert d == {3: Logprob(pytest.approx(torch.log_softmax(logits, -1)[0, 3].item()), 4, "<3>")}
 
 
@@ -5405,6 +5405,35 @@ def test_output_text_leaves_out_special_tokens(llm):
     cut = llm.generate(prompt, greedy(30, ignore_eos=True, skip_special_tokens=False, stop="im_end"))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.text == before + "<|"
     assert "".join(llm.stream(prompt, greedy(30, ignore_eos=True, skip_special_tokens=False, stop="im_end"))) == cut.text
+
+
+def test_detokenize_false_gives_token_ids_only(tmp_path):
+    """vLLM's detokenize=False: the same token ids and logprobs as with text, but no text and
+    decoded_token None (the prompt's logprobs too), beside a request in the same batch that
+    keeps its own; stop strings, which are found in the text, are refused, and so is stream()."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", block_size=4, num_blocks=64)
+    prompt = list(range(1, 20))
+    ask = dict(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    plain, bare = llm.generate([prompt, prompt], [SamplingParams(**ask), SamplingParams(**ask, detokenize=False)])
+    assert plain.outputs[0].text != "" and bare.outputs[0].text == ""
+    assert bare.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert bare.prompt_logprobs[0] is None
+    for ours, theirs in ((bare.outputs[0].logprobs, plain.outputs[0].logprobs),
+                         (bare.prompt_logprobs[1:], plain.prompt_logprobs[1:])):
+        assert len(ours) == len(theirs) > 0
+        for a, b in zip(ours, theirs):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert (a[t].logprob, a[t].rank, a[t].decoded_token) == (pytest.approx(b[t].logprob, abs=1e-5),
+                                                                         b[t].rank, None)
+                assert b[t].decoded_token is not None
+    with pytest.raises(ValueError, match="stop strings are found in the text: they need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be True or False, got None"):
+        SamplingParams(detokenize=None)
+    with pytest.raises(ValueError, match=r"stream\(\) yields text, which detokenize=False leaves out"):
+        llm.stream(prompt, SamplingParams(detokenize=False))
+    assert_nothing_leaked(llm)
 
 
 def test_stop_reason_and_include_stop_str_in_output(llm):
