@@ -227,6 +227,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const AttentionPlan plan = plan_paged_attention((int)T, (int)B, (int)H, (int)KVH,
                                                   (int)max_query_len, (int)max_seq_len, (int)window,
                                                   sm_count(device.index()), (int)partition_size);
+  // grid.y walks the kv heads and the chunks of each one's query heads, and stops at 65535.
+  TORCH_CHECK_VALUE(KVH * plan.head_chunks <= 65535, "q has ", H, " heads over ", KVH, " kv heads: ",
+                    KVH * plan.head_chunks, " CTAs along grid.y, more than CUDA's 65535");
   // Split-K workspace: each partition's unnormalised output, max and sum.
   at::Tensor partial_out, partial_stats;
   if (plan.num_partitions > 1) {

@@ -6349,6 +6349,7 @@ def check_bad_input(ops, device, elsewhere):
     tables, seq_lens, qsl = tables.to(device), seq_lens.to(device), qsl.to(device)
     args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, seq_lens=seq_lens,
                 query_start_loc=qsl, scale=0.125, max_query_len=129, max_seq_len=1328)
+    one_token = torch.tensor([0, 1], dtype=torch.int32, device=device)
     bad = [("block_tables", dict(block_tables=tables.long())),       # int64 instead of int32
            ("k_cache", dict(k_cache=k_cache.transpose(1, 2))),       # not contiguous
            ("v_cache", dict(v_cache=v_cache.float())),               # dtype differs from q
@@ -6363,7 +6364,12 @@ def check_bad_input(ops, device, elsewhere):
            ("window must be", dict(window=2**32 + 5)),
            # 2^26 blocks of 16: 2^30 keys, where a tile index stepping past the last would near 2^31
            ("batch too large", dict(block_tables=torch.zeros(1, 2**26, dtype=torch.int32, device=device),
-                                    seq_lens=seq_lens[:1], query_start_loc=qsl[:2]))]
+                                    seq_lens=seq_lens[:1], query_start_loc=qsl[:2])),
+           # 65536 heads, each its own kv head: a row of CTAs along grid.y per head, one too many
+           ("more than CUDA's 65535", dict(q=q.new_zeros(1, 65536, 64), k_cache=k_cache.new_zeros(1, 1, 65536, 64),
+                                           v_cache=v_cache.new_zeros(1, 1, 65536, 64), block_tables=tables[:1, :1],
+                                           seq_lens=one_token[1:], query_start_loc=one_token,
+                                           max_query_len=1, max_seq_len=1))]
     for message, change in bad:
         with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
             ops.paged_attention(**{**args, **change})
