@@ -2209,14 +2209,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats: bool):
-    """--chat: read a user turn per line until end of input, and stream each answer. Every
+def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats: bool) -> int:
+    """--chat: read a user turn per line until end of input, and stream each answer; returns how
+    many turns were refused (each said in a line as it happened: main's exit status). Every
     turn's prompt is the whole conversation, rendered by the chat template again; the
     blocks of the turns before it are still in the prefix cache (the previous prompt and
     answer filled them), so mostly the new turn is computed (and the partial block the previous
     answer ended in: only full blocks are cached): --stats shows the hit rate. Typed, a Ctrl-C
     during an answer stops it; at the prompt, it ends the chat."""
-    conversation = list(system)
+    conversation, refused = list(system), 0
     # bytes that are no UTF-8 (a Latin-1 file piped in) read as U+FFFD, as a --prompt's do, and
     # as in the C locale: a UTF-8 locale's stdin would raise UnicodeDecodeError, ending the chat
     if hasattr(sys.stdin, "reconfigure"):   # (a TextIOWrapper)
@@ -2232,7 +2233,7 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
             print(end="\n" if prompt else "")   # the shell's prompt, or main's message, on a line of its own
             if isinstance(stop, KeyboardInterrupt):
                 raise
-            return
+            return refused
         except OSError as e:   # stdin open for writing only (0>file), an I/O error: one line, not a traceback
             if isinstance(e, BrokenPipeError):   # (input() writing its prompt to a closed stdout: main's)
                 raise
@@ -2247,12 +2248,14 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
         except ValueError as e:   # (a run of 500,000 spaces...)
             print(f"nanopaged: error: {e}; the turn is left out", file=sys.stderr)
             conversation.pop()
+            refused += 1
             continue
         try:
             pieces = llm.stream(ids, params)
         except ValueError as e:   # the conversation outgrew the context, or the KV pool
             print(f"nanopaged: error: {e}; the conversation starts over", file=sys.stderr)
             conversation = list(system)
+            refused += 1
             continue
         shown = []
         try:
@@ -2416,8 +2419,9 @@ def run_cli(argv) -> int:
             llm.enable_trace()
         elif args.stats:
             print(llm.describe_kv_cache(), file=sys.stderr)
+        refused = 0   # --chat's turns that were bad input: status 2 once the rest are answered
         if args.chat:
-            chat_loop(llm, params, system, show, args.stats)
+            refused = chat_loop(llm, params, system, show, args.stats)
         elif len(prompts) == 1 and args.n == 1 and not args.trace and args.logprobs is None and not args.beam_width:
             # one prompt, one sample: it streams
             show(llm.stream(prompts[0], params), [])
@@ -2453,7 +2457,7 @@ def run_cli(argv) -> int:
             print("\n" * line_open + f"nanopaged: error: {e}", file=sys.stderr)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (Python would flush into it at exit)
         return 1
-    return 0
+    return 2 if refused else 0
 
 
 if __name__ == "__main__":

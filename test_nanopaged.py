@@ -5633,7 +5633,7 @@ def test_cli_chat_keeps_the_conversation_and_its_blocks(capsys, smollm2_dir, llm
     room = llm.max_model_len - len(render_chat(llm.tokenizer, turns[:1])[1])
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{q1}\n{q2}\n{q1}\n"))
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--chat", "--max-tokens", str(room))
-    assert code == 0 and out == f"{a1}\n{a1}\n"
+    assert code == 2 and out == f"{a1}\n{a1}\n"   # (answered the rest; status 2 tells a script one was not)
     assert err.count("nanopaged: error: prompt (") == 1 and err.strip().endswith("the conversation starts over")
     for argv in (["--prompt", "Hi"], ["--n", "2"], ["--raw"], ["--trace"], ["--logprobs", "1"]):
         code, out, err = run_cli(capsys, "--chat", *argv)
@@ -5672,11 +5672,12 @@ def test_cli_chat_stdin_closed_unreadable_or_not_utf8(tmp_path, capsys, monkeypa
     prompts.clear()
     code, out, err = run_cli(capsys, "--model", str(path), "--chat")
     assert code == 0 and out == "ok\n" and prompts == ["Hi"]
-    # a turn the tokenizer refuses is left out, with one line; the chat goes on (it ended, status 2)
+    # a turn the tokenizer refuses is left out, with one line; the chat goes on, and once it
+    # ends, the status is 2 (bad input, as for --prompt: was 0, a script never knew)
     monkeypatch.setattr(sys, "stdin", io.StringIO("a" + " " * 500_000 + "b\nHi\n"))
     prompts.clear()
     code, out, err = run_cli(capsys, "--model", str(path), "--chat")
-    assert code == 0 and out == "ok\n" and prompts == ["Hi"]   # (the template shows the first turn)
+    assert code == 2 and out == "ok\n" and prompts == ["Hi"]   # (the template shows the first turn)
     assert err.startswith("nanopaged: error: the text holds a run of 500,000") and err.endswith("; the turn is left out\n")
 
 
