@@ -159,7 +159,7 @@ def bench_attention(args):
 
 def single_sequence(kernel, H, KVH, D, bs, repeats):
     """One sequence decoding (a long chat): its KVH (sequence, kv head) work items are fewer
-    than the threads, so kernels_cpu.c cuts the context into partitions (split-K); against
+    than two a thread, so kernels_cpu.c cuts the context into partitions (split-K); against
     the same kernel on the whole context, and the torch fast path."""
     print(f"one sequence decoding, {torch.get_num_threads()} threads; ms/layer, median of {repeats}")
     print(f"{'context':>8s} {'fast path':>10s} {'kernel, whole':>14s} {'kernel, split-K':>16s} {'items':>6s}")

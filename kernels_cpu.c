@@ -13,8 +13,8 @@
  *
  * One work item per (decode sequence, kv head), spread over threads by OpenMP: the
  * G = H / KVH query heads of a GQA group read each K/V vector of their kv head while it
- * is in L1. Where that makes fewer items than threads (one long chat, a few sequences on
- * many cores), each context is cut into partitions, items of their own, merged after
+ * is in L1. Where that makes fewer than two items a thread (one long chat, a few sequences
+ * on many cores), each context is cut into partitions, items of their own, merged after
  * (split-K, as kernels.cu does). Online softmax, one block's run of positions at a time, in base 2 (as
  * kernels.cu): q is scaled by scale * log2(e) once, so each score costs one 2^x, and 2^x
  * is a polynomial the compiler vectorizes (libm's expf would be a call per score).
@@ -27,7 +27,7 @@
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };   /* storage of q, K/V and out; the math is float32 */
 
-struct DecodeArgs {            /* shapes as in DESIGN.md; T tokens, B sequences in the step */
+struct DecodeArgs {            /* shapes on each field; T tokens, B sequences in the step */
   const void* q;               /* (T, H, D), q_stride elements from one token to the next */
   int64_t q_stride;
   const void* k_cache;         /* (num_blocks, block_size, KVH, D), contiguous */

@@ -9,8 +9,8 @@ layer hands its q, k, v to the `attn` object it was given,
 
     out = attn(layer_idx, q, k, v, window)      q (T, H, D), k and v (T, KVH, D) -> out (T, H, D)
 
-and that object (nanopaged's PagedAttention, on the torch path or the CUDA kernel; the
-tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
+and that object (nanopaged's PagedAttention: the torch path, its decode rows on kernels_cpu.c,
+or the CUDA kernel; the tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
 context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen, SmolLM3, Gemma layers), to the
 last W positions up to each query. The model knows nothing about pages.
 
@@ -297,7 +297,7 @@ class ModelConfig:
             max_position = _positive(d, "max_position_embeddings", default=2048)
             rope_theta, rope_scaling, partial = _rope_config(d_rope, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
-            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's and Gemma's
+            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's, SmolLM3's and Gemma's
             # attention_bias gives all four one; Mistral has none. Qwen 3 and Gemma 3 normalize
             # each head's q and k.
             attention_bias = model_type in ("llama", "qwen3", "smollm3", *GEMMAS) and _flag(d, "attention_bias")
@@ -464,9 +464,10 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     """The window and the layers that use it ((None, ()): every layer sees everything), read
     as HF's config classes read them. Mistral (and Ministral) and Phi-3 window every layer when
     sliding_window is set; a Mistral or Ministral with layer_types, the layers it names
-    "sliding_attention". Qwen and SmolLM3 window only with use_sliding_window,
-    and then the layers layer_types names "sliding_attention" (by default, Qwen's from
-    max_window_layers on, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
+    "sliding_attention". Qwen windows only with use_sliding_window, and SmolLM3 with it or
+    wherever its layer_types names "sliding_attention" (transformers' masks follow them even
+    without); then the layers layer_types names so (by default, Qwen's from max_window_layers
+    on, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
     (Gemma 3: 6). Llama has no window."""
     if model_type == "llama" or d.get("sliding_window") is None and model_type not in GEMMAS:
@@ -1881,8 +1882,9 @@ class Llama(nn.Module):
             self.rope_local_cos[positions].unsqueeze(1), self.rope_local_sin[positions].unsqueeze(1))
         for layer in self.layers:
             x = layer(x, *(local if layer.self_attn.window is not None else rope), attn)
-        # The LM head is a step's biggest matmul (vocab_size rows): run it only on the
-        # tokens whose next token is sampled, typically the last one of each sequence.
+        # The LM head is a step's biggest matmul (vocab_size rows): run it only on the S
+        # rows whose logits are wanted: the tokens whose next token is sampled (typically
+        # the last one of each sequence), and the prompt tokens scored for prompt_logprobs.
         if logits_indices is not None:
             x = x[logits_indices]                      # (S, C)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
@@ -1998,7 +2000,7 @@ class GPT2(nn.Module):
         x = self.wte(input_ids) + self.wpe(positions)  # (T, C): learned positions, no RoPE
         for block in self.h:
             x = block(x, attn)
-        if logits_indices is not None:                 # LM head on sampled tokens only
+        if logits_indices is not None:                 # LM head on the S rows wanted only (Llama's says which)
             x = x[logits_indices]                      # (S, C)
         head = self.wte if self.lm_head is None else self.lm_head
         return F.linear(self.ln_f(x), head.weight)     # (S, V)
@@ -2308,7 +2310,8 @@ def _checkpoint_name(name: str, where: dict) -> str | None:
 
 
 def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
-    """N(0, 0.02) like GPT-2's init; norm scales 1 so that activations stay in range."""
+    """N(0, 0.02) like GPT-2's init; norm weights 1 so that activations stay in range (a scale
+    of 1; of 2 in Gemma, whose norms scale by 1 + weight)."""
     gen = torch.Generator(device).manual_seed(0)
     return {name: torch.ones(shape, dtype=dtype, device=device)
             if len(shape) == 1 and name.endswith("weight")

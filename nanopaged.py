@@ -11,8 +11,8 @@ This file is the chapter on KV-cache management, top to bottom:
      (3c) and small helpers (3d)
   4. the command line
 
-The scheduler (who runs next) lives in scheduler.py, the model in model.py, the CUDA
-kernel in kernels.cu (built by build_ext.py).
+The scheduler (who runs next) lives in scheduler.py, the model in model.py, the kernels in
+kernels.cu (CUDA) and kernels_cpu.c (the CPU's decode rows), both built by build_ext.py.
 """
 
 from __future__ import annotations
@@ -641,7 +641,8 @@ class PagedAttention:
 @dataclass
 class Logprob:
     logprob: float             # natural log of the token's probability
-    rank: int                  # its place by probability, 1 the likeliest (ties count against it)
+    rank: int                  # 1 the likeliest: 1 + the tokens likelier or as likely (ties count
+                               # against it); for one of the top k, its place among them
     decoded_token: str | None  # None where the request asked for no text (detokenize=False)
 
 
@@ -1858,9 +1859,9 @@ def beam_history(history) -> list:
 
 def beam_rank(req: dict, hypothesis: tuple) -> float:
     """Where a beam search result (output ids, cumulative logprob, ..., finish reason) ranks,
-    lowest first. vLLM (and Hugging Face) rank by the score cumulative logprob / length **
-    length_penalty, highest first, where the length counts the prompt and the output but not
-    a final EOS. The score is <= 0 (so is the logprob), so ranking by log(-score) =
+    lowest first. vLLM ranks by the score cumulative logprob / length ** length_penalty,
+    highest first, where the length counts the prompt and the output but not a final EOS
+    (transformers' generate counts the output only, a final EOS included). The score is <= 0 (so is the logprob), so ranking by log(-score) =
     log(-cumulative logprob) - length_penalty * log(length), lowest first, is the same order,
     and neither overflows nor underflows (length ** 1000 would)."""
     ids, cum, _, reason = hypothesis
@@ -2077,7 +2078,7 @@ def _pick_cpu_kernel(backend: str, device, cfg, block_size: int, dtype: torch.dt
     """kernels_cpu.c's decode attention when it should serve the decode rows, else None."""
     if backend not in ("auto", "cpu") or device.type != "cpu":
         return None
-    kernel = build_ext.load_cpu_kernels()   # the first use on a machine compiles it (a second or two)
+    kernel = build_ext.load_cpu_kernels()   # the first use on a machine compiles it (a few seconds)
     reason = build_ext.cpu_unavailable_reason() if kernel is None else \
         kernel.unsupported(dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, block_size)
     if reason is None:
