@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import build_ext
 from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
 from model import ModelConfig, load_model, load_tokenizer, resolve_model_dir, tanh_softcap
-from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, hash_block, stop_token_set
+from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, hash_block, is_integer, stop_token_set
 
 # -----------------------------------------------------------------------------
 # 1. The paged KV cache
@@ -685,8 +685,9 @@ class BeamSearchSequence:
     logprobs: list[dict[int, Logprob]]   # per output token (a final EOS too): the candidates of
                                # its beam at that step, {token id: Logprob}, the chosen one first
     cum_logprob: float = 0.0   # the sum of the output tokens' log-probabilities (a final EOS's too)
-    text: str | None = None    # all the tokens decoded, prompt included, special tokens kept (vLLM's)
-    finish_reason: str | None = None   # "stop" (EOS), "length", "abort" or "error" (nanopaged's)
+    text: str | None = None    # all the tokens decoded, prompt included (special tokens: skip_special_tokens)
+    finish_reason: str | None = None   # "stop" (EOS), "length", "abort" or "error" (vLLM sets only
+                                       # "abort", and "length" at max_model_len; else None)
     stop_reason: int | str | None = None   # with "stop": the EOS id, the last of tokens (nanopaged's)
 
 
@@ -857,8 +858,7 @@ class LLM:
                  preemption_mode: str = "recompute", swap_space: float = 4, seed: int | None = 0,
                  **vllm_options):
         _check_vllm_options(vllm_options)
-        if seed is not None and not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
-                                     and 0 <= seed < 2**63):
+        if seed is not None and not (is_integer(seed) and 0 <= seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
         device = _parse_device(device)
         if dtype in (None, "auto"):   # (vLLM's "auto" reads the checkpoint's dtype; here: by device)
@@ -869,8 +869,7 @@ class LLM:
                  "max_model_len": max_model_len}
         for name, value in sizes.items():
             optional = name not in ("block_size", "max_num_seqs")
-            if (value is None and optional) or (isinstance(value, numbers.Integral)
-                                                and not isinstance(value, bool) and value >= 1):
+            if (value is None and optional) or (is_integer(value) and value >= 1):
                 continue
             raise ValueError(f"{name} must be an integer >= 1{' (or None for the default)' if optional else ''}, "
                              f"got {value!r}")
@@ -1430,10 +1429,11 @@ class LLM:
                 for target, (_, cum, cands) in zip([seq, *forked.get(seq, ())], picks):
                     beams[target] = (cum, (history, cands))   # (nothing copied: O(1) a step)
             if ended:
-                req["done"] = sorted(req["done"] + ended, key=lambda h: beam_rank(req, h))[:req["params"].n]
+                penalty = req["params"].beam.length_penalty
+                req["done"] = sorted(req["done"] + ended, key=lambda h: beam_rank(h, penalty))[:req["params"].n]
             # A dropped beam is never a result. Kept, they would pile up: up to beam_width a step,
             # each with all its tokens. (Beam 0 stays even dropped: it holds the request's prompt
-            # and start, which _request_output and beam_rank read.)
+            # and start, which _request_output reads.)
             req["seqs"] = [q for q in req["seqs"] if q.finish_reason != "dropped" or q.sample_index == 0]
 
     def _beam_results(self, req) -> list[CompletionOutput]:
@@ -1441,7 +1441,8 @@ class LLM:
         beams that ran to max_tokens (or were aborted, or failed)."""
         hypotheses = req["done"] + [(seq.output_token_ids, cum, history, seq.finish_reason)
                                     for seq, (cum, history) in req["beams"].items()]
-        best = sorted(hypotheses, key=lambda h: beam_rank(req, h))[:req["params"].n]
+        penalty = req["params"].beam.length_penalty
+        best = sorted(hypotheses, key=lambda h: beam_rank(h, penalty))[:req["params"].n]
         results = []
         for i, (ids, cum, history, reason) in enumerate(best):
             # each token's entry: its beam's candidates at that step, the chosen one first
@@ -1450,8 +1451,9 @@ class LLM:
                         for token, cands in zip(ids, beam_history(history))]
             # an EOS ends the text, unless include_stop_str_in_output; stop_reason as for samples
             eos = ids[-1] if reason == "stop" else None
-            text = self.tokenizer.decode(without_stop_token(ids, eos, req["params"].beam.include_stop_str_in_output),
-                                         skip_special_tokens=True, continuation=True)
+            beam = req["params"].beam
+            text = self.tokenizer.decode(without_stop_token(ids, eos, beam.include_stop_str_in_output),
+                                         skip_special_tokens=beam.skip_special_tokens, continuation=True)
             results.append(CompletionOutput(i, text, ids, reason, self._stop_reason(eos, False), logprobs, cum))
         return results
 
@@ -1591,38 +1593,39 @@ class LLM:
         draws its own, and is quiet by default). lora_request and priority: vLLM's, taken at
         what asks for nothing (None; priorities all 0, as vLLM's first-come-first-served
         scheduler takes them)."""
-        _check_lora(lora_request)
         prompts = self._parse_prompts(prompts)
-        if priority is not None and (not isinstance(priority, (list, tuple)) or any(p != 0 for p in priority)):
-            raise ValueError(f"priority={priority!r}: nanopaged's scheduler is first-come-first-served, "
-                             f"with no priorities (it takes None, or a 0 for each prompt)")
-        if priority is not None and len(priority) != len(prompts):   # (as vLLM refuses it)
-            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        _check_per_prompt(len(prompts), lora_request, priority)
         return self._generate(prompts, sampling_params, use_tqdm)
 
-    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None, priority=None) -> list[BeamSearchOutput]:
         """vLLM's beam search: for each prompt (as generate takes them), the params.beam_width
         best outputs, best first (see _beam_step). (generate and add_request take
-        BeamSearchParams too, and give RequestOutputs, their outputs the beams.) lora_request:
-        vLLM's, None."""
-        _check_lora(lora_request)
+        BeamSearchParams too, and give RequestOutputs, their outputs the beams.)
+        concurrency_limit: search at most that many prompts at once (None: all). lora_request
+        and priority: vLLM's, as generate takes them."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        results = self._generate(self._parse_prompts(prompts), params, use_tqdm, "beam_search()")
+        if concurrency_limit is not None and not (is_integer(concurrency_limit) and concurrency_limit >= 1):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
+        prompts = self._parse_prompts(prompts)
+        _check_per_prompt(len(prompts), lora_request, priority)
+        at_once = concurrency_limit or max(len(prompts), 1)
         outputs = []
-        for r in results:
-            sequences = []
-            for o in r.outputs:
-                # as vLLM's LLM.beam_search: a final EOS stays in the tokens and the text (which
-                # keeps special tokens), whatever include_stop_str_in_output says (vLLM's server
-                # reads it; its offline search, as generate here, its RequestOutput's text);
-                # finish_reason and stop_reason are nanopaged's (vLLM's stay None)
-                eos = o.token_ids[-1] if o.finish_reason == "stop" else None
-                tokens = r.prompt_token_ids + o.token_ids
-                sequences.append(BeamSearchSequence(tokens, o.logprobs, o.cumulative_logprob,
-                                                    self.tokenizer.decode(tokens), o.finish_reason, eos))
-            outputs.append(BeamSearchOutput(sequences))
+        for start in range(0, len(prompts), at_once):
+            for r in self._generate(prompts[start:start + at_once], params, use_tqdm, "beam_search()"):
+                sequences = []
+                for o in r.outputs:
+                    # as vLLM's LLM.beam_search: a final EOS stays in the tokens, and in the text
+                    # where skip_special_tokens=False or it is no special token, whatever
+                    # include_stop_str_in_output says (vLLM's server reads it; its offline search,
+                    # as generate here, its RequestOutput's text); stop_reason is nanopaged's
+                    eos = o.token_ids[-1] if o.finish_reason == "stop" else None
+                    tokens = r.prompt_token_ids + o.token_ids
+                    text = self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
+                    sequences.append(BeamSearchSequence(tokens, o.logprobs, o.cumulative_logprob, text,
+                                                        o.finish_reason, eos))
+                outputs.append(BeamSearchOutput(sequences))
         return outputs
 
     def _parse_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
@@ -1857,16 +1860,16 @@ def beam_history(history) -> list:
     return steps[::-1]
 
 
-def beam_rank(req: dict, hypothesis: tuple) -> float:
-    """Where a beam search result (output ids, cumulative logprob, ..., finish reason) ranks,
-    lowest first. vLLM ranks by the score cumulative logprob / length ** length_penalty,
-    highest first, where the length counts the prompt and the output but not a final EOS
-    (transformers' generate counts the output only, a final EOS included). The score is <= 0 (so is the logprob), so ranking by log(-score) =
+def beam_rank(hypothesis: tuple, length_penalty: float) -> float:
+    """Where a beam search result (output ids, cumulative logprob, ...) ranks, lowest first.
+    vLLM (0.33 on) and transformers rank by the score cumulative logprob / length **
+    length_penalty, highest first, where the length counts the output's tokens, a final EOS
+    included (at least 1: an aborted beam may have none). (vLLM before 0.33 counted the
+    prompt too, and not a final EOS.) The score is <= 0 (so is the logprob), so ranking by log(-score) =
     log(-cumulative logprob) - length_penalty * log(length), lowest first, is the same order,
     and neither overflows nor underflows (length ** 1000 would)."""
-    ids, cum, _, reason = hypothesis
-    length = req["seqs"][0].num_prompt_tokens + len(ids) - (reason == "stop")
-    return -math.inf if cum >= 0 else math.log(-cum) - req["params"].beam.length_penalty * math.log(length)
+    ids, cum = hypothesis[:2]
+    return -math.inf if cum >= 0 else math.log(-cum) - length_penalty * math.log(max(len(ids), 1))
 
 
 def without_stop_token(ids: list[int], stop_token: int | None, include_stop_str_in_output: bool) -> list[int]:
@@ -2104,6 +2107,18 @@ def _check_lora(lora_request):
         raise ValueError(f"lora_request={lora_request!r}: nanopaged has no LoRA adapters (it takes None)")
 
 
+def _check_per_prompt(num_prompts: int, lora_request, priority):
+    """vLLM's lora_request and priority: one for all the prompts, or a list of one each (a
+    list of another length refused, as vLLM does), taken where they ask for nothing."""
+    _check_lora(lora_request)
+    if priority is not None and any(p != 0 for p in (priority if isinstance(priority, (list, tuple)) else [priority])):
+        raise ValueError(f"priority={priority!r}: nanopaged's scheduler is first-come-first-served, "
+                         f"with no priorities (it takes None, or 0: one for all, or one for each prompt)")
+    for name, value in (("lora_request", lora_request), ("priority", priority)):
+        if isinstance(value, (list, tuple)) and len(value) != num_prompts:
+            raise ValueError(f"{name} has {len(value)} entries for {num_prompts} prompts")
+
+
 def _check_request_id(request_id):
     """A request id is a dict key: anything hashable that equals itself (a NaN equals
     nothing, itself included: its beams, matched to it by ==, never would be)."""
@@ -2120,8 +2135,7 @@ def _is_token_ids(x) -> bool:
     """A list or tuple of integer token ids (a 1-D numpy array or tensor too; no bools)."""
     if getattr(x, "ndim", None) == 1 and hasattr(x, "tolist"):
         x = x.tolist()
-    return isinstance(x, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                                for t in x)
+    return isinstance(x, (list, tuple)) and all(is_integer(t) for t in x)
 
 
 def _describe(x) -> str:

@@ -92,15 +92,15 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         # vLLM's spellings: seed -1 is no seed; logprobs=True (prompt_logprobs=True) is 1
-        if _integer(self.seed) and self.seed == -1:
+        if is_integer(self.seed) and self.seed == -1:
             self.seed = None
         self.logprobs = 1 if self.logprobs is True else self.logprobs
         self.prompt_logprobs = 1 if self.prompt_logprobs is True else self.prompt_logprobs
         checks = [
-            (_integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (is_integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (_finite_number(self.temperature) and self.temperature >= 0,
              f"temperature must be a finite number >= 0, got {self.temperature!r}"),
-            (_integer(self.top_k) and self.top_k >= -1,
+            (is_integer(self.top_k) and self.top_k >= -1,
              f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}"),
             (_finite_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be a number in (0, 1], got {self.top_p!r}"),
             (_finite_number(self.min_p) and 0 <= self.min_p <= 1,
@@ -110,9 +110,9 @@ class SamplingParams:
                                    and all(isinstance(s, str) and s for s in self.stop)),
              f"stop must be a non-empty string or a list of them, got {self.stop!r}"),
             (self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple, set))
-                                             and all(_integer(t) for t in self.stop_token_ids)),
+                                             and all(is_integer(t) for t in self.stop_token_ids)),
              f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"),
-            (self.seed is None or (_integer(self.seed) and 0 <= self.seed < 2**63),
+            (self.seed is None or (is_integer(self.seed) and 0 <= self.seed < 2**63),
              f"seed must be an integer in [0, 2**63), got {self.seed!r}"),
             *[(isinstance(x, bool), f"{name} must be True or False, got {x!r}")
               for name, x in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
@@ -124,25 +124,25 @@ class SamplingParams:
                               ("frequency_penalty", self.frequency_penalty))],
             (_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"),
-            (self.truncate_prompt_tokens is None or (_integer(self.truncate_prompt_tokens)
+            (self.truncate_prompt_tokens is None or (is_integer(self.truncate_prompt_tokens)
                                                      and (self.truncate_prompt_tokens >= 1
                                                           or self.truncate_prompt_tokens == -1)),
              f"truncate_prompt_tokens must be None, -1 (all that fit) or an integer >= 1, "
              f"got {self.truncate_prompt_tokens!r}"),
-            (_integer(self.min_tokens) and self.min_tokens >= 0
-             and (not _integer(self.max_tokens) or self.min_tokens <= self.max_tokens),   # (a bad max_tokens: its own message)
+            (is_integer(self.min_tokens) and self.min_tokens >= 0
+             and (not is_integer(self.max_tokens) or self.min_tokens <= self.max_tokens),   # (a bad max_tokens: its own message)
              f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens!r}], got {self.min_tokens!r}"),
-            *[(k is None or (_integer(k) and 0 <= k <= MAX_LOGPROBS),
+            *[(k is None or (is_integer(k) and 0 <= k <= MAX_LOGPROBS),
                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
               for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-                (_integer(t) or (isinstance(t, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", t)))
+                (is_integer(t) or (isinstance(t, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", t)))
                 and isinstance(b, numbers.Real) and not isinstance(b, bool) and b == b   # (NaN != NaN)
                 for t, b in self.logit_bias.items())),
              f"logit_bias must be a dict of token id -> bias (a number), got {self.logit_bias!r}"),
             (self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple, set))
                                                 and self.allowed_token_ids
-                                                and all(_integer(t) for t in self.allowed_token_ids)),
+                                                and all(is_integer(t) for t in self.allowed_token_ids)),
              f"allowed_token_ids must be a non-empty list of integers, got {self.allowed_token_ids!r}"),
             (self.bad_words is None or (isinstance(self.bad_words, (list, tuple))
                                         and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
@@ -172,12 +172,12 @@ class SamplingParams:
 
 # (numpy's integers and floats are welcome, being numbers.Integral and numbers.Real; a torch
 # tensor is not, even a 0-d one, and bools are not numbers here)
-def _integer(x) -> bool:
+def is_integer(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _max_tokens_check(max_tokens) -> tuple[bool, str]:
-    return (max_tokens is None or (_integer(max_tokens) and max_tokens >= 1),
+    return (max_tokens is None or (is_integer(max_tokens) and max_tokens >= 1),
             f"max_tokens must be None (up to the context) or an integer >= 1, got {max_tokens!r}")
 
 
@@ -201,23 +201,27 @@ class BeamSearchParams:
     """How LLM.beam_search searches (vLLM's names). Each step, every beam's 2 * beam_width
     likeliest next tokens are candidates, and the beam_width best of all candidates by
     cumulative log-probability live on; one that ends in EOS is put aside, finished. The
-    results are ranked by cumulative logprob / (prompt + output tokens, EOS not counted) **
-    length_penalty: above 1 favours longer outputs, below 1 shorter ones."""
+    results are ranked by cumulative logprob / (output tokens, a final EOS counted) **
+    length_penalty, as vLLM (0.33 on) and transformers rank them: the larger, the more it
+    favours longer outputs (0: by the cumulative logprob alone)."""
     beam_width: int
     max_tokens: int | None
     ignore_eos: bool = False
     temperature: float = 0.0            # (vLLM's; nanopaged ranks by the model's own logprobs: 0 only)
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False   # beam_search's results keep their final EOS
+    skip_special_tokens: bool = True    # in beam_search's text (vLLM 0.30 on; generate's leaves them out)
 
     def __post_init__(self):
         checks = [
-            (_integer(self.beam_width) and self.beam_width >= 1,
+            (is_integer(self.beam_width) and self.beam_width >= 1,
              f"beam_width must be an integer >= 1, got {self.beam_width!r}"),
             _max_tokens_check(self.max_tokens),
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
             (isinstance(self.include_stop_str_in_output, bool),
              f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}"),
+            (isinstance(self.skip_special_tokens, bool),
+             f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}"),
             (_finite_number(self.temperature) and self.temperature == 0,
              f"temperature must be 0: nanopaged's beam search ranks beams by the model's own "
              f"log-probabilities, got {self.temperature!r}"),

@@ -4163,8 +4163,8 @@ def reference_beam_search(model, prompt, width, max_tokens, eos, length_penalty=
     """vLLM's LLM.beam_search, redone with a dense forward pass over each beam's whole
     sequence, no cache: every beam's 2 * width likeliest next tokens are candidates, those
     that are EOS end, the width best of the others go on; the width best by cumulative
-    logprob / length ** length_penalty (the prompt counted, an ending EOS not) are returned,
-    as (output ids, cumulative logprob)."""
+    logprob / length ** length_penalty (the output's tokens, an ending EOS counted: vLLM 0.33's
+    and transformers' rule) are returned, as (output ids, cumulative logprob)."""
     beams, ended = [(list(prompt), 0.0)], []
     for _ in range(max_tokens):
         candidates = []
@@ -4174,9 +4174,8 @@ def reference_beam_search(model, prompt, width, max_tokens, eos, length_penalty=
             for token, lp in zip(top.indices.tolist(), top.values.tolist()):
                 (ended if token in eos else candidates).append((tokens + [token], cum + lp))
         beams = sorted(candidates, key=lambda b: -b[1])[:width]
-    results = [(t, c, True) for t, c in ended] + [(t, c, False) for t, c in beams]
-    results.sort(key=lambda r: -r[1] / (len(r[0]) - r[2]) ** length_penalty)
-    return [(tokens[len(prompt):], cum) for tokens, cum, _ in results[:width]]
+    results = sorted(ended + beams, key=lambda r: -r[1] / (len(r[0]) - len(prompt)) ** length_penalty)
+    return [(tokens[len(prompt):], cum) for tokens, cum in results[:width]]
 
 
 def beam_results(output):
@@ -4198,11 +4197,16 @@ def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm, mo
         want = reference_beam_search(llm.model, prompt, width, max_tokens, eos, penalty)
         wants.append(want)
         # vLLM's LLM.beam_search's shape: the prompt's tokens first, then the output's, a final
-        # EOS kept (and named as the stop_reason); all of them decoded, special tokens kept
+        # EOS kept (and named as the stop_reason); all of them decoded, special tokens left out
+        # (<|im_start|>, <|im_end|>), unless skip_special_tokens=False
         assert_same_beams([(s.tokens[len(prompt):], s.cum_logprob) for s in out.sequences], want)
-        for s in out.sequences:
+        kept = llm.beam_search([prompt], BeamSearchParams(width, max_tokens, length_penalty=penalty,
+                                                          skip_special_tokens=False))[0]
+        assert [s.tokens for s in kept.sequences] == [s.tokens for s in out.sequences]
+        for s, k in zip(out.sequences, kept.sequences):
             ended = s.tokens[-1] in eos
-            assert s.tokens[:len(prompt)] == prompt and s.text == tok.decode(s.tokens)
+            assert s.tokens[:len(prompt)] == prompt and s.text == tok.decode(s.tokens, skip_special_tokens=True)
+            assert k.text == tok.decode(s.tokens) and (k.text != s.text) == (prompt is chat or ended)
             assert (s.finish_reason, s.stop_reason) == (("stop", s.tokens[-1]) if ended else ("length", None))
             # each token's entry (the EOS's too): its beam's 2 * width candidates, the chosen one first
             output = s.tokens[len(prompt):]
@@ -4343,7 +4347,8 @@ def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
                             ({"max_tokens": 0}, "max_tokens must be None"),
                             ({"temperature": 0.7}, "temperature must be 0"),
                             ({"length_penalty": float("nan")}, "length_penalty must be a finite number"),
-                            ({"ignore_eos": 1}, "ignore_eos must be True or False")):
+                            ({"ignore_eos": 1}, "ignore_eos must be True or False"),
+                            ({"skip_special_tokens": None}, "skip_special_tokens must be True or False")):
         with pytest.raises(ValueError, match=message):
             BeamSearchParams(**({"beam_width": 2, "max_tokens": 4} | kwargs))
     with pytest.raises(ValueError, match="beam_width = 300 exceeds max_num_seqs = 256"):
@@ -4380,7 +4385,9 @@ def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
         return forward_poisoned
 
     monkeypatch.setattr(llm.model, "forward", poisoned(0, at_step=3))   # the third step: the first beam
-    out = llm.generate("Hi", BeamSearchParams(2, 6, ignore_eos=True))[0]
+    # (ranked by cumulative logprob alone, the failed beam, the best at its last step, ranks first:
+    # the other beams' tokens after that only add to what they had, which was less)
+    out = llm.generate("Hi", BeamSearchParams(2, 6, ignore_eos=True, length_penalty=0))[0]
     monkeypatch.undo()
     reasons = [c.finish_reason for c in out.outputs]
     assert sorted(reasons) == ["error", "length"]
@@ -4397,8 +4404,7 @@ def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
     prompt = llm.tokenizer.encode("The capital of France is")
     for penalty in (1000.0, -1000.0):
         out = llm.beam_search(prompt, BeamSearchParams(3, 8, length_penalty=penalty))[0]
-        rank = [math.log(-s.cum_logprob) - penalty * math.log(len(s.tokens) - (s.finish_reason == "stop"))
-                for s in out.sequences]
+        rank = [math.log(-s.cum_logprob) - penalty * math.log(len(s.tokens) - len(prompt)) for s in out.sequences]
         assert len(out.sequences) == 3 and rank == sorted(rank)
         assert_nothing_leaked(llm)
 
@@ -7015,6 +7021,25 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
     assert llm.beam_search(["ab"], BeamSearchParams(2, 2), None, False)[0].sequences
     with pytest.raises(ValueError, match="no LoRA adapters"):
         llm.beam_search(["ab"], BeamSearchParams(2, 2), "adapter")
+    # one for all the prompts, or one each (vLLM's rule; a list of another length refused)
+    assert len(llm.generate(["ab", "cd"], params, priority=0)) == 2
+    assert len(llm.beam_search(["ab", "cd"], BeamSearchParams(2, 2), [None, None], priority=[0, 0])) == 2
+    for call in (lambda: llm.generate(["ab"], params, lora_request=[None, None, None]),
+                 lambda: llm.beam_search(["ab"], BeamSearchParams(2, 2), [None, None])):
+        with pytest.raises(ValueError, match="lora_request has [23] entries for 1 prompts"):
+            call()
+    with pytest.raises(ValueError, match="priority=1: nanopaged's scheduler is first-come-first-served"):
+        llm.beam_search(["ab"], BeamSearchParams(2, 2), priority=1)
+    # concurrency_limit: the prompts searched a few at a time, the same results in the same order
+    prompts, batches, generate = ["ab", "cd", "ef"], [], llm._generate
+    all_at_once = llm.beam_search(prompts, BeamSearchParams(2, 3))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llm, "_generate", lambda ps, *args: batches.append(len(ps)) or generate(ps, *args))
+        assert llm.beam_search(prompts, BeamSearchParams(2, 3), concurrency_limit=2) == all_at_once
+    assert batches == [2, 1]
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"concurrency_limit must be None or an integer >= 1, got {bad}"):
+            llm.beam_search(prompts, BeamSearchParams(2, 3), concurrency_limit=bad)
     assert_nothing_leaked(llm)
 
 
@@ -7156,15 +7181,16 @@ def test_a_request_aborted_before_it_forked_reports_all_n_samples(llm):
     assert_nothing_leaked(llm)
 
 
-def test_beam_rank_leaves_a_final_eos_out_of_the_length():
-    """vLLM's beam score, cumulative logprob / length ** length_penalty, counts the prompt and
-    the output but not a final EOS: with a 3-token prompt, a beam that ended in EOS after 2
-    tokens (-3.0 over 5) ranks below one that ran 3 tokens (-3.1 over 6). Catches: the EOS
-    counted in the length (-3.0 over 6 would rank first)."""
-    req = {"seqs": [SimpleNamespace(num_prompt_tokens=3)], "params": SimpleNamespace(beam=BeamSearchParams(2, 3))}
-    ended, ran = ([5, 6, 0], -3.0, None, "stop"), ([5, 6, 7], -3.1, None, "length")
-    assert nanopaged_module.beam_rank(req, ended) == pytest.approx(math.log(3.0) - math.log(5))
-    assert sorted([ended, ran], key=lambda h: nanopaged_module.beam_rank(req, h)) == [ran, ended]
+def test_beam_rank_counts_the_output_and_its_final_eos():
+    """vLLM's beam score since 0.33 (and transformers'), cumulative logprob / length **
+    length_penalty, counts the output's tokens, a final EOS included: a beam that ended in EOS
+    after 2 tokens (-3.0 over 3) ranks above one that ran 3 tokens (-3.1 over 3); one with no
+    token (aborted at once) counts 1. Catches: vLLM's old rule (a 3-token prompt counted, the
+    EOS not: -3.0 over 5 ranks below -3.1 over 6), or a log(0)."""
+    ended, ran, none = ([5, 6, 0], -3.0, None, "stop"), ([5, 6, 7], -3.1, None, "length"), ([], -0.5, None, "abort")
+    assert nanopaged_module.beam_rank(ended, 1.0) == pytest.approx(math.log(3.0) - math.log(3))
+    assert nanopaged_module.beam_rank(none, 2.0) == pytest.approx(math.log(0.5))
+    assert sorted([ran, ended], key=lambda h: nanopaged_module.beam_rank(h, 1.0)) == [ended, ran]
 
 
 def test_a_beam_search_with_ignore_eos_never_ends_a_beam_at_eos(llm):
