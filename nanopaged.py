@@ -1808,6 +1808,8 @@ class LLM:
         """Narrate every step: the chapter's figures, live. The lines are collected during
         the step and written at its end by _flush_trace (also when it raises), so that an
         emitter that fails (a closed pipe) cannot stop the bookkeeping halfway."""
+        if not callable(emit):   # (else the TypeError would come at every step's end)
+            raise ValueError(f"emit must be a function that takes a line, got {_describe(emit)}")
         lines = self._trace = []
         self._emit = emit
         self.pool.trace = lambda msg: lines.append("  " + msg)   # pool and scheduler events, in order
@@ -1991,7 +1993,8 @@ def logprob_dicts(logits, targets: list[int], ks: list[int], tokenizer, decode: 
     lp = torch.log_softmax(logits.float(), dim=-1)                       # (M, V)
     target_lp = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])   # (M, 1)
     ranks = (lp >= target_lp).sum(dim=-1).tolist()                       # (M,) ties count against it
-    top_lp, top_ids = lp.topk(max(ks), dim=-1)                           # (M, max k), most likely first
+    # (a k past a tiny vocabulary, up to 20 allowed, is all of it: topk would raise)
+    top_lp, top_ids = lp.topk(min(max(ks), lp.shape[-1]), dim=-1)        # (M, max k), most likely first
     result = []
     for target, t_lp, rank, k, row_lp, row_ids, text in zip(targets, target_lp[:, 0].tolist(), ranks, ks,
                                                             top_lp.tolist(), top_ids.tolist(), decode):

@@ -7817,6 +7817,27 @@ def test_generate_failing_after_a_step_finished_its_request_raises_that_error_an
     finally:
         llm.disable_trace()
     assert_nothing_leaked(llm)
+    # an emitter that is no function is refused at once (it was a TypeError at every step's end)
+    for emit in (None, 5, "stderr"):
+        with pytest.raises(ValueError, match="emit must be a function that takes a line, got"):
+            llm.enable_trace(emit)
+    assert llm._trace is None and llm.generate("Hello there", greedy(2))[0].outputs[0].token_ids
+
+
+def test_logprobs_past_a_tiny_vocabulary_are_all_of_it(tmp_path):
+    """logprobs and prompt_logprobs may ask for up to 20, more than a 10-token vocabulary has:
+    each entry is then every token, ranked. Catches: topk past the vocabulary raising inside
+    the step (generate lost its batch; add_request's engine retried the failing step forever)."""
+    llm = LLM(tiny_llama_dir(tmp_path, vocab_size=10), load_format="dummy", num_blocks=32)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=20, prompt_logprobs=20))[0]
+    entries = out.prompt_logprobs[1:] + out.outputs[0].logprobs
+    assert len(entries) == 4 and all(sorted(d) == list(range(10)) for d in entries)
+    for d in entries:   # the likeliest first, ranks 1 to 10
+        ranked = sorted(d.values(), key=lambda e: e.rank)
+        assert [e.rank for e in ranked] == list(range(1, 11))
+        assert [e.logprob for e in ranked] == sorted((e.logprob for e in ranked), reverse=True)
+        assert math.fsum(math.exp(e.logprob) for e in ranked) == pytest.approx(1.0, abs=1e-5)
+    assert_nothing_leaked(llm)
 
 
 def test_an_aborted_stream_ends_with_the_character_it_had_cut_short(tmp_path):
