@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -1032,20 +1032,17 @@ class LLM:
         advised = params is None
         params = self._default_params if advised else params
         if isinstance(params, BeamSearchParams):   # a beam search: its beams are the request's sequences
-            beam = copy.deepcopy(params)
-            beam.__post_init__()
+            beam = request_copy(params)
             if beam.beam_width > self.scheduler.max_num_seqs:
                 raise ValueError(f"beam_width = {beam.beam_width} exceeds max_num_seqs = {self.scheduler.max_num_seqs}")
             params = SamplingParams(n=beam.beam_width, temperature=0.0, max_tokens=beam.max_tokens,
                                     ignore_eos=beam.ignore_eos)
             params.beam = beam
-        if not isinstance(params, SamplingParams):
+        elif isinstance(params, SamplingParams):
+            params = request_copy(params)
+        else:
             raise ValueError(f"sampling params must be a SamplingParams (or BeamSearchParams), "
                              f"got {type(params).__name__}")
-        # The request's own copy, checked again: the caller may change its object after this
-        # (or did since making it), and may reuse it for the next request (vLLM copies too).
-        params = copy.deepcopy(params)
-        params.__post_init__()
         if params.truncate_prompt_tokens is not None:   # (left truncation: the end of a prompt matters most)
             keep = params.truncate_prompt_tokens
             ids = ids[-(max(self.max_model_len - (params.max_tokens or 1), 1) if keep == -1 else keep):]
@@ -2101,6 +2098,23 @@ def render_chat(tokenizer, conversation, /, **options) -> tuple[str, list[int]]:
     no special tokens added, as HF and vLLM encode it)."""
     text = tokenizer.apply_chat_template(conversation, **options)
     return text, tokenizer.encode_chat(text)
+
+
+def request_copy(params: SamplingParams | BeamSearchParams) -> SamplingParams | BeamSearchParams:
+    """A request's own copy of its params, checked again: the caller may change its object
+    after this (or did since making it), and may reuse it for the next request (vLLM copies
+    too). Made anew from the constructor's fields, so that what the engine fills in
+    (disallowed_mask, bad_words_token_ids, beam) never comes from the caller's object."""
+    values = {}
+    for f in fields(params):
+        if f.init:
+            value = getattr(params, f.name)
+            try:
+                values[f.name] = copy.deepcopy(value)
+            except Exception as e:   # (a generator, a lock: deepcopy's TypeError, from deep inside copy)
+                raise ValueError(f"{f.name} = {reprlib.repr(value)} cannot be copied into the request "
+                                 f"({type(e).__name__}: {e})") from None
+    return type(params)(**values)
 
 
 def _check_lora(lora_request):

@@ -7824,6 +7824,30 @@ def test_generate_failing_after_a_step_finished_its_request_raises_that_error_an
     assert llm._trace is None and llm.generate("Hello there", greedy(2))[0].outputs[0].token_ids
 
 
+def test_params_edited_after_construction_make_a_request_of_their_own(tmp_path):
+    """The request's copy of its params is made anew from the constructor's fields: a value
+    that cannot be copied is refused naming its field, and what the engine fills in
+    (disallowed_mask, beam) is never taken from the caller's object. Catches: deepcopy's
+    TypeError from inside copy.py; an edited disallowed_mask (a RuntimeError in the step) or
+    beam (an AttributeError in the ranking) reaching the step."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=32)
+    want = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
+    for name, value in (("stop_token_ids", (i for i in range(3))), ("seed", threading.Lock())):
+        params = SamplingParams(max_tokens=3)
+        setattr(params, name, value)
+        with pytest.raises(ValueError, match=f"prompt 0: {name} = .* cannot be copied into the request"):
+            llm.generate([[1, 2, 3]], params)
+    beam = BeamSearchParams(2, 3)
+    beam.length_penalty = (i for i in range(2))
+    with pytest.raises(ValueError, match="prompt 0: length_penalty = .* cannot be copied"):
+        llm.beam_search([[1, 2, 3]], beam)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    params.disallowed_mask, params.beam = torch.ones(3, dtype=torch.bool), BeamSearchParams(2, 3)
+    out = llm.generate([[1, 2, 3]], params)[0].outputs
+    assert [c.token_ids for c in out] == [want] and params.disallowed_mask.shape == (3,)   # (the caller's, untouched)
+    assert_nothing_leaked(llm)
+
+
 def test_logprobs_past_a_tiny_vocabulary_are_all_of_it(tmp_path):
     """logprobs and prompt_logprobs may ask for up to 20, more than a 10-token vocabulary has:
     each entry is then every token, ranked. Catches: topk past the vocabulary raising inside
