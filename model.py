@@ -2057,6 +2057,9 @@ def _kind(path: Path) -> int | None:
         return None
     except OSError as e:
         raise ModelError(f"{e.filename or path}: cannot be read ({e.strerror})") from None
+    except UnicodeEncodeError as e:   # (a lone surrogate: no file system name encodes it)
+        raise ModelError(f"{str(path)!r} is no path: {e.object[e.start:e.end]!r} cannot be "
+                         f"encoded as a file name ({e.encoding})") from None
     except ValueError:   # (os.stat's "embedded null byte")
         raise ModelError(f"{str(path)!r} is no path: it holds a NUL character") from None
 

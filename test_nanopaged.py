@@ -1145,6 +1145,10 @@ def test_paths_that_cannot_be_looked_at_are_named(tmp_path):
     for model in (path, tmp_path / "a\0b"):
         with pytest.raises(ModelError, match=r"'.*\\x00.*' is no path: it holds a NUL character$"):
             load_model(model)
+    # a lone surrogate (a name Python decoded with errors="surrogatepass", say): no file name
+    # encodes it (UnicodeEncodeError, a ValueError: was called a NUL character)
+    with pytest.raises(ModelError, match=r"is no path: '\\ud800' cannot be encoded as a file name \(utf-8\)$"):
+        load_model(tmp_path / "a\ud800b")
     with pytest.raises(ModelError, match="^~nanopaged-no-such-user/m: not found "
                                          r"\(~nanopaged-no-such-user is no user's home directory\)$"):
         load_model("~nanopaged-no-such-user/m")
