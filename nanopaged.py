@@ -1007,25 +1007,30 @@ class LLM:
         return self._add(text, ids, params, request_id)
 
     def _parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """A prompt's text (None if given as ids) and token ids."""
+        """A prompt's text (None if given as ids alone) and token ids."""
+        text = None
         if isinstance(prompt, dict):   # vLLM's TextPrompt and TokensPrompt
-            if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & prompt.keys():
-                # (vLLM's other keys: what they would ask of nanopaged)
+            # (vLLM's other keys, at None, ask for nothing; at a value, for what nanopaged lacks)
+            asked = {k: v for k, v in prompt.items() if v is not None or k in ("prompt", "prompt_token_ids")}
+            if not {"prompt", "prompt_token_ids"} & asked.keys() or asked.keys() - {"prompt", "prompt_token_ids"}:
                 why = {"multi_modal_data": "no multimodal inputs", "mm_processor_kwargs": "no multimodal inputs",
                        "cache_salt": "one prefix cache shared by all requests, unsalted"}
-                lacks = sorted({why[k] for k in prompt if k in why})
-                raise ValueError('a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", got keys '
-                                 f"{sorted(map(str, prompt))}" + (f" (nanopaged has {'; '.join(lacks)})" if lacks else ""))
-            (key, prompt), = prompt.items()
-            if not (isinstance(prompt, str) if key == "prompt" else _is_token_ids(prompt)):
-                raise ValueError(f"{key} must be {'a string' if key == 'prompt' else 'a list of token ids'}, "
-                                 f"got {_describe(prompt)}")
+                lacks = sorted({why[k] for k in asked if k in why})
+                raise ValueError('a prompt dict holds "prompt" (text), "prompt_token_ids", or both (the ids '
+                                 f"run, the text is the output's prompt), got keys {sorted(map(str, asked))}"
+                                 + (f" (nanopaged has {'; '.join(lacks)})" if lacks else ""))
+            for key, value in asked.items():
+                if not (isinstance(value, str) if key == "prompt" else _is_token_ids(value)):
+                    raise ValueError(f"{key} must be {'a string' if key == 'prompt' else 'a list of token ids'}, "
+                                     f"got {_describe(value)}")
+            # (a TokensPrompt's ids run; its text, if any, is not tokenized)
+            text, prompt = asked.get("prompt"), asked.get("prompt_token_ids", asked.get("prompt"))
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
         if _is_token_ids(prompt):
-            return None, [int(t) for t in prompt]   # numpy and torch integers become ints
+            return text, [int(t) for t in prompt]   # numpy and torch integers become ints
         raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
 
     def _add(self, text: str | None, ids: list[int], params: SamplingParams | None, request_id=None):

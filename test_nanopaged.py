@@ -4762,17 +4762,23 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
         assert llm.chat("Hi", greedy(2), chat_template=greeting, chat_template_kwargs={"greeting": "Oh"})[0].prompt == "Oh, Hi"
     finally:
         tok.chat_template = template
-    # vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}
+    # vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}, the ids with their
+    # text (which is not tokenized: the output's prompt), other keys at None (asking nothing)
     text = "The capital of France is"
-    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": tok.encode(text)}, text], greedy(4))
-    assert outs[0].prompt == text and outs[1].prompt is None
-    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
-    for bad, message in (({"prompt": text, "multi_modal_data": {}}, "prompt 1: a prompt dict holds one key.*"
+    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": tok.encode(text)}, text,
+                         {"prompt_token_ids": tok.encode(text), "prompt": "what ran"},
+                         {"prompt": text, "multi_modal_data": None, "cache_salt": None}], greedy(4))
+    assert [o.prompt for o in outs] == [text, None, text, "what ran", text]
+    assert all(o.prompt_token_ids == tok.encode(text) for o in outs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    for bad, message in (({"prompt": text, "multi_modal_data": {}}, 'prompt 1: a prompt dict holds "prompt" .*'
                                                                      r"\(nanopaged has no multimodal inputs\)"),
                          # (vLLM's cache_salt was said to be a multimodal input)
                          ({"prompt": text, "cache_salt": "a"}, r"\(nanopaged has one prefix cache shared by all "
                                                                r"requests, unsalted\)$"),
-                         ({"prompt": text, "prompt_token_ids": ids}, "got keys \\['prompt', 'prompt_token_ids'\\]$"),
+                         ({"cache_salt": None}, "got keys \\[\\]$"),
+                         ({"prompt": None}, 'prompt 1: prompt must be a string, got NoneType'),
+                         ({"prompt_token_ids": ids, "prompt": 5}, 'prompt 1: prompt must be a string'),
                          ({"prompt": ids}, 'prompt 1: prompt must be a string'),
                          ({"prompt_token_ids": text}, "prompt 1: prompt_token_ids must be a list of token ids")):
         with pytest.raises(ValueError, match=message):
