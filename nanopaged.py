@@ -2255,6 +2255,14 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
     answer ended in: only full blocks are cached): --stats shows the hit rate. Typed, a Ctrl-C
     during an answer stops it; at the prompt, it ends the chat."""
     conversation, refused = list(system), 0
+    # A setting that leaves no room for any turn (--max-tokens past the context, a pool too small)
+    # is said once, before the first turn is read, rather than at every turn: a one-word turn's
+    # request, made and closed unrun (stream() checks a request as it queues it)
+    word = conversation + [{"role": "user", "content": "Hi"}]
+    try:
+        llm.stream(llm.tokenizer.encode_chat(llm.tokenizer.apply_chat_template(word)), params).close()
+    except ValueError as e:
+        raise ValueError(f"--chat has no room for even a one-word turn: {e}") from None
     # bytes that are no UTF-8 (a Latin-1 file piped in) read as U+FFFD, as a --prompt's do, and
     # as in the C locale: a UTF-8 locale's stdin would raise UnicodeDecodeError, ending the chat
     if hasattr(sys.stdin, "reconfigure"):   # (a TextIOWrapper)

@@ -5651,6 +5651,13 @@ def test_cli_chat_keeps_the_conversation_and_its_blocks(capsys, smollm2_dir, llm
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--chat", "--max-tokens", str(room))
     assert code == 2 and out == f"{a1}\n{a1}\n"   # (answered the rest; status 2 tells a script one was not)
     assert err.count("nanopaged: error: prompt (") == 1 and err.strip().endswith("the conversation starts over")
+    # a setting that leaves no turn room, said once before any turn is read (was an error per turn)
+    for argv in (["--max-tokens", str(llm.max_model_len)], ["--num-blocks", "1"]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(f"{q1}\n{q2}\n"))
+        code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--chat", *argv)
+        assert code == 2 and not out and err.count("\n") == 1
+        assert err.startswith("nanopaged: error: --chat has no room for even a one-word turn: prompt")
+        assert sys.stdin.read() == f"{q1}\n{q2}\n"   # (no turn was read)
     for argv in (["--prompt", "Hi"], ["--n", "2"], ["--raw"], ["--trace"], ["--logprobs", "1"]):
         code, out, err = run_cli(capsys, "--chat", *argv)
         assert code == 2 and "--chat reads its turns from stdin" in err and not out
@@ -5671,7 +5678,8 @@ def test_cli_chat_stdin_closed_unreadable_or_not_utf8(tmp_path, capsys, monkeypa
     assert code == 2 and not out and err == "nanopaged: error: --chat reads its turns from stdin, which is closed\n"
     with open(tmp_path / "written", "w") as write_only:   # (a stdin opened for writing: reads fail, EBADF)
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.FileIO(write_only.fileno(), "r", closefd=False)))
-        code, out, err = run_cli(capsys, "--model", str(path), "--chat")
+        # (--max-tokens under the tiny model's 128 positions: else there is room for no turn)
+        code, out, err = run_cli(capsys, "--model", str(path), "--chat", "--max-tokens", "8")
     assert code == 2 and not out and err == ("nanopaged: error: --chat cannot read its turns from stdin: "
                                              "Bad file descriptor\n")
     prompts = []
@@ -5732,12 +5740,13 @@ def test_cli_chat_ctrl_c_stops_the_answer_not_the_conversation(tmp_path, capsys,
         code, out, err = run_cli(capsys, "--model", str(path), "--chat", "--max-tokens", "4", "--ignore-eos", "--stats")
         assert code == code_expected
         if code == 130:   # piped: it ends, as before
-            assert len(prompts) == 1 and err.endswith("nanopaged: interrupted\n")
+            assert len(prompts) == 2 and err.endswith("nanopaged: interrupted\n")
             continue
         first, second = out.removeprefix("> ").split("\n> ")[:2]
-        assert len(prompts) == 2 and prompts[0] == "[user]Hi" and first
+        # (the first prompt: chat_loop's check that a one-word turn has room, made and closed unrun)
+        assert len(prompts) == 3 and prompts[:2] == ["[user]Hi", "[user]Hi"] and first
         assert err.count("time to first token") == 1   # the second answer's stats: the first was never reported
-        assert prompts[1] == f"[user]Hi[assistant]{first}[user]Go on" and len(second) > 0
+        assert prompts[2] == f"[user]Hi[assistant]{first}[user]Go on" and len(second) > 0
         assert_nothing_leaked(engines[-1])
 
 
