@@ -1318,27 +1318,28 @@ class LLM:
         for those that score their prompt, from one batched log_softmax. Also {seq: NOT_FINITE}
         for those whose prompt rows are broken (NaN or inf): they fail, as a broken sampled row does.
         logits: (S + R, vocab), the S rows of due, then the R prompt rows; finite: per row."""
-        rows, targets, ks, decode = [], [], [], []
+        rows, targets, ks, contexts = [], [], [], []
         for row, seq in enumerate(due):
             if seq in sampled and seq.params.logprobs is not None:
                 rows += [row] * len(sampled[seq])
                 targets += sampled[seq]
                 ks += [seq.params.logprobs] * len(sampled[seq])
-                decode += [seq.params.detokenize] * len(sampled[seq])
+                contexts += [seq.token_ids[-4:] if seq.params.detokenize else None] * len(sampled[seq])
         scored, broken, r = [], {}, len(due)   # r: the next prompt row
         for seq, first, count in prompt_rows:
             if all(finite[r:r + count]):
                 rows += range(r, r + count)
                 targets += seq.token_ids[first:first + count]
                 ks += [seq.params.prompt_logprobs] * count
-                decode += [seq.params.detokenize] * count
+                contexts += [seq.token_ids[max(p - 4, 0):p] if seq.params.detokenize else None
+                             for p in range(first, first + count)]
                 scored.append((seq, first, count))
             else:
                 broken[seq] = NOT_FINITE
             r += count
         if not rows:
             return {}, [], broken
-        entries = iter(logprob_dicts(logits[rows], targets, ks, self.tokenizer, decode))
+        entries = iter(logprob_dicts(logits[rows], targets, ks, self.tokenizer, contexts))
         token_logprobs = {seq: [next(entries) for _ in sampled[seq]] for seq in due
                           if seq in sampled and seq.params.logprobs is not None}
         prompt_logprobs = [(seq, first, [next(entries) for _ in range(count)]) for seq, first, count in scored]
@@ -1446,11 +1447,12 @@ class LLM:
         penalty = req["params"].beam.length_penalty
         best = sorted(hypotheses, key=lambda h: beam_rank(h, penalty))[:req["params"].n]
         results = []
+        prompt = req["seqs"][0].prompt_token_ids[-4:]   # (the context decoded_token looks back on)
         for i, (ids, cum, history, reason) in enumerate(best):
             # each token's entry: its beam's candidates at that step, the chosen one first
-            logprobs = [{t: Logprob(lp, rank, self.tokenizer.decode([t]))
+            logprobs = [{t: Logprob(lp, rank, decoded_token(self.tokenizer, t, (prompt + ids[:j])[-4:]))
                          for rank, (t, lp) in sorted(enumerate(cands, 1), key=lambda c: c[1][0] != token)}
-                        for token, cands in zip(ids, beam_history(history))]
+                        for j, (token, cands) in enumerate(zip(ids, beam_history(history)))]
             # an EOS ends the text, unless include_stop_str_in_output; stop_reason as for samples
             eos = ids[-1] if reason == "stop" else None
             beam = req["params"].beam
@@ -1987,25 +1989,52 @@ def sampling_probs(logits, p: SamplingParams):
     return probs.to(logits.dtype)
 
 
-def logprob_dicts(logits, targets: list[int], ks: list[int], tokenizer, decode: list[bool]) -> list[dict[int, Logprob]]:
+def logprob_dicts(logits, targets: list[int], ks: list[int], tokenizer,
+                  contexts: list[list[int] | None]) -> list[dict[int, Logprob]]:
     """For each row of logits (M, V): {token id: Logprob} of its target token, then of its k
     most likely tokens. These are the model's own probabilities, before the penalties, the
-    constraints, temperature, top-k, min-p and top-p (vLLM's default), in float32. decode: per
-    row, whether its tokens' text is wanted (decoded_token; else None: detokenize=False)."""
+    constraints, temperature, top-k, min-p and top-p (vLLM's default), in float32. contexts:
+    per row, the sequence's last few tokens before its position, for decoded_token; None where
+    no text is wanted (detokenize=False: decoded_token None)."""
     lp = torch.log_softmax(logits.float(), dim=-1)                       # (M, V)
     target_lp = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])   # (M, 1)
     ranks = (lp >= target_lp).sum(dim=-1).tolist()                       # (M,) ties count against it
     # (a k past a tiny vocabulary, up to 20 allowed, is all of it: topk would raise)
     top_lp, top_ids = lp.topk(min(max(ks), lp.shape[-1]), dim=-1)        # (M, max k), most likely first
     result = []
-    for target, t_lp, rank, k, row_lp, row_ids, text in zip(targets, target_lp[:, 0].tolist(), ranks, ks,
-                                                            top_lp.tolist(), top_ids.tolist(), decode):
-        d = {target: Logprob(t_lp, rank, tokenizer.decode([target]) if text else None)}
+    for target, t_lp, rank, k, row_lp, row_ids, context in zip(targets, target_lp[:, 0].tolist(), ranks, ks,
+                                                               top_lp.tolist(), top_ids.tolist(), contexts):
+        text = (lambda t: None) if context is None else (lambda t: decoded_token(tokenizer, t, context))
+        d = {target: Logprob(t_lp, rank, text(target))}
         for r, (x, t) in enumerate(zip(row_lp[:k], row_ids[:k]), start=1):
             # (the target among them keeps its place, first)
-            d[t] = Logprob(x, r, tokenizer.decode([t]) if text else None)
+            d[t] = Logprob(x, r, text(t))
         result.append(d)
     return result
+
+
+def decoded_token(tokenizer, token: int, context: list[int]) -> str:
+    """A logprob entry's text, as vLLM's (0.26 and 0.14 on): the token decoded alone, a
+    SentencePiece token's leading space kept (it is a real one, as in an output's text). Where
+    that ends in U+FFFD, the token holds bytes of a UTF-8 character cut between tokens (byte
+    fallback, byte-level BPE): with up to 4 of the sequence's tokens before it (`context`),
+    its text is the character it completes, less what the tokens before it show by
+    themselves; or "" if it completes none."""
+    text = tokenizer.decode([token], continuation=True)
+    if not text.endswith("\ufffd"):
+        return text
+    for n in range(1, min(len(context), 4) + 1):   # (a UTF-8 character is at most 4 bytes)
+        before = context[-n:]
+        whole = tokenizer.decode(before + [token], continuation=True)
+        if whole.endswith("\ufffd"):
+            continue   # (still cut short: try one more token before it)
+        # the tokens before it that are bytes of the same character show nothing by themselves
+        clean = len(before)
+        while clean and tokenizer.decode([before[clean - 1]], continuation=True).endswith("\ufffd"):
+            clean -= 1
+        shown = tokenizer.decode(before[:clean], continuation=True)
+        return whole[len(os.path.commonprefix([shown, whole])):]
+    return ""
 
 
 def logprob_table(c: CompletionOutput, k: int) -> str:

@@ -4476,6 +4476,30 @@ def check_logprobs(entries, targets, dense_lp, k, tok):
         assert d[target].decoded_token == tok.decode([target])
 
 
+def test_decoded_tokens_add_up_to_the_text(llm):
+    """vLLM's decoded_token (0.14 and 0.26 on): a byte of a UTF-8 character cut between tokens
+    shows "" until the token that completes it shows the character, and a SentencePiece token
+    keeps its leading space; so the entries' texts add up to the text. Catches: a U+FFFD for
+    each cut byte, "T" for SentencePiece's "▁T" (its text reads " T"), and in the engine a
+    context that is not the tokens before the entry's position."""
+    text = "I love 🍕 and 日本, tell me the €"
+    for tok in (llm.get_tokenizer(), load_tokenizer(TESTDATA / "llama2_tokenizer")):   # byte-level BPE, byte fallback
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = [nanopaged_module.decoded_token(tok, t, ids[max(i - 4, 0):i]) for i, t in enumerate(ids)]
+        assert "".join(pieces) == tok.decode(ids, continuation=True) and "" in pieces
+        assert "\ufffd" not in "".join(pieces) and "\ufffd" in "".join(tok.decode([t]) for t in ids)
+    sp = load_tokenizer(TESTDATA / "llama2_tokenizer")
+    assert nanopaged_module.decoded_token(sp, sp.encode("the", add_special_tokens=False)[0], []) == " the"
+    # in the engine: the prompt's entries (after the first, None) and the output's
+    tok = llm.get_tokenizer()
+    ids = tok.encode(text)
+    out = llm.generate(ids, greedy(6, prompt_logprobs=0, logprobs=0,
+                                   allowed_token_ids=tok.encode(" 🍕🍕", add_special_tokens=False)))[0]
+    assert "".join(d[t].decoded_token for t, d in zip(ids[1:], out.prompt_logprobs[1:])) == tok.decode(ids)[len(tok.decode(ids[:1])):]
+    c = out.outputs[0]
+    assert "".join(d[t].decoded_token for t, d in zip(c.token_ids, c.logprobs)) == c.text and "🍕" in c.text
+
+
 def test_logprob_ranks_with_ties_as_vllm():
     class Names:   # a tokenizer whose tokens are their ids in brackets
         def decode(self, ids):
