@@ -1444,8 +1444,8 @@ class LLM:
         beams that ran to max_tokens (or were aborted, or failed)."""
         hypotheses = req["done"] + [(seq.output_token_ids, cum, history, seq.finish_reason)
                                     for seq, (cum, history) in req["beams"].items()]
-        penalty = req["params"].beam.length_penalty
-        best = sorted(hypotheses, key=lambda h: beam_rank(h, penalty))[:req["params"].n]
+        beam = req["params"].beam
+        best = sorted(hypotheses, key=lambda h: beam_rank(h, beam.length_penalty))[:req["params"].n]
         results = []
         prompt = req["seqs"][0].prompt_token_ids[-4:]   # (the context decoded_token looks back on)
         for i, (ids, cum, history, reason) in enumerate(best):
@@ -1455,7 +1455,6 @@ class LLM:
                         for j, (token, cands) in enumerate(zip(ids, beam_history(history)))]
             # an EOS ends the text, unless include_stop_str_in_output; stop_reason as for samples
             eos = ids[-1] if reason == "stop" else None
-            beam = req["params"].beam
             text = self.tokenizer.decode(without_stop_token(ids, eos, beam.include_stop_str_in_output),
                                          skip_special_tokens=beam.skip_special_tokens, continuation=True)
             results.append(CompletionOutput(i, text, ids, reason, self._stop_reason(eos, False), logprobs, cum))
@@ -1871,9 +1870,9 @@ def beam_rank(hypothesis: tuple, length_penalty: float) -> float:
     vLLM (0.33 on) and transformers rank by the score cumulative logprob / length **
     length_penalty, highest first, where the length counts the output's tokens, a final EOS
     included (at least 1: an aborted beam may have none). (vLLM before 0.33 counted the
-    prompt too, and not a final EOS.) The score is <= 0 (so is the logprob), so ranking by log(-score) =
-    log(-cumulative logprob) - length_penalty * log(length), lowest first, is the same order,
-    and neither overflows nor underflows (length ** 1000 would)."""
+    prompt too, and not a final EOS.) The score is <= 0 (so is the logprob), so ranking by
+    log(-score) = log(-cumulative logprob) - length_penalty * log(length), lowest first, is
+    the same order, and neither overflows nor underflows (length ** 1000 would)."""
     ids, cum = hypothesis[:2]
     return -math.inf if cum >= 0 else math.log(-cum) - length_penalty * math.log(max(len(ids), 1))
 
