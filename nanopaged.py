@@ -856,10 +856,15 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto",
                  preemption_mode: str = "recompute", swap_space: float = 4, seed: int | None = 0,
-                 **vllm_options):
+                 max_logprobs: int = 20, **vllm_options):
         _check_vllm_options(vllm_options)
         if seed is not None and not (is_integer(seed) and 0 <= seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
+        if not (is_integer(max_logprobs) and max_logprobs >= -1):
+            raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or an integer >= 0, got {max_logprobs!r}")
+        # the most logprobs a request may ask for, per token (vLLM's, and its default: a dict of
+        # k entries per token costs k decodes, and a whole vocabulary's is large)
+        self.max_logprobs = int(max_logprobs)
         device = _parse_device(device)
         if dtype in (None, "auto"):   # (vLLM's "auto" reads the checkpoint's dtype; here: by device)
             dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -1117,6 +1122,15 @@ class LLM:
         some token to draw from its first step. Fills params.bad_words_token_ids and
         params.disallowed_mask."""
         V = self.config.vocab_size
+        most = V if self.max_logprobs == -1 else self.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and (V if k == -1 else k) > most:
+                asked = f"{name} = -1 (the whole vocabulary: {V} tokens)" if k == -1 else f"{name} = {k}"
+                raise ValueError(f"{asked} exceeds max_logprobs = {self.max_logprobs} (LLM(max_logprobs=...) "
+                                 f"allows more; -1: the whole vocabulary)")
+            if k == -1:   # vLLM's: the whole vocabulary, as many as the model's logits (in the request's copy)
+                setattr(params, name, V)
         if params.bad_words is not None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
@@ -2438,6 +2452,8 @@ def run_cli(argv) -> int:
             raise ValueError("--chat reads its turns from stdin, which is closed")
         if any(not p.strip() for p in args.prompt):
             raise ValueError("a --prompt is empty")
+        if args.logprobs is not None and not 0 <= args.logprobs <= 20:   # (the engine's max_logprobs)
+            raise ValueError(f"--logprobs must be an integer in [0, 20], got {args.logprobs}")
         for flag, value in (("--max-tokens", args.max_tokens), ("--block-size", args.block_size),
                             ("--num-blocks", args.num_blocks), ("--max-model-len", args.max_model_len)):
             if value is not None and value < 1:

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
-MAX_LOGPROBS = 20   # top tokens a request may ask for, per token (vLLM's default max_logprobs)
 
 
 @dataclass
@@ -132,8 +131,9 @@ class SamplingParams:
             (is_integer(self.min_tokens) and self.min_tokens >= 0
              and (not is_integer(self.max_tokens) or self.min_tokens <= self.max_tokens),   # (a bad max_tokens: its own message)
              f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens!r}], got {self.min_tokens!r}"),
-            *[(k is None or (is_integer(k) and 0 <= k <= MAX_LOGPROBS),
-               f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+            # (at most LLM(max_logprobs), 20 by default: the engine checks that, knowing the vocabulary)
+            *[(k is None or (is_integer(k) and k >= -1),
+               f"{name} must be None, -1 (the whole vocabulary) or an integer >= 0, got {k!r}")
               for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
                 (is_integer(t) or (isinstance(t, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", t)))

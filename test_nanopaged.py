@@ -4502,17 +4502,17 @@ def test_decoded_tokens_add_up_to_the_text(llm):
 
 def test_logprob_ranks_with_ties_as_vllm():
     class Names:   # a tokenizer whose tokens are their ids in brackets
-        def decode(self, ids):
+        def decode(self, ids, continuation=False):
             return f"<{ids[0]}>"
     logits = torch.tensor([[2.0, 2.0, 2.0, 0.0]])   # a three-way tie for the top
     top = logits.topk(3).indices[0].tolist()       # (which of them comes first is topk's choice)
     # a target among the top k takes its place there, first in the dict
-    (d,) = logprob_dicts(logits, [top[0]], [2], Names(), [True])
+    (d,) = logprob_dicts(logits, [top[0]], [2], Names(), [[]])
     assert list(d) == top[:2] and [e.rank for e in d.values()] == [1, 2]
     # one past them: every token at least as likely counts against it
-    (d,) = logprob_dicts(logits, [top[2]], [1], Names(), [True])
+    (d,) = logprob_dicts(logits, [top[2]], [1], Names(), [[]])
     assert list(d) == [top[2], top[0]] and d[top[2]].rank == 3 and d[top[0]].rank == 1
-    (d,) = logprob_dicts(logits, [3], [0], Names(), [True])
+    (d,) = logprob_dicts(logits, [3], [0], Names(), [[]])
     assert d == {3: Logprob(pytest.approx(torch.log_softmax(logits, -1)[0, 3].item()), 4, "<3>")}
 
 
@@ -4564,7 +4564,7 @@ def test_logprobs_and_prompt_logprobs_are_the_models_own(smollm2_dir, llm, monke
     assert broken.outputs[0].finish_reason == "error" and broken.outputs[0].token_ids == []
     assert fine.outputs[0].token_ids == llm.generate(prompts[2], greedy(3))[0].outputs[0].token_ids
     assert_nothing_leaked(llm)
-    for bad in (dict(logprobs=-1), dict(logprobs=21), dict(prompt_logprobs=False), dict(prompt_logprobs=1.0)):
+    for bad in (dict(logprobs=-2), dict(logprobs=1.5), dict(prompt_logprobs=False), dict(prompt_logprobs=1.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
 
@@ -5613,7 +5613,8 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
     (["--prompt", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'"),      # argparse's own
     (["--prompt", "hi", "--seed", "99999999999999999999"], "--seed must be an integer in [0, 2**63)"),
-    (["--prompt", "hi", "--logprobs", "21"], "--logprobs must be None or an integer in [0, 20]"),
+    (["--prompt", "hi", "--logprobs", "21"], "--logprobs must be an integer in [0, 20], got 21"),
+    (["--prompt", "hi", "--logprobs", "-1"], "--logprobs must be an integer in [0, 20], got -1"),
     (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be a finite number > 0"),
     (["--prompt", "hi", "--min-p", "2"], "--min-p must be a number in [0, 1], got 2.0"),
     (["--prompt", "hi", "--beam-width", "0"], "--beam-width must be an integer >= 1, got 0"),
@@ -7891,11 +7892,27 @@ def test_params_edited_after_construction_make_a_request_of_their_own(tmp_path):
     assert_nothing_leaked(llm)
 
 
-def test_logprobs_past_a_tiny_vocabulary_are_all_of_it(tmp_path):
-    """logprobs and prompt_logprobs may ask for up to 20, more than a 10-token vocabulary has:
-    each entry is then every token, ranked. Catches: topk past the vocabulary raising inside
-    the step (generate lost its batch; add_request's engine retried the failing step forever)."""
+def test_logprobs_up_to_max_logprobs_and_past_a_tiny_vocabulary(tmp_path):
+    """vLLM's LLM(max_logprobs=20): a request may ask for up to that many logprobs per token;
+    -1 asks for the whole vocabulary (allowed where it is no more than max_logprobs, or
+    max_logprobs is -1 too). Asking for 20 of a 10-token vocabulary: each entry is every token,
+    ranked. Catches: topk past the vocabulary raising inside the step (generate lost its batch;
+    add_request's engine retried the failing step forever); a cap of 20 whatever the engine."""
+    wide = LLM(tiny_llama_dir(tmp_path / "wide"), load_format="dummy", num_blocks=32, max_logprobs=-1)
+    out = wide.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=-1, prompt_logprobs=30))[0]
+    assert len(out.outputs[0].logprobs[0]) == 256 and all(len(d) in (30, 31) for d in out.prompt_logprobs[1:])
+    for bad, message in ((-2, "max_logprobs must be -1 \\(the whole vocabulary\\) or an integer >= 0, got -2"),
+                         (2.0, "max_logprobs must be -1")):
+        with pytest.raises(ValueError, match=message):
+            LLM(tiny_llama_dir(tmp_path / "wide"), load_format="dummy", num_blocks=32, max_logprobs=bad)
     llm = LLM(tiny_llama_dir(tmp_path, vocab_size=10), load_format="dummy", num_blocks=32)
+    with pytest.raises(ValueError, match="prompt 0: logprobs = 21 exceeds max_logprobs = 20"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=21))
+    narrow = LLM(tiny_llama_dir(tmp_path, vocab_size=10), load_format="dummy", num_blocks=32, max_logprobs=5)
+    with pytest.raises(ValueError, match="prompt_logprobs = -1 \\(the whole vocabulary: 10 tokens\\) exceeds "
+                                         "max_logprobs = 5"):
+        narrow.generate([[1, 2, 3]], SamplingParams(max_tokens=2, prompt_logprobs=-1))
+    assert_nothing_leaked(narrow)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=20, prompt_logprobs=20))[0]
     entries = out.prompt_logprobs[1:] + out.outputs[0].logprobs
     assert len(entries) == 4 and all(sorted(d) == list(range(10)) for d in entries)
