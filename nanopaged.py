@@ -832,6 +832,7 @@ VLLM_ONLY_OPTIONS = {
     "tokenizer": ((None,), "nanopaged reads the tokenizer in the model's own files"),
     "task": (("auto", "generate"), "nanopaged generates: no other task"),
     "runner": (("auto", "generate"), "nanopaged generates: no other runner"),
+    "logprobs_mode": (("raw_logprobs",), "nanopaged's logprobs are the model's own, a log_softmax of its logits"),
 }
 
 

@@ -7032,7 +7032,8 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
     model_dir = tiny_llama_dir(tmp_path)
     llm = LLM(model_dir, load_format="dummy", num_blocks=64, tensor_parallel_size=1, pipeline_parallel_size=1,
               quantization=None, kv_cache_dtype="auto", enable_lora=False, enforce_eager=True,
-              trust_remote_code=True, disable_log_stats=True, tokenizer=None, task="generate")
+              trust_remote_code=True, disable_log_stats=True, tokenizer=None, task="generate",
+              logprobs_mode="raw_logprobs")
     for option, message in (({"tensor_parallel_size": 2}, "tensor_parallel_size=2: nanopaged runs on one device: "
                                                            "no tensor parallelism \\(it takes 1\\)"),
                             ({"tensor_parallel_size": True}, "tensor_parallel_size=True"),
@@ -7042,6 +7043,8 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
                             ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization=0.9: nanopaged sizes its KV "
                                                               "cache by kv_cache_memory \\(bytes\\) or num_blocks$"),
                             ({"disable_log_stats": False}, "llm.stats holds them"),
+                            ({"logprobs_mode": "processed_logprobs"}, "logprobs_mode='processed_logprobs': "
+                                                                      "nanopaged's logprobs are the model's own"),
                             ({"enforce_eager": "yes"}, "enforce_eager='yes': nanopaged always runs eagerly, without "
                                                        "CUDA graphs \\(it takes True or False\\)")):
         with pytest.raises(ValueError, match=message):
