@@ -1060,6 +1060,9 @@ class LLM:
         # A beam search's beams must fit the pool all at once: a beam preempted and recomputed
         # apart from its siblings shares no partial block with them, and they wait for it (parked)
         beams = params.n if params.beam else 1
+        if len(ids) >= self.max_model_len:   # (vLLM's rule: a prompt leaves room for one output token)
+            raise ValueError(f"prompt ({len(ids)} tokens) leaves no room for an output token in the "
+                             f"context served, max_model_len = {self.max_model_len} tokens")
         if advised or params.max_tokens is None:   # a max_tokens the caller never wrote (generation_config.json's),
             # or None (vLLM's "up to the context"), stops at the context, or at what the whole pool
             # holds (under a sliding window, the whole context may take fewer blocks than the pool)
@@ -1067,15 +1070,15 @@ class LLM:
             if beams * self.scheduler.blocks_at_most(limit) > self.pool.num_blocks:
                 limit = min(limit, self.pool.num_blocks // beams * self.pool.block_size)
             room = limit - len(ids)
-            if len(ids) >= self.max_model_len:   # (the scheduler would name a max_tokens never given)
-                raise ValueError(f"prompt ({len(ids)} tokens) leaves no room for an output token in the "
-                                 f"context served, max_model_len = {self.max_model_len} tokens")
             # (short of the pool, one token: under a sliding window the prompt may still fit, since
             # its blocks before the window are dropped; else the scheduler says what the pool lacks)
             params.max_tokens = max(min(params.max_tokens or room, room), 1)
+        # As in vLLM, an output stops at the end of the context (finish_reason "length"), whatever
+        # max_tokens says: the request's copy is cut to fit (and min_tokens with it)
+        params.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
         need = beams * self.scheduler.blocks_at_most(len(ids) + params.max_tokens)
-        # (past the context, the scheduler's message says so: that, not the pool, is the fault)
-        if params.beam and need > self.pool.num_blocks and len(ids) + params.max_tokens <= self.max_model_len:
+        if params.beam and need > self.pool.num_blocks:
             raise ValueError(f"beam_width = {beams} beams of prompt + max_tokens = {len(ids) + params.max_tokens} "
                              f"tokens need up to {need} KV blocks, but the whole pool has {self.pool.num_blocks}")
         # (a text prompt too: a tokenizer may know more tokens than config.json's vocab_size)
@@ -2152,7 +2155,8 @@ def request_copy(params: SamplingParams | BeamSearchParams) -> SamplingParams | 
     """A request's own copy of its params, checked again: the caller may change its object
     after this (or did since making it), and may reuse it for the next request (vLLM copies
     too). Made anew from the constructor's fields, so that what the engine fills in
-    (disallowed_mask, bad_words_token_ids, beam) never comes from the caller's object."""
+    (disallowed_mask, bad_words_token_ids, beam) never comes from the caller's object; as the
+    class itself (a subclass may have an __init__ of its own, taking other arguments)."""
     values = {}
     for f in fields(params):
         if f.init:
@@ -2162,7 +2166,7 @@ def request_copy(params: SamplingParams | BeamSearchParams) -> SamplingParams | 
             except Exception as e:   # (a generator, a lock: deepcopy's TypeError, from deep inside copy)
                 raise ValueError(f"{f.name} = {reprlib.repr(value)} cannot be copied into the request "
                                  f"({type(e).__name__}: {e})") from None
-    return type(params)(**values)
+    return (BeamSearchParams if isinstance(params, BeamSearchParams) else SamplingParams)(**values)
 
 
 def _check_lora(lora_request):

@@ -4338,7 +4338,7 @@ def test_a_beam_search_past_the_context_is_refused_for_the_context_not_the_pool(
     """A prompt past max_model_len, in a pool too small for its beams: the message names the
     context, as it does with a larger pool. Catches: the beams' pool check run first."""
     llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", block_size=4, num_blocks=12, max_model_len=64)
-    with pytest.raises(ValueError, match=r"prompt \(70 tokens\) \+ max_tokens \(3\) = 73 exceeds the context served"):
+    with pytest.raises(ValueError, match=r"prompt \(70 tokens\) leaves no room for an output token in the context"):
         llm.beam_search([list(range(1, 71))], BeamSearchParams(beam_width=2, max_tokens=3))
     with pytest.raises(ValueError, match=r"beam_width = 2 beams of prompt \+ max_tokens = 33 tokens need up to 18 KV"):
         llm.beam_search([list(range(1, 31))], BeamSearchParams(beam_width=2, max_tokens=3))
@@ -4896,6 +4896,12 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
     assert "".join(small.stream([5] * 50, up_to)) == small.get_tokenizer().decode(out[0].outputs[0].token_ids)
     cut = small.generate(list(range(1, 101)), SamplingParams(max_tokens=None, truncate_prompt_tokens=-1))[0]
     assert cut.prompt_token_ids == list(range(38, 101)) and len(cut.outputs[0].token_ids) == 1
+    # a max_tokens past the context stops there, as in vLLM ("length"; was refused), min_tokens too
+    past = SamplingParams(temperature=0, max_tokens=100, min_tokens=90, ignore_eos=True)
+    out = small.generate([[5] * 50, [6] * 63], past)
+    assert [len(o.outputs[0].token_ids) for o in out] == [14, 1] and past.max_tokens == 100
+    assert [o.outputs[0].finish_reason for o in out] == ["length", "length"]
+    assert out[0].outputs[0].token_ids == small.generate([5] * 50, up_to)[0].outputs[0].token_ids
     # a prompt that fills the context: said so (not a "max_tokens (1)" the caller never gave)
     with pytest.raises(ValueError, match=r"prompt \(64 tokens\) leaves no room for an output token in the "
                                          r"context served, max_model_len = 64 tokens$"):
@@ -5002,8 +5008,8 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
     assert llm.generate([np.array(ids)], greedy(4))[0].outputs[0].token_ids == as_list
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate("hi", SamplingParams(max_tokens=-3))
-    with pytest.raises(ValueError, match="exceeds the context served, max_model_len = 8192 tokens"):
-        llm.generate([5] * 8000, greedy(500))
+    with pytest.raises(ValueError, match=r"prompt \(8192 tokens\) leaves no room .*, max_model_len = 8192 tokens"):
+        llm.generate([5] * 8192, greedy(500))
     with pytest.raises(ValueError, match="unknown request id"):
         llm.abort("nope")
     with pytest.raises(ValueError, match="request id must be hashable"):
@@ -5012,10 +5018,10 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
     # a refused request leaves the engine as it was: the last run's stats, the next request id
     stats, next_id = llm.stats, llm.add_request("hi", greedy(1))
     step_to_the_end(llm)
-    with pytest.raises(ValueError, match="prompt 1: .* exceeds the context served"):
-        llm.generate(["hi", [5] * 8000], greedy(500))
-    with pytest.raises(ValueError, match="exceeds the context served"):
-        llm.add_request([5] * 8000, greedy(500))
+    with pytest.raises(ValueError, match="prompt 1: .* leaves no room"):
+        llm.generate(["hi", [5] * 8192], greedy(500))
+    with pytest.raises(ValueError, match="leaves no room"):
+        llm.add_request([5] * 9000, greedy(500))
     assert llm.stats is stats and llm.add_request("hi", greedy(1)) == next_id + 1
     step_to_the_end(llm)
     tok = llm.get_tokenizer()
@@ -5262,7 +5268,7 @@ def test_a_request_keeps_its_own_copy_of_the_sampling_params(llm):
         llm.add_request(SYSTEM + "Say hi.", params)
     assert_nothing_leaked(llm)
 
-    class Greedy(SamplingParams):   # a subclass with an __init__ of its own is copied as it is
+    class Greedy(SamplingParams):   # a subclass with an __init__ of its own: its fields are copied
         def __init__(self, max_tokens):
             super().__init__(temperature=0, max_tokens=max_tokens)
     assert len(llm.generate(SYSTEM + "Say hi.", Greedy(2))[0].outputs[0].token_ids) <= 2
@@ -5670,14 +5676,15 @@ def test_cli_chat_keeps_the_conversation_and_its_blocks(capsys, smollm2_dir, llm
     assert code == 0 and out == f"{a1}\n{a2}\n" and a2 != a1
     hits = [float(x) for x in re.findall(r"prefix-cache hit rate +([\d.]+) %", err)]
     assert hits[0] == 0 and hits[1] > 50 and len(hits) == 2   # turn 2: turn 1's prompt and answer, cached
-    # max_tokens that turn 1 just fits in the context: turn 2 cannot, turn 3 (a new conversation) can
-    room = llm.max_model_len - len(render_chat(llm.tokenizer, turns[:1])[1])
+    # a context that turn 2's prompt fills: turn 2 has no room, turn 3 (a new conversation) has
+    context = len(render_chat(llm.tokenizer, turns)[1])
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{q1}\n{q2}\n{q1}\n"))
-    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--chat", "--max-tokens", str(room))
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--chat", "--max-tokens", "64",
+                             "--max-model-len", str(context))
     assert code == 2 and out == f"{a1}\n{a1}\n"   # (answered the rest; status 2 tells a script one was not)
     assert err.count("nanopaged: error: prompt (") == 1 and err.strip().endswith("the conversation starts over")
     # a setting that leaves no turn room, said once before any turn is read (was an error per turn)
-    for argv in (["--max-tokens", str(llm.max_model_len)], ["--num-blocks", "1"]):
+    for argv in (["--system", "Be brief. " * 3000], ["--num-blocks", "1"]):
         monkeypatch.setattr(sys, "stdin", io.StringIO(f"{q1}\n{q2}\n"))
         code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--chat", *argv)
         assert code == 2 and not out and err.count("\n") == 1
