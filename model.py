@@ -709,6 +709,7 @@ def _byte_alphabet() -> dict[str, int]:
 
 
 BYTE_OF_CHAR = _byte_alphabet()
+CHAR_OF_BYTE = {b: c for c, b in BYTE_OF_CHAR.items()}
 
 # Pre-tokenizer regexes. GPT-2's: contractions, letters, numbers, other symbols, spaces
 # (a space sticks to the word after it).
@@ -830,6 +831,8 @@ class Tokenizer:
                 encoding.bytes_of[t["id"]] = t["content"].replace(SPACE, " ").encode("utf-8", "surrogatepass")
         # the control tokens (<|im_end|>, <|endoftext|>...), which output text leaves out by default
         self.special_ids = frozenset(t["id"] for t in added_tokens if t.get("special"))
+        self._added_strings = {t["id"]: t["content"] for t in added_tokens}   # (HF's token strings)
+        self._ids_of_strings = None   # HF's vocab, token string -> id: made when first asked
         # What HF's post-processor puts around every encoded text: Llama 3 starts each
         # prompt with <|begin_of_text|> (its BOS), GPT-2, SmolLM2 and Qwen 2 add nothing.
         self.prefix_ids, self.suffix_ids = list(prefix_ids), list(suffix_ids)
@@ -974,6 +977,8 @@ class Tokenizer:
         special tokens if asked."""
         if hasattr(ids, "tolist"):   # a numpy array or a tensor
             ids = ids.tolist()
+        if _is_id(ids):   # (one id, as HF's decode takes it)
+            ids = [ids]
         if isinstance(ids, (list, tuple)):
             ids = [i.item() if hasattr(i, "item") else i for i in ids]   # numpy or torch integers
         if not (isinstance(ids, list) and all(_is_id(i) for i in ids)):
@@ -991,6 +996,58 @@ class Tokenizer:
             return self.encoding.decode_single_token_bytes(i)
         except KeyError:
             return b""
+
+    # --- HF's view of the vocabulary (the tokenizer protocol vLLM's scripts use) ---
+    # A token's string is as the vocab file writes it: byte-level BPE spells each byte with
+    # GPT-2's alphabet ("Ġthe" for " the"), SentencePiece writes "▁the" and "<0x0A>"; an
+    # added token is its content ("<|im_end|>"). So a script can write
+    # stop_token_ids=[tok.convert_tokens_to_ids("<|eot_id|>")].
+
+    def convert_ids_to_tokens(self, ids):
+        """The string of one id, or of each id in a list; None for an id that is no token."""
+        return self._token_string(ids) if _is_id(ids) else [self._token_string(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens):
+        """The id of one token string, or of each in a list; None for a string that is no token."""
+        vocab = self._vocab()
+        return vocab.get(tokens) if isinstance(tokens, str) else [vocab.get(t) for t in tokens]
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._vocab())
+
+    def __len__(self) -> int:   # (HF's: the vocabulary with the added tokens)
+        return len(self._vocab())
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(self.special_ids)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.convert_tokens_to_ids(self.template_tokens.get("bos_token", ""))
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.convert_tokens_to_ids(self.template_tokens.get("pad_token", ""))
+
+    def _token_string(self, i: int) -> str | None:
+        if not _is_id(i) or (self.dropped_from is not None and i >= self.dropped_from):
+            return None   # (dropped_from on: stand-ins for bytes the vocab lacks, no tokens)
+        if i in self._added_strings:
+            return self._added_strings[i]
+        if isinstance(self.encoding, SentencePieceBPE):
+            return self.encoding.token_of.get(i)
+        try:
+            return "".join(CHAR_OF_BYTE[b] for b in self.encoding.decode_single_token_bytes(i))
+        except KeyError:
+            return None
+
+    def _vocab(self) -> dict[str, int]:
+        if self._ids_of_strings is None:
+            last = self.dropped_from if self.dropped_from is not None else self.encoding.n_vocab
+            ids = range(max(last, max(self._added_strings, default=-1) + 1))
+            self._ids_of_strings = {s: i for i in ids if (s := self._token_string(i)) is not None}
+        return self._ids_of_strings
 
     def apply_chat_template(self, conversation, /, add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, tools: list[dict] | None = None,
@@ -1326,6 +1383,8 @@ class SentencePieceBPE:
 
     def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], added: dict[str, int]):
         self.vocab = vocab
+        self.token_of = {i: token for token, i in vocab.items()}   # (Tokenizer.convert_ids_to_tokens)
+        self.n_vocab = max([*vocab.values(), *added.values()], default=-1) + 1   # (as tiktoken's)
         # (left, right) -> its place in the merges: the lower, the earlier (a pair listed
         # twice: its last place, as HF's)
         self.rank = {pair: n for n, pair in enumerate(merges)}

@@ -774,6 +774,37 @@ def test_round_trip(smollm2_tokenizer, tmp_path):
             assert tok.decode(tok.encode(text)) == text
 
 
+@pytest.mark.parametrize("name", ["smollm2", "llama2_tokenizer", "llama3_tokenizer", "qwen2_tokenizer",
+                                  "gemma_tokenizer"])
+def test_token_strings_as_the_vocab_file_writes_them(name, smollm2_dir):
+    """HF's (and vLLM's tokenizer protocol's) view of the vocabulary: get_vocab() is exactly
+    the tokenizer.json's model vocab and added tokens (byte-level BPE in GPT-2's alphabet,
+    SentencePiece's "▁" and "<0x0A>"), convert_tokens_to_ids / convert_ids_to_tokens map
+    through it (None for what is no token), len() counts it, and bos_token_id, pad_token_id,
+    all_special_ids and decode(one id) answer as HF's do. Catches: a script's
+    stop_token_ids=[tok.convert_tokens_to_ids("<|eot_id|>")] failing (an AttributeError)."""
+    path = smollm2_dir if name == "smollm2" else TESTDATA / name
+    tok, spec = load_tokenizer(path), json.loads((path / "tokenizer.json").read_text())
+    want = spec["model"]["vocab"] | {t["content"]: t["id"] for t in spec["added_tokens"]}
+    assert tok.get_vocab() == want and len(tok) == len(want)
+    ids = tok.encode("Hello world, the € and 日本\n", add_special_tokens=False)
+    strings = tok.convert_ids_to_tokens(ids)
+    assert [want[s] for s in strings] == ids and tok.convert_tokens_to_ids(strings) == ids
+    assert tok.convert_ids_to_tokens(ids[1]) == strings[1] and tok.convert_tokens_to_ids(strings[1]) == ids[1]
+    assert tok.convert_tokens_to_ids("no such token") is None and tok.convert_ids_to_tokens(10**6) is None
+    assert tok.decode(ids[1]) == tok.decode([ids[1]])
+    assert tok.all_special_ids == sorted(t["id"] for t in spec["added_tokens"] if t["special"])
+    config = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
+    for key in ("bos_token", "pad_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        assert getattr(tok, f"{key}_id") == (None if value is None else want[value])
+    if name == "smollm2":   # the chat template's end of turn, by name
+        assert tok.convert_tokens_to_ids("<|im_end|>") == 2 and strings[1] == "Ġworld"
+    if name == "llama2_tokenizer":   # SentencePiece: "▁" for a space, the newline a byte token
+        assert strings[0].startswith("▁") and strings[-1] == "<0x0A>" and tok.convert_tokens_to_ids("<0x0A>") == ids[-1]
+
+
 def test_converted_tokenizer_json_equals_gguf_tokens(smollm2_dir, smollm2_tokenizer):
     """GGUF tokens -> tokenizer.json -> tiktoken keeps every token at its id."""
     import gguf
