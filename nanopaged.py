@@ -1664,17 +1664,21 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         return parsed
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, lora_request=None, *,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """vLLM's chat: one conversation (a list of messages such as {"role": "user",
-        "content": ...}) or a list of conversations, each rendered with the model's chat
-        template, or `chat_template`, (render_chat) and generated for; one RequestOutput per
-        conversation, whose prompt is the rendered text. continue_final_message, tools and
-        chat_template_kwargs (the template's own variables) go to apply_chat_template.
-        lora_request: vLLM's, None."""
-        _check_lora(lora_request)
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, lora_request=None, priority=None,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's chat (its arguments, in its order): one conversation (a list of messages such
+        as {"role": "user", "content": ...}) or a list of conversations, each rendered with the
+        model's chat template, or `chat_template`, (render_chat) and generated for; one
+        RequestOutput per conversation, whose prompt is the rendered text.
+        continue_final_message, tools and chat_template_kwargs (the template's own variables)
+        go to apply_chat_template. lora_request and priority: as generate takes them;
+        chat_template_content_format: "auto", the only one (apply_chat_template picks as vLLM's
+        auto does)."""
+        if chat_template_content_format != "auto":
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: nanopaged hands a "
+                             f"message's content over as vLLM's 'auto' does (it takes 'auto')")
         if chat_template_kwargs is not None and not (isinstance(chat_template_kwargs, dict)
                                                      and all(isinstance(k, str) for k in chat_template_kwargs)):
             raise ValueError(f"chat_template_kwargs must be a dict with string keys, got {chat_template_kwargs!r}")
@@ -1694,6 +1698,7 @@ class LLM:
                 parsed.append(render_chat(self.tokenizer, conversation, **options))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if batch else str(e)) from None
+        _check_per_prompt(len(parsed), lora_request, priority)
         return self._generate(parsed, sampling_params, use_tqdm, "chat()")
 
     def _generate(self, prompts: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool,

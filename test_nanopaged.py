@@ -7103,6 +7103,15 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
     assert llm.chat([{"role": "user", "content": "ab"}], params, False, None, chat_template=chat_template)
     with pytest.raises(ValueError, match="no LoRA adapters"):
         llm.chat([{"role": "user", "content": "ab"}], params, False, "adapter", chat_template=chat_template)
+    # chat takes vLLM's arguments in vLLM's order: priority fifth, then chat_template...
+    two = [[{"role": "user", "content": "ab"}], [{"role": "user", "content": "cd"}]]
+    assert len(llm.chat(two, params, False, [None, None], 0, chat_template, "auto")) == 2
+    for kw, message in ((dict(priority=[0]), "priority has 1 entries for 2 prompts"),
+                        (dict(lora_request=[None]), "lora_request has 1 entries for 2 prompts"),
+                        (dict(chat_template_content_format="openai"), "chat_template_content_format='openai': "
+                                                                      "nanopaged hands .* \\(it takes 'auto'\\)")):
+        with pytest.raises(ValueError, match=message):
+            llm.chat(two, params, chat_template=chat_template, **kw)
     assert llm.beam_search(["ab"], BeamSearchParams(2, 2), None, False)[0].sequences
     with pytest.raises(ValueError, match="no LoRA adapters"):
         llm.beam_search(["ab"], BeamSearchParams(2, 2), "adapter")
