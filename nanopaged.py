@@ -833,7 +833,25 @@ VLLM_ONLY_OPTIONS = {
     "task": (("auto", "generate"), "nanopaged generates: no other task"),
     "runner": (("auto", "generate"), "nanopaged generates: no other runner"),
     "logprobs_mode": (("raw_logprobs",), "nanopaged's logprobs are the model's own, a log_softmax of its logits"),
+    # (the model and its tokenizer come from local files, as they are)
+    "tokenizer_mode": (("auto", "hf"), "nanopaged reads the model's tokenizer.json, as HF's fast tokenizer does"),
+    "skip_tokenizer_init": ((False,), "nanopaged always loads the tokenizer"),
+    "revision": ((None,), "nanopaged loads local files: no revisions"),
+    "tokenizer_revision": ((None,), "nanopaged loads local files: no revisions"),
+    "download_dir": ((None,), "nanopaged loads local files: no downloads"),
+    "hf_token": ((None,), "nanopaged loads local files: no downloads"),
+    "hf_overrides": ((None, {}), "nanopaged reads config.json as it is"),
+    "override_generation_config": ((None, {}), "nanopaged reads generation_config.json as it is"),
+    "enable_chunked_prefill": ((True, None), "nanopaged chunks a prefill past the token budget: "
+                                             "a max_num_batched_tokens of the longest prompt chunks none"),
+    "scheduling_policy": (("fcfs",), "nanopaged's scheduler is first-come-first-served"),
+    "cpu_offload_gb": ((0,), "nanopaged keeps the weights on the device"),
+    "enable_sleep_mode": ((False,), "nanopaged has no sleep mode"),
+    "distributed_executor_backend": ((None,), "nanopaged runs in one process"),
+    "compilation_config": ((None,), "nanopaged always runs eagerly, without torch.compile or CUDA graphs"),
 }
+# vLLM's names for two of nanopaged's options: vLLM's option -> nanopaged's
+VLLM_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory", "num_gpu_blocks_override": "num_blocks"}
 
 
 def _check_vllm_options(options: dict):
@@ -858,6 +876,12 @@ class LLM:
                  attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto",
                  preemption_mode: str = "recompute", swap_space: float = 4, seed: int | None = 0,
                  max_logprobs: int = 20, **vllm_options):
+        ours = {"kv_cache_memory": kv_cache_memory, "num_blocks": num_blocks}
+        for alias in VLLM_ALIASES.keys() & vllm_options.keys():
+            if ours[VLLM_ALIASES[alias]] is not None:
+                raise ValueError(f"{VLLM_ALIASES[alias]} and {alias} (vLLM's name for it) were both given: give one")
+            ours[VLLM_ALIASES[alias]] = vllm_options.pop(alias)
+        kv_cache_memory, num_blocks = ours["kv_cache_memory"], ours["num_blocks"]
         _check_vllm_options(vllm_options)
         if seed is not None and not (is_integer(seed) and 0 <= seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")

@@ -7071,7 +7071,14 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
     llm = LLM(model_dir, load_format="dummy", num_blocks=64, tensor_parallel_size=1, pipeline_parallel_size=1,
               quantization=None, kv_cache_dtype="auto", enable_lora=False, enforce_eager=True,
               trust_remote_code=True, disable_log_stats=True, tokenizer=None, task="generate",
-              logprobs_mode="raw_logprobs")
+              logprobs_mode="raw_logprobs", tokenizer_mode="auto", revision=None, download_dir=None,
+              hf_overrides={}, enable_chunked_prefill=True, scheduling_policy="fcfs", cpu_offload_gb=0)
+    # vLLM's names for two of nanopaged's options
+    assert LLM(model_dir, load_format="dummy", num_gpu_blocks_override=24).pool.num_blocks == 24
+    small = LLM(model_dir, load_format="dummy", kv_cache_memory_bytes=2**22)
+    assert small.pool.num_blocks == LLM(model_dir, load_format="dummy", kv_cache_memory=2**22).pool.num_blocks
+    with pytest.raises(ValueError, match="num_blocks and num_gpu_blocks_override \\(vLLM's name for it\\) were both"):
+        LLM(model_dir, load_format="dummy", num_blocks=3, num_gpu_blocks_override=4)
     for option, message in (({"tensor_parallel_size": 2}, "tensor_parallel_size=2: nanopaged runs on one device: "
                                                            "no tensor parallelism \\(it takes 1\\)"),
                             ({"tensor_parallel_size": True}, "tensor_parallel_size=True"),
@@ -7081,6 +7088,10 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
                             ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization=0.9: nanopaged sizes its KV "
                                                               "cache by kv_cache_memory \\(bytes\\) or num_blocks$"),
                             ({"disable_log_stats": False}, "llm.stats holds them"),
+                            ({"enable_chunked_prefill": False}, "nanopaged chunks a prefill past the token "
+                                                                "budget"),
+                            ({"tokenizer_mode": "mistral"}, "\\(it takes 'auto' or 'hf'\\)"),
+                            ({"hf_overrides": {"a": 1}}, "nanopaged reads config.json as it is"),
                             ({"logprobs_mode": "processed_logprobs"}, "logprobs_mode='processed_logprobs': "
                                                                       "nanopaged's logprobs are the model's own"),
                             ({"enforce_eager": "yes"}, "enforce_eager='yes': nanopaged always runs eagerly, without "
