@@ -31,6 +31,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -638,12 +639,23 @@ class PagedAttention:
 # during the step and written at its end (_flush_trace).
 
 
+# vLLM's prompt dicts, to write them as vLLM's scripts do (TokensPrompt(prompt_token_ids=ids)):
+# at run time they are plain dicts, which _parse_prompt reads
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict, total=False):   # (prompt_token_ids required: _parse_prompt says so)
+    prompt_token_ids: list[int]
+    prompt: str                # its text, if given: not tokenized, the output's prompt
+
+
 @dataclass
 class Logprob:
     logprob: float             # natural log of the token's probability
-    rank: int                  # 1 the likeliest: 1 + the tokens likelier or as likely (ties count
+    rank: int | None = None    # 1 the likeliest: 1 + the tokens likelier or as likely (ties count
                                # against it); for one of the top k, its place among them
-    decoded_token: str | None  # None where the request asked for no text (detokenize=False)
+    decoded_token: str | None = None   # None where the request asked for no text (detokenize=False)
 
 
 @dataclass
@@ -658,6 +670,7 @@ class CompletionOutput:
     # then the k most likely (k + 1 entries, or k when it is among them); and their sum
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    lora_request: None = None  # (vLLM's; always None: nanopaged has no LoRA adapters)
 
     def finished(self) -> bool:   # (vLLM's)
         return self.finish_reason is not None
@@ -676,6 +689,13 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs = k: the same per prompt token, None for the first
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = True      # (vLLM's: a request is returned once, when it has finished)
+    # vLLM's, always None here (a script may test them): its offline LLM logs no per-request
+    # metrics either (ttft and latency above, llm.stats); no LoRA, encoder or KV transfer
+    metrics: None = None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None
 
 
 @dataclass

@@ -47,8 +47,9 @@ import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
                    load_tokenizer, resolve_model_dir)
 from nanopaged import (LLM, BlockPool, BlockTable, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks,
-                       PagedAttention, StopStringScan, bad_words_token_ids, copy_blocks, logprob_dicts, main,
-                       paged_attention, paged_attention_ref, render_chat, sampling_probs, write_kv)
+                       PagedAttention, StopStringScan, TextPrompt, TokensPrompt, bad_words_token_ids, copy_blocks,
+                       logprob_dicts, main, paged_attention, paged_attention_ref, render_chat, sampling_probs,
+                       write_kv)
 from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status
 
 HERE = Path(__file__).resolve().parent
@@ -4820,10 +4821,14 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     # vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}, the ids with their
     # text (which is not tokenized: the output's prompt), other keys at None (asking nothing)
     text = "The capital of France is"
-    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": tok.encode(text)}, text,
+    outs = llm.generate([TextPrompt(prompt=text), TokensPrompt(prompt_token_ids=tok.encode(text)), text,
                          {"prompt_token_ids": tok.encode(text), "prompt": "what ran"},
                          {"prompt": text, "multi_modal_data": None, "cache_salt": None}], greedy(4))
     assert [o.prompt for o in outs] == [text, None, text, "what ran", text]
+    # vLLM's output fields that nanopaged never fills are there, None, for a script that reads them
+    assert all(o.metrics is o.lora_request is o.encoder_prompt is o.encoder_prompt_token_ids is
+               o.kv_transfer_params is o.outputs[0].lora_request is None for o in outs)
+    assert Logprob(-0.5) == Logprob(-0.5, None, None)   # (vLLM's defaults)
     assert all(o.prompt_token_ids == tok.encode(text) for o in outs)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
     for bad, message in (({"prompt": text, "multi_modal_data": {}}, 'prompt 1: a prompt dict holds "prompt" .*'
