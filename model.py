@@ -540,7 +540,10 @@ def _token_ids(d: dict, key: str, vocab_size: int, default=None, many=True) -> l
 # model's choice and is left out: top_k 50 is HF's default, not a model's advice.
 GENERATION_KEYS = {"temperature": ("temperature", 1.0), "top_k": ("top_k", 50), "top_p": ("top_p", 1.0),
                    "min_p": ("min_p", None), "repetition_penalty": ("repetition_penalty", 1.0),
-                   "max_new_tokens": ("max_tokens", None)}
+                   "max_new_tokens": ("max_tokens", None),
+                   # (read by vLLM since 0.34; no HF defaults of their own)
+                   "presence_penalty": ("presence_penalty", None), "frequency_penalty": ("frequency_penalty", None),
+                   "skip_special_tokens": ("skip_special_tokens", None)}
 
 
 def _sampling_defaults(d: dict) -> dict:
@@ -551,7 +554,10 @@ def _sampling_defaults(d: dict) -> dict:
         value = d.get(key)
         if value is None:
             continue
-        if not isinstance(value, (int, float)) or isinstance(value, bool):   # (True == 1.0: checked first)
+        if key == "skip_special_tokens":
+            if not isinstance(value, bool):
+                raise ModelError(f"{key!r} is {value!r}, expected true or false")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool):   # (True == 1.0: checked first)
             raise ModelError(f"{key!r} is {value!r}, expected a number")
         if value != hf_default:
             defaults[name] = value

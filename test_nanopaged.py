@@ -1608,6 +1608,7 @@ def test_config_file_errors_name_the_file_once(tmp_path):
     ({"eos_token_id": "4"}, "generation_config.json: 'eos_token_id' is '4'"),
     ({"temperature": "hot"}, "generation_config.json: 'temperature' is 'hot', expected a number"),
     ({"temperature": True}, "generation_config.json: 'temperature' is True, expected a number"),   # (True == 1.0)
+    ({"skip_special_tokens": 0}, "generation_config.json: 'skip_special_tokens' is 0, expected true or false"),
     ({"eos_token_id": [10**6]}, r"generation_config.json: 'eos_token_id' is \[1000000\]: 1000000 is past the vocab"),
 ])
 def test_bad_generation_config(tmp_path, generation_config, message):
@@ -4900,26 +4901,30 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
     generation_config.json advises (values equal to HF's defaults, such as top_k 50, are none)."""
     model_dir = tiny_llama_dir(tmp_path)
     gen = {"temperature": 0.0, "top_k": 50, "top_p": 0.9, "min_p": 0.05, "max_new_tokens": 5, "do_sample": True,
-           "eos_token_id": 0}
+           "eos_token_id": 0, "presence_penalty": 0.5, "frequency_penalty": 0.25, "skip_special_tokens": False}
     (model_dir / "generation_config.json").write_text(json.dumps(gen))
     llm = LLM(model_dir, load_format="dummy", num_blocks=64)
-    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_p=0.9, min_p=0.05, max_tokens=5)
+    # (the penalties and skip_special_tokens: read since vLLM 0.34)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_p=0.9, min_p=0.05, max_tokens=5,
+                                                               presence_penalty=0.5, frequency_penalty=0.25,
+                                                               skip_special_tokens=False)
     prompt = [5, 6, 7, 8]
-    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].token_ids
+    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, presence_penalty=0.5,
+                                               frequency_penalty=0.25))[0].outputs[0].token_ids
     assert llm.generate(prompt)[0].outputs[0].token_ids == want
     assert "".join(llm.stream(prompt)) == llm.get_tokenizer().decode(want)
     assert LLM(model_dir, load_format="dummy", num_blocks=64,
                generation_config="vllm").get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="unknown generation_config 'hf'"):
         LLM(model_dir, load_format="dummy", num_blocks=64, generation_config="hf")
-    # an advised max_new_tokens stops at the context; one given that overruns it is refused
+    # an advised max_new_tokens stops at the context; so does one given (vLLM's rule)
     (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 0, "max_new_tokens": 100}))
     small = LLM(model_dir, load_format="dummy", num_blocks=64, max_model_len=64)
     out = small.generate([5] * 60)[0].outputs[0]
     assert len(out.token_ids) <= 4 and (out.finish_reason == "length") == (len(out.token_ids) == 4)
     assert "".join(small.stream([5] * 60)) == small.get_tokenizer().decode(out.token_ids)   # stream() too
-    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(100\) = 160 exceeds"):
-        small.generate([5] * 60, SamplingParams(max_tokens=100))
+    given = small.generate([5] * 60, SamplingParams(max_tokens=100, ignore_eos=True))[0].outputs[0]
+    assert (len(given.token_ids), given.finish_reason) == (4, "length")
     # truncate_prompt_tokens=-1 keeps what fits with max_tokens after it
     cut = small.generate(list(range(1, 101)), SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))[0]
     assert cut.prompt_token_ids == list(range(41, 101))
