@@ -41,7 +41,7 @@ from enum import Enum
 
 
 
-@dataclass
+@dataclass(kw_only=True)   # (vLLM's fields come in another order: a positional argument would land elsewhere)
 class SamplingParams:
     """How to pick a request's tokens (vLLM's names). temperature 0 is greedy."""
     n: int = 1                          # parallel samples of one prompt (prefilled once, then forked)
@@ -72,6 +72,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None      # draw only these
     bad_words: list[str] | None = None              # never complete one of these words
+    # vLLM's, taken at what nanopaged does: it decodes as HF's fast tokenizers do, which is
+    # vLLM's spaces_between_special_tokens=True (True only); extra_args are kept, unused (as
+    # by vLLM's own sampling)
+    spaces_between_special_tokens: bool = True
+    extra_args: dict | None = None
     # Filled by LLM._check_constraints (from LLM._add) in the request's copy: bad_words as
     # token ids, both spellings (with the model's tokenizer, as vLLM does), and a (vocab,)
     # bool tensor on the engine's device, True outside allowed_token_ids (made once: a list
@@ -118,6 +123,11 @@ class SamplingParams:
                               ("include_stop_str_in_output", self.include_stop_str_in_output),
                               ("detokenize", self.detokenize))],
             (self.detokenize or not self.stop, "stop strings are found in the text: they need detokenize=True"),
+            (self.spaces_between_special_tokens is True, f"spaces_between_special_tokens="
+             f"{self.spaces_between_special_tokens!r}: nanopaged decodes as HF's fast tokenizers do, which is "
+             f"vLLM's True (it takes True)"),
+            (self.extra_args is None or isinstance(self.extra_args, dict),
+             f"extra_args must be None or a dict, got {self.extra_args!r}"),
             *[(_finite_number(x) and -2 <= x <= 2, f"{name} must be a number in [-2, 2], got {x!r}")
               for name, x in (("presence_penalty", self.presence_penalty),
                               ("frequency_penalty", self.frequency_penalty))],

@@ -4482,7 +4482,8 @@ def test_sampling_bounds(llm):
                 dict(top_p=1.5), dict(top_p="1"), dict(top_k=2.5), dict(top_k=True), dict(n=0),
                 dict(stop=5), dict(stop=[5]), dict(stop=[""]), dict(stop_token_ids=5),
                 dict(stop_token_ids="ab"), dict(seed=1.5), dict(seed=2**64), dict(seed="x"),
-                dict(ignore_eos="no"), dict(max_tokens=np.float64(3)), dict(skip_special_tokens=1)):
+                dict(ignore_eos="no"), dict(max_tokens=np.float64(3)), dict(skip_special_tokens=1),
+                dict(spaces_between_special_tokens=False), dict(extra_args=[1])):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     # numpy's numbers are numbers, and become Python's
@@ -4490,6 +4491,10 @@ def test_sampling_bounds(llm):
                        max_tokens=np.int64(5), stop_token_ids=[np.int64(7), 8], seed=np.uint32(3))
     assert p == SamplingParams(n=2, temperature=0.5, top_k=5, top_p=0.9, max_tokens=5, stop_token_ids=[7, 8], seed=3)
     assert type(p.max_tokens) is int and type(p.temperature) is float and type(p.stop_token_ids[0]) is int
+    # vLLM's other order of fields: a positional argument would land in another field, so none is taken
+    with pytest.raises(TypeError, match="positional"):
+        SamplingParams(1, 0.5)
+    assert SamplingParams(extra_args={"tag": 1}, spaces_between_special_tokens=True).extra_args == {"tag": 1}
 
 
 def check_logprobs(entries, targets, dense_lp, k, tok):
