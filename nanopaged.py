@@ -21,6 +21,7 @@ import argparse
 import codecs
 import contextlib
 import copy
+import json
 import math
 import numbers
 import os
@@ -1739,7 +1740,7 @@ class LLM:
         parsed = []
         for i, conversation in enumerate(messages if batch else [messages]):
             try:
-                parsed.append(render_chat(self.tokenizer, conversation, **options))
+                parsed.append(render_chat(self.tokenizer, vllm_tool_calls(conversation), **options))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if batch else str(e)) from None
         _check_per_prompt(len(parsed), lora_request, priority)
@@ -2198,6 +2199,38 @@ def render_chat(tokenizer, conversation, /, **options) -> tuple[str, list[int]]:
     no special tokens added, as HF and vLLM encode it)."""
     text = tokenizer.apply_chat_template(conversation, **options)
     return text, tokenizer.encode_chat(text)
+
+
+def vllm_tool_calls(conversation):
+    """A conversation as vLLM's chat hands it to the template: each assistant tool call's
+    arguments, a JSON string in OpenAI's API, become the dict tool-use templates read (JSON
+    that is invalid or no object: {}), and an empty tool_calls list is dropped, which keeps a
+    template on its plain assistant path. (transformers' apply_chat_template passes them on
+    as they are.) The caller's messages are not changed."""
+    if not isinstance(conversation, (list, tuple)):
+        return conversation   # (one user turn, or what render_chat refuses)
+    messages = []
+    for m in conversation:
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        if isinstance(calls, list):
+            m = {key: value for key, value in m.items() if key != "tool_calls"}
+            if calls:
+                m["tool_calls"] = [_parsed_tool_call(call) for call in calls]
+        messages.append(m)
+    return messages
+
+
+def _parsed_tool_call(call):
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call   # (for the template to read as it is)
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args else {}
+        except json.JSONDecodeError:   # (as vLLM: the turn goes on, and so does the conversation)
+            args = {}
+    return call | {"function": function | {"arguments": args if isinstance(args, dict) else {}}}
 
 
 def request_copy(params: SamplingParams | BeamSearchParams) -> SamplingParams | BeamSearchParams:

@@ -7129,6 +7129,18 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
     assert llm.chat([{"role": "user", "content": "ab"}], params, False, None, chat_template=chat_template)
     with pytest.raises(ValueError, match="no LoRA adapters"):
         llm.chat([{"role": "user", "content": "ab"}], params, False, "adapter", chat_template=chat_template)
+    # as vLLM's chat: a tool call's JSON-string arguments reach the template as a dict ({} where
+    # they are no JSON object), and an empty tool_calls list not at all (transformers' own
+    # apply_chat_template passes them on as they are); the caller's messages stay as they were
+    calls = ("{% for m in messages %}[{{ m.role }}]{% for t in m.tool_calls or [] %}{{ t.function.name }}"
+             "{{ t.function.arguments | tojson }}{% endfor %}{% if m.tool_calls is defined %}!{% endif %}{% endfor %}")
+    said = [{"role": "user", "content": "ab"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": '{"x": 5}'}},
+                {"type": "function", "function": {"name": "g", "arguments": "not json"}}]},
+            {"role": "assistant", "content": "c", "tool_calls": []}]
+    assert llm.chat(said, params, chat_template=calls)[0].prompt == '[user][assistant]f{"x": 5}g{}![assistant]'
+    assert said[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 5}' and said[2]["tool_calls"] == []
     # chat takes vLLM's arguments in vLLM's order: priority fifth, then chat_template...
     two = [[{"role": "user", "content": "ab"}], [{"role": "user", "content": "cd"}]]
     assert len(llm.chat(two, params, False, [None, None], 0, chat_template, "auto")) == 2
