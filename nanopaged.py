@@ -1182,7 +1182,9 @@ class LLM:
                 setattr(params, name, V)
         if params.bad_words is not None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        # (stop_token_ids too, as vLLM 0.30 on: one past the vocabulary could never be drawn)
         for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                          ("stop_token_ids", params.stop_token_ids),
                           ("bad_words", sum(params.bad_words_token_ids or [], []))):
             bad = sorted(t for t in ids or () if not 0 <= t < V)
             if bad:
