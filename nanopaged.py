@@ -1024,10 +1024,15 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's: forget every cached block (a cold start, for a benchmark; or new weights,
         which make the cached K and V wrong). Only while no block is held, as vLLM: False, and
-        nothing done, while a request holds some."""
+        nothing done, while a request holds some. (vLLM's two options, taken at False: nanopaged
+        does not preempt its running requests for it, and has no KV connector.)"""
+        for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+            if value is not False:
+                raise ValueError(f"{name}={value!r}: nanopaged resets its prefix cache only while no request "
+                                 f"holds a block, and has no KV connector (it takes False)")
         if self.pool.num_used or (self.swap_pool is not None and self.swap_pool.num_used):
             return False
         self.pool.reset_prefix_cache()   # (the swap space caches nothing)
@@ -1756,10 +1761,11 @@ class LLM:
         params = list(sampling_params) if one_each else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        if not isinstance(use_tqdm, bool):
-            raise ValueError(f"use_tqdm must be True or False, got {use_tqdm!r}")
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise ValueError(f"use_tqdm must be True, False, or a function that makes a progress bar "
+                             f"(vLLM's: tqdm's signature), got {use_tqdm!r}")
         self._check_alone(caller)
-        ids, first_id = [], self._next_id
+        ids, first_id, bar = [], self._next_id, None
         try:
             self._generating = self._cleanup_due = True   # (before its requests exist: a step elsewhere would run them)
             for i, ((text, token_ids), p) in enumerate(zip(prompts, params)):
@@ -1769,11 +1775,16 @@ class LLM:
                     self._next_id = first_id   # (the ids of the prompts before it: never seen by the caller)
                     raise ValueError(f"prompt {i}: {e}") from None
             self.reset_stats()   # (once all were accepted: a refused batch leaves them as they were)
+            if callable(use_tqdm):   # (vLLM's: a bar of the caller's, tqdm or one like it)
+                bar = use_tqdm(total=len(ids), desc="Processed prompts")
             results = {}
             while self.has_unfinished_requests():
-                for r in self._step():
+                finished = self._step()
+                for r in finished:
                     results[r.request_id] = r
-                if use_tqdm:
+                if bar is not None:
+                    bar.update(len(finished))
+                elif use_tqdm:
                     _progress(len(results), len(ids), self.stats)
             self._cleanup_due = False   # (all reported: nothing left)
         except BaseException:
@@ -1781,7 +1792,9 @@ class LLM:
             raise
         finally:
             self._generating = False
-        if use_tqdm:
+            if bar is not None:
+                bar.close()
+        if use_tqdm is True:
             print(file=sys.stderr)
         return [results[rid] for rid in ids]
 

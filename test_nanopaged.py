@@ -4863,8 +4863,23 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     capsys.readouterr()
     llm.generate([text, text], greedy(3), use_tqdm=True)
     assert "2/2 requests" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="use_tqdm must be True or False"):
+    with pytest.raises(ValueError, match="use_tqdm must be True, False, or a function that makes a progress bar"):
         llm.generate(text, greedy(3), use_tqdm="yes")
+    # or, as vLLM takes it, a function that makes the bar (tqdm, or one like it): told of each finish
+    calls = []
+
+    class Bar:
+        def __init__(self, **kw):
+            calls.append(("made", kw["total"]))
+
+        def update(self, n):
+            calls.append(("update", n))
+
+        def close(self):
+            calls.append(("closed",))
+    llm.generate([text, "Hi", text], greedy(3), use_tqdm=Bar)
+    assert calls[0] == ("made", 3) and calls[-1] == ("closed",) and sum(c[1] for c in calls[1:-1]) == 3
+    assert capsys.readouterr().err == ""
     assert_nothing_leaked(llm)
 
 
@@ -7191,6 +7206,9 @@ def test_reset_prefix_cache_frees_every_cached_block_but_only_while_none_is_held
     assert llm.reset_prefix_cache() is False and llm.pool.num_cached == cached
     llm.abort(rid)
     assert llm.reset_prefix_cache() is True
+    with pytest.raises(ValueError, match="reset_running_requests=True: nanopaged resets its prefix cache only"):
+        llm.reset_prefix_cache(reset_running_requests=True)
+    assert llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False) is True
     assert (llm.pool.num_cached, llm.pool.num_free, llm.pool.cached_blocks) == (0, 64, {})
     assert llm.pool.block_hash == llm.pool.block_tokens == {}   # (a block still hashed is never cached again)
     again = llm.generate(prompt, params)[0]
