@@ -214,6 +214,9 @@ class ModelConfig:
     # generation_config.json's sampling values, named as SamplingParams names them: vLLM's LLM
     # samples with these when a request brings no SamplingParams
     sampling_defaults: dict = field(default_factory=dict)
+    # the checkpoint's dtype as config.json names it ("bfloat16"...; transformers 5 writes it as
+    # dtype, earlier ones as torch_dtype): a GPU's dtype="auto" follows it, as vLLM's does
+    torch_dtype: str | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -254,6 +257,8 @@ class ModelConfig:
         d = _read_json(path)
         with _in_file(path):
             config = cls.from_dict(d)
+        stored = d.get("dtype", d.get("torch_dtype"))
+        config.torch_dtype = stored if isinstance(stored, str) else None
         # Some instruct models (Llama 3) name their end-of-turn token only here.
         gen = path.with_name("generation_config.json")
         if gen.exists():

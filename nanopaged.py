@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 import build_ext
 from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
-from model import ModelConfig, load_model, load_tokenizer, resolve_model_dir, tanh_softcap
+from model import GEMMAS, ModelConfig, load_model, load_tokenizer, resolve_model_dir, tanh_softcap
 from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, hash_block, is_integer, stop_token_set
 
 # -----------------------------------------------------------------------------
@@ -912,9 +912,7 @@ class LLM:
         # k entries per token costs k decodes, and a whole vocabulary's is large)
         self.max_logprobs = int(max_logprobs)
         device = _parse_device(device)
-        if dtype in (None, "auto"):   # (vLLM's "auto" reads the checkpoint's dtype; here: by device)
-            dtype = "bfloat16" if device.type == "cuda" else "float32"
-        dtype = _parse_dtype(dtype)
+        dtype = None if dtype in (None, "auto") else _parse_dtype(dtype)   # (None: once the config is read)
         sizes = {"block_size": block_size, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
                  "kv_cache_memory": kv_cache_memory, "max_num_batched_tokens": max_num_batched_tokens,
                  "max_model_len": max_model_len}
@@ -942,10 +940,11 @@ class LLM:
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"unknown generation_config {generation_config!r}: use auto (the model's "
                              "generation_config.json) or vllm (SamplingParams' own defaults)")
-        self.device, self.dtype = device, dtype
         # The config first, so that arguments the model cannot take are refused before its weights load
         model_dir = resolve_model_dir(model)
         cfg = ModelConfig.from_json(model_dir / "config.json")
+        dtype = dtype or auto_dtype(device, cfg)
+        self.device, self.dtype = device, dtype
         # What a request without SamplingParams samples with (vLLM's rule): the model's advice in
         # generation_config.json, such as a temperature, where generation_config is "auto"
         advice = cfg.sampling_defaults if generation_config == "auto" else {}
@@ -2147,6 +2146,16 @@ def _parse_device(device) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device {str(device)!r} is not supported: use cpu or cuda")
     return device
+
+
+def auto_dtype(device, cfg: ModelConfig) -> torch.dtype:
+    """dtype "auto" (or None): float32 on the CPU, where its matmuls are as fast as any and
+    exact; on a GPU, as vLLM's "auto": the checkpoint's half precision, float16 or bfloat16
+    as stored, bfloat16 for a float32 checkpoint, and for Gemma (whose activations overflow
+    float16: vLLM refuses float16 for it)."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.float16 if cfg.torch_dtype == "float16" and cfg.model_type not in GEMMAS else torch.bfloat16
 
 
 def _parse_dtype(dtype) -> torch.dtype:
