@@ -1096,7 +1096,7 @@ class LLM:
             if beam.beam_width > self.scheduler.max_num_seqs:
                 raise ValueError(f"beam_width = {beam.beam_width} exceeds max_num_seqs = {self.scheduler.max_num_seqs}")
             params = SamplingParams(n=beam.beam_width, temperature=0.0, max_tokens=beam.max_tokens,
-                                    ignore_eos=beam.ignore_eos)
+                                    ignore_eos=beam.ignore_eos, allowed_token_ids=beam.allowed_token_ids)
             params.beam = beam
         elif isinstance(params, SamplingParams):
             params = request_copy(params)
@@ -1450,11 +1450,15 @@ class LLM:
         if not rows:
             return {}, {}, {}
         k = min(max(2 * due[row].params.n for row in rows), logits.shape[-1])
-        top = torch.log_softmax(logits[rows].float(), dim=-1).topk(k, dim=-1)   # (beams, k), best first
+        lp = torch.log_softmax(logits[rows].float(), dim=-1)               # (beams, vocab)
+        for i, row in enumerate(rows):   # allowed_token_ids: candidates among those only (their logprobs as they were)
+            if due[row].params.disallowed_mask is not None:
+                lp[i].masked_fill_(due[row].params.disallowed_mask, -math.inf)
+        top = lp.topk(k, dim=-1)                                           # (beams, k), best first
         fresh, broken = {}, {}
         for seq, row, ids, lps in zip([due[r] for r in rows], rows, top.indices.tolist(), top.values.tolist()):
-            if finite[row]:
-                fresh[seq] = list(zip(ids, lps))[:2 * seq.params.n]   # (token, logprob), best first
+            if finite[row]:   # (token, logprob), best first; none that allowed_token_ids leaves out (-inf)
+                fresh[seq] = [(t, x) for t, x in zip(ids, lps) if x > -math.inf][:2 * seq.params.n]
             else:
                 broken[seq] = NOT_FINITE
         sampled, plan = {}, {}

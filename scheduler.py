@@ -221,6 +221,8 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False   # beam_search's results keep their final EOS
     skip_special_tokens: bool = True    # in beam_search's text (vLLM 0.30 on; generate's leaves them out)
+    allowed_token_ids: list[int] | None = None   # candidates only among these (vLLM 0.34's), ranked
+                                        # by the model's own logprobs over the whole vocabulary
 
     def __post_init__(self):
         checks = [
@@ -232,6 +234,9 @@ class BeamSearchParams:
              f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}"),
             (isinstance(self.skip_special_tokens, bool),
              f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}"),
+            (self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple)) and self.allowed_token_ids
+                                                and all(is_integer(t) for t in self.allowed_token_ids)),
+             f"allowed_token_ids must be None or a non-empty list of token ids, got {self.allowed_token_ids!r}"),
             (_finite_number(self.temperature) and self.temperature == 0,
              f"temperature must be 0: nanopaged's beam search ranks beams by the model's own "
              f"log-probabilities, got {self.temperature!r}"),

@@ -4196,18 +4196,22 @@ def test_parallel_sampling_forks_and_is_reproducible(llm):
     assert_nothing_leaked(llm)
 
 
-def reference_beam_search(model, prompt, width, max_tokens, eos, length_penalty=1.0):
+def reference_beam_search(model, prompt, width, max_tokens, eos, length_penalty=1.0, allowed=None):
     """vLLM's LLM.beam_search, redone with a dense forward pass over each beam's whole
     sequence, no cache: every beam's 2 * width likeliest next tokens are candidates, those
     that are EOS end, the width best of the others go on; the width best by cumulative
     logprob / length ** length_penalty (the output's tokens, an ending EOS counted: vLLM 0.33's
-    and transformers' rule) are returned, as (output ids, cumulative logprob)."""
+    and transformers' rule) are returned, as (output ids, cumulative logprob). allowed: the
+    candidates only among these tokens, by their logprobs over the whole vocabulary."""
     beams, ended = [(list(prompt), 0.0)], []
     for _ in range(max_tokens):
         candidates = []
         last = forward_last(model, [tokens for tokens, _ in beams])   # every beam's, in one pass
         for (tokens, cum), logits in zip(beams, last):
-            top = torch.log_softmax(logits.float(), dim=-1).topk(2 * width)
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            if allowed is not None:
+                lp = torch.full_like(lp, -math.inf).index_copy(0, torch.tensor(allowed), lp[allowed])
+            top = lp.topk(min(2 * width, len(allowed or lp)))
             for token, lp in zip(top.indices.tolist(), top.values.tolist()):
                 (ended if token in eos else candidates).append((tokens + [token], cum + lp))
         beams = sorted(candidates, key=lambda b: -b[1])[:width]
@@ -7359,6 +7363,25 @@ def test_beam_rank_counts_the_output_and_its_final_eos():
     assert nanopaged_module.beam_rank(ended, 1.0) == pytest.approx(math.log(3.0) - math.log(3))
     assert nanopaged_module.beam_rank(none, 2.0) == pytest.approx(math.log(0.5))
     assert sorted([ran, ended], key=lambda h: nanopaged_module.beam_rank(h, 1.0)) == [ended, ran]
+
+
+def test_beam_search_allowed_token_ids_as_vllm(tmp_path):
+    """BeamSearchParams(allowed_token_ids=...), vLLM 0.34's: a beam's candidates are its
+    likeliest allowed tokens, ranked by the model's own logprobs over the whole vocabulary
+    (not renormalized over the set): the dense reference restricted so gives the same beams.
+    Catches: a candidate outside the set, logprobs renormalized over it, or a set of fewer
+    tokens than the candidates (-inf ones) reaching the ranking."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64)
+    prompt = [72, 105, 33]
+    for allowed in ([0, *range(97, 110)], [98, 99]):   # EOS (0) and 13 letters; two letters, fewer than 2 x 3
+        out = llm.beam_search([prompt], BeamSearchParams(3, 5, allowed_token_ids=allowed))[0]
+        want = reference_beam_search(llm.model, prompt, 3, 5, {0}, allowed=allowed)
+        assert_same_beams([(s.tokens[len(prompt):], s.cum_logprob) for s in out.sequences], want)
+        assert all(t in allowed for s in out.sequences for t in s.tokens[len(prompt):])
+    for bad, message in (([], "allowed_token_ids must be None or a non-empty list"), ([300], "outside \\[0, 256\\)")):
+        with pytest.raises(ValueError, match=message):
+            llm.beam_search([prompt], BeamSearchParams(3, 5, allowed_token_ids=bad))
+    assert_nothing_leaked(llm)
 
 
 def test_a_beam_search_with_ignore_eos_never_ends_a_beam_at_eos(llm):
