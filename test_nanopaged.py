@@ -2196,25 +2196,27 @@ def test_chat_template_errors_are_value_errors(tmp_path, template, message):
 def test_a_chat_template_that_runs_away_is_stopped(tmp_path, monkeypatch):
     """The sandbox bounds each range(), not loops within loops, nor what an operator builds:
     a render stops past RENDER_SECONDS (here 0.5), and a text, list or number too big is
-    refused before it is built."""
+    refused before it is built (those with the clock at 60 s: on a loaded machine, building
+    up to the limit may take longer than 0.5 s, and the clock would stop it first)."""
     if sys.gettrace() is not None:
         pytest.skip("a debugger or coverage tool traces: renders are not timed under it")
-    monkeypatch.setattr(model_module, "RENDER_SECONDS", 0.5)
     path = tiny_tokenizer_dir(tmp_path)
     loops = "{% for i in range(99999) %}{% for j in range(99999) %}"
-    for template, message in (
-            (loops + "{% set x = i + j %}{% endfor %}{% endfor %}", "rendering took more than 0.5 s"),  # 10**10 turns
-            (loops + "{{ 'x' * 99999 }}{% endfor %}{% endfor %}", "text is longer than 67,108,864 characters"),
-            ("{% set s %}{% for i in range(99) %}{{ 'x' * 999999 }}{% endfor %}{% endset %}",   # a captured block
+    for seconds, template, message in (
+            (0.5, loops + "{% set x = i + j %}{% endfor %}{% endfor %}", "rendering took more than 0.5 s"),  # 10**10 turns
+            (60, loops + "{{ 'x' * 99999 }}{% endfor %}{% endfor %}", "text is longer than 67,108,864 characters"),
+            (60, "{% set s %}{% for i in range(99) %}{{ 'x' * 999999 }}{% endfor %}{% endset %}",   # a captured block
              "text is longer than 67,108,864 characters"),
-            ("{{ ('x' * 99999) * 3000 }}", "str of 99,999 times 3,000 is longer than 67,108,864"),
-            ("{{ (range(99999) | list) + (range(99999) | list) * 999 }}", "list of 99,999 times 999 is longer"),
-            ("{% set n = 10 %}{{ n ** 99999999 }}", "10 \\*\\* 99999999 is too large a number")):
+            (60, "{{ ('x' * 99999) * 3000 }}", "str of 99,999 times 3,000 is longer than 67,108,864"),
+            (60, "{{ (range(99999) | list) + (range(99999) | list) * 999 }}", "list of 99,999 times 999 is longer"),
+            (60, "{% set n = 10 %}{{ n ** 99999999 }}", "10 \\*\\* 99999999 is too large a number")):
+        monkeypatch.setattr(model_module, "RENDER_SECONDS", seconds)
         (path / "chat_template.jinja").write_text(template)
         with pytest.raises(ValueError, match=f"the model's chat template failed: ValueError: .*{message}"):
             load_tokenizer(path).apply_chat_template("Hi")
     # a filter's own Python loop is timed too: markupsafe's striptags, quadratic, went on for
     # about 15 s on this text (minutes on some megabytes) before the clock was read
+    monkeypatch.setattr(model_module, "RENDER_SECONDS", 0.5)
     (path / "chat_template.jinja").write_text("{{ ('<>' * 640000) | striptags }}")
     start = time.monotonic()
     with pytest.raises(ValueError, match="rendering took more than 0.5 s"):
