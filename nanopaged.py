@@ -2415,9 +2415,10 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
     # A setting that leaves no room for any turn (--max-tokens past the context, a pool too small)
     # is said once, before the first turn is read, rather than at every turn: a one-word turn's
     # request, made and closed unrun (stream() checks a request as it queues it)
-    word = conversation + [{"role": "user", "content": "Hi"}]
+    # (a template that fails fails here, once: main's error)
+    word = llm.tokenizer.encode_chat(llm.tokenizer.apply_chat_template(conversation + [{"role": "user", "content": "Hi"}]))
     try:
-        llm.stream(llm.tokenizer.encode_chat(llm.tokenizer.apply_chat_template(word)), params).close()
+        llm.stream(word, params).close()
     except ValueError as e:
         raise ValueError(f"--chat has no room for even a one-word turn: {e}") from None
     # bytes that are no UTF-8 (a Latin-1 file piped in) read as U+FFFD, as a --prompt's do, and

@@ -4268,6 +4268,11 @@ def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm, mo
                 assert c.token_ids == k.tokens[len(prompt):] and ended == (k.tokens[-1] in eos)
                 assert c.stop_reason == (c.token_ids[-1] if ended and tokenizer_eos == -1 else None)
                 assert c.text == tok.decode(c.token_ids[:-1] if ended else c.token_ids, skip_special_tokens=True)
+        # skip_special_tokens=False keeps them in generate's text too (a final EOS with include_stop_str_in_output)
+        kept = llm.generate([prompt], BeamSearchParams(width, max_tokens, length_penalty=penalty, skip_special_tokens=False,
+                                                       include_stop_str_in_output=True))[0]
+        assert [c.text for c in kept.outputs] == [tok.decode(c.token_ids) for c in kept.outputs]
+        assert any(c.text != tok.decode(c.token_ids, skip_special_tokens=True) for c in kept.outputs)
         assert_nothing_leaked(llm)
     assert reasons == {"stop", "length"}   # results that ended in EOS, and ran to max_tokens
     # The beams share the prompt's blocks: after the first step, every block of the prompt
@@ -4518,6 +4523,19 @@ def check_logprobs(entries, targets, dense_lp, k, tok):
             # (ranks within float noise of a near-tie may come out either way)
             assert (row > row[t] + 1e-3).sum() + 1 <= e.rank <= (row > row[t] - 1e-3).sum() + 1
         assert d[target].decoded_token == tok.decode([target])
+
+
+def test_decoded_token_completes_the_character_a_prompt_began(tmp_path):
+    """A prompt of ids ending partway through a UTF-8 character ("€" is E2 82 AC; byte-level
+    tokens), and an output token that completes it: that token's decoded_token is the
+    character, in generate's logprobs and in a beam search's, read back into the prompt.
+    Catches: a context of the output tokens alone ("" for the token that completes it)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=16)
+    prompt = [65, 0xE2, 0x82]
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, logprobs=0, allowed_token_ids=[0xAC]))[0].outputs[0]
+    assert out.token_ids == [0xAC] and out.logprobs[0][0xAC].decoded_token == "€"
+    beams = llm.beam_search([prompt], BeamSearchParams(1, 1, allowed_token_ids=[0xAC]))[0].sequences
+    assert beams[0].logprobs[0][0xAC].decoded_token == "€" and beams[0].text == "A€"
 
 
 def test_decoded_tokens_add_up_to_the_text(llm):
@@ -5883,6 +5901,10 @@ def test_cli_logprobs_table(capsys, smollm2_dir):
     assert [r[1] for r in rows] == [" Paris", "."] and all(r[1] == r[3] for r in rows)   # greedy: the top token
     total = float(re.fullmatch(r"  cumulative logprob (-[\d.]+)", lines[3])[1])
     assert total == pytest.approx(sum(float(r[2]) for r in rows), abs=2e-3) and total < 0
+    # the most the engine gives, 20: taken (21 is refused, with the bad input)
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "The capital of France is",
+                             "--raw", "--max-tokens", "1", "--logprobs", "20")
+    assert code == 0 and out.splitlines()[1].count("' -") == 20   # (the 20 likeliest, after the chosen token's own)
 
 
 def test_cli_interrupt_starts_its_own_line(capsys, smollm2_dir, monkeypatch):
@@ -6997,6 +7019,17 @@ def fake_seq(prompt, output, **params):
                            output_token_ids=list(output), num_output_tokens=len(output))
 
 
+def test_repetition_penalty_makes_a_seen_token_less_likely_whatever_its_sign():
+    """CTRL's rule (vLLM's, HF's): a seen token's positive logit is divided by the penalty, a
+    negative one multiplied by it, so both become less likely; unseen tokens keep theirs.
+    Catches: a negative logit divided too (raised toward 0: more likely), which greedy tests,
+    whose top token is positive, never see."""
+    logits = torch.tensor([4.0, -2.0, 1.0, -3.0])
+    edited = logits.clone()
+    nanopaged_module.process_logits(edited, fake_seq([0, 1], [3], repetition_penalty=2.0), set())
+    assert edited.tolist() == [2.0, -4.0, 1.0, -6.0]
+
+
 def test_logit_bias_is_added_to_the_logit_not_put_in_its_place():
     """logit_bias adds to the logit (OpenAI's, vLLM's): a bias of 0 changes nothing, and a
     bias of 1 raises a logit by exactly 1. Catches: logit_bias assigned (=) instead of added (+=)."""
@@ -7380,6 +7413,13 @@ def test_beam_search_allowed_token_ids_as_vllm(tmp_path):
         want = reference_beam_search(llm.model, prompt, 3, 5, {0}, allowed=allowed)
         assert_same_beams([(s.tokens[len(prompt):], s.cum_logprob) for s in out.sequences], want)
         assert all(t in allowed for s in out.sequences for t in s.tokens[len(prompt):])
+    # every step's EOS candidate ends a beam: more than beam_width end, and ranked by cumulative
+    # logprob alone (length_penalty 0) the earliest ended rank first: the results are beam_width
+    # ended beams, as the reference's
+    out = llm.beam_search([prompt], BeamSearchParams(3, 5, allowed_token_ids=[0, 98], length_penalty=0))[0]
+    want = reference_beam_search(llm.model, prompt, 3, 5, {0}, length_penalty=0, allowed=[0, 98])
+    assert_same_beams([(s.tokens[len(prompt):], s.cum_logprob) for s in out.sequences], want)
+    assert [s.finish_reason for s in out.sequences] == ["stop"] * 3
     for bad, message in (([], "allowed_token_ids must be None or a non-empty list"), ([300], "outside \\[0, 256\\)")):
         with pytest.raises(ValueError, match=message):
             llm.beam_search([prompt], BeamSearchParams(3, 5, allowed_token_ids=bad))
