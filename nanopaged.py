@@ -2412,10 +2412,10 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
     answer ended in: only full blocks are cached): --stats shows the hit rate. Typed, a Ctrl-C
     during an answer stops it; at the prompt, it ends the chat."""
     conversation, refused = list(system), 0
-    # A setting that leaves no room for any turn (--max-tokens past the context, a pool too small)
-    # is said once, before the first turn is read, rather than at every turn: a one-word turn's
-    # request, made and closed unrun (stream() checks a request as it queues it)
-    # (a template that fails fails here, once: main's error)
+    # A setting that leaves no room for any turn (a --system prompt that fills the context, a
+    # pool too small) is said once, before the first turn is read, rather than at every turn: a
+    # one-word turn's request, made and closed unrun (stream() checks a request as it queues
+    # it). (A template that fails fails here, once: main's error.)
     word = llm.tokenizer.encode_chat(llm.tokenizer.apply_chat_template(conversation + [{"role": "user", "content": "Hi"}]))
     try:
         llm.stream(word, params).close()
