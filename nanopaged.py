@@ -2279,17 +2279,13 @@ def request_copy(params: SamplingParams | BeamSearchParams) -> SamplingParams | 
     return (BeamSearchParams if isinstance(params, BeamSearchParams) else SamplingParams)(**values)
 
 
-def _check_lora(lora_request):
-    """vLLM's lora_request: one, or one per prompt; None asks for no adapter."""
+def _check_per_prompt(num_prompts: int, lora_request, priority):
+    """vLLM's lora_request and priority: one for all the prompts, or a list of one each (a
+    list of another length refused, as vLLM does), taken where they ask for nothing: no
+    adapter (None), and priority 0."""
     if lora_request is not None and not (isinstance(lora_request, (list, tuple))
                                          and all(r is None for r in lora_request)):
         raise ValueError(f"lora_request={lora_request!r}: nanopaged has no LoRA adapters (it takes None)")
-
-
-def _check_per_prompt(num_prompts: int, lora_request, priority):
-    """vLLM's lora_request and priority: one for all the prompts, or a list of one each (a
-    list of another length refused, as vLLM does), taken where they ask for nothing."""
-    _check_lora(lora_request)
     if priority is not None and any(p != 0 for p in (priority if isinstance(priority, (list, tuple)) else [priority])):
         raise ValueError(f"priority={priority!r}: nanopaged's scheduler is first-come-first-served, "
                          f"with no priorities (it takes None, or 0: one for all, or one for each prompt)")
