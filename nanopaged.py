@@ -1061,8 +1061,9 @@ class LLM:
         text, ids = self._parse_prompt(prompt)
         return self._add(text, ids, params, request_id)
 
-    def _parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """A prompt's text (None if given as ids alone) and token ids."""
+    def _parse_prompt(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """A prompt's text (None if given as ids alone) and token ids (a text's encoded with
+        the tokenizer's special tokens, a BOS..., where add_special_tokens)."""
         text = None
         if isinstance(prompt, dict):   # vLLM's TextPrompt and TokensPrompt
             # (vLLM's other keys, at None, ask for nothing; at a value, for what nanopaged lacks)
@@ -1083,7 +1084,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens)
         if _is_token_ids(prompt):
             return text, [int(t) for t in prompt]   # numpy and torch integers become ints
         raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
@@ -1103,9 +1104,9 @@ class LLM:
         else:
             raise ValueError(f"sampling params must be a SamplingParams (or BeamSearchParams), "
                              f"got {type(params).__name__}")
-        if params.truncate_prompt_tokens is not None:   # (left truncation: the end of a prompt matters most)
+        if params.truncate_prompt_tokens is not None:   # (vLLM's field before 0.20: -1 leaves room for max_tokens)
             keep = params.truncate_prompt_tokens
-            ids = ids[-(max(self.max_model_len - (params.max_tokens or 1), 1) if keep == -1 else keep):]
+            ids = truncated(ids, max(self.max_model_len - (params.max_tokens or 1), 1) if keep == -1 else keep)
         # A beam search's beams must fit the pool all at once: a beam preempted and recomputed
         # apart from its siblings shares no partial block with them, and they wait for it (parked)
         beams = params.n if params.beam else 1
@@ -1662,14 +1663,19 @@ class LLM:
 
     # --- the whole loop ---
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False, *, lora_request=None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None, tokenization_kwargs: dict | None = None,
+                 mm_processor_kwargs=None) -> list[RequestOutput]:
         """Generate for every prompt (each as add_request takes it); outputs come back in the
         order of the prompts. sampling_params: one SamplingParams for all prompts, or a list
         with one per prompt. use_tqdm: draw a progress line on stderr (vLLM's name; nanopaged
         draws its own, and is quiet by default). lora_request and priority: vLLM's, taken at
         what asks for nothing (None; priorities all 0, as vLLM's first-come-first-served
-        scheduler takes them)."""
-        prompts = self._parse_prompts(prompts)
+        scheduler takes them). tokenization_kwargs: vLLM's, see Tokenization;
+        mm_processor_kwargs: vLLM's, None (no multimodal inputs)."""
+        tokenization = Tokenization.of(tokenization_kwargs, mm_processor_kwargs, self.max_model_len,
+                                       add_special_tokens=True)
+        prompts = [(text, tokenization.truncate(ids))
+                   for text, ids in self._parse_prompts(prompts, tokenization.add_special_tokens)]
         _check_per_prompt(len(prompts), lora_request, priority)
         return self._generate(prompts, sampling_params, use_tqdm)
 
@@ -1704,7 +1710,7 @@ class LLM:
                 outputs.append(BeamSearchOutput(sequences))
         return outputs
 
-    def _parse_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
+    def _parse_prompts(self, prompts, add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
         """One prompt, or a list of them, as (text, token ids) each."""
         if isinstance(prompts, (str, dict)) or (_is_token_ids(prompts) and len(prompts) > 0):
             prompts = [prompts]
@@ -1714,7 +1720,7 @@ class LLM:
         parsed = []
         for i, prompt in enumerate(prompts):
             try:
-                parsed.append(self._parse_prompt(prompt))
+                parsed.append(self._parse_prompt(prompt, add_special_tokens))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return parsed
@@ -1722,7 +1728,8 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False, lora_request=None, priority=None,
              chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             tokenization_kwargs: dict | None = None, mm_processor_kwargs=None) -> list[RequestOutput]:
         """vLLM's chat (its arguments, in its order): one conversation (a list of messages such
         as {"role": "user", "content": ...}) or a list of conversations, each rendered with the
         model's chat template, or `chat_template`, (render_chat) and generated for; one
@@ -1730,7 +1737,10 @@ class LLM:
         continue_final_message, tools and chat_template_kwargs (the template's own variables)
         go to apply_chat_template. lora_request and priority: as generate takes them;
         chat_template_content_format: "auto", the only one (apply_chat_template picks as vLLM's
-        auto does)."""
+        auto does). tokenization_kwargs and mm_processor_kwargs: as generate takes them, but
+        add_special_tokens defaults to False, as in vLLM (the template wrote them)."""
+        tokenization = Tokenization.of(tokenization_kwargs, mm_processor_kwargs, self.max_model_len,
+                                       add_special_tokens=False)
         if chat_template_content_format != "auto":
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: nanopaged hands a "
                              f"message's content over as vLLM's 'auto' does (it takes 'auto')")
@@ -1750,7 +1760,9 @@ class LLM:
         parsed = []
         for i, conversation in enumerate(messages if batch else [messages]):
             try:
-                parsed.append(render_chat(self.tokenizer, vllm_tool_calls(conversation), **options))
+                text, ids = render_chat(self.tokenizer, vllm_tool_calls(conversation),
+                                        add_special_tokens=tokenization.add_special_tokens, **options)
+                parsed.append((text, tokenization.truncate(ids)))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if batch else str(e)) from None
         _check_per_prompt(len(parsed), lora_request, priority)
@@ -2221,12 +2233,12 @@ def _pick_cpu_kernel(backend: str, device, cfg, block_size: int, dtype: torch.dt
     return None
 
 
-def render_chat(tokenizer, conversation, /, **options) -> tuple[str, list[int]]:
+def render_chat(tokenizer, conversation, /, add_special_tokens: bool = False, **options) -> tuple[str, list[int]]:
     """A conversation as an instruct model reads it: the text its chat template renders (with
     apply_chat_template's options), and that text's token ids (the tokenizer's encode_chat:
-    no special tokens added, as HF and vLLM encode it)."""
+    no special tokens added, as HF and vLLM encode it, unless add_special_tokens)."""
     text = tokenizer.apply_chat_template(conversation, **options)
-    return text, tokenizer.encode_chat(text)
+    return text, tokenizer.encode(text) if add_special_tokens else tokenizer.encode_chat(text)
 
 
 def vllm_tool_calls(conversation):
@@ -2292,6 +2304,68 @@ def _check_per_prompt(num_prompts: int, lora_request, priority):
     for name, value in (("lora_request", lora_request), ("priority", priority)):
         if isinstance(value, (list, tuple)) and len(value) != num_prompts:
             raise ValueError(f"{name} has {len(value)} entries for {num_prompts} prompts")
+
+
+@dataclass(frozen=True)
+class Tokenization:
+    """vLLM's tokenization_kwargs for generate and chat: how a prompt becomes token ids.
+    add_special_tokens: encode a text with the tokenizer's special tokens (a BOS...).
+    keep: truncate a prompt to that many ids (None: no truncation), its last ones
+    (side "left", vLLM's for generation: the end of a prompt matters most) or its first."""
+    add_special_tokens: bool
+    keep: int | None = None
+    side: str = "left"
+
+    # the keys read, as vLLM's renderer reads them (0.21+; HF's encode names its last two)
+    KEYS = ("add_special_tokens", "truncate_prompt_tokens", "truncation_side", "truncation", "max_length")
+
+    @classmethod
+    def of(cls, kwargs, mm_processor_kwargs, max_model_len: int, add_special_tokens: bool) -> "Tokenization":
+        """From generate's or chat's tokenization_kwargs (None: the defaults)."""
+        if mm_processor_kwargs is not None:
+            raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: nanopaged has no multimodal "
+                             f"inputs (it takes None)")
+        kwargs = {} if kwargs is None else kwargs
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"tokenization_kwargs must be a dict or None, got {_describe(kwargs)}")
+        unknown = [k for k in kwargs if k not in cls.KEYS]
+        if unknown:   # (vLLM logs that it ignores them: a script that asks for them gets what it asked, or this)
+            raise ValueError(f"tokenization_kwargs: nanopaged takes {', '.join(cls.KEYS)}; not {', '.join(map(repr, unknown))}")
+        add = kwargs.get("add_special_tokens", add_special_tokens)
+        if not isinstance(add, bool):
+            raise ValueError(f"tokenization_kwargs: add_special_tokens must be True or False, got {add!r}")
+        keep = kwargs.get("truncate_prompt_tokens")
+        if not (keep is None or (is_integer(keep) and (keep >= 1 or keep == -1))):
+            raise ValueError(f"tokenization_kwargs: truncate_prompt_tokens must be None, -1 (all that fit) or "
+                             f"an integer >= 1, got {keep!r}")
+        max_length = kwargs.get("max_length", max_model_len)
+        if not (is_integer(max_length) and max_length >= 1):
+            raise ValueError(f"tokenization_kwargs: max_length must be an integer >= 1, got {max_length!r}")
+        truncation = kwargs.get("truncation")   # (HF's spelling: truncate to max_length, or not at all)
+        if truncation in (True, "longest_first"):
+            keep = max_length
+        elif truncation in (False, "do_not_truncate"):
+            keep = None
+        elif truncation is not None:
+            raise ValueError(f"tokenization_kwargs: truncation must be True, False, 'longest_first' or "
+                             f"'do_not_truncate', got {truncation!r}")
+        side = kwargs.get("truncation_side")
+        side = "left" if side is None else side   # (vLLM's tokenizer side for generation)
+        if side not in ("left", "right"):
+            raise ValueError(f"tokenization_kwargs: truncation_side must be 'left' or 'right', got {side!r}")
+        if keep == -1:   # (vLLM 0.34: one short of the context, for one output token)
+            keep = max_model_len - 1
+        if keep is not None and keep > max_model_len:   # (as vLLM refuses it)
+            raise ValueError(f"tokenization_kwargs: truncating to {keep} tokens exceeds max_model_len = {max_model_len}")
+        return cls(add, None if keep is None else int(keep), side)
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        return ids if self.keep is None else truncated(ids, self.keep, self.side)
+
+
+def truncated(ids: list[int], keep: int, side: str = "left") -> list[int]:
+    """A prompt's last `keep` ids (side "left": the end of a prompt matters most) or its first."""
+    return ids[-keep:] if side == "left" else ids[:keep]
 
 
 def _check_request_id(request_id):

@@ -1721,6 +1721,56 @@ def test_sentencepiece_outputs_keep_their_first_space(tmp_path):
     assert_nothing_leaked(llm)
 
 
+def test_tokenization_kwargs_of_generate_and_chat(tmp_path):
+    """vLLM's tokenization_kwargs: add_special_tokens (generate's default True, chat's False),
+    truncate_prompt_tokens from the left (vLLM's side for generation) or the right, -1 one
+    short of the context, and HF's truncation/max_length spelling; on text and token prompts.
+    What nanopaged does not read is refused by name, not ignored. (Llama 2's tokenizer: a BOS.)"""
+    model_dir = tmp_path / "llama2"
+    shutil.copytree(TESTDATA / "llama2_tokenizer", model_dir)
+    llm = LLM(model_dir, load_format="dummy", num_blocks=32)   # (max_model_len 128)
+    tok = llm.get_tokenizer()
+    text = "one two three four five six seven eight"
+    full, plain = tok.encode(text), tok.encode(text, add_special_tokens=False)
+    assert full == [tok.bos_token_id] + plain and len(plain) > 6
+    two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def prompt_ids(prompt=text, **kwargs):
+        out = llm.generate(prompt, two, tokenization_kwargs=kwargs)[0]
+        assert out.prompt == (prompt if isinstance(prompt, str) else None)   # (the text as given)
+        return out.prompt_token_ids
+    assert prompt_ids() == full and prompt_ids(add_special_tokens=False) == plain
+    assert prompt_ids(truncate_prompt_tokens=3) == full[-3:] == prompt_ids(truncation=True, max_length=3)
+    assert prompt_ids(truncate_prompt_tokens=3, truncation_side="right") == full[:3]
+    assert prompt_ids(truncate_prompt_tokens=3, truncation="do_not_truncate") == full   # (HF's: truncation wins)
+    assert prompt_ids(full, truncate_prompt_tokens=2) == full[-2:]
+    assert prompt_ids(full, add_special_tokens=False) == full   # (token ids are not encoded)
+    cut = llm.generate(list(range(3, 203)), two, tokenization_kwargs={"truncate_prompt_tokens": -1})[0]
+    assert cut.prompt_token_ids == list(range(76, 203)) and cut.outputs[0].finish_reason == "length"
+    # chat: the template writes what it wants (this one, no BOS); add_special_tokens=True adds it
+    conversation, bare = [{"role": "user", "content": text}], "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+    def chat_ids(**kwargs):
+        return llm.chat(conversation, two, chat_template=bare, tokenization_kwargs=kwargs)[0].prompt_token_ids
+    assert chat_ids() == plain and chat_ids(add_special_tokens=True) == full
+    assert chat_ids(truncate_prompt_tokens=4) == plain[-4:]
+    for kwargs, message in (({"padding": True}, "nanopaged takes add_special_tokens, .*; not 'padding'"),
+                            ({"add_special_tokens": 1}, "add_special_tokens must be True or False, got 1"),
+                            ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be None, -1"),
+                            ({"truncate_prompt_tokens": 129}, "truncating to 129 tokens exceeds max_model_len = 128"),
+                            ({"truncation": "only_first"}, "truncation must be True, False"),
+                            ({"truncation": True, "max_length": 0}, "max_length must be an integer >= 1, got 0"),
+                            ({"truncation_side": "middle"}, "truncation_side must be 'left' or 'right'"),
+                            ("add_special_tokens", "tokenization_kwargs must be a dict or None, got str")):
+        for run in (lambda: llm.generate(text, two, tokenization_kwargs=kwargs),
+                    lambda: llm.chat(conversation, two, tokenization_kwargs=kwargs)):
+            with pytest.raises(ValueError, match=message):
+                run()
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs=\{\}: nanopaged has no multimodal inputs"):
+        llm.generate(text, two, mm_processor_kwargs={})
+    assert_nothing_leaked(llm)
+
+
 def test_added_tokens_that_are_vocab_tokens_stay_in_the_bpe(tmp_path):
     """An added token with its own vocab id: a single_word "dog" (681) inside a word is not
     the added token there, but BPE still makes the vocab's "dog"; an added "Å" (the byte-level
