@@ -14,7 +14,8 @@ or the CUDA kernel; the tests pass a dense reference) writes k, v into the KV ca
 context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen, SmolLM3, Gemma layers), to the
 last W positions up to each query. The model knows nothing about pages.
 
-Chapters: config, tokenizers, layers, Llama, GPT-2, loading, GGUF conversion.
+Chapters: config, tokenizers (the Tokenizer, chat templates, the tokenizers built from files),
+layers, Llama, GPT-2, loading, GGUF conversion.
 """
 
 import base64
@@ -187,7 +188,7 @@ class ModelConfig:
     intermediate_size: int            # MLP width
     max_position_embeddings: int
     norm_eps: float                   # HF's rms_norm_eps (llama) / layer_norm_epsilon (gpt2)
-    rope_theta: float = 10000.0       # llama only
+    rope_theta: float = 10000.0       # Llama's family only
     rope_scaling: dict | None = None  # Llama's family only: None, or linear, llama3, yarn or longrope parameters
     partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim of each head's D (Phi-4-mini: 0.75)
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
@@ -1158,6 +1159,9 @@ class Tokenizer:
         return self.chat_template
 
 
+# ----------------------------------------------------------------------------------------
+# chat templates: the messages as templates read them, rendered in a bounded sandbox
+
 CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "   # HF's own mark, so that a template treats it alike
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")   # one field, three names
 
@@ -1340,6 +1344,9 @@ def _render_bounded(template: jinja2.Template, variables: dict) -> str:
         if timed:
             sys.settrace(None)
 
+
+# ----------------------------------------------------------------------------------------
+# tokenizers from files: GPT-2's ranks, SentencePiece's BPE, a tokenizer.json
 
 def bpe_tokenizer(name: str, pattern: str, ranks: dict[bytes, int], special: dict[str, int],
                   **kwargs) -> Tokenizer:
@@ -1949,7 +1956,8 @@ class Llama(nn.Module):
         rope = (self.rope_cos[positions].unsqueeze(1),  # (T, 1, R/2): same angles for all heads
                 self.rope_sin[positions].unsqueeze(1))  # (T, 1, R/2)
         local = rope if self.config.rope_local_base_freq is None else (
-            self.rope_local_cos[positions].unsqueeze(1), self.rope_local_sin[positions].unsqueeze(1))
+            self.rope_local_cos[positions].unsqueeze(1),  # (T, 1, R/2): Gemma 3's windowed layers'
+            self.rope_local_sin[positions].unsqueeze(1))  # (T, 1, R/2)
         for layer in self.layers:
             x = layer(x, *(local if layer.self_attn.window is not None else rope), attn)
         # The LM head is a step's biggest matmul (vocab_size rows): run it only on the S
@@ -2073,7 +2081,7 @@ class GPT2(nn.Module):
         if logits_indices is not None:                 # LM head on the S rows wanted only (Llama's says which)
             x = x[logits_indices]                      # (S, C)
         head = self.wte if self.lm_head is None else self.lm_head
-        return F.linear(self.ln_f(x), head.weight)     # (S, V)
+        return F.linear(self.ln_f(x), head.weight)     # (S, V), or (T, V) without logits_indices
 
     @staticmethod
     def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
@@ -2206,7 +2214,9 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
     with torch.device("meta"), _in_file(model_dir / "config.json"):   # (the RoPE tables check its numbers)
         net = arch(config) if arch is GPT2 else arch(config, max_model_len)   # (GPT-2's positions are learned)
     net.load_state_dict(arch.from_checkpoint(hf, config), assign=True)
-    net.to(device=device, dtype=dtype)  # moves what isn't a weight: the RoPE tables
+    # moves what isn't a weight, the RoPE tables (and Gemma's embed_scale), and casts them to
+    # dtype: made in float32, used in the model's dtype, as HF casts cos and sin to q's
+    net.to(device=device, dtype=dtype)
     return net.eval().requires_grad_(False)  # no autograd bookkeeping in inference
 
 

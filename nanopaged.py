@@ -6,9 +6,9 @@ This file is the chapter on KV-cache management, top to bottom:
      index) and BlockTable (one per sequence: logical block -> physical block, copy-on-write)
   2. paged attention: the KV write, the block copy, the readable online-softmax reference
      and the fast torch path, and PagedAttention, the object the model calls
-  3. the engine: LLM._step (schedule -> batch -> copies -> forward -> sample -> commit),
-     driven by generate, stream or step(); then beam search's bookkeeping (3b), sampling
-     (3c) and small helpers (3d)
+  3. the engine: LLM._step (schedule -> batch -> swaps and copies -> forward -> sample ->
+     commit), driven by generate, stream or step(), and beam search (LLM._beam_step); then
+     beam search's history and rank (3b), sampling (3c) and small helpers (3d)
   4. the command line
 
 The scheduler (who runs next) lives in scheduler.py, the model in model.py, the kernels in
@@ -398,7 +398,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
             visible = k_pos[None, :] <= q_pos[:, None]                # (q_len, n - lo) causal
             if window is not None:
                 visible &= k_pos[None, :] > q_pos[:, None] - window
-            s = s.masked_fill(~visible[:, None, :], float("-inf"))   # (q_len, 1, n - lo): every head alike
+            s = s.masked_fill(~visible[:, None, :], float("-inf"))   # (q_len, H, n - lo): one mask, every head
             m_new = torch.maximum(m, s.amax(dim=-1))                  # (q_len, H)
             # A query may see nothing yet (its window starts in a later block): m_new is -inf,
             # and -inf - -inf would be NaN. Subtracting 0 instead keeps its l and acc at 0.
@@ -492,7 +492,7 @@ class AttentionPlan:
         starts[b]."""
         pos = starts[:, None] + torch.arange(max_len, device=tables.device)[None, :]  # (B, L)
         valid = pos < lens[:, None]                                    # (B, L)
-        pos = torch.where(valid, pos, starts[:, None])
+        pos = torch.where(valid, pos, starts[:, None])                 # (B, L)
         blocks = tables.long().gather(1, pos // block_size)           # (B, L) physical block ids
         return blocks * block_size + pos % block_size, valid
 
@@ -1949,7 +1949,7 @@ class LLM:
 
 
 # -----------------------------------------------------------------------------
-# 3b. Beam search's bookkeeping, and the block trace's text
+# 3b. Beam search's history and rank, the stop token's cut, and the block trace's text
 
 
 def beam_history(history) -> list:

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
-
+# -----------------------------------------------------------------------------
+# Request parameters: SamplingParams, BeamSearchParams, and the checks they share
 
 @dataclass(kw_only=True)   # (vLLM's fields come in another order: a positional argument would land elsewhere)
 class SamplingParams:
@@ -219,8 +220,9 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0            # (vLLM's; nanopaged ranks by the model's own logprobs: 0 only)
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False   # beam_search's results keep their final EOS
-    skip_special_tokens: bool = True    # in beam_search's text (vLLM 0.30 on; generate's leaves them out)
+    include_stop_str_in_output: bool = False   # generate()'s beam texts keep a final EOS (beam_search()'s
+                                        # always do, as vLLM's; the tokens always hold it)
+    skip_special_tokens: bool = True    # special tokens left out of the beams' texts (vLLM 0.30 on)
     allowed_token_ids: list[int] | None = None   # candidates only among these (vLLM 0.34's), ranked
                                         # by the model's own logprobs over the whole vocabulary
 
@@ -435,14 +437,13 @@ class Scheduler:
         tokens. Under a sliding window W with a token budget B, a step's chunk (up to B tokens)
         and the W - 1 positions its first query sees before it: W + B - 1 positions, which,
         starting anywhere in a block, lie in at most (W + B - 3) // block_size + 2 blocks; and
-        one more for a copy-on-write. (Written with W + B - 2: a safe bound, a block or two
-        above the tightest, since the oldest sequence, the one it must hold for, never needs
-        a copy-on-write to fit: the only partial block it shares is a fork's, and its
-        sharers, newer, are preempted first, see _make_room.) A request must fit the whole
-        pool in this sense (add)."""
+        one more for a copy-on-write. (That one is a safe margin, not needed: the oldest
+        sequence, the one the pool must hold, never needs a copy-on-write to fit, since the
+        only partial block it shares is a fork's, and its sharers, newer, are preempted
+        first, see _make_room.) A request must fit the whole pool in this sense (add)."""
         blocks = cdiv(num_tokens, self.block_size)
         if self.sliding_window is not None:
-            blocks = min(blocks, (self.sliding_window + self.max_num_batched_tokens - 2) // self.block_size + 3)
+            blocks = min(blocks, (self.sliding_window + self.max_num_batched_tokens - 3) // self.block_size + 3)
         return blocks
 
     def abort(self, request_id):
