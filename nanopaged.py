@@ -771,6 +771,24 @@ class StopStringScan:
         return None
 
 
+@dataclass(eq=False)
+class Request:
+    """The engine's record of one request, from add_request until it is reported (LLM._requests):
+    what its output is made of, beside the Sequences the scheduler runs."""
+    prompt: str | None                # the text, None if given as token ids alone
+    params: SamplingParams            # the request's own copy (request_copy), limits filled in
+    seqs: list                        # its Sequences: the samples (n > 1: forked as the prompt ends), or beams
+    stop_scans: dict = field(default_factory=dict)   # sample index -> its StopStringScan
+    logprobs: dict = field(default_factory=dict)     # sample index -> one {token id: Logprob} per output token
+    prompt_logprobs: list | None = None              # one entry per prompt position, filled as the prompt runs
+    # A beam search's (see _beam_step):
+    # live beam -> (cumulative logprob, its history: its candidates at each step, as a linked
+    # list (the steps before, this step's) that the beams it forks into share; see beam_history)
+    beams: dict = field(default_factory=dict)
+    parked: dict = field(default_factory=dict)       # beam -> its candidates, computed before its siblings' were
+    done: list = field(default_factory=list)         # (output ids, cumulative logprob, history, "stop"): ended in EOS
+
+
 @dataclass
 class Stats:
     """What --stats prints. generate() and stream() reset it; each step adds its counts and
@@ -1009,7 +1027,7 @@ class LLM:
         # makes the same calls); seed=None leaves them to torch's global generator.
         self._rng = None if seed is None else torch.Generator(device).manual_seed(int(seed))
         self.stats = Stats()
-        self._requests: dict[object, dict] = {}   # request id -> prompt, params, sequences by sample
+        self._requests: dict[object, Request] = {}   # request id -> its Request, until reported
         self._to_report: dict = {}   # ids of requests run or aborted and not reported yet (an ordered set)
         self._next_id = 0
         self._open_stream = None   # the request id of a stream() being read
@@ -1148,20 +1166,9 @@ class LLM:
         try:
             with defer_ctrl_c():   # queued in the scheduler means known here
                 seq = self.scheduler.add(request_id, ids, params)
-                self._requests[request_id] = {
-                    "prompt": text, "params": params, "seqs": [seq],
-                    "stop_scans": {},   # sample index -> its StopStringScan
-                    "logprobs": {},     # sample index -> one {token id: Logprob} per output token
-                    # by position, filled as the prompt runs
-                    "prompt_logprobs": None if params.prompt_logprobs is None else [None] * len(ids)}
-                if params.beam:   # (see _beam_step)
-                    self._requests[request_id] |= {
-                        # live beam -> (cumulative logprob, its history: its candidates at each
-                        # step, as a linked list (the steps before, this step's) that the beams it
-                        # forks into share; unrolled by beam_history)
-                        "beams": {seq: (0.0, None)},
-                        "parked": {},   # beam -> its candidates, computed before its siblings' were
-                        "done": []}     # (output ids, cumulative logprob, history, "stop"): ended in EOS
+                self._requests[request_id] = Request(
+                    text, params, [seq], beams={seq: (0.0, None)} if params.beam else {},
+                    prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
         except KeyboardInterrupt:   # held until the request was queued: the caller never got its id
             if seq is not None:
                 self.scheduler.abort(request_id)
@@ -1297,13 +1304,13 @@ class LLM:
         forked = self.scheduler.update(out, sampled)   # {parent: its new children}
         children = [child for kids in forked.values() for child in kids]
         for child in children:
-            self._requests[child.request_id]["seqs"].append(child)
+            self._requests[child.request_id].seqs.append(child)
         self._record_beams(beam_plan, forked)
         for seq in appended:   # sample j of a fork's tokens went to the sequence sample_index + j
             for j, entry in enumerate(token_logprobs.get(seq, ())):
-                self._requests[seq.request_id]["logprobs"].setdefault(seq.sample_index + j, []).append(entry)
+                self._requests[seq.request_id].logprobs.setdefault(seq.sample_index + j, []).append(entry)
         for seq, first, entries in prompt_logprobs:   # by position: a recompute overwrites its own
-            self._requests[seq.request_id]["prompt_logprobs"][first:first + len(entries)] = entries
+            self._requests[seq.request_id].prompt_logprobs[first:first + len(entries)] = entries
         self._check_stop_strings([*sampled, *children])
         self.stats.output_tokens += sum(len(sampled[seq]) for seq in appended)
         self.stats.elapsed += time.perf_counter() - start
@@ -1466,18 +1473,18 @@ class LLM:
         for rid in dict.fromkeys(due[row].request_id for row in rows):
             req = self._requests[rid]
             # a parked beam preempted since has its candidates again when it is recomputed
-            ready = {seq: c for seq, c in req["parked"].items() if seq.parked}
+            ready = {seq: c for seq, c in req.parked.items() if seq.parked}
             ready |= {seq: c for seq, c in fresh.items() if seq.request_id == rid}
             live = [seq for seq in self.scheduler.requests[rid] if seq not in broken]
             if not live or not all(seq in ready for seq in live):   # (none: every beam broke)
                 plan[rid] = (ready, {}, [])   # wait for the others
                 continue
-            p = req["params"]
+            p = req.params
             eos = set() if p.ignore_eos else self.scheduler.eos_token_ids
-            # candidates: (cumulative logprob, beam, token, its candidates); ended: as req["done"]
+            # candidates: (cumulative logprob, beam, token, its candidates); ended: as req.done
             candidates, ended = [], []
             for seq in sorted(live, key=lambda q: q.sample_index):
-                cum, history = req["beams"][seq]
+                cum, history = req.beams[seq]
                 for token, lp in ready[seq]:
                     if token in eos:
                         ended.append((seq.output_token_ids + [token], cum + lp, (history, ready[seq]), "stop"))
@@ -1499,29 +1506,29 @@ class LLM:
         are forgotten."""
         for rid, (parked, chosen, ended) in plan.items():
             req = self._requests[rid]
-            req["parked"] = parked
-            beams = req["beams"]
+            req.parked = parked
+            beams = req.beams
             for seq, picks in chosen.items():
                 _, history = beams.pop(seq)
                 for target, (_, cum, cands) in zip([seq, *forked.get(seq, ())], picks):
                     beams[target] = (cum, (history, cands))   # (nothing copied: O(1) a step)
             if ended:
-                penalty = req["params"].beam.length_penalty
-                req["done"] = sorted(req["done"] + ended, key=lambda h: beam_rank(h, penalty))[:req["params"].n]
+                penalty = req.params.beam.length_penalty
+                req.done = sorted(req.done + ended, key=lambda h: beam_rank(h, penalty))[:req.params.n]
             # A dropped beam is never a result. Kept, they would pile up: up to beam_width a step,
             # each with all its tokens. (Beam 0 stays even dropped: it holds the request's prompt
             # and start, which _request_output reads.)
-            req["seqs"] = [q for q in req["seqs"] if q.finish_reason != "dropped" or q.sample_index == 0]
+            req.seqs = [q for q in req.seqs if q.finish_reason != "dropped" or q.sample_index == 0]
 
     def _beam_results(self, req) -> list[CompletionOutput]:
         """A finished beam search's beam_width best: of those that ended in EOS, and of the
         beams that ran to max_tokens (or were aborted, or failed)."""
-        hypotheses = req["done"] + [(seq.output_token_ids, cum, history, seq.finish_reason)
-                                    for seq, (cum, history) in req["beams"].items()]
-        beam = req["params"].beam
-        best = sorted(hypotheses, key=lambda h: beam_rank(h, beam.length_penalty))[:req["params"].n]
+        hypotheses = req.done + [(seq.output_token_ids, cum, history, seq.finish_reason)
+                                    for seq, (cum, history) in req.beams.items()]
+        beam = req.params.beam
+        best = sorted(hypotheses, key=lambda h: beam_rank(h, beam.length_penalty))[:req.params.n]
         results = []
-        prompt = req["seqs"][0].prompt_token_ids[-4:]   # (the context decoded_token looks back on)
+        prompt = req.seqs[0].prompt_token_ids[-4:]   # (the context decoded_token looks back on)
         for i, (ids, cum, history, reason) in enumerate(best):
             # each token's entry: its beam's candidates at that step, the chosen one first
             logprobs = [{t: Logprob(lp, rank, decoded_token(self.tokenizer, t, (prompt + ids[:j])[-4:]))
@@ -1544,10 +1551,10 @@ class LLM:
             if not seq.params.stop or not (seq.finish_reason in (None, "length") or kept_stop_token):
                 continue
             req = self._requests[seq.request_id]
-            scan = req["stop_scans"].get(seq.sample_index)
+            scan = req.stop_scans.get(seq.sample_index)
             if scan is None:
                 scan = StopStringScan(self.tokenizer, seq.params.stop, seq.params.skip_special_tokens)
-                req["stop_scans"][seq.sample_index] = scan
+                req.stop_scans[seq.sample_index] = scan
             # A stop string that the first min_tokens tokens complete does not count (the text is
             # scanned all the same): as vLLM, which looks once the output is longer.
             if scan.find(seq.output_token_ids, armed=seq.num_output_tokens > seq.params.min_tokens) is not None:
@@ -1589,14 +1596,14 @@ class LLM:
     def _request_output(self, request_id) -> RequestOutput:
         """A finished request's RequestOutput (changes nothing)."""
         req = self._requests[request_id]
-        seqs = sorted(req["seqs"], key=lambda q: q.sample_index)
+        seqs = sorted(req.seqs, key=lambda q: q.sample_index)
         first = seqs[0]
         first_token = min((q.first_token_time for q in seqs if q.first_token_time), default=first.finish_time)
         ttft = first_token - first.arrival_time
         outputs = self._beam_results(req) if first.params.beam else self._sample_results(req, seqs)
-        return RequestOutput(request_id, req["prompt"], first.prompt_token_ids, outputs,
+        return RequestOutput(request_id, req.prompt, first.prompt_token_ids, outputs,
                              first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time,
-                             req["prompt_logprobs"])
+                             req.prompt_logprobs)
 
     def _stop_reason(self, stop_token: int | None, ignore_eos: bool) -> int | None:
         """vLLM's stop_reason for an output that a stop token ended (None: it did not): the
@@ -1620,7 +1627,7 @@ class LLM:
             text = self.tokenizer.decode(without_stop_token(ids, stop_token, p.include_stop_str_in_output),
                                          p.skip_special_tokens, continuation=True) if p.detokenize else ""
             stop_reason = self._stop_reason(stop_token, p.ignore_eos)
-            scan = req["stop_scans"].get(q.sample_index)
+            scan = req.stop_scans.get(q.sample_index)
             if scan and scan.found is not None:   # the text ends before the stop string, or after it
                 text = text[:scan.found + (len(scan.stop) if p.include_stop_str_in_output else 0)]
                 stop_reason = scan.stop
@@ -1630,7 +1637,7 @@ class LLM:
         outputs += [CompletionOutput(j, "", [], first.finish_reason) for j in range(len(seqs), first.params.n)]
         if first.params.logprobs is not None:
             for o in outputs:
-                o.logprobs = req["logprobs"].get(o.index, [])
+                o.logprobs = req.logprobs.get(o.index, [])
                 o.cumulative_logprob = sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids))
         return outputs
 
@@ -1650,7 +1657,7 @@ class LLM:
                     self._to_report.pop(output.request_id, None)
                     s.ttfts.append(output.ttft)
                     s.tpots += [(q.finish_time - q.first_token_time) / (q.num_output_tokens - 1)
-                                for q in req["seqs"] if q.first_token_time and q.num_output_tokens > 1
+                                for q in req.seqs if q.first_token_time and q.num_output_tokens > 1
                                 and q.finish_reason != "dropped"]   # (a beam search's results only)
                     s.prompt_tokens += len(output.prompt_token_ids)
         except KeyboardInterrupt:   # held until the block's end (even one that came as it ended): the
@@ -1878,7 +1885,7 @@ class LLM:
         try:
             self._cleanup_due = True   # (stream() checked the engine was free: add, unchecked)
             rid = self._add(*self._parse_prompt(prompt), params)
-            seq, self._open_stream = self._requests[rid]["seqs"][0], rid
+            seq, self._open_stream = self._requests[rid].seqs[0], rid
             detokenizer, shown, held = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens), 0, ""
             # hold back text that could be the start of a stop string, until we know (the
             # request's own checked copy of the params: the caller's may have changed since)

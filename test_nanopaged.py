@@ -4226,7 +4226,7 @@ def test_parallel_sampling_forks_and_is_reproducible(llm):
     p = SamplingParams(n=4, temperature=1.0, seed=123, max_tokens=12, ignore_eos=True)
     rid = llm.add_request(prompt, p)
     llm.step()                                    # prefill once, sample 4 first tokens, fork
-    seqs = llm._requests[rid]["seqs"]
+    seqs = llm._requests[rid].seqs
     assert len(seqs) == 4 and len({id(s.block_table) for s in seqs}) == 4
     shared = seqs[0].block_table.block_ids
     assert all(s.block_table.block_ids == shared for s in seqs)
@@ -4333,7 +4333,7 @@ def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm, mo
     rid = llm.add_request(chat, BeamSearchParams(3, 12))
     llm.reset_stats()
     llm.step()
-    beams = llm._requests[rid]["seqs"]
+    beams = llm._requests[rid].seqs
     assert len(beams) == 3 and all(b.block_table.block_ids == beams[0].block_table.block_ids for b in beams)
     assert {llm.pool.ref_count[b] for b in beams[0].block_table.block_ids} == {3}
     first_step_done, done = time.perf_counter(), {}
@@ -4342,7 +4342,7 @@ def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm, mo
         if rid in llm._requests:
             # the dropped beams are forgotten (the first one stays), and a beam forked later
             # has its first token from the first step, as its parent (the TPOT counts on it)
-            seqs = llm._requests[rid]["seqs"]
+            seqs = llm._requests[rid].seqs
             assert len(seqs) <= 4 and all(q.first_token_time <= first_step_done for q in seqs)
     llm.disable_trace()
     assert_same_beams(beam_results(done[rid]), wants[0])   # (the reference's for chat, 3, 12 above)
@@ -4462,7 +4462,7 @@ def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
     assert_nothing_leaked(llm)
     # max_tokens=None: up to the context, or up to what the pool holds for all the beams
     rid = llm.add_request("Hi", BeamSearchParams(4, None))
-    assert llm._requests[rid]["params"].max_tokens == 512 // 4 * 16 - len(llm.tokenizer.encode("Hi"))
+    assert llm._requests[rid].params.max_tokens == 512 // 4 * 16 - len(llm.tokenizer.encode("Hi"))
     llm.step()
     llm.step()
     aborted = llm.abort(rid)   # every beam ends, with what it had
@@ -7421,7 +7421,7 @@ def test_time_per_output_token_divides_by_the_tokens_after_the_first(llm):
     gaps for n tokens). Catches: dividing by the number of output tokens."""
     llm.reset_stats()
     rid = llm.add_request("Water boils at", greedy(4, ignore_eos=True))
-    seq = llm._requests[rid]["seqs"][0]
+    seq = llm._requests[rid].seqs[0]
     step_to_the_end(llm)
     assert seq.num_output_tokens == 4 and len(llm.stats.tpots) == 1
     assert llm.stats.tpots[0] == pytest.approx((seq.finish_time - seq.first_token_time) / 3)
