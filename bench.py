@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import build_ext
-from nanopaged import AttentionPlan, BlockPool, paged_attention, paged_attention_ref
+from nanopaged import GatherPlan, BlockPool, paged_attention, paged_attention_ref
 from scheduler import BeamSearchParams, SamplingParams, Scheduler
 
 
@@ -109,12 +109,12 @@ def bench_attention(args):
     qsl = torch.arange(B + 1, dtype=torch.int32)
     q = torch.randn(B, H, D)
     scale = D ** -0.5
-    plan = AttentionPlan(tables, seq_lens, qsl, bs)
+    plan = GatherPlan(tables, seq_lens, qsl, bs)
     window = 512   # a sliding window's row (another result): it gathers at most 512 positions
-    window_plan = AttentionPlan(tables, seq_lens, qsl, bs, window)
+    window_plan = GatherPlan(tables, seq_lens, qsl, bs, window)
     # the same data stored contiguously, padded to the longest sequence: (B, KVH, Lmax, D)
     starts = torch.zeros(B, dtype=torch.long)
-    slots, valid = AttentionPlan._slots(tables, starts, seq_lens.long(), max(lens), bs)   # (B, Lmax)
+    slots, valid = GatherPlan._slots(tables, starts, seq_lens.long(), max(lens), bs)   # (B, Lmax)
     k_dense = k_cache.view(-1, KVH, D)[slots].transpose(1, 2).contiguous()
     v_dense = v_cache.view(-1, KVH, D)[slots].transpose(1, 2).contiguous()
     mask = valid[:, None, None, :]
@@ -139,7 +139,7 @@ def bench_attention(args):
         print(f"(no row for kernels_cpu.c: {build_ext.cpu_unavailable_reason()})")
     else:
         # the engine's "cpu" backend: a plan without the decode gathers, the kernel reading the blocks
-        kernel_plan = AttentionPlan(tables, seq_lens, qsl, bs, gather_decodes=False)
+        kernel_plan = GatherPlan(tables, seq_lens, qsl, bs, gather_decodes=False)
         torch.testing.assert_close(contiguous_sdpa().reshape(B, H, D), paged_attention(
             q, k_cache, v_cache, tables, seq_lens, qsl, scale, plan=kernel_plan, decode_kernel=kernel))
         variants.append(("paged, decode rows on kernels_cpu.c", lambda: paged_attention(
@@ -169,7 +169,7 @@ def single_sequence(kernel, H, KVH, D, bs, repeats):
         tables = torch.randperm(n, dtype=torch.int32)[None]                 # (1, n), shuffled blocks
         seq_lens, qsl = torch.tensor([L], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
         q, out, seqs = torch.randn(1, H, D), torch.empty(1, H, D), torch.tensor([0])
-        plan = AttentionPlan(tables, seq_lens, qsl, bs)
+        plan = GatherPlan(tables, seq_lens, qsl, bs)
 
         def split(partition_size=0):
             return kernel.decode_attention(q, k_cache, v_cache, tables, seq_lens, qsl, seqs, D ** -0.5, out,
@@ -666,7 +666,7 @@ def torch_path_us(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window=None
     """The torch fast path's time (its per-step plan built beforehand, as the engine does)
     and its output on the first batch; (None, reason) when it cannot run here."""
     try:
-        plans = [AttentionPlan(t, seq_lens, qsl, BLOCK_SIZE, window) for t in tables]
+        plans = [GatherPlan(t, seq_lens, qsl, BLOCK_SIZE, window) for t in tables]
         run = lambda i: paged_attention(q, k_cache, v_cache, tables[i % len(tables)], seq_lens,  # noqa: E731
                                         qsl, scale, window, plan=plans[i % len(tables)])
         out = run(0)

@@ -412,10 +412,9 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
-class AttentionPlan:
+class GatherPlan:
     """What the fast torch path derives from a step's metadata, once per step rather than
-    once per layer (every layer of the step shares it). Not the kernel's AttentionPlan in
-    kernels.cu, which cuts one call into CTAs.
+    once per layer (every layer of the step shares it): what to gather, and how to batch it.
 
     The fast path gathers each sequence's context from its blocks into a dense tensor and
     runs scaled_dot_product_attention on it. Decode sequences (one query each) are sorted
@@ -503,8 +502,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     made for the same step and window). decode_kernel: the CPU kernel
     (build_ext.load_cpu_kernels()) for the decode rows, in place of their gather and SDPA."""
     if plan is None:
-        plan = AttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], window,
-                             gather_decodes=decode_kernel is None)
+        plan = GatherPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], window,
+                          gather_decodes=decode_kernel is None)
     if plan.window != window:
         raise ValueError(f"the plan was made for window {plan.window}, not {window}")
     check_softcap(softcap)
@@ -607,9 +606,9 @@ class PagedAttention:
                                             self.max_query_len, self.max_seq_len, window=window or 0)  # 0: none
         write_kv(k_cache, v_cache, k, v, self.slot_mapping)
         if window not in self.plans:
-            self.plans[window] = AttentionPlan(self.block_tables, self.seq_lens, self.query_start_loc,
-                                               self.pool.block_size, window,
-                                               gather_decodes=self.decode_kernel is None)
+            self.plans[window] = GatherPlan(self.block_tables, self.seq_lens, self.query_start_loc,
+                                            self.pool.block_size, window,
+                                            gather_decodes=self.decode_kernel is None)
         return paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.query_start_loc,
                                self.scale, window, plan=self.plans[window], softcap=self.softcap,
                                decode_kernel=self.decode_kernel)

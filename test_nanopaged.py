@@ -2968,16 +2968,16 @@ def test_fast_path_equals_reference_half_precision():
 
 
 def test_paged_attention_decodes_past_one_bucket():
-    """More decodes than one padded batch holds (AttentionPlan.DECODE_BUCKET), of scattered
+    """More decodes than one padded batch holds (GatherPlan.DECODE_BUCKET), of scattered
     lengths, beside a prefill: every one is computed, and each bucket holds neighbours in
     length (padding each to its longest stays small). Catches: a bucket cut one short (its
     last sequence's rows left unwritten), decodes bucketed in arrival order."""
-    bucket = nanopaged_module.AttentionPlan.DECODE_BUCKET
+    bucket = nanopaged_module.GatherPlan.DECODE_BUCKET
     lens = random.Random(3).sample(range(1, 60), 2 * bucket + 3)
     specs = [(1, n) for n in lens] + [(5, 20)]
     check_against_dense(specs, block_size=4, H=4, KVH=2)
     _, _, _, bt, sl, qsl, _ = make_paged_batch(specs, 4, 4, 2, 16)
-    plan = nanopaged_module.AttentionPlan(bt, sl, qsl, 4)
+    plan = nanopaged_module.GatherPlan(bt, sl, qsl, 4)
     ordered = sorted(lens)
     chunks = [ordered[i:i + bucket] for i in range(0, len(ordered), bucket)]
     assert [(n, L) for *_, n, L in plan.decode_buckets] == [(len(c), c[-1]) for c in chunks]
@@ -2987,7 +2987,7 @@ def test_a_plan_serves_only_its_own_window():
     """paged_attention refuses a plan made for another window (it would gather from the
     wrong first position). Catches: the check dropped."""
     q, kc, vc, bt, sl, qsl, _ = make_paged_batch([(1, 9), (3, 3)], 4, 2, 2, 8)
-    plan = nanopaged_module.AttentionPlan(bt, sl, qsl, 4)
+    plan = nanopaged_module.GatherPlan(bt, sl, qsl, 4)
     with pytest.raises(ValueError, match="the plan was made for window None, not 5"):
         paged_attention(q, kc, vc, bt, sl, qsl, 0.1, 5, plan=plan)
 
@@ -2996,7 +2996,7 @@ def test_a_plan_made_for_the_kernel_needs_it():
     """A plan made without the decode gathers (for the CPU kernel) refuses to run the torch path
     alone: the decode rows would be left unwritten."""
     q, kc, vc, bt, sl, qsl, _ = make_paged_batch([(1, 9), (3, 3)], 4, 2, 2, 8)
-    plan = nanopaged_module.AttentionPlan(bt, sl, qsl, 4, gather_decodes=False)
+    plan = nanopaged_module.GatherPlan(bt, sl, qsl, 4, gather_decodes=False)
     assert plan.decode_buckets == [] and plan.decode_seqs.tolist() == [0]
     with pytest.raises(ValueError, match="the plan was made for the CPU kernel"):
         paged_attention(q, kc, vc, bt, sl, qsl, 0.1, plan=plan)
