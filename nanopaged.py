@@ -84,7 +84,7 @@ class BlockPool:
             self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         except (RuntimeError, TypeError) as e:   # out of memory (torch.OutOfMemoryError is a
             # RuntimeError), or a size past int64 (torch says TypeError: "Overflow when unpacking")
-            size = 2 * num_layers * math.prod(shape) * dtype.itemsize
+            size = num_blocks * self.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
             raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks ({size / 2**30:.1f} GiB) "
                              f"on {device}: {str(e).splitlines()[0]}") from None
         self.ref_count = [0] * num_blocks
@@ -102,7 +102,7 @@ class BlockPool:
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
         """The chapter's formula: layers x (K and V) x block_size x kv_heads x head_dim x bytes."""
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     # --- counters ---
     @property
@@ -1065,7 +1065,7 @@ class LLM:
                 f"{pool.num_blocks * pool.block_size} token slots, "
                 f"{pool.num_blocks * self.bytes_per_block / 2**20:.1f} MiB; "
                 f"{per_token} bytes/token = {c.num_hidden_layers} layers x 2 (K,V) x {c.num_key_value_heads} kv heads "
-                f"x {c.head_dim} dims x {torch.finfo(self.dtype).bits // 8} bytes; {self.bytes_per_block} bytes/block; "
+                f"x {c.head_dim} dims x {self.dtype.itemsize} bytes; {self.bytes_per_block} bytes/block; "
                 + (f"swap space: {self.swap_pool.num_blocks} blocks in CPU memory; " if self.swap_pool else "")
                 + f"attention backend: {self.attn.backend}")
 
