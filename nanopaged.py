@@ -268,6 +268,12 @@ class BlockTable:
         self.block_ids.append(block)
         self.num_tokens += self.pool.block_size
 
+    def append_moved(self, blocks: list[int], num_tokens: int):
+        """Take fresh blocks (allocated for this table) for a sequence moved here from another
+        pool, num_tokens in all now: the engine copies their data over (Scheduler._move_table)."""
+        self.block_ids += blocks
+        self.num_tokens = num_tokens
+
     def fork(self) -> "BlockTable":
         """A second table sharing every block (ref_count + 1 each, nothing allocated)."""
         child = BlockTable(self.pool)

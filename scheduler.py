@@ -19,7 +19,8 @@ into SchedulerOutput.copies for the engine to run); of each BlockTable, slots_fo
 blocks_needed, append_cached, fork, release, pool, block_ids and num_tokens, and under a
 sliding window drop_before, skip_dropped and num_dropped. With swapping, it is
 handed a second BlockPool in CPU memory (the swap space); swapping uses both pools'
-allocate and new_table (_move_table), the swap space's num_free and a table's num_held
+allocate and new_table and a table's append_moved (_move_table), the swap space's num_free
+and a table's num_held
 (_make_room), and the engine copies the blocks it lists
 in SchedulerOutput.swap_out / swap_in. It never imports the engine, so
 it can be read - and tested - without a model.
@@ -635,8 +636,7 @@ class Scheduler:
         for block in hits:
             new.append_cached(block)
         kept = old.num_dropped + len(hits)
-        new.block_ids += pool.allocate(len(old.block_ids) - kept)
-        new.num_tokens = old.num_tokens
+        new.append_moved(pool.allocate(len(old.block_ids) - kept), old.num_tokens)
         pairs = list(zip(old.block_ids[kept:], new.block_ids[kept:]))
         old.release()
         seq.block_table = new
