@@ -220,7 +220,7 @@ def bench_scheduler(args):
 def sched_step(sched):
     """A step with a fake model: token 7 for every sequence that samples."""
     out = sched.schedule()
-    sched.update(out, {seq: [7] for i, seq in enumerate(out.seqs) if out.samples[i]})
+    sched.update(out, {seq: [7] for i, seq in enumerate(out.seqs) if out.do_sample[i]})
     return out
 
 

@@ -1266,7 +1266,7 @@ class LLM:
             self.attn.copy_blocks(out.copies)
             with torch.inference_mode():
                 logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S + R, vocab)
-            due = [seq for seq, sampled_now in zip(out.seqs, out.samples) if sampled_now]   # one row each
+            due = [seq for seq, sampled_now in zip(out.seqs, out.do_sample) if sampled_now]   # one row each
             # (S + R,): a NaN or inf anywhere in a row makes its sum not finite (no (S + R, vocab) mask)
             finite = logits.sum(dim=-1, dtype=torch.float32).isfinite().tolist()
             sampled, broken = self._sample(due, logits[:len(due)], finite)   # (rows past these score prompts)
@@ -1334,7 +1334,7 @@ class LLM:
             slot_mapping += slots
             seq_lens.append(start + n)
             qsl.append(qsl[-1] + n)
-            if out.samples[i]:
+            if out.do_sample[i]:
                 logits_indices.append(qsl[-1] - 1)   # the last token of the sequence
             # The logits at position t score prompt token t + 1. (A recomputed sequence that
             # has sampled scored its whole prompt the first time.)

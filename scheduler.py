@@ -368,8 +368,9 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swapped_out: list[Sequence] = field(default_factory=list)
     swapped_in: list[Sequence] = field(default_factory=list)
-    # does sequence i reach its last token this step (so that its logits get sampled)?
-    samples: list[bool] = field(default_factory=list)
+    # does sequence i reach its last token this step, so that its logits get sampled? (vLLM's
+    # do_sample: False for a prefill chunk that ends before the prompt does)
+    do_sample: list[bool] = field(default_factory=list)
 
 
 class Scheduler:
@@ -563,7 +564,7 @@ class Scheduler:
         out.seqs.append(seq)
         out.num_tokens.append(n)
         out.slots.append(seq.block_table.slots_for(n))
-        out.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+        out.do_sample.append(seq.num_computed_tokens + n == seq.num_tokens)
         if self.enable_prefix_caching:
             # The blocks this step fills can serve a sequence admitted after seq in this same
             # step: every attention layer writes the whole batch's K/V before it reads any, so

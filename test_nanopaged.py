@@ -3277,7 +3277,7 @@ def run_step(sched, check=True, token=fake_token, kv=None, fail=None):
         sched.rollback()
     else:
         sched.update(out, {seq: [token(seq)] * seq.pending_samples
-                           for seq, samples in zip(out.seqs, out.samples) if samples})
+                           for seq, samples in zip(out.seqs, out.do_sample) if samples})
     if check:
         tables = [s.block_table for s in (*sched.running, *sched.waiting)]
         check_pool_invariants(sched.pool, tables)
@@ -3474,7 +3474,7 @@ def test_each_block_is_hashed_once_however_long_it_waits_or_often_it_is_preempte
 def test_a_rolled_back_swap_out_counts_as_one_recompute():
     sched, a, b = swapping_pair()
     while not (out := sched.schedule()).swap_out:
-        sched.update(out, {s: [fake_token(s)] for s, last in zip(out.seqs, out.samples) if last})
+        sched.update(out, {s: [fake_token(s)] for s, last in zip(out.seqs, out.do_sample) if last})
     sched.rollback()   # the step failed: its swap-out copy may not have run, so b is recomputed
     assert b.status is Status.WAITING and b.num_preemptions == 1 and sched.num_swapped_out == 0
     assert sched.num_preemptions == a.num_preemptions + b.num_preemptions == 2   # (a: recomputed too)
