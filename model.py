@@ -552,9 +552,10 @@ GENERATION_KEYS = {"temperature": ("temperature", 1.0), "top_k": ("top_k", 50), 
                    "skip_special_tokens": ("skip_special_tokens", None)}
 
 
-def _sampling_defaults(d: dict) -> dict:
-    """The sampling values a generation_config.json sets, under SamplingParams' names.
-    (do_sample is not read: vLLM does not read it either.)"""
+def _sampling_defaults(d: dict, changed_only: bool = True) -> dict:
+    """The sampling values a generation_config.json sets, under SamplingParams' names: those
+    that differ from HF's defaults, or all (changed_only=False). (do_sample is not read: vLLM
+    does not read it either.)"""
     defaults = {}
     for key, (name, hf_default) in GENERATION_KEYS.items():
         value = d.get(key)
@@ -565,9 +566,27 @@ def _sampling_defaults(d: dict) -> dict:
                 raise ModelError(f"{key!r} is {value!r}, expected true or false")
         elif not isinstance(value, (int, float)) or isinstance(value, bool):   # (True == 1.0: checked first)
             raise ModelError(f"{key!r} is {value!r}, expected a number")
-        if value != hf_default:
+        if value != hf_default or not changed_only:
             defaults[name] = value
     return defaults
+
+
+def override_sampling_defaults(defaults: dict, override) -> dict:
+    """vLLM's LLM(override_generation_config=...) over the model's advice (defaults: from its
+    generation_config.json, or none): generation_config.json's keys (max_new_tokens...),
+    whose values replace the file's, even one equal to HF's default; None takes the file's away."""
+    if not (isinstance(override, dict) and all(isinstance(key, str) for key in override)):
+        raise ValueError(f"override_generation_config must be a dict of generation_config.json keys, got {override!r}")
+    unknown = [key for key in override if key not in GENERATION_KEYS]
+    if unknown:   # (vLLM drops them unread: a script that sets one would not get what it asked)
+        raise ValueError(f"override_generation_config: nanopaged reads {', '.join(GENERATION_KEYS)}; "
+                         f"not {', '.join(map(repr, unknown))}")
+    try:
+        given = _sampling_defaults(override, changed_only=False)
+    except ModelError as e:
+        raise ValueError(f"override_generation_config: {e}") from None
+    cleared = {GENERATION_KEYS[key][0] for key, value in override.items() if value is None}
+    return {name: value for name, value in defaults.items() if name not in cleared} | given
 
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
@@ -1722,7 +1741,16 @@ def _chat_template(model_dir: Path) -> tuple[str | None, dict, dict]:
 
 def load_tokenizer(model=None, config: ModelConfig | None = None) -> Tokenizer:
     """The tokenizer of `model` (None: the default SmolLM2, a HF directory, or a .gguf);
-    config: its ModelConfig, where the caller has read it already."""
+    config: its ModelConfig, where the caller has read it already. Given a config, `model`
+    may also be a directory that holds a tokenizer alone (tokenizer.json, and
+    tokenizer_config.json for its chat template), as vLLM's LLM(tokenizer=...) takes one."""
+    if config is not None and isinstance(model, (str, os.PathLike)) and str(model):
+        with contextlib.suppress(RuntimeError):   # ("~nobody/...": resolve_model_dir says what is wrong)
+            path = Path(model).expanduser()
+            if _is_dir(path) and not _is_regular(path / "config.json"):
+                if not _is_regular(path / "tokenizer.json"):
+                    raise ModelError(f"{path}: no tokenizer.json (nor config.json: not a model either)")
+                return hf_tokenizer(path, config)
     model_dir = resolve_model_dir(model)
     config = config or ModelConfig.from_json(model_dir / "config.json")
     if (model_dir / "tokenizer.json").exists():

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 import build_ext
 from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
-from model import GEMMAS, ModelConfig, load_model, load_tokenizer, resolve_model_dir, tanh_softcap
+from model import (GEMMAS, ModelConfig, ModelError, load_model, load_tokenizer, override_sampling_defaults, resolve_model_dir,
+                   tanh_softcap)
 from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, hash_block, is_integer, stop_token_set
 
 # -----------------------------------------------------------------------------
@@ -873,7 +874,6 @@ VLLM_ONLY_OPTIONS = {
     "trust_remote_code": ((True, False), "nanopaged runs no code from a model's files"),
     "disable_log_stats": ((True,), "nanopaged logs no stats as it runs: llm.stats holds them"),
     "gpu_memory_utilization": ((), "nanopaged sizes its KV cache by kv_cache_memory (bytes) or num_blocks"),
-    "tokenizer": ((None,), "nanopaged reads the tokenizer in the model's own files"),
     "task": (("auto", "generate"), "nanopaged generates: no other task"),
     "runner": (("auto", "generate"), "nanopaged generates: no other runner"),
     "logprobs_mode": (("raw_logprobs",), "nanopaged's logprobs are the model's own, a log_softmax of its logits"),
@@ -885,7 +885,6 @@ VLLM_ONLY_OPTIONS = {
     "download_dir": ((None,), "nanopaged loads local files: no downloads"),
     "hf_token": ((None,), "nanopaged loads local files: no downloads"),
     "hf_overrides": ((None, {}), "nanopaged reads config.json as it is"),
-    "override_generation_config": ((None, {}), "nanopaged reads generation_config.json as it is"),
     "enable_chunked_prefill": ((True, None), "nanopaged chunks a prefill past the token budget: "
                                              "a max_num_batched_tokens of the longest prompt chunks none"),
     "scheduling_policy": (("fcfs",), "nanopaged's scheduler is first-come-first-served"),
@@ -919,7 +918,8 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto",
                  preemption_mode: str = "recompute", swap_space: float = 4, seed: int | None = 0,
-                 max_logprobs: int = 20, **vllm_options):
+                 max_logprobs: int = 20, tokenizer=None, override_generation_config: dict | None = None,
+                 **vllm_options):
         ours = {"kv_cache_memory": kv_cache_memory, "num_blocks": num_blocks}
         for alias in VLLM_ALIASES.keys() & vllm_options.keys():
             if ours[VLLM_ALIASES[alias]] is not None:
@@ -969,21 +969,31 @@ class LLM:
         dtype = dtype or auto_dtype(device, cfg)
         self.device, self.dtype = device, dtype
         # What a request without SamplingParams samples with (vLLM's rule): the model's advice in
-        # generation_config.json, such as a temperature, where generation_config is "auto"
-        advice = cfg.sampling_defaults if generation_config == "auto" else {}
+        # generation_config.json, such as a temperature, where generation_config is "auto",
+        # with override_generation_config's values over it
+        advice = override_sampling_defaults(cfg.sampling_defaults if generation_config == "auto" else {},
+                                            override_generation_config or {})
         try:
             self._default_params = SamplingParams(**advice)
         except ValueError as e:
-            raise ValueError(f"{model_dir / 'generation_config.json'} advises {advice} (in SamplingParams' names): "
-                             f"{e}; LLM(generation_config='vllm') ignores it") from None
+            source = model_dir / "generation_config.json"
+            source = f"{source} with override_generation_config" if override_generation_config else source
+            raise ValueError(f"{source} advises {advice} (in SamplingParams' names): "
+                             f"{e}; LLM(generation_config='vllm') ignores the file") from None
         if max_model_len is not None and max_model_len > cfg.context_length:
             raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
                              f"{cfg.context_length} tokens (max_position_embeddings"
                              f"{', stretched by its rope scaling' if cfg.context_length > cfg.max_position_embeddings else ''})")
         self.max_model_len = max_model_len or cfg.context_length
+        # (vLLM's tokenizer=: another's, such as a GGUF's original model's, with its chat template)
+        try:
+            self.tokenizer = load_tokenizer(model_dir if tokenizer is None else tokenizer, cfg)
+        except ModelError as e:
+            if tokenizer is None:
+                raise
+            raise ModelError(f"tokenizer={tokenizer!r}: {e}") from None
         self.model = load_model(model_dir, dtype=dtype, device=device, dummy=(load_format == "dummy"),
                                 max_model_len=self.max_model_len, config=cfg)
-        self.tokenizer = load_tokenizer(model_dir, cfg)
         self.config = self.model.config   # (cfg, but for an LM head the checkpoint unties)
 
         # The KV cache: sized by a block count, or by a memory budget in bytes.

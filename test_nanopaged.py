@@ -4992,6 +4992,30 @@ def test_stop_reason_names_an_eos_other_than_the_tokenizers(smollm2_dir, tmp_pat
     assert (out.token_ids[-1], out.finish_reason, out.stop_reason) == (tok.eos_token_id, "stop", None)
 
 
+def test_a_tokenizer_from_another_directory(tmp_path, own_cache):
+    """vLLM's LLM(tokenizer=...): another directory's tokenizer, such as the original model's
+    beside its GGUF (vLLM's advice for GGUFs), or a directory that holds a tokenizer alone,
+    whose chat template chat() then renders with."""
+    gguf, params = TESTDATA / "qwen2-f16.gguf", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = tmp_path / "tokenizer"
+    alone.mkdir()
+    shutil.copy(TESTDATA / "qwen2_tokenizer" / "tokenizer.json", alone)
+    (alone / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}"
+                                                                              "<<{{ m['content'] }}>>{% endfor %}"}))
+    want = LLM(gguf, num_blocks=16).generate("Hello world", params)[0]
+    for tokenizer in (TESTDATA / "qwen2_tokenizer", str(alone)):
+        llm = LLM(gguf, num_blocks=16, tokenizer=tokenizer)
+        out = llm.generate("Hello world", params)[0]
+        assert (out.prompt_token_ids, out.outputs[0].text) == (want.prompt_token_ids, want.outputs[0].text)
+    assert llm.chat([{"role": "user", "content": "hi"}], params)[0].prompt == "<<hi>>"
+    (tmp_path / "empty").mkdir()
+    for tokenizer, message in ((tmp_path / "nope", "no such directory"),
+                               (tmp_path / "empty", "empty: no tokenizer.json \\(nor config.json"),
+                               (5, "model must be a path")):
+        with pytest.raises(ModelError, match=f"^tokenizer=.*: .*{message}"):
+            LLM(gguf, num_blocks=16, tokenizer=tokenizer)
+
+
 def test_generation_config_gives_the_default_sampling_params(tmp_path):
     """vLLM's rule: a request without SamplingParams samples as the model's
     generation_config.json advises (values equal to HF's defaults, such as top_k 50, are none)."""
@@ -5013,6 +5037,23 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
                generation_config="vllm").get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="unknown generation_config 'hf'"):
         LLM(model_dir, load_format="dummy", num_blocks=64, generation_config="hf")
+    # vLLM's override_generation_config: the file's keys, whose values replace the file's (HF's
+    # defaults too); None takes one away; over generation_config="vllm" too
+    over = LLM(model_dir, load_format="dummy", num_blocks=64,
+               override_generation_config={"top_k": 50, "min_p": None, "max_new_tokens": 3})
+    assert over.get_default_sampling_params() == SamplingParams(
+        temperature=0.0, top_k=50, top_p=0.9, max_tokens=3, presence_penalty=0.5, frequency_penalty=0.25,
+        skip_special_tokens=False)
+    assert len(over.generate(prompt)[0].outputs[0].token_ids) == 3
+    assert LLM(model_dir, load_format="dummy", num_blocks=64, generation_config="vllm",
+               override_generation_config={"temperature": 0.5}).get_default_sampling_params() == SamplingParams(
+        temperature=0.5)
+    for override, message in (({"do_sample": False}, "nanopaged reads temperature, .*; not 'do_sample'$"),
+                              ({"top_p": "0.9"}, "'top_p' is '0.9', expected a number"),
+                              ([("top_p", 0.9)], "must be a dict of generation_config.json keys"),
+                              ({"top_p": 2.0}, r".*top_p must be a number in \(0, 1\], got 2.0")):
+        with pytest.raises(ValueError, match=f"override_generation_config(: | advises | ){message}"):
+            LLM(model_dir, load_format="dummy", num_blocks=64, override_generation_config=override)
     # an advised max_new_tokens stops at the context; so does one given (vLLM's rule)
     (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 0, "max_new_tokens": 100}))
     small = LLM(model_dir, load_format="dummy", num_blocks=64, max_model_len=64)
