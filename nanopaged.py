@@ -2475,7 +2475,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after the text, each token's log-probability and the K likeliest tokens (0 to 20)")
     ap.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
     ap.add_argument("--system", help="a system prompt, rendered by the chat template before each prompt")
-    ap.add_argument("--dtype", help="float32 (CPU default), bfloat16 (GPU default), float16")
+    ap.add_argument("--dtype", help="float32 (CPU default), bfloat16, float16 (GPU default: the checkpoint's "
+                                         "half precision, bfloat16 for a float32 one, as vLLM's auto)")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     ap.add_argument("--max-model-len", type=int, help="the longest prompt + output served (default: the model's "
