@@ -29,6 +29,7 @@ it can be read - and tested - without a model.
 from __future__ import annotations
 
 import bisect
+import copy
 import hashlib
 import math
 import numbers
@@ -180,6 +181,10 @@ class SamplingParams:
             self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's): the lists and dicts in it are the copy's own."""
+        return copy.deepcopy(self)
 
 
 # (numpy's integers and floats are welcome, being numbers.Integral and numbers.Real; a torch

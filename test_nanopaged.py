@@ -5016,6 +5016,17 @@ def test_a_tokenizer_from_another_directory(tmp_path, own_cache):
             LLM(gguf, num_blocks=16, tokenizer=tokenizer)
 
 
+def test_sampling_params_clone_is_deep():
+    """vLLM's SamplingParams.clone(): equal, and nothing shared that a change could reach."""
+    params = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0}, bad_words=["no"], seed=7)
+    copy_ = params.clone()
+    assert copy_ == params and copy_ is not params and type(copy_) is SamplingParams
+    copy_.stop.append("y")
+    copy_.logit_bias[4] = 2.0
+    copy_.bad_words.clear()
+    assert (params.stop, params.logit_bias, params.bad_words) == (["x"], {3: 1.0}, ["no"])
+
+
 def test_generation_config_gives_the_default_sampling_params(tmp_path):
     """vLLM's rule: a request without SamplingParams samples as the model's
     generation_config.json advises (values equal to HF's defaults, such as top_k 50, are none)."""
