@@ -1313,8 +1313,9 @@ class LLM:
         if self._trace is not None:
             words = {seq: [self.tokenizer.decode([x], continuation=True) for x in tokens]
                      for seq, tokens in sampled.items()}   # (several tokens: a fork's first ones)
-            self._trace.append("  sampled: " + ", ".join(f"{seq} -> {' | '.join(map(repr, w)) or '(dropped)'}"
-                                                         for seq, w in words.items()))
+            self._trace.append("  sampled: " + (", ".join(f"{seq} -> {' | '.join(map(repr, w)) or '(dropped)'}"
+                                                          for seq, w in words.items())
+                                                or "nothing"))   # (a prefill chunk: its prompt goes on)
         appended = [seq for seq in sampled if seq.status is Status.RUNNING]   # update() skips the rest
         forked = self.scheduler.update(out, sampled)   # {parent: its new children}
         children = [child for kids in forked.values() for child in kids]
@@ -2484,6 +2485,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "/ 3.5 / 4-mini, keeps LongRoPE's short factors)")
     ap.add_argument("--num-blocks", type=int, help="KV blocks in the pool (default: as many as 2 GiB hold on "
                                                    "the CPU, 40%% of free memory on a GPU)")
+    ap.add_argument("--max-num-seqs", type=int, default=256,
+                    help="sequences in one step, at most (a sample or beam is one) (default: %(default)s)")
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    help="tokens in one step, at most: a longer prompt is prefilled in chunks (default: 1024 "
+                         "on the CPU, 8192 on a GPU)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                     help="when the KV pool runs dry, the newest sequence's blocks are dropped and recomputed "
@@ -2664,7 +2670,9 @@ def run_cli(argv) -> int:
         if args.logprobs is not None and not 0 <= args.logprobs <= 20:   # (the engine's max_logprobs)
             raise ValueError(f"--logprobs must be an integer in [0, 20], got {args.logprobs}")
         for flag, value in (("--max-tokens", args.max_tokens), ("--block-size", args.block_size),
-                            ("--num-blocks", args.num_blocks), ("--max-model-len", args.max_model_len)):
+                            ("--num-blocks", args.num_blocks), ("--max-model-len", args.max_model_len),
+                            ("--max-num-seqs", args.max_num_seqs),
+                            ("--max-num-batched-tokens", args.max_num_batched_tokens)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         try:
@@ -2680,6 +2688,7 @@ def run_cli(argv) -> int:
         try:
             llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                       num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       enable_prefix_caching=not args.no_prefix_caching,
                       attn_backend=args.attn_backend, preemption_mode=args.preemption_mode,
                       generation_config="vllm",   # (the flags' own defaults sample: greedy)

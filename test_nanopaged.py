@@ -5806,6 +5806,9 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--block-size", "0"], "--block-size"),
     (["--prompt", "hi", "--block-size", "0", "--seed", "3"], "--block-size"),   # (and no greedy note first)
     (["--prompt", "hi", "--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
+    (["--prompt", "hi", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    (["--prompt", "hi", "--n", "3", "--temperature", "1", "--max-num-seqs", "2"], "n = 3 samples exceed max_num_seqs = 2"),
+    (["--prompt", "hi", "--max-num-batched-tokens", "-2"], "--max-num-batched-tokens must be >= 1, got -2"),
     (["--prompt", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'"),      # argparse's own
     (["--prompt", "hi", "--seed", "99999999999999999999"], "--seed must be an integer in [0, 2**63)"),
     (["--prompt", "hi", "--logprobs", "21"], "--logprobs must be an integer in [0, 20], got 21"),
@@ -6216,6 +6219,13 @@ def test_cli_trace_tells_the_chapter_walk_through(capsys, smollm2_dir):
     # step 2: the first generated token fills block 1 (no allocation); step 3 needs block 2
     assert "allocate" not in steps[2] and "4/4 ref=1" in steps[2].split("1->1")[1]
     assert "allocate blocks [2]" in steps[3] and "2->2 [" in steps[3]
+    # --max-num-batched-tokens 4: the prompt is prefilled in two chunks, the first sampling nothing
+    code, chunked, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Four score and seven years ago our",
+                                 "--raw", "--block-size", "4", "--max-tokens", "3", "--trace",
+                                 "--max-num-batched-tokens", "4", "--max-num-seqs", "1")
+    steps = chunked.split("--- step ")
+    assert code == 0 and "prefill 4 tokens" in steps[1] and "sampled: nothing\n" in steps[1]
+    assert "prefill 3 tokens" in steps[2] and "sampled: seq 0 -> " in steps[2] and len(steps) == 5
 
 
 # =============================================================================
