@@ -920,6 +920,9 @@ class LLM:
                  preemption_mode: str = "recompute", swap_space: float = 4, seed: int | None = 0,
                  max_logprobs: int = 20, tokenizer=None, override_generation_config: dict | None = None,
                  **vllm_options):
+        """In order: every argument checked (before anything loads); the model's config, its
+        sampling advice, tokenizer and weights; the KV cache (the BlockPool, and the swap
+        space); the Scheduler, and the PagedAttention object the model calls."""
         ours = {"kv_cache_memory": kv_cache_memory, "num_blocks": num_blocks}
         for alias in VLLM_ALIASES.keys() & vllm_options.keys():
             if ours[VLLM_ALIASES[alias]] is not None:
