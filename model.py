@@ -263,11 +263,8 @@ class ModelConfig:
         # Some instruct models (Llama 3) name their end-of-turn token only here.
         gen = path.with_name("generation_config.json")
         if gen.exists():
-            d = _read_json(gen)
-            with _in_file(gen):
-                config.eos_token_id += [i for i in _token_ids(d, "eos_token_id", config.vocab_size)
-                                        if i not in config.eos_token_id]
-                config.sampling_defaults = _sampling_defaults(d)
+            eos, config.sampling_defaults = read_generation_config(gen, config.vocab_size)
+            config.eos_token_id += [i for i in eos if i not in config.eos_token_id]
         return config
 
     @classmethod
@@ -550,6 +547,13 @@ GENERATION_KEYS = {"temperature": ("temperature", 1.0), "top_k": ("top_k", 50), 
                    # (read by vLLM since 0.34; no HF defaults of their own)
                    "presence_penalty": ("presence_penalty", None), "frequency_penalty": ("frequency_penalty", None),
                    "skip_special_tokens": ("skip_special_tokens", None)}
+
+
+def read_generation_config(path: Path, vocab_size: int) -> tuple[list[int], dict]:
+    """A generation_config.json's EOS ids, and its sampling advice in SamplingParams' names."""
+    d = _read_json(path)
+    with _in_file(path):
+        return _token_ids(d, "eos_token_id", vocab_size), _sampling_defaults(d)
 
 
 def _sampling_defaults(d: dict, changed_only: bool = True) -> dict:

@@ -32,6 +32,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TypedDict
 
 import torch
@@ -39,8 +40,8 @@ import torch.nn.functional as F
 
 import build_ext
 from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
-from model import (GEMMAS, ModelConfig, ModelError, load_model, load_tokenizer, override_sampling_defaults, resolve_model_dir,
-                   tanh_softcap)
+from model import (GEMMAS, ModelConfig, ModelError, load_model, load_tokenizer, override_sampling_defaults,
+                   read_generation_config, resolve_model_dir, tanh_softcap)
 from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, hash_block, is_integer, stop_token_set
 
 # -----------------------------------------------------------------------------
@@ -963,23 +964,30 @@ class LLM:
             raise ValueError(f"unknown preemption_mode {preemption_mode!r}: use recompute, or swap (to CPU memory)")
         if not (isinstance(swap_space, numbers.Real) and not isinstance(swap_space, bool) and 0 < swap_space < 2**40):
             raise ValueError(f"swap_space must be a number of GiB > 0, got {swap_space!r}")
-        if generation_config not in ("auto", "vllm"):
+        if generation_config not in ("auto", "vllm") and not (isinstance(generation_config, (str, os.PathLike))
+                                                              and os.path.isdir(generation_config)):
             raise ValueError(f"unknown generation_config {generation_config!r}: use auto (the model's "
-                             "generation_config.json) or vllm (SamplingParams' own defaults)")
+                             "generation_config.json), vllm (SamplingParams' own defaults), or a directory "
+                             "that holds a generation_config.json")
         # The config first, so that arguments the model cannot take are refused before its weights load
         model_dir = resolve_model_dir(model)
         cfg = ModelConfig.from_json(model_dir / "config.json")
         dtype = dtype or auto_dtype(device, cfg)
         self.device, self.dtype = device, dtype
         # What a request without SamplingParams samples with (vLLM's rule): the model's advice in
-        # generation_config.json, such as a temperature, where generation_config is "auto",
-        # with override_generation_config's values over it
-        advice = override_sampling_defaults(cfg.sampling_defaults if generation_config == "auto" else {},
-                                            override_generation_config or {})
+        # generation_config.json, such as a temperature, where generation_config is "auto" (or
+        # another directory's, whose EOS ids also end requests), with override_generation_config's
+        # values over it
+        source, advice, gen_eos = model_dir / "generation_config.json", {}, []
+        if generation_config == "auto":
+            advice = cfg.sampling_defaults
+        elif generation_config != "vllm":
+            source = Path(generation_config) / "generation_config.json"
+            gen_eos, advice = read_generation_config(source, cfg.vocab_size)
+        advice = override_sampling_defaults(advice, override_generation_config or {})
         try:
             self._default_params = SamplingParams(**advice)
         except ValueError as e:
-            source = model_dir / "generation_config.json"
             source = f"{source} with override_generation_config" if override_generation_config else source
             raise ValueError(f"{source} advises {advice} (in SamplingParams' names): "
                              f"{e}; LLM(generation_config='vllm') ignores the file") from None
@@ -1031,7 +1039,7 @@ class LLM:
         # The ids that end a request (EOS): the model's (config.json's, generation_config.json's)
         # and, as vLLM, the tokenizer's own, where those lists leave it out
         eos = self.tokenizer.eos_token_id
-        eos_token_ids = cfg.eos_token_id + ([eos] if eos is not None and eos not in cfg.eos_token_id else [])
+        eos_token_ids = list(dict.fromkeys(cfg.eos_token_id + gen_eos + ([] if eos is None else [eos])))
         # Where every layer looks through the same sliding window, the blocks that slid out of
         # it are freed as a sequence goes on (a layer that sees everything needs them all).
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,

@@ -5059,6 +5059,19 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
     assert LLM(model_dir, load_format="dummy", num_blocks=64, generation_config="vllm",
                override_generation_config={"temperature": 0.5}).get_default_sampling_params() == SamplingParams(
         temperature=0.5)
+    # vLLM's generation_config=<a directory>: its generation_config.json advises, and its EOS ends requests
+    elsewhere = tmp_path / "advice"
+    elsewhere.mkdir()
+    (elsewhere / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 7,
+                                                                  "eos_token_id": [0, 9]}))
+    for where in (elsewhere, str(elsewhere)):
+        other = LLM(model_dir, load_format="dummy", num_blocks=64, generation_config=where)
+        assert other.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=7)
+        assert other.scheduler.eos_token_ids == {0, 9}
+    with pytest.raises(ValueError, match="unknown generation_config .*: use auto .*, vllm .*, or a directory"):
+        LLM(model_dir, load_format="dummy", num_blocks=64, generation_config=tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'generation_config.json'}: file not found")):
+        LLM(model_dir, load_format="dummy", num_blocks=64, generation_config=tmp_path)
     for override, message in (({"do_sample": False}, "nanopaged reads temperature, .*; not 'do_sample'$"),
                               ({"top_p": "0.9"}, "'top_p' is '0.9', expected a number"),
                               ([("top_p", 0.9)], "must be a dict of generation_config.json keys"),
