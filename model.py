@@ -1211,7 +1211,7 @@ def _check_messages(conversation) -> list[dict]:
             m["content"] = [_text_part(i, j, part) for j, part in enumerate(content)]
         reasoning = next((m[key] for key in REASONING_FIELDS if key in m), None)
         if reasoning is not None:
-            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+            m = {"thinking": reasoning, "reasoning": reasoning, **m, "reasoning_content": reasoning}
         messages.append(m)
     return messages
 

@@ -1771,6 +1771,56 @@ def test_tokenization_kwargs_of_generate_and_chat(tmp_path):
     assert_nothing_leaked(llm)
 
 
+def test_tokenizer_details_that_transformers_settles(tmp_path, own_cache):
+    """Small rules, each checked against transformers 5 / tokenizers 0.23 by hand, with what
+    breaks if it is lost:
+    - the EOS is tokenizer_config.json's eos_token, even an added token only (Llama 3's
+      <|eot_id|>, 761), else config.json's first (757) (catches: looking it up in the vocab
+      alone; no fallback: None, and a model whose config lists no EOS would not stop);
+    - tools=[] still picks the "tool_use" template (catches: `if tools`);
+    - a reasoning message reaches the template under all three names (catches: one dropped);
+    - a Metaspace decoder without prepend_scheme drops the first space ("always");
+    - Digits(individual_digits=false) + ByteLevel is refused, not read as SmolLM2's split;
+    - a SentencePiece GGUF's merges, from scores, tie-break as transformers' generate_merges;
+    - a GGUF's user-defined tokens (type 4) are not special: skip_special_tokens keeps them."""
+    llama3 = tmp_path / "llama3"
+    shutil.copytree(TESTDATA / "llama3_tokenizer", llama3)
+    assert load_tokenizer(llama3).eos_token_id == 757
+    (llama3 / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    assert load_tokenizer(llama3).eos_token_id == 761
+    qwen = tmp_path / "qwen"
+    shutil.copytree(TESTDATA / "qwen2_tokenizer", qwen)
+    (qwen / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "TOOLS={{ tools | tojson }} {% for m in messages %}{{ m.content }}{% endfor %}"}]}))
+    hi = [{"role": "user", "content": "Hi"}]
+    tok = load_tokenizer(qwen)
+    assert tok.apply_chat_template(hi, tools=[]) == "TOOLS=[] Hi" and tok.apply_chat_template(hi) == "Hi"
+    thought = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A", "reasoning_content": "R"}]
+    assert tok.apply_chat_template(thought, False, chat_template="{% for m in messages %}[{{ m.thinking }}|"
+                                   "{{ m.reasoning_content }}|{{ m.reasoning }}]{% endfor %}") == "[||][R|R|R]"
+    metaspace = tmp_path / "metaspace"
+    shutil.copytree(TESTDATA / "llama2_metaspace_tokenizer", metaspace)
+    tj = json.loads((metaspace / "tokenizer.json").read_text())
+    (metaspace / "tokenizer.json").write_text(json.dumps(tj | {"decoder": {"type": "Metaspace", "replacement": "\u2581"}}))
+    tok = load_tokenizer(metaspace)
+    assert tok.decode(tok.encode("Hello world", add_special_tokens=False)) == "Hello world"
+    tj = json.loads((llama3 / "tokenizer.json").read_text())
+    (llama3 / "tokenizer.json").write_text(json.dumps(tj | {"normalizer": None, "pre_tokenizer": {
+        "type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": False},
+                                              {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}]}}))
+    with pytest.raises(ModelError, match="is not supported"):
+        load_tokenizer(llama3)
+    vocab = {"a": 0, "b": 1, "c": 2, "d": 3, "ab": 4, "abc": 5, "cd": 6}   # (abc and cd tie)
+    assert [tuple(m) for m in model_module._merges_from_scores(vocab, [0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -2.0])] == [
+        ("a", "b"), ("ab", "c"), ("c", "d")]
+    types = [1] * 256
+    types[97], types[1] = 4, 3   # "a" user-defined, the EOS control
+    tok = load_tokenizer(write_gguf(tmp_path / "types.gguf", eos=1, token_types=types))
+    assert 97 not in tok.special_ids and 1 in tok.special_ids
+    assert tok.decode([97, 98, 1], skip_special_tokens=True) == "ab"
+
+
 def test_added_tokens_that_are_vocab_tokens_stay_in_the_bpe(tmp_path):
     """An added token with its own vocab id: a single_word "dog" (681) inside a word is not
     the added token there, but BPE still makes the vocab's "dog"; an added "Å" (the byte-level
@@ -2628,7 +2678,7 @@ def test_gemma_gguf_loads_as_its_checkpoint(tmp_path, own_cache, arch, layers):
         assert len(texts) == 369 and all(tok.encode(t) == gemma.encode(t) for t in texts)
 
 
-def test_phi3_gguf_chat_tokens_drop_the_whitespace_after_them(tmp_path, own_cache):
+def test_phi3_gguf_chat_tokens_drop_the_whitespace_after_them(tmp_path, own_cache, monkeypatch):
     """A GGUF keeps no rstrip flags: for a model named Phi-3, its added tokens (</s>,
     <|end|>...) drop the whitespace after them, as in its tokenizer.json and in llama.cpp;
     <s> does not."""
@@ -2640,6 +2690,19 @@ def test_phi3_gguf_chat_tokens_drop_the_whitespace_after_them(tmp_path, own_cach
     tok = load_tokenizer(path)
     assert tokens["Phi-3 Mini 4k Instruct"] == tok.encode("Hi</s>x<s>\n y", add_special_tokens=False)
     assert tokens["Llama 2 7B"] == tok.encode("Hi</s>\n x<s>\n y", add_special_tokens=False) != tokens["Phi-3 Mini 4k Instruct"]
+    # Phi-3's own <|endoftext|> and <|end|> keep the whitespace after them, as llama.cpp has it
+    # (catches: <|endoftext|> dropped from the tokens that keep it)
+    vocab = llama2_gguf_vocab()
+
+    def phi3_vocab():
+        tokens, types, scores = vocab
+        return tokens + ["<|endoftext|>", "<|end|>"], types + [3, 3], scores + [0.0, 0.0]
+    monkeypatch.setattr(sys.modules[__name__], "llama2_gguf_vocab", phi3_vocab)
+    phi3 = load_tokenizer(write_gguf(tmp_path / "phi3.gguf", bos=1, eos=2, sentencepiece=True,
+                                     meta=[("general.name", "Phi-3 Mini 4k Instruct")]))
+    eot, end = phi3.convert_tokens_to_ids(["<|endoftext|>", "<|end|>"])
+    plain = functools.partial(phi3.encode, add_special_tokens=False)
+    assert plain("Hi<|endoftext|> x<|end|> y") == plain("Hi") + [eot] + plain(" x") + [end] + plain("y")
 
 
 @pytest.mark.parametrize("kwargs, first", [
@@ -5016,6 +5079,15 @@ def test_a_tokenizer_from_another_directory(tmp_path, own_cache):
             LLM(gguf, num_blocks=16, tokenizer=tokenizer)
 
 
+def test_config_dtype_wins_over_torch_dtype_and_min_tokens_may_equal_max_tokens(tmp_path):
+    """config.json's dtype (transformers 5's key) wins over torch_dtype, as AutoConfig reads
+    them: it sets the GPU's dtype "auto". min_tokens == max_tokens asks for exactly that many.
+    Catches: torch_dtype read first; min_tokens < max_tokens required."""
+    (tmp_path / "config.json").write_text(json.dumps(llama_config() | {"dtype": "bfloat16", "torch_dtype": "float16"}))
+    assert ModelConfig.from_json(tmp_path / "config.json").torch_dtype == "bfloat16"
+    assert SamplingParams(max_tokens=8, min_tokens=8).min_tokens == 8
+
+
 def test_sampling_params_clone_is_deep():
     """vLLM's SamplingParams.clone(): equal, and nothing shared that a change could reach."""
     params = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0}, bad_words=["no"], seed=7)
@@ -7235,6 +7307,16 @@ def test_a_seeded_sample_draws_from_a_fresh_generator_at_each_position(llm):
     assert llm._generator(SimpleNamespace(params=SamplingParams(), num_output_tokens=0), 0) is llm._rng
 
 
+def test_the_seeded_samples_of_one_request_draw_apart(tmp_path):
+    """n=2 with a seed: after the fork, each sample draws from its own (seed, sample,
+    position) generator, so the samples are no copies of each other. Catches: a sample's
+    draws seeded with sample 0's index (both would make the same draws, token for token)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64)
+    coin = SamplingParams(n=2, temperature=1e6, seed=0, max_tokens=24, ignore_eos=True, allowed_token_ids=[100, 200])
+    first, second = (c.token_ids for c in llm.generate([5, 6, 7], coin)[0].outputs)
+    assert first[1:] != second[1:]   # (equal with probability 2**-23)
+
+
 def test_unseeded_draws_repeat_from_run_to_run_with_the_engines_seed(tmp_path):
     """LLM(seed=0), vLLM's default: requests without a seed draw from the engine's generator,
     seeded once, so a script's sampled output is the same each run; another seed gives
@@ -7721,12 +7803,13 @@ def hf_yarn_inv_freq(D, theta, s):
     {"original_max_position_embeddings": 4096},                    # truncated band: dimensions 2 .. 6
     {"original_max_position_embeddings": 4096, "beta_slow": 0.1},  # band's top past R/2 - 1, below R - 1
     {"original_max_position_embeddings": 4},   # both ends below dimension 0: a band of zero width at 0
+    {"original_max_position_embeddings": 4096, "beta_slow": 1e-5},  # band's top past R - 1: clamped there
 ])
 def test_yarn_frequencies_are_transformers(scaling):
     """rope_tables' YaRN cos and sin against transformers' formula (hf_yarn_inv_freq) on a
     head of 16: a ramp whose ends are rounded outwards, clamped to R - 1 (not R/2 - 1), and
     a band of zero width (HF widens it by 0.001 rather than divide by zero). Catches: the
-    truncation rounded inwards; the band's top clamped to R/2 - 1; the 0.001 dropped (NaN)."""
+    truncation rounded inwards; the band's top clamped to R/2 - 1, or to R; the 0.001 dropped (NaN)."""
     s = {"rope_type": "yarn", "factor": 4.0} | scaling
     c = ModelConfig.from_dict(llama_config(head_dim=16, max_position_embeddings=8192, rope_scaling=s))
     cos, sin = model_module.rope_tables(c, 64)
