@@ -1551,7 +1551,7 @@ class LLM:
         """A finished beam search's beam_width best: of those that ended in EOS, and of the
         beams that ran to max_tokens (or were aborted, or failed)."""
         hypotheses = req.done + [(seq.output_token_ids, cum, history, seq.finish_reason)
-                                    for seq, (cum, history) in req.beams.items()]
+                                 for seq, (cum, history) in req.beams.items()]
         beam = req.params.beam
         best = sorted(hypotheses, key=lambda h: beam_rank(h, beam.length_penalty))[:req.params.n]
         results = []
@@ -2488,7 +2488,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
     ap.add_argument("--system", help="a system prompt, rendered by the chat template before each prompt")
     ap.add_argument("--dtype", help="float32 (CPU default), bfloat16, float16 (GPU default: the checkpoint's "
-                                         "half precision, bfloat16 for a float32 one, as vLLM's auto)")
+                                    "half precision, bfloat16 for a float32 one, as vLLM's auto)")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     ap.add_argument("--max-model-len", type=int, help="the longest prompt + output served (default: the model's "
