@@ -258,7 +258,8 @@ class ModelConfig:
         d = _read_json(path)
         with _in_file(path):
             config = cls.from_dict(d)
-        stored = d.get("dtype", d.get("torch_dtype"))
+        stored = d.get("dtype")   # (transformers 5's key; torch_dtype, the older one, where it is null)
+        stored = d.get("torch_dtype") if stored is None else stored
         config.torch_dtype = stored if isinstance(stored, str) else None
         # Some instruct models (Llama 3) name their end-of-turn token only here.
         gen = path.with_name("generation_config.json")
@@ -2516,8 +2517,9 @@ def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[list
     """A SentencePiece GGUF keeps a score per token, no merges: its BPE merges first the
     neighbours whose merged token scores highest. HF's BPE merges first the merge listed
     first; so every way to cut a token in two tokens is a merge, listed by that token's
-    score (as transformers' converter lists them: then the longer left part first)."""
-    merges = [(-scores[i], -k, i, token[:k], token[k:]) for token, i in vocab.items()
+    score (as transformers' converter lists them: then the longer left part first, then the
+    longer right part, then by token id)."""
+    merges = [(-scores[i], -k, k - len(token), i, token[:k], token[k:]) for token, i in vocab.items()
               for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
     return [[left, right] for *_, left, right in sorted(merges)]
 

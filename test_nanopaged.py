@@ -1814,6 +1814,9 @@ def test_tokenizer_details_that_transformers_settles(tmp_path, own_cache):
     vocab = {"a": 0, "b": 1, "c": 2, "d": 3, "ab": 4, "abc": 5, "cd": 6}   # (abc and cd tie)
     assert [tuple(m) for m in model_module._merges_from_scores(vocab, [0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -2.0])] == [
         ("a", "b"), ("ab", "c"), ("c", "d")]
+    vocab = {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4, "abc": 5}   # (ab and abc tie: a|bc before a|b)
+    assert [tuple(m) for m in model_module._merges_from_scores(vocab, [0.0, 0.0, 0.0, -1.0, -2.0, -1.0])] == [
+        ("ab", "c"), ("a", "bc"), ("a", "b"), ("b", "c")]
     types = [1] * 256
     types[97], types[1] = 4, 3   # "a" user-defined, the EOS control
     tok = load_tokenizer(write_gguf(tmp_path / "types.gguf", eos=1, token_types=types))
@@ -5080,11 +5083,13 @@ def test_a_tokenizer_from_another_directory(tmp_path, own_cache):
 
 
 def test_config_dtype_wins_over_torch_dtype_and_min_tokens_may_equal_max_tokens(tmp_path):
-    """config.json's dtype (transformers 5's key) wins over torch_dtype, as AutoConfig reads
-    them: it sets the GPU's dtype "auto". min_tokens == max_tokens asks for exactly that many.
-    Catches: torch_dtype read first; min_tokens < max_tokens required."""
-    (tmp_path / "config.json").write_text(json.dumps(llama_config() | {"dtype": "bfloat16", "torch_dtype": "float16"}))
-    assert ModelConfig.from_json(tmp_path / "config.json").torch_dtype == "bfloat16"
+    """config.json's dtype (transformers 5's key) wins over torch_dtype, unless null, as
+    AutoConfig reads them: it sets the GPU's dtype "auto". min_tokens == max_tokens asks for
+    exactly that many. Catches: torch_dtype read first; min_tokens < max_tokens required."""
+    for given, read in (({"dtype": "bfloat16", "torch_dtype": "float16"}, "bfloat16"),
+                        ({"dtype": None, "torch_dtype": "float16"}, "float16"), ({"dtype": None}, None)):
+        (tmp_path / "config.json").write_text(json.dumps(llama_config() | given))
+        assert ModelConfig.from_json(tmp_path / "config.json").torch_dtype == read, given
     assert SamplingParams(max_tokens=8, min_tokens=8).min_tokens == 8
 
 
