@@ -696,6 +696,9 @@ class RequestOutput:
     latency: float             # seconds from arrival to the last sample's finish
     # with SamplingParams.prompt_logprobs = k: the same per prompt token, None for the first
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # with SamplingParams.prompt_logprob_token_ids: a numpy float32 (rows, ids) array, row i the
+    # logprobs of its ids as prompt token prompt_logprob_start + i + 1 (-inf where -1 pads it)
+    prompt_token_id_logprobs: object = None
     finished: bool = True      # (vLLM's: a request is returned once, when it has finished)
     # vLLM's, always None here (a script may test them): its offline LLM logs no per-request
     # metrics either (ttft and latency above, llm.stats); no LoRA, encoder or KV transfer
@@ -788,6 +791,8 @@ class Request:
     stop_scans: dict = field(default_factory=dict)   # sample index -> its StopStringScan
     logprobs: dict = field(default_factory=dict)     # sample index -> one {token id: Logprob} per output token
     prompt_logprobs: list | None = None              # one entry per prompt position, filled as the prompt runs
+    prompt_token_id_logprobs: torch.Tensor | None = None   # (scored rows, ids) float32 on the CPU, the
+                                                     # same (NaN: a row not computed yet)
     # A beam search's (see _beam_step):
     # live beam -> (cumulative logprob, its history: its candidates at each step, as a linked
     # list (the steps before, this step's) that the beams it forks into share; see beam_history)
@@ -1181,6 +1186,14 @@ class LLM:
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}) (the model's "
                              f"vocab_size): got {bad[:5]}")
         self._check_constraints(params)
+        scored_rows = len(ids) - 1 - (params.prompt_logprob_start or 0)   # (logits at position t score token t + 1)
+        if params.prompt_logprob_start and scored_rows < 1:
+            raise ValueError(f"prompt_logprob_start = {params.prompt_logprob_start} leaves no prompt token to "
+                             f"score: it must be less than the prompt's {len(ids)} tokens - 1")
+        if params.prompt_logprob_token_ids is not None and len(params.prompt_logprob_token_ids) != scored_rows:
+            raise ValueError(f"prompt_logprob_token_ids has {len(params.prompt_logprob_token_ids)} rows, but the "
+                             f"prompt has {max(scored_rows, 0)} to score (its {len(ids)} tokens - 1 - "
+                             f"prompt_logprob_start = {params.prompt_logprob_start or 0})")
         chosen = request_id is not None
         if not chosen:
             while self._next_id in self._requests:   # skip ids the caller chose
@@ -1194,7 +1207,9 @@ class LLM:
                 seq = self.scheduler.add(request_id, ids, params)
                 self._requests[request_id] = Request(
                     text, params, [seq], beams={seq: (0.0, None)} if params.beam else {},
-                    prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
+                    prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids),
+                    prompt_token_id_logprobs=None if params.prompt_logprob_token_ids is None else torch.full(
+                        (scored_rows, len(params.prompt_logprob_token_ids[0])), math.nan))
         except KeyboardInterrupt:   # held until the request was queued: the caller never got its id
             if seq is not None:
                 self.scheduler.abort(request_id)
@@ -1221,8 +1236,13 @@ class LLM:
         if params.bad_words is not None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         # (stop_token_ids too, as vLLM 0.30 on: one past the vocabulary could never be drawn)
+        id_rows = params.prompt_logprob_token_ids or []
+        if id_rows and len(id_rows[0]) > most:   # (vLLM's bound too: the ids of a row, as prompt_logprobs = k)
+            raise ValueError(f"prompt_logprob_token_ids has {len(id_rows[0])} token ids a row, more than "
+                             f"max_logprobs = {self.max_logprobs} (LLM(max_logprobs=...) allows more)")
         for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
-                          ("stop_token_ids", params.stop_token_ids),
+                          ("stop_token_ids", params.stop_token_ids), ("logprob_token_ids", params.logprob_token_ids),
+                          ("prompt_logprob_token_ids", [t for row in id_rows for t in row if t != -1]),
                           ("bad_words", sum(params.bad_words_token_ids or [], []))):
             bad = sorted(t for t in ids or () if not 0 <= t < V)
             if bad:
@@ -1336,8 +1356,13 @@ class LLM:
         for seq in appended:   # sample j of a fork's tokens went to the sequence sample_index + j
             for j, entry in enumerate(token_logprobs.get(seq, ())):
                 self._requests[seq.request_id].logprobs.setdefault(seq.sample_index + j, []).append(entry)
-        for seq, first, entries in prompt_logprobs:   # by position: a recompute overwrites its own
-            self._requests[seq.request_id].prompt_logprobs[first:first + len(entries)] = entries
+        for seq, first, entries, scores in prompt_logprobs:   # by position: a recompute overwrites its own
+            req = self._requests[seq.request_id]
+            if entries is not None:
+                req.prompt_logprobs[first:first + len(entries)] = entries
+            if scores is not None:
+                at = first - 1 - (seq.params.prompt_logprob_start or 0)
+                req.prompt_token_id_logprobs[at:at + len(scores)] = scores
         self._check_stop_strings([*sampled, *children])
         self.stats.output_tokens += sum(len(sampled[seq]) for seq in appended)
         self.stats.elapsed += time.perf_counter() - start
@@ -1358,12 +1383,12 @@ class LLM:
             qsl.append(qsl[-1] + n)
             if out.do_sample[i]:
                 logits_indices.append(qsl[-1] - 1)   # the last token of the sequence
-            # The logits at position t score prompt token t + 1. (A recomputed sequence that
-            # has sampled scored its whole prompt the first time.)
-            end = min(start + n, seq.num_prompt_tokens - 1)
-            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0 and start < end:
-                prompt_indices += range(qsl[-2], qsl[-2] + end - start)
-                prompt_rows.append((seq, start + 1, end - start))
+            # The logits at position t score prompt token t + 1, from prompt_logprob_start on.
+            # (A recomputed sequence that has sampled scored its whole prompt the first time.)
+            first, end = max(start, seq.params.prompt_logprob_start or 0), min(start + n, seq.num_prompt_tokens - 1)
+            if seq.params.scores_prompt and seq.num_output_tokens == 0 and first < end:
+                prompt_indices += range(qsl[-2] + first - start, qsl[-2] + end - start)
+                prompt_rows.append((seq, first + 1, end - first))
         max_blocks = max(len(s.block_table.block_ids) for s in out.seqs)
         # padded entries (past a sequence's blocks) and DROPPED ones (before its window) are never read
         tables = [s.block_table.block_ids + [0] * (max_blocks - len(s.block_table.block_ids)) for s in out.seqs]
@@ -1417,36 +1442,54 @@ class LLM:
         return sampled, broken
 
     def _logprobs(self, due: list, logits, finite: list, sampled: dict, prompt_rows: list) -> tuple[dict, list, dict]:
-        """vLLM's logprobs of this step: {seq: one {token id: Logprob} per token it sampled}
-        for the sequences that ask for them, and (seq, first position, [one per prompt token])
-        for those that score their prompt, from one batched log_softmax. Also {seq: NOT_FINITE}
-        for those whose prompt rows are broken (NaN or inf): they fail, as a broken sampled row does.
-        logits: (S + R, vocab), the S rows of due, then the R prompt rows; finite: per row."""
-        rows, targets, ks, contexts = [], [], [], []
+        """vLLM's logprobs of this step, from one batched log_softmax: {seq: one {token id:
+        Logprob} per token it sampled} for the sequences that ask for them; for those that score
+        their prompt, (seq, first position scored, one {token id: Logprob} per prompt token or
+        None, the (count, ids) logprobs of its prompt_logprob_token_ids or None); and {seq:
+        NOT_FINITE} for those whose prompt rows are broken (NaN or inf): they fail, as a broken
+        sampled row does. logits: (S + R, vocab), the S rows of due, then the R prompt rows;
+        finite: per row."""
+        rows, targets, picks, contexts = [], [], [], []   # the rows that make {token id: Logprob}s
         for row, seq in enumerate(due):
-            if seq in sampled and seq.params.logprobs is not None:
-                rows += [row] * len(sampled[seq])
+            if seq in sampled and seq.params.num_logprobs is not None:
+                k = len(sampled[seq])
+                rows += [row] * k
                 targets += sampled[seq]
-                ks += [seq.params.logprobs] * len(sampled[seq])
-                contexts += [seq.token_ids[-4:] if seq.params.detokenize else None] * len(sampled[seq])
-        scored, broken, r = [], {}, len(due)   # r: the next prompt row
+                picks += [seq.params.logprob_token_ids or seq.params.logprobs] * k
+                contexts += [seq.token_ids[-4:] if seq.params.detokenize else None] * k
+        scored, id_rows, broken, r = [], [], {}, len(due)   # r: the next prompt row
         for seq, first, count in prompt_rows:
-            if all(finite[r:r + count]):
-                rows += range(r, r + count)
-                targets += seq.token_ids[first:first + count]
-                ks += [seq.params.prompt_logprobs] * count
-                contexts += [seq.token_ids[max(p - 4, 0):p] if seq.params.detokenize else None
-                             for p in range(first, first + count)]
-                scored.append((seq, first, count))
-            else:
+            p = seq.params
+            if not all(finite[r:r + count]):
                 broken[seq] = NOT_FINITE
+            else:
+                if p.prompt_logprobs is not None:
+                    rows += range(r, r + count)
+                    targets += seq.token_ids[first:first + count]
+                    picks += [p.prompt_logprobs] * count
+                    contexts += [seq.token_ids[max(q - 4, 0):q] if p.detokenize else None
+                                 for q in range(first, first + count)]
+                if p.prompt_logprob_token_ids is not None:
+                    id_rows += range(r, r + count)
+                scored.append((seq, first, count))
             r += count
-        if not rows:
+        if not rows and not id_rows:
             return {}, [], broken
-        entries = iter(logprob_dicts(logits[rows], targets, ks, self.tokenizer, contexts))
+        lp = torch.log_softmax(logits[rows + id_rows].float(), dim=-1)   # (M + I, vocab)
+        entries = iter(logprob_dicts(lp[:len(rows)], targets, picks, self.tokenizer, contexts))
         token_logprobs = {seq: [next(entries) for _ in sampled[seq]] for seq in due
-                          if seq in sampled and seq.params.logprobs is not None}
-        prompt_logprobs = [(seq, first, [next(entries) for _ in range(count)]) for seq, first, count in scored]
+                          if seq in sampled and seq.params.num_logprobs is not None}
+        prompt_logprobs, i = [], len(rows)   # i: the next of the I rows
+        for seq, first, count in scored:
+            p = seq.params
+            dicts = [next(entries) for _ in range(count)] if p.prompt_logprobs is not None else None
+            scores = None
+            if p.prompt_logprob_token_ids is not None:   # row first - 1 is the table's row first - 1 - start
+                at = first - 1 - (p.prompt_logprob_start or 0)
+                ids = torch.tensor(p.prompt_logprob_token_ids[at:at + count], device=lp.device)   # (count, ids)
+                scores = lp[i:i + count].gather(1, ids.clamp(min=0)).masked_fill(ids < 0, -math.inf).cpu()
+                i += count
+            prompt_logprobs.append((seq, first, dicts, scores))
         return token_logprobs, prompt_logprobs, broken
 
     def _generator(self, seq, sample_index):
@@ -1630,7 +1673,8 @@ class LLM:
         outputs = self._beam_results(req) if first.params.beam else self._sample_results(req, seqs)
         return RequestOutput(request_id, req.prompt, first.prompt_token_ids, outputs,
                              first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time,
-                             req.prompt_logprobs)
+                             req.prompt_logprobs, None if req.prompt_token_id_logprobs is None
+                             else req.prompt_token_id_logprobs.numpy().copy())
 
     def _stop_reason(self, stop_token: int | None, ignore_eos: bool) -> int | None:
         """vLLM's stop_reason for an output that a stop token ended (None: it did not): the
@@ -1662,7 +1706,7 @@ class LLM:
         # A request that ended before its first token (aborted, or its logits broke) never
         # forked: its n samples all ended there, empty.
         outputs += [CompletionOutput(j, "", [], first.finish_reason) for j in range(len(seqs), first.params.n)]
-        if first.params.logprobs is not None:
+        if first.params.num_logprobs is not None:
             for o in outputs:
                 o.logprobs = req.logprobs.get(o.index, [])
                 o.cumulative_logprob = sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids))
@@ -2120,26 +2164,34 @@ def sampling_probs(logits, p: SamplingParams):
     return probs.to(logits.dtype)
 
 
-def logprob_dicts(logits, targets: list[int], ks: list[int], tokenizer,
+def logprob_dicts(lp, targets: list[int], picks: list, tokenizer,
                   contexts: list[list[int] | None]) -> list[dict[int, Logprob]]:
-    """For each row of logits (M, V): {token id: Logprob} of its target token, then of its k
-    most likely tokens. These are the model's own probabilities, before the penalties, the
-    constraints, temperature, top-k, min-p and top-p (vLLM's default), in float32. contexts:
-    per row, the sequence's last few tokens before its position, for decoded_token; None where
-    no text is wanted (detokenize=False: decoded_token None)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)                       # (M, V)
+    """For each row of log-probabilities lp (M, V): {token id: Logprob} of its target token,
+    then of its pick: an int k, its k most likely tokens (ranked by their place among them); or
+    a list of token ids (logprob_token_ids), those tokens (each ranked in the whole vocabulary,
+    as the target is, where vLLM numbers them 1 to n). These are the model's own
+    probabilities (a log_softmax of its logits, in float32), before the penalties, the
+    constraints, temperature, top-k, min-p and top-p (vLLM's default). contexts: per row, the
+    sequence's last few tokens before its position, for decoded_token; None where no text is
+    wanted (detokenize=False: decoded_token None)."""
     target_lp = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])   # (M, 1)
     ranks = (lp >= target_lp).sum(dim=-1).tolist()                       # (M,) ties count against it
     # (a k past a tiny vocabulary, up to 20 allowed, is all of it: topk would raise)
-    top_lp, top_ids = lp.topk(min(max(ks), lp.shape[-1]), dim=-1)        # (M, max k), most likely first
+    k_most = max((k for k in picks if isinstance(k, int)), default=0)
+    top_lp, top_ids = lp.topk(min(k_most, lp.shape[-1]), dim=-1)         # (M, k_most), most likely first
     result = []
-    for target, t_lp, rank, k, row_lp, row_ids, context in zip(targets, target_lp[:, 0].tolist(), ranks, ks,
-                                                               top_lp.tolist(), top_ids.tolist(), contexts):
+    for m, (target, t_lp, rank, pick, row_lp, row_ids, context) in enumerate(zip(
+            targets, target_lp[:, 0].tolist(), ranks, picks, top_lp.tolist(), top_ids.tolist(), contexts)):
         text = (lambda t: None) if context is None else (lambda t: decoded_token(tokenizer, t, context))
         d = {target: Logprob(t_lp, rank, text(target))}
-        for r, (x, t) in enumerate(zip(row_lp[:k], row_ids[:k]), start=1):
-            # (the target among them keeps its place, first)
-            d[t] = Logprob(x, r, text(t))
+        if isinstance(pick, int):
+            for r, (x, t) in enumerate(zip(row_lp[:pick], row_ids[:pick]), start=1):
+                d[t] = Logprob(x, r, text(t))   # (the target among them keeps its place, first)
+        else:
+            chosen = lp[m, pick]                                          # (n,)
+            chosen_ranks = (lp[m, None, :] >= chosen[:, None]).sum(dim=-1)   # (n, V) -> (n,)
+            for t, x, r in zip(pick, chosen.tolist(), chosen_ranks.tolist()):
+                d[t] = Logprob(x, r, text(t))
         result.append(d)
     return result
 

@@ -34,6 +34,7 @@ import hashlib
 import math
 import numbers
 import re
+import reprlib
 import time
 from array import array
 from collections import deque
@@ -43,6 +44,9 @@ from enum import Enum
 
 # -----------------------------------------------------------------------------
 # Request parameters: SamplingParams, BeamSearchParams, and the checks they share
+
+MAX_LOGPROB_TOKEN_IDS = 128   # vLLM's bound on logprob_token_ids
+
 
 @dataclass(kw_only=True)   # (vLLM's fields come in another order: a positional argument would land elsewhere)
 class SamplingParams:
@@ -65,6 +69,14 @@ class SamplingParams:
     logprobs: int | None = None         # per output token: its log-probability, and the top k tokens
                                         # (the chosen one may be among them)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # Scoring (vLLM 0.34's): the logprobs of given tokens, say the labels of a classifier
+    logprob_token_ids: list[int] | None = None  # per output token: the chosen one's, then these
+                                        # tokens' in place of the top k (logprobs = None or as many)
+    prompt_logprob_token_ids: list[list[int]] | None = None   # (rows, ids) of token ids, -1 padding:
+                                        # row i's tokens scored as prompt token start + i + 1, into
+                                        # RequestOutput.prompt_token_id_logprobs
+    prompt_logprob_start: int | None = None   # both prompt scorings begin after this position (None
+                                        # before it), so the prefix cache may serve the tokens up to it
     # Penalties, applied to the logits before temperature (see process_logits in nanopaged.py):
     presence_penalty: float = 0.0       # > 0: less of any token the output already has
     frequency_penalty: float = 0.0      # > 0: less of a token, the more the output has it
@@ -105,8 +117,8 @@ class SamplingParams:
         self.prompt_logprobs = 1 if self.prompt_logprobs is True else self.prompt_logprobs
         checks = [
             (is_integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (_finite_number(self.temperature) and self.temperature >= 0,
-             f"temperature must be a finite number >= 0, got {self.temperature!r}"),
+            (_finite_number(self.temperature) and 0 <= self.temperature <= 2,
+             f"temperature must be a number in [0, 2] (vLLM's range), got {self.temperature!r}"),
             (is_integer(self.top_k) and self.top_k >= -1,
              f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}"),
             (_finite_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be a number in (0, 1], got {self.top_p!r}"),
@@ -148,6 +160,23 @@ class SamplingParams:
             *[(k is None or (is_integer(k) and k >= -1),
                f"{name} must be None, -1 (the whole vocabulary) or an integer >= 0, got {k!r}")
               for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
+            (self.logprob_token_ids is None or (isinstance(self.logprob_token_ids, (list, tuple))
+                                                and len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS
+                                                and all(is_integer(t) for t in self.logprob_token_ids)),
+             f"logprob_token_ids must be a list of at most {MAX_LOGPROB_TOKEN_IDS} token ids, "
+             f"got {reprlib.repr(self.logprob_token_ids)}"),
+            (self.logprob_token_ids is None or self.logprobs is None or self.logprobs == len(self.logprob_token_ids),
+             f"logprobs = {self.logprobs!r} with {len(self.logprob_token_ids or ())} logprob_token_ids: where both "
+             f"are given, logprobs must be their number (as vLLM asks)"),
+            (self.prompt_logprob_token_ids is None or _token_id_rows(self.prompt_logprob_token_ids) is not None,
+             f"prompt_logprob_token_ids must be a non-empty list of non-empty lists of token ids (-1: padding), "
+             f"or a 2-D integer array, got {reprlib.repr(self.prompt_logprob_token_ids)}"),
+            (self.prompt_logprob_start is None or (is_integer(self.prompt_logprob_start)
+                                                   and self.prompt_logprob_start >= 0),
+             f"prompt_logprob_start must be None or an integer >= 0, got {self.prompt_logprob_start!r}"),
+            (self.prompt_logprob_start is None or self.scores_prompt,
+             "prompt_logprob_start is where prompt scoring begins: it needs prompt_logprobs or "
+             "prompt_logprob_token_ids"),
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
                 (is_integer(t) or (isinstance(t, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", t)))
                 and isinstance(b, numbers.Real) and not isinstance(b, bool) and b == b   # (NaN != NaN)
@@ -172,6 +201,12 @@ class SamplingParams:
         self.stop_token_ids = None if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
         self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = [int(t) for t in self.logprob_token_ids]
+        if self.prompt_logprob_token_ids is not None:
+            self.prompt_logprob_token_ids = _token_id_rows(self.prompt_logprob_token_ids)
+        if self.prompt_logprob_start is not None:
+            self.prompt_logprob_start = int(self.prompt_logprob_start)
         if self.truncate_prompt_tokens is not None:
             self.truncate_prompt_tokens = int(self.truncate_prompt_tokens)
         if self.logit_bias is not None:   # (string ids, as in an OpenAI request's JSON; clamped as OpenAI does,
@@ -182,6 +217,16 @@ class SamplingParams:
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """vLLM's: how many logprobs each output token gets besides its own; None: no logprobs."""
+        return len(self.logprob_token_ids) if self.logprob_token_ids else self.logprobs
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the request scores its prompt: its logits there are needed, not only the last's."""
+        return self.prompt_logprobs is not None or self.prompt_logprob_token_ids is not None
+
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's): the lists and dicts in it are the copy's own."""
         return copy.deepcopy(self)
@@ -191,6 +236,18 @@ class SamplingParams:
 # tensor is not, even a 0-d one, and bools are not numbers here)
 def is_integer(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _token_id_rows(rows) -> list[list[int]] | None:
+    """prompt_logprob_token_ids as rows of equal length, padded with -1 (a list of lists, or a
+    2-D integer array such as numpy's); None if it is not one."""
+    rows = rows.tolist() if getattr(rows, "ndim", None) == 2 else rows   # (an array's ints were checked by
+    if not isinstance(rows, (list, tuple)) or not rows:                  # its dtype: tolist's are Python's)
+        return None
+    if not all(isinstance(r, (list, tuple)) and r and all(is_integer(t) and t >= -1 for t in r) for r in rows):
+        return None
+    width = max(map(len, rows))
+    return [[int(t) for t in r] + [-1] * (width - len(r)) for r in rows]
 
 
 def _max_tokens_check(max_tokens) -> tuple[bool, str]:
@@ -723,13 +780,16 @@ class Scheduler:
         waiting under a window is hashed once, not every step.)
 
         Only blocks that end before the last token count, so at least one token is computed
-        and yields logits. A request that asks for its prompt's logprobs takes none until it
-        has sampled: a cached token is never computed, so it would have no logits to score."""
+        and yields logits. A request that scores its prompt takes only those that end by its
+        prompt_logprob_start until it has sampled: a cached token is never computed, so it
+        would have no logits to score."""
         found = []               # per full block: its cached block or None
         done, last_miss = 0, -1  # the most blocks seq can count as computed; the last block not cached
-        scores_prompt = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
-        if self.enable_prefix_caching and not scores_prompt:
-            for i in range((seq.num_tokens - 1) // self.block_size):
+        end = seq.num_tokens - 1   # (the tokens the cache may serve)
+        if seq.params.scores_prompt and seq.num_output_tokens == 0:
+            end = min(end, seq.params.prompt_logprob_start or 0)
+        if self.enable_prefix_caching:
+            for i in range(end // self.block_size):
                 found.append(self._find_cached(self._prefix_hashes(seq, i + 1)[i], self._block_tokens(seq, i)))
                 if found[-1] is None:
                     last_miss = i

@@ -4682,16 +4682,19 @@ def test_logprob_ranks_with_ties_as_vllm():
     class Names:   # a tokenizer whose tokens are their ids in brackets
         def decode(self, ids, continuation=False):
             return f"<{ids[0]}>"
-    logits = torch.tensor([[2.0, 2.0, 2.0, 0.0]])   # a three-way tie for the top
-    top = logits.topk(3).indices[0].tolist()       # (which of them comes first is topk's choice)
+    lp = torch.log_softmax(torch.tensor([[2.0, 2.0, 2.0, 0.0]]), -1)   # a three-way tie for the top
+    top = lp.topk(3).indices[0].tolist()           # (which of them comes first is topk's choice)
     # a target among the top k takes its place there, first in the dict
-    (d,) = logprob_dicts(logits, [top[0]], [2], Names(), [[]])
+    (d,) = logprob_dicts(lp, [top[0]], [2], Names(), [[]])
     assert list(d) == top[:2] and [e.rank for e in d.values()] == [1, 2]
     # one past them: every token at least as likely counts against it
-    (d,) = logprob_dicts(logits, [top[2]], [1], Names(), [[]])
+    (d,) = logprob_dicts(lp, [top[2]], [1], Names(), [[]])
     assert list(d) == [top[2], top[0]] and d[top[2]].rank == 3 and d[top[0]].rank == 1
-    (d,) = logprob_dicts(logits, [3], [0], Names(), [[]])
-    assert d == {3: Logprob(pytest.approx(torch.log_softmax(logits, -1)[0, 3].item()), 4, "<3>")}
+    (d,) = logprob_dicts(lp, [3], [0], Names(), [[]])
+    assert d == {3: Logprob(lp[0, 3].item(), 4, "<3>")}
+    # given tokens (logprob_token_ids): each ranked as the target is, ties against it
+    (d,) = logprob_dicts(lp, [3], [[3, top[1]]], Names(), [[]])
+    assert list(d) == [3, top[1]] and (d[3].rank, d[top[1]].rank) == (4, 3)
 
 
 def test_logprobs_and_prompt_logprobs_are_the_models_own(smollm2_dir, llm, monkeypatch):
@@ -4745,6 +4748,71 @@ def test_logprobs_and_prompt_logprobs_are_the_models_own(smollm2_dir, llm, monke
     for bad in (dict(logprobs=-2), dict(logprobs=1.5), dict(prompt_logprobs=False), dict(prompt_logprobs=1.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+def test_scoring_given_token_ids_and_from_prompt_logprob_start(smollm2_dir, llm):
+    """vLLM 0.34's scoring: logprob_token_ids (per output token, the chosen one's then those
+    tokens', ranked in the whole vocabulary), prompt_logprob_token_ids (a row of ids per scored
+    prompt position, -1 padding: RequestOutput.prompt_token_id_logprobs) and
+    prompt_logprob_start (scoring begins after it, and the prefix cache may serve the blocks
+    up to it), checked against a dense forward pass: with a warm prefix cache, and in an engine
+    that chunks its prefills and preempts."""
+    tok = llm.get_tokenizer()
+    ids = tok.encode(SYSTEM + "Is the sky blue? Answer yes or no.")
+    labels = tok.encode(" yes")[:1] + tok.encode(" no")[:1] + [5]
+    start = 31                                                # one block of 16 may come from the cache, not 2
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 49152, (int(torch.randint(1, 5, (), generator=g)),), generator=g).tolist()
+            for _ in range(len(ids) - 1 - start)]             # ragged: padded with -1
+    params = greedy(3, ignore_eos=True, logprob_token_ids=labels, prompt_logprobs=1,
+                    prompt_logprob_token_ids=rows, prompt_logprob_start=start)
+    llm.generate([ids], greedy(1))                            # the prompt's blocks are now cached
+    tight = LLM(smollm2_dir, num_blocks=14, block_size=8, max_num_batched_tokens=16)   # (13 for ids + 3)
+    other = greedy(12, ignore_eos=True)                       # (arrives first: the scorer is preempted)
+    for engine in (llm, tight):
+        out = engine.generate([ids[:9] + [7, 8], ids], [other, params])[1]
+        o = out.outputs[0]
+        dense = torch.log_softmax(forward_all(llm.model, ids + o.token_ids).float(), -1)   # (P + N, V)
+        for d, target, row in zip(o.logprobs, o.token_ids, dense[len(ids) - 1:]):
+            assert list(d) == [target] + [t for t in labels if t != target]
+            for t, e in d.items():                            # ranked among the whole vocabulary
+                assert e.logprob == pytest.approx(row[t].item(), abs=2e-4)
+                assert (row > row[t] + 1e-3).sum() + 1 <= e.rank <= (row > row[t] - 1e-3).sum() + 1
+        assert o.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids)))
+        assert out.prompt_logprobs[:start + 1] == [None] * (start + 1)
+        check_logprobs(out.prompt_logprobs[start + 1:], ids[start + 1:], dense[start:len(ids) - 1], 1, tok)
+        scores = out.prompt_token_id_logprobs                 # (rows, widest row) float32
+        assert scores.dtype == np.float32 and scores.shape == (len(rows), max(map(len, rows)))
+        for i, row_ids in enumerate(rows):
+            assert scores[i, :len(row_ids)] == pytest.approx(dense[start + i, row_ids].numpy(), abs=2e-4)
+            assert (scores[i, len(row_ids):] == -np.inf).all()
+        assert_nothing_leaked(engine)
+        # the blocks that end by the start may come from the cache: one of 16 (tight: maybe 2 of 8)
+        assert out.num_cached_tokens == 16 if engine is llm else out.num_cached_tokens <= 16
+    assert tight.stats.preemptions > 0
+    # a numpy array of rows; logprobs may be given too, as many
+    same = llm.generate([ids], greedy(1, logprobs=3, logprob_token_ids=labels, prompt_logprob_token_ids=np.array(
+        [r[:1] for r in rows]), prompt_logprob_start=start))[0]
+    assert same.prompt_logprobs is None and same.prompt_token_id_logprobs[:, 0] == pytest.approx(scores[:, 0], abs=2e-4)
+    for bad, msg in ((dict(logprob_token_ids=labels, logprobs=2), "logprobs = 2 with 3 logprob_token_ids"),
+                     (dict(logprob_token_ids=list(range(129))), "at most 128"),
+                     (dict(prompt_logprob_token_ids=[[1], []]), "prompt_logprob_token_ids must be"),
+                     (dict(prompt_logprob_token_ids=[[1, -2]]), "prompt_logprob_token_ids must be"),
+                     (dict(prompt_logprob_token_ids=np.ones((2, 2))), "prompt_logprob_token_ids must be"),
+                     (dict(prompt_logprob_start=-1, prompt_logprobs=0), "prompt_logprob_start must be"),
+                     (dict(prompt_logprob_start=3), "it needs prompt_logprobs or prompt_logprob_token_ids"),
+                     (dict(temperature=2.5), r"temperature must be a number in \[0, 2\]")):
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**bad)
+    for bad, msg in ((dict(logprob_token_ids=[49152]), r"logprob_token_ids has token ids outside \[0, 49152\)"),
+                     (dict(prompt_logprob_token_ids=[[1, 2]] * 3), "has 3 rows, but the prompt has 4 to score"),
+                     (dict(prompt_logprob_token_ids=[[-1, 49152]] * 4), "prompt_logprob_token_ids has token ids"),
+                     (dict(prompt_logprob_token_ids=[list(range(21))] * 4), "21 token ids a row, more than "
+                                                                             "max_logprobs = 20"),
+                     (dict(prompt_logprobs=0, prompt_logprob_start=4), "leaves no prompt token to score")):
+        with pytest.raises(ValueError, match=msg):
+            llm.generate([[1, 2, 3, 4, 5]], greedy(1, **bad))
+    assert_nothing_leaked(llm)
 
 
 def reference_penalized_greedy(model, prompt, steps, rep=1.0, presence=0.0, frequency=0.0,
@@ -5197,7 +5265,7 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
         tiny_pool.scheduler.add("x", [5], up_to)
     (model_dir / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(ValueError, match=r"/generation_config.json advises \{'temperature': -1\} .*: "
-                                         r"temperature must be a finite number >= 0, got -1; LLM\(generation_config='vllm'\)"):
+                                         r"temperature must be a number in \[0, 2\] \(vLLM's range\), got -1; LLM\(generation_config='vllm'\)"):
         LLM(model_dir, load_format="dummy", num_blocks=64)
 
 
@@ -5436,7 +5504,7 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     assert_nothing_leaked(llm)
     # a step that fails after it began to sample: seeded samples redraw the same tokens
     # (the first sequence has drawn its token when the second's draw is interrupted)
-    seeded = SamplingParams(temperature=3.0, seed=1234, max_tokens=6, ignore_eos=True)   # flat: draws differ
+    seeded = SamplingParams(temperature=2.0, seed=1234, max_tokens=6, ignore_eos=True)   # flat: draws differ
     clean = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)]
     ids = failed_step(KeyboardInterrupt, (torch, "multinomial", interrupted_on_call(2, torch.multinomial)),
                       params=seeded)
