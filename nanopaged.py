@@ -2197,27 +2197,18 @@ def logprob_dicts(lp, targets: list[int], picks: list, tokenizer,
 
 
 def decoded_token(tokenizer, token: int, context: list[int]) -> str:
-    """A logprob entry's text, as vLLM's (0.26 and 0.14 on): the token decoded alone, a
-    SentencePiece token's leading space kept (it is a real one, as in an output's text). Where
-    that ends in U+FFFD, the token holds bytes of a UTF-8 character cut between tokens (byte
-    fallback, byte-level BPE): with up to 4 of the sequence's tokens before it (`context`),
-    its text is the character it completes, less what the tokens before it show by
-    themselves; or "" if it completes none."""
-    text = tokenizer.decode([token], continuation=True)
-    if not text.endswith("\ufffd"):
-        return text
-    for n in range(1, min(len(context), 4) + 1):   # (a UTF-8 character is at most 4 bytes)
-        before = context[-n:]
-        whole = tokenizer.decode(before + [token], continuation=True)
-        if whole.endswith("\ufffd"):
-            continue   # (still cut short: try one more token before it)
-        # the tokens before it that are bytes of the same character show nothing by themselves
-        clean = len(before)
-        while clean and tokenizer.decode([before[clean - 1]], continuation=True).endswith("\ufffd"):
-            clean -= 1
-        shown = tokenizer.decode(before[:clean], continuation=True)
-        return whole[len(os.path.commonprefix([shown, whole])):]
-    return ""
+    """A logprob entry's text: what the token adds to the text after `context`, up to 4 of
+    the sequence's tokens before it. Where a token holds whole characters, that is the token
+    decoded alone, a SentencePiece token's leading space kept (a real one, as in an output's
+    text): vLLM's (0.14 and 0.26 on). Where a UTF-8 character is cut between tokens (byte
+    fallback, byte-level BPE), it belongs to the token that holds its last byte: "" for a
+    token that only begins one, "世" for one holding "世" and the first bytes of the next, and
+    U+FFFD for bytes that make no character, as in the text; so the chosen tokens' texts add
+    up to the text, which vLLM's do only where a token ends a character. (4 tokens are enough:
+    the character the token may complete began at most 3 bytes, so 3 tokens, before it.)"""
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    utf8.decode(tokenizer.decode_bytes(context))   # (keeps the bytes of a character the context leaves cut)
+    return utf8.decode(tokenizer.decode_bytes([token]))
 
 
 def logprob_table(c: CompletionOutput, k: int) -> str:

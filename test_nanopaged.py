@@ -4657,9 +4657,11 @@ def test_decoded_token_completes_the_character_a_prompt_began(tmp_path):
 def test_decoded_tokens_add_up_to_the_text(llm):
     """vLLM's decoded_token (0.14 and 0.26 on): a byte of a UTF-8 character cut between tokens
     shows "" until the token that completes it shows the character, and a SentencePiece token
-    keeps its leading space; so the entries' texts add up to the text. Catches: a U+FFFD for
-    each cut byte, "T" for SentencePiece's "▁T" (its text reads " T"), and in the engine a
-    context that is not the tokens before the entry's position."""
+    keeps its leading space; and where vLLM's stop, a token that ends one character and begins
+    the next shows the one it ends, and bytes that make no character a U+FFFD: so the entries'
+    texts add up to the text. Catches: a U+FFFD for each cut byte, "T" for SentencePiece's "▁T"
+    (its text reads " T"), and in the engine a context that is not the tokens before the
+    entry's position."""
     text = "I love 🍕 and 日本, tell me the €"
     for tok in (llm.get_tokenizer(), load_tokenizer(TESTDATA / "llama2_tokenizer")):   # byte-level BPE, byte fallback
         ids = tok.encode(text, add_special_tokens=False)
@@ -4668,6 +4670,13 @@ def test_decoded_tokens_add_up_to_the_text(llm):
         assert "\ufffd" not in "".join(pieces) and "\ufffd" in "".join(tok.decode([t]) for t in ids)
     sp = load_tokenizer(TESTDATA / "llama2_tokenizer")
     assert nanopaged_module.decoded_token(sp, sp.encode("the", add_special_tokens=False)[0], []) == " the"
+    # Llama 3's token 531 is "世" and 2 bytes of "畞", 505 the last byte of "畞" and "常"; a lone
+    # 0x80 makes no character. (vLLM's show "", "\ufffd常" and "".)
+    l3 = load_tokenizer(TESTDATA / "llama3_tokenizer")
+    b80 = next(t for t in range(len(l3)) if l3.decode_bytes([t]) == b"\x80")
+    ids = [12, 531, 505, b80, 505]
+    pieces = [nanopaged_module.decoded_token(l3, t, ids[max(i - 4, 0):i]) for i, t in enumerate(ids)][1:]
+    assert pieces == ["世", "畞常", "\ufffd", "\ufffd常"] and "".join(pieces) == l3.decode(ids[1:], continuation=True)
     # in the engine: the prompt's entries (after the first, None) and the output's
     tok = llm.get_tokenizer()
     ids = tok.encode(text)
@@ -4680,8 +4689,8 @@ def test_decoded_tokens_add_up_to_the_text(llm):
 
 def test_logprob_ranks_with_ties_as_vllm():
     class Names:   # a tokenizer whose tokens are their ids in brackets
-        def decode(self, ids, continuation=False):
-            return f"<{ids[0]}>"
+        def decode_bytes(self, ids):
+            return "".join(f"<{i}>" for i in ids).encode()
     lp = torch.log_softmax(torch.tensor([[2.0, 2.0, 2.0, 0.0]]), -1)   # a three-way tie for the top
     top = lp.topk(3).indices[0].tolist()           # (which of them comes first is topk's choice)
     # a target among the top k takes its place there, first in the dict
