@@ -281,8 +281,8 @@ class ModelConfig:
         if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
             d = LLAMA_FAMILY[model_type] | d
             gemma, d_rope = _gemma_fields(d, model_type) if model_type in GEMMAS else ({}, d)
-            if not gemma and d.get("hidden_act", "silu") != "silu":
-                raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+            if not gemma and d.get("hidden_act", "silu") not in ("silu", "swish"):   # (transformers': one function)
+                raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu', or 'swish')")
             if d.get("mlp_bias"):
                 raise ModelError("mlp_bias is not supported")
             heads, hidden = _positive(d, "num_attention_heads"), _positive(d, "hidden_size")

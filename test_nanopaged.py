@@ -7823,13 +7823,18 @@ def test_hidden_size_equal_to_the_heads_gives_heads_of_one_dimension():
 def test_only_the_tanh_gelu_is_accepted_for_gpt2_and_gemma():
     """GPT-2 runs the tanh GELU: the exact ("gelu") one is refused rather than run as the
     tanh one. Gemma's hidden_activation may be spelled either name of the tanh GELU
-    (gelu_pytorch_tanh, gelu_new). Catches: "gelu" accepted for GPT-2; "gelu_new" refused for Gemma."""
+    (gelu_pytorch_tanh, gelu_new), a Llama's SiLU either of its names. Catches: "gelu"
+    accepted for GPT-2; "gelu_new" refused for Gemma; "swish" refused."""
     with pytest.raises(ModelError, match="activation_function 'gelu' is not supported"):
         ModelConfig.from_dict(GPT2_CONFIG | {"activation_function": "gelu"})
     assert ModelConfig.from_dict(GPT2_CONFIG | {"activation_function": "gelu_pytorch_tanh"}).model_type == "gpt2"
     for name in ("gemma2", "gemma3"):
         c = ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS[name] | {"hidden_activation": "gelu_new"})
         assert c.hidden_act == "gelu_tanh"
+    # a Llama's SiLU may be spelled "swish" (transformers' name of the same function); no GELU
+    assert ModelConfig.from_dict(llama_config(hidden_act="swish")).hidden_act == "silu"
+    with pytest.raises(ModelError, match="hidden_act 'gelu' is not supported"):
+        ModelConfig.from_dict(llama_config(hidden_act="gelu"))
 
 
 def test_phi3_old_yarn_name_is_longrope_and_the_top_level_original_context_comes_first():
