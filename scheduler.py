@@ -77,6 +77,9 @@ class SamplingParams:
                                         # RequestOutput.prompt_token_id_logprobs
     prompt_logprob_start: int | None = None   # both prompt scorings begin after this position (None
                                         # before it), so the prefix cache may serve the tokens up to it
+    skip_reading_prefix_cache: bool | None = None   # True: the prompt is computed whole, no cached block
+                                        # read (vLLM's None is True where the prompt is scored, reading
+                                        # nothing before prompt_logprob_start; nanopaged's reads what it may)
     # Penalties, applied to the logits before temperature (see process_logits in nanopaged.py):
     presence_penalty: float = 0.0       # > 0: less of any token the output already has
     frequency_penalty: float = 0.0      # > 0: less of a token, the more the output has it
@@ -137,6 +140,8 @@ class SamplingParams:
               for name, x in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
                               ("include_stop_str_in_output", self.include_stop_str_in_output),
                               ("detokenize", self.detokenize))],
+            (self.skip_reading_prefix_cache is None or isinstance(self.skip_reading_prefix_cache, bool),
+             f"skip_reading_prefix_cache must be None, True or False, got {self.skip_reading_prefix_cache!r}"),
             (self.detokenize or not self.stop, "stop strings are found in the text: they need detokenize=True"),
             (self.spaces_between_special_tokens is True, f"spaces_between_special_tokens="
              f"{self.spaces_between_special_tokens!r}: nanopaged decodes as HF's fast tokenizers do, which is "
@@ -782,11 +787,13 @@ class Scheduler:
         Only blocks that end before the last token count, so at least one token is computed
         and yields logits. A request that scores its prompt takes only those that end by its
         prompt_logprob_start until it has sampled: a cached token is never computed, so it
-        would have no logits to score."""
+        would have no logits to score. One with skip_reading_prefix_cache takes none."""
         found = []               # per full block: its cached block or None
         done, last_miss = 0, -1  # the most blocks seq can count as computed; the last block not cached
         end = seq.num_tokens - 1   # (the tokens the cache may serve)
-        if seq.params.scores_prompt and seq.num_output_tokens == 0:
+        if seq.params.skip_reading_prefix_cache:
+            end = 0
+        elif seq.params.scores_prompt and seq.num_output_tokens == 0:
             end = min(end, seq.params.prompt_logprob_start or 0)
         if self.enable_prefix_caching:
             for i in range(end // self.block_size):

@@ -4764,7 +4764,7 @@ def test_scoring_given_token_ids_and_from_prompt_logprob_start(smollm2_dir, llm)
     tokens', ranked in the whole vocabulary), prompt_logprob_token_ids (a row of ids per scored
     prompt position, -1 padding: RequestOutput.prompt_token_id_logprobs) and
     prompt_logprob_start (scoring begins after it, and the prefix cache may serve the blocks
-    up to it), checked against a dense forward pass: with a warm prefix cache, and in an engine
+    up to it; none with skip_reading_prefix_cache), checked against a dense forward pass: with a warm prefix cache, and in an engine
     that chunks its prefills and preempts."""
     tok = llm.get_tokenizer()
     ids = tok.encode(SYSTEM + "Is the sky blue? Answer yes or no.")
@@ -4799,6 +4799,7 @@ def test_scoring_given_token_ids_and_from_prompt_logprob_start(smollm2_dir, llm)
         # the blocks that end by the start may come from the cache: one of 16 (tight: maybe 2 of 8)
         assert out.num_cached_tokens == 16 if engine is llm else out.num_cached_tokens <= 16
     assert tight.stats.preemptions > 0
+    assert llm.generate([ids], greedy(1, skip_reading_prefix_cache=True))[0].num_cached_tokens == 0   # (vLLM's)
     # a numpy array of rows; logprobs may be given too, as many
     same = llm.generate([ids], greedy(1, logprobs=3, logprob_token_ids=labels, prompt_logprob_token_ids=np.array(
         [r[:1] for r in rows]), prompt_logprob_start=start))[0]
@@ -4810,7 +4811,8 @@ def test_scoring_given_token_ids_and_from_prompt_logprob_start(smollm2_dir, llm)
                      (dict(prompt_logprob_token_ids=np.ones((2, 2))), "prompt_logprob_token_ids must be"),
                      (dict(prompt_logprob_start=-1, prompt_logprobs=0), "prompt_logprob_start must be"),
                      (dict(prompt_logprob_start=3), "it needs prompt_logprobs or prompt_logprob_token_ids"),
-                     (dict(temperature=2.5), r"temperature must be a number in \[0, 2\]")):
+                     (dict(temperature=2.5), r"temperature must be a number in \[0, 2\]"),
+                     (dict(skip_reading_prefix_cache=1), "skip_reading_prefix_cache must be None, True or False")):
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**bad)
     for bad, msg in ((dict(logprob_token_ids=[49152]), r"logprob_token_ids has token ids outside \[0, 49152\)"),
