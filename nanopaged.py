@@ -671,8 +671,8 @@ class CompletionOutput:
     index: int                 # which of the request's n samples
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", "error" (non-finite logits, or no token
-                               # left to draw): vLLM's words
+    finish_reason: str | None  # "stop", "length", "repetition" (SamplingParams.repetition_detection),
+                               # "abort", "error" (non-finite logits, or no token left to draw): vLLM's words
     stop_reason: int | str | None = None   # the stop string or stop token id that ended it (EOS: None)
     # with SamplingParams.logprobs = k: one {token id: Logprob} per token id, the token's first,
     # then the k most likely (k + 1 entries, or k when it is among them); and their sum
@@ -1613,12 +1613,13 @@ class LLM:
 
     def _check_stop_strings(self, seqs):
         """Finish the sequences whose text now contains a stop string; the text ends before it.
-        A stop string completed by the last token max_tokens allows still counts: "stop". So
+        A stop string completed by the last token max_tokens allows (or by the token that
+        completes a repetition) still counts: "stop". So
         does one that a stop token (or EOS) completes where include_stop_str_in_output keeps
         its text (vLLM's rule): the stop string is then the stop_reason."""
         for seq in seqs:
             kept_stop_token = seq.finish_reason == "stop" and seq.params.include_stop_str_in_output
-            if not seq.params.stop or not (seq.finish_reason in (None, "length") or kept_stop_token):
+            if not seq.params.stop or not (seq.finish_reason in (None, "length", "repetition") or kept_stop_token):
                 continue
             req = self._requests[seq.request_id]
             scan = req.stop_scans.get(seq.sample_index)
@@ -1631,7 +1632,7 @@ class LLM:
                 if seq.status is Status.RUNNING:
                     self.scheduler.finish(seq, "stop")
                 else:
-                    seq.finish_reason = "stop"   # finished this step, by length
+                    seq.finish_reason = "stop"   # finished this step, by length or repetition
 
     # --- bookkeeping ---
     def _record_usage(self):
@@ -1697,7 +1698,8 @@ class LLM:
             # (an output continues its prompt: the space a SentencePiece token starts with stays)
             text = self.tokenizer.decode(without_stop_token(ids, stop_token, p.include_stop_str_in_output),
                                          p.skip_special_tokens, continuation=True) if p.detokenize else ""
-            stop_reason = self._stop_reason(stop_token, p.ignore_eos)
+            stop_reason = "repetition_detected" if q.finish_reason == "repetition" else self._stop_reason(
+                stop_token, p.ignore_eos)   # (vLLM's words)
             scan = req.stop_scans.get(q.sample_index)
             if scan and scan.found is not None:   # the text ends before the stop string, or after it
                 text = text[:scan.found + (len(scan.stop) if p.include_stop_str_in_output else 0)]

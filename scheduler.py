@@ -86,6 +86,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0     # > 1: less of any token of the prompt or output
     min_tokens: int = 0                 # no EOS, stop token or stop string before this many tokens
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (-1: all that fit)
+    repetition_detection: RepetitionDetectionParams | None = None   # end an output that loops (or a
+                                        # dict of its fields): finish_reason "repetition"
     # Constraints, also before temperature (so greedy decoding obeys them too):
     logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None      # draw only these
@@ -140,6 +142,8 @@ class SamplingParams:
               for name, x in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
                               ("include_stop_str_in_output", self.include_stop_str_in_output),
                               ("detokenize", self.detokenize))],
+            (self.repetition_detection is None or isinstance(self.repetition_detection, (RepetitionDetectionParams, dict)),
+             f"repetition_detection must be None or a RepetitionDetectionParams, got {self.repetition_detection!r}"),
             (self.skip_reading_prefix_cache is None or isinstance(self.skip_reading_prefix_cache, bool),
              f"skip_reading_prefix_cache must be None, True or False, got {self.skip_reading_prefix_cache!r}"),
             (self.detokenize or not self.stop, "stop strings are found in the text: they need detokenize=True"),
@@ -206,6 +210,8 @@ class SamplingParams:
         self.stop_token_ids = None if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
         self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
+        if isinstance(self.repetition_detection, dict):   # (as an OpenAI request's JSON gives it)
+            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
         if self.logprob_token_ids is not None:
             self.logprob_token_ids = [int(t) for t in self.logprob_token_ids]
         if self.prompt_logprob_token_ids is not None:
@@ -272,6 +278,37 @@ def _finite_number(x) -> bool:
     try:
         return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
     except OverflowError:
+        return False
+
+
+@dataclass
+class RepetitionDetectionParams:
+    """vLLM's: an output ends (finish_reason "repetition") once its last tokens are a pattern
+    of k tokens repeated min_count times back to back, for some k from min_pattern_size (0:
+    1) to max_pattern_size (0: never). Small models' greedy decoding falls into such loops,
+    and would go on to max_tokens. Not before min_tokens."""
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self):
+        _refuse_the_first_failed([
+            (all(is_integer(x) and x >= 0 for x in (self.max_pattern_size, self.min_pattern_size, self.min_count))
+             and self.min_pattern_size <= self.max_pattern_size,
+             f"repetition_detection's max_pattern_size, min_pattern_size and min_count must be integers >= 0, "
+             f"min_pattern_size <= max_pattern_size, got {self}"),
+            (self.max_pattern_size == 0 or self.min_count >= 2,
+             f"repetition_detection's min_count must be >= 2 (a pattern seen once is no repetition), got {self}"),
+        ])
+
+    def ends_in_a_loop(self, ids: list[int]) -> bool:
+        """Whether ids (an output's tokens) end with a pattern repeated min_count times."""
+        for k in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            if k * self.min_count > len(ids):
+                return False
+            tail = ids[-k:]
+            if all(ids[-k * (m + 1):-k * m] == tail for m in range(1, self.min_count)):
+                return True
         return False
 
 
@@ -349,7 +386,7 @@ class Sequence:
         self.params = params
         self.arrival = arrival                  # arrival order: the FCFS key (forks share it)
         self.status = Status.WAITING
-        self.finish_reason: str | None = None   # "stop", "length", "abort", "error", or "dropped":
+        self.finish_reason: str | None = None   # "stop", "length", "repetition", "abort", "error", or "dropped":
                                                 # a beam that fell out of its beam search
         self.error: str | None = None           # with "error": why (the engine's words)
         self.num_computed_tokens = 0            # tokens whose K/V are in the cache
@@ -964,3 +1001,6 @@ class Scheduler:
             self.finish(seq, "stop")
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, "length")
+        elif (p.repetition_detection and seq.num_output_tokens >= p.min_tokens
+              and p.repetition_detection.ends_in_a_loop(seq.output_token_ids)):
+            self.finish(seq, "repetition")

@@ -50,7 +50,7 @@ from nanopaged import (LLM, BlockPool, BlockTable, GenerationError, IncrementalD
                        PagedAttention, StopStringScan, TextPrompt, TokensPrompt, bad_words_token_ids, copy_blocks,
                        logprob_dicts, main, paged_attention, paged_attention_ref, render_chat, sampling_probs,
                        write_kv)
-from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status
+from scheduler import RepetitionDetectionParams, BeamSearchParams, SamplingParams, Scheduler, Status
 
 HERE = Path(__file__).resolve().parent
 TESTDATA = HERE / "testdata"
@@ -7332,6 +7332,45 @@ def test_presence_penalty_counts_a_token_once_and_frequency_penalty_each_time():
     logits = torch.zeros(6)
     nanopaged_module.process_logits(logits, fake_seq([4, 4], [1, 1, 1, 2], frequency_penalty=0.5), set())
     assert logits.tolist() == [0.0, -1.5, -0.5, 0.0, 0.0, 0.0]
+
+
+def test_repetition_detection_ends_an_output_that_loops(tmp_path):
+    """vLLM's repetition_detection: an output ends ("repetition", stop_reason
+    "repetition_detected") at its first token, from min_tokens on, where its last tokens are a
+    pattern of min_pattern_size (0: 1) to max_pattern_size tokens, min_count times in a row.
+    Seeded draws among two tokens, checked against the same output without it and a plain
+    search of its prefixes. A stop string the last token completes still wins."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64, block_size=4)
+
+    def loops(ids, lo, hi, count):   # written out: some k, the last k * count tokens count copies of k
+        return any(k * count <= len(ids) and ids[len(ids) - k * count:] == ids[len(ids) - k:] * count
+                   for k in range(max(lo, 1), hi + 1))
+    cases = [(0, 1, 3, 0), (2, 3, 2, 0), (0, 4, 2, 9), (2, 2, 4, 0)]   # (min, max pattern size, count, min_tokens)
+    for seed in range(6):
+        for lo, hi, count, min_tokens in cases:
+            draw = dict(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True, allowed_token_ids=[65, 66],
+                        min_tokens=min_tokens)
+            plain = llm.generate([[1, 2, 3]], SamplingParams(**draw))[0].outputs[0].token_ids
+            out = llm.generate([[1, 2, 3]], SamplingParams(**draw, repetition_detection=dict(
+                min_pattern_size=lo, max_pattern_size=hi, min_count=count)))[0].outputs[0]
+            end = next((n for n in range(max(min_tokens, 1), 25) if loops(plain[:n], lo, hi, count)), None)
+            if end is None:
+                assert (out.token_ids, out.finish_reason) == (plain, "length")
+            else:
+                assert (out.token_ids, out.finish_reason, out.stop_reason) == (plain[:end], "repetition",
+                                                                              "repetition_detected")
+    # a stop string completed by the token that completes the loop: "stop", the text cut
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=10, allowed_token_ids=[65], stop="AAA",
+                                                   repetition_detection=RepetitionDetectionParams(1, 1, 3)))[0].outputs[0]
+    assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == ([65] * 3, "", "stop", "AAA")
+    for bad, msg in ((dict(max_pattern_size=2, min_count=1), "min_count must be >= 2"),
+                     (dict(max_pattern_size=1, min_pattern_size=2, min_count=2), "min_pattern_size <= max_pattern_size"),
+                     (dict(max_pattern_size=-1), "integers >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(repetition_detection=bad)
+    with pytest.raises(ValueError, match="repetition_detection must be None or a RepetitionDetectionParams"):
+        SamplingParams(repetition_detection=3)
+    assert_nothing_leaked(llm)
 
 
 def test_min_tokens_bans_stop_tokens_only_before_the_min_tokens_th_output_token():
