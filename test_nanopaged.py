@@ -1108,6 +1108,16 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, arch, scaling
     assert tok.apply_chat_template("hi") == "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_gguf_unk_and_pad_tokens_reach_the_template(smollm2_tokenizer):
+    """As transformers' GGUF loader names them: the default SmolLM2 GGUF's
+    tokenizer.ggml.unknown_token_id (0) and padding_token_id (2) are the tokenizer's
+    unk_token and pad_token, which a template may use (they were undefined)."""
+    tok = smollm2_tokenizer
+    assert tok.pad_token_id == 2
+    assert tok.apply_chat_template("hi", chat_template="{{ pad_token }}|{{ unk_token }}|{{ bos_token }}") == \
+        "<|im_end|>|<|endoftext|>|<|im_start|>"
+
+
 # --- bad input: a clear ModelError naming the problem ---
 
 def test_missing_directory_and_files(tmp_path):
@@ -2724,6 +2734,8 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     ({"bos": 256}, "tokenizer.ggml.bos_token_id 256 is past the vocab \\(256 tokens\\)"),
     ({"add_bos": True}, "tokenizer.ggml.add_bos_token is set but there is no tokenizer.ggml.bos_token_id"),
     ({"eos": 1000}, "tokenizer.ggml.eos_token_id 1000 is past the vocab"),
+    ({"meta": [("tokenizer.ggml.padding_token_id", 256)]}, "tokenizer.ggml.padding_token_id 256 is past the vocab"),
+    ({"meta": [("tokenizer.ggml.unknown_token_id", "0")]}, "'tokenizer.ggml.unknown_token_id' is '0', not a token id"),
     # (config.json's checks: the keys they name are given with the GGUF keys they were read from)
     ({"H": 0, "KVH": 0}, r"'num_attention_heads' is 0, .* \(num_attention_heads from llama.attention.head_count\)$"),
     ({"C": 12, "KVH": 4}, r"head_dim 3 is odd.*hidden_size 12 // num_attention_heads 4\) \(hidden_size from "
