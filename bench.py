@@ -538,6 +538,8 @@ def bench_sampling(args):
     prompts = [[rng.randrange(17, llm.config.vocab_size) for _ in range(100)] for _ in range(16)]
     base = dict(temperature=0, max_tokens=32, ignore_eos=True)
     variants = [("plain greedy", {}), ("logprobs=5", dict(logprobs=5)), ("prompt_logprobs=5", dict(prompt_logprobs=5)),
+                ("logprob_token_ids (3 ids)", dict(logprob_token_ids=[17, 18, 19])),
+                ("prompt_logprob_token_ids (3 ids a row)", dict(prompt_logprob_token_ids=[[17, 18, 19]] * 99)),
                 ("penalties (repetition 1.2, presence 0.5, frequency 0.5)",
                  dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5)),
                 ("constraints (logit_bias 100 ids, allowed_token_ids half the vocab, 2 bad_words)",
