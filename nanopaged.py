@@ -1356,12 +1356,11 @@ class LLM:
         for seq in appended:   # sample j of a fork's tokens went to the sequence sample_index + j
             for j, entry in enumerate(token_logprobs.get(seq, ())):
                 self._requests[seq.request_id].logprobs.setdefault(seq.sample_index + j, []).append(entry)
-        for seq, first, entries, scores in prompt_logprobs:   # by position: a recompute overwrites its own
+        for seq, first, entries, at, scores in prompt_logprobs:   # by position: a recompute overwrites its own
             req = self._requests[seq.request_id]
             if entries is not None:
                 req.prompt_logprobs[first:first + len(entries)] = entries
             if scores is not None:
-                at = first - 1 - (seq.params.prompt_logprob_start or 0)
                 req.prompt_token_id_logprobs[at:at + len(scores)] = scores
         self._check_stop_strings([*sampled, *children])
         self.stats.output_tokens += sum(len(sampled[seq]) for seq in appended)
@@ -1385,10 +1384,11 @@ class LLM:
                 logits_indices.append(qsl[-1] - 1)   # the last token of the sequence
             # The logits at position t score prompt token t + 1, from prompt_logprob_start on.
             # (A recomputed sequence that has sampled scored its whole prompt the first time.)
-            first, end = max(start, seq.params.prompt_logprob_start or 0), min(start + n, seq.num_prompt_tokens - 1)
-            if seq.params.scores_prompt and seq.num_output_tokens == 0 and first < end:
-                prompt_indices += range(qsl[-2] + first - start, qsl[-2] + end - start)
-                prompt_rows.append((seq, first + 1, end - first))
+            if seq.params.scores_prompt and seq.num_output_tokens == 0:
+                first, end = max(start, seq.params.prompt_logprob_start or 0), min(start + n, seq.num_prompt_tokens - 1)
+                if first < end:
+                    prompt_indices += range(qsl[-2] + first - start, qsl[-2] + end - start)
+                    prompt_rows.append((seq, first + 1, end - first))
         max_blocks = max(len(s.block_table.block_ids) for s in out.seqs)
         # padded entries (past a sequence's blocks) and DROPPED ones (before its window) are never read
         tables = [s.block_table.block_ids + [0] * (max_blocks - len(s.block_table.block_ids)) for s in out.seqs]
@@ -1445,7 +1445,8 @@ class LLM:
         """vLLM's logprobs of this step, from one batched log_softmax: {seq: one {token id:
         Logprob} per token it sampled} for the sequences that ask for them; for those that score
         their prompt, (seq, first position scored, one {token id: Logprob} per prompt token or
-        None, the (count, ids) logprobs of its prompt_logprob_token_ids or None); and {seq:
+        None, the first row of prompt_logprob_token_ids scored, their (count, ids) logprobs or
+        None); and {seq:
         NOT_FINITE} for those whose prompt rows are broken (NaN or inf): they fail, as a broken
         sampled row does. logits: (S + R, vocab), the S rows of due, then the R prompt rows;
         finite: per row."""
@@ -1483,13 +1484,12 @@ class LLM:
         for seq, first, count in scored:
             p = seq.params
             dicts = [next(entries) for _ in range(count)] if p.prompt_logprobs is not None else None
-            scores = None
-            if p.prompt_logprob_token_ids is not None:   # row first - 1 is the table's row first - 1 - start
-                at = first - 1 - (p.prompt_logprob_start or 0)
+            at, scores = first - 1 - (p.prompt_logprob_start or 0), None   # (position first - 1: the ids' row at)
+            if p.prompt_logprob_token_ids is not None:
                 ids = torch.tensor(p.prompt_logprob_token_ids[at:at + count], device=lp.device)   # (count, ids)
                 scores = lp[i:i + count].gather(1, ids.clamp(min=0)).masked_fill(ids < 0, -math.inf).cpu()
                 i += count
-            prompt_logprobs.append((seq, first, dicts, scores))
+            prompt_logprobs.append((seq, first, dicts, at, scores))
         return token_logprobs, prompt_logprobs, broken
 
     def _generator(self, seq, sample_index):

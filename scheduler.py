@@ -120,6 +120,7 @@ class SamplingParams:
             self.seed = None
         self.logprobs = 1 if self.logprobs is True else self.logprobs
         self.prompt_logprobs = 1 if self.prompt_logprobs is True else self.prompt_logprobs
+        id_rows = None if self.prompt_logprob_token_ids is None else _token_id_rows(self.prompt_logprob_token_ids)
         checks = [
             (is_integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (_finite_number(self.temperature) and 0 <= self.temperature <= 2,
@@ -177,7 +178,7 @@ class SamplingParams:
             (self.logprob_token_ids is None or self.logprobs is None or self.logprobs == len(self.logprob_token_ids),
              f"logprobs = {self.logprobs!r} with {len(self.logprob_token_ids or ())} logprob_token_ids: where both "
              f"are given, logprobs must be their number (as vLLM asks)"),
-            (self.prompt_logprob_token_ids is None or _token_id_rows(self.prompt_logprob_token_ids) is not None,
+            (self.prompt_logprob_token_ids is None or id_rows is not None,
              f"prompt_logprob_token_ids must be a non-empty list of non-empty lists of token ids (-1: padding), "
              f"or a 2-D integer array, got {reprlib.repr(self.prompt_logprob_token_ids)}"),
             (self.prompt_logprob_start is None or (is_integer(self.prompt_logprob_start)
@@ -214,8 +215,7 @@ class SamplingParams:
             self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
         if self.logprob_token_ids is not None:
             self.logprob_token_ids = [int(t) for t in self.logprob_token_ids]
-        if self.prompt_logprob_token_ids is not None:
-            self.prompt_logprob_token_ids = _token_id_rows(self.prompt_logprob_token_ids)
+        self.prompt_logprob_token_ids = id_rows
         if self.prompt_logprob_start is not None:
             self.prompt_logprob_start = int(self.prompt_logprob_start)
         if self.truncate_prompt_tokens is not None:
