@@ -1143,8 +1143,6 @@ class LLM:
         params = self._default_params if advised else params
         if isinstance(params, BeamSearchParams):   # a beam search: its beams are the request's sequences
             beam = request_copy(params)
-            if beam.beam_width > self.scheduler.max_num_seqs:
-                raise ValueError(f"beam_width = {beam.beam_width} exceeds max_num_seqs = {self.scheduler.max_num_seqs}")
             params = SamplingParams(n=beam.beam_width, temperature=0.0, max_tokens=beam.max_tokens,
                                     ignore_eos=beam.ignore_eos, allowed_token_ids=beam.allowed_token_ids)
             params.beam = beam

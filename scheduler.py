@@ -522,8 +522,9 @@ class Scheduler:
         n_prompt, total = len(prompt_token_ids), len(prompt_token_ids) + params.max_tokens
         if n_prompt == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if params.n > self.max_num_seqs:
-            raise ValueError(f"n = {params.n} samples exceed max_num_seqs = {self.max_num_seqs}")
+        if params.n > self.max_num_seqs:   # (a beam search's beams are its n seats)
+            raise ValueError(f"beam_width = {params.n} exceeds max_num_seqs = {self.max_num_seqs}" if params.beam
+                             else f"n = {params.n} samples exceed max_num_seqs = {self.max_num_seqs}")
         if total > self.max_model_len:
             raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the context served, max_model_len = {self.max_model_len} tokens")
