@@ -1993,13 +1993,14 @@ class Llama(nn.Module):
             self.rope_local_sin[positions].unsqueeze(1))  # (T, 1, R/2)
         for layer in self.layers:
             x = layer(x, *(local if layer.self_attn.window is not None else rope), attn)
-        # The LM head is a step's biggest matmul (vocab_size rows): run it only on the S
+        # The LM head is a step's biggest matmul (vocab_size rows): run it only on the N
         # rows whose logits are wanted: the tokens whose next token is sampled (typically
-        # the last one of each sequence), and the prompt tokens scored for prompt_logprobs.
+        # the last one of each sequence), and the prompt tokens scored for prompt_logprobs
+        # (the engine's S + R rows).
         if logits_indices is not None:
-            x = x[logits_indices]                      # (S, C)
+            x = x[logits_indices]                      # (N, C)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = F.linear(self.norm(x), head.weight)   # (S, V), or (T, V) without logits_indices
+        logits = F.linear(self.norm(x), head.weight)   # (N, V), or (T, V) without logits_indices
         if (cap := self.config.final_logit_softcapping) is not None:
             logits = tanh_softcap(logits, cap)
         return logits
@@ -2111,10 +2112,10 @@ class GPT2(nn.Module):
         x = self.wte(input_ids) + self.wpe(positions)  # (T, C): learned positions, no RoPE
         for block in self.h:
             x = block(x, attn)
-        if logits_indices is not None:                 # LM head on the S rows wanted only (Llama's says which)
-            x = x[logits_indices]                      # (S, C)
+        if logits_indices is not None:                 # LM head on the N rows wanted only (Llama's says which)
+            x = x[logits_indices]                      # (N, C)
         head = self.wte if self.lm_head is None else self.lm_head
-        return F.linear(self.ln_f(x), head.weight)     # (S, V), or (T, V) without logits_indices
+        return F.linear(self.ln_f(x), head.weight)     # (N, V), or (T, V) without logits_indices
 
     @staticmethod
     def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
@@ -2470,6 +2471,8 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM"}
 GGUF_PERMUTED = ("llama", "smollm3")
+# the special tokens' roles (tokenizer_config.json's "bos_token"...) -> GGUF's names for them
+GGUF_SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 # config.json's numbers: the GGUF key each is read from (after "<arch>."), and whether every
 # GGUF must hold it (the others have defaults: no GQA, head_dim = hidden_size / heads...)
 GGUF_CONFIG_KEYS = {"hidden_size": ("embedding_length", True), "intermediate_size": ("feed_forward_length", True),
@@ -2707,11 +2710,37 @@ def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -
 
 def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json; print
-    `notice` once the file has passed its checks, before the slow part."""
+    `notice` once the file has passed its checks, before the slow part (dequantizing)."""
+    reader, meta = _read_gguf(gguf_path)
+    config, c = _gguf_config(gguf_path, reader, meta)
+    tokenizer, tokenizer_config = _gguf_tokenizer(gguf_path, meta, config)
+    weights = _gguf_weights(gguf_path, reader, meta["general.architecture"], c, notice)
+    try:
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    except (OSError, SafetensorError) as e:   # a full disk, most likely: the weights are float32 now
+        size = sum(w.numel() * w.element_size() for w in weights.values())
+        raise ModelError(f"{gguf_path}: cannot write its conversion ({size / 2**30:,.2f} GiB) into "
+                         f"{out.parent} ({e}); free space there, or set NANOPAGED_CACHE to another "
+                         f"directory") from None
+
+
+def _gguf_need(gguf_path: Path, meta: dict, key: str):
+    if key not in meta:
+        raise ModelError(f"{gguf_path}: GGUF metadata has no {key!r}")
+    return meta[key]
+
+
+def _read_gguf(gguf_path: Path):
+    """The file's reader and its metadata {key: value}, once the file is whole, laid out as
+    llama.cpp requires, and of an architecture and tokenizer nanopaged converts."""
     try:
         import gguf  # llama.cpp's own reader; only conversion needs it
     except ImportError:
         raise ModelError("reading GGUF files needs the gguf package: pip install gguf") from None
+
     class WholeReader(gguf.GGUFReader):
         """The gguf package's reader, whose one read primitive now refuses to read past the end
         of the file. Its own returns what the file has left, nothing at the end, so a metadata
@@ -2766,11 +2795,6 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         if key in meta and not ok(meta[key]):
             raise ModelError(f"{gguf_path}: GGUF metadata {key!r} is {reprlib.repr(meta[key])}, not {kind}")
 
-    def need(key):
-        if key not in meta:
-            raise ModelError(f"{gguf_path}: GGUF metadata has no {key!r}")
-        return meta[key]
-
     # (llama.cpp's llama-gguf-split cuts a big model into files holding some of its tensors each)
     if (parts := meta.get("split.count", 1)) > 1:
         part = meta.get("split.no")
@@ -2778,7 +2802,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         raise ModelError(f"{gguf_path}: {which} of a {parts}-file split GGUF (split.count {parts}): merge the "
                          f"parts into one file with llama.cpp's `llama-gguf-split --merge FIRST_PART.gguf "
                          f"MERGED.gguf`, and load that")
-    arch = need("general.architecture")
+    arch = _gguf_need(gguf_path, meta, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
@@ -2786,7 +2810,7 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     if experts := meta.get(f"{arch}.expert_count"):
         raise ModelError(f"{gguf_path}: a mixture-of-experts model ({arch}.expert_count {experts!r}) is not "
                          f"supported")
-    tokenizer_model, pre = need("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+    tokenizer_model, pre = _gguf_need(gguf_path, meta, "tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
     if tokenizer_model not in ("gpt2", "llama"):
         raise ModelError(f"{gguf_path}: tokenizer {tokenizer_model!r} is not supported (supported: gpt2, "
                          f"a byte-level BPE; llama, SentencePiece's BPE)")
@@ -2799,8 +2823,13 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     if not sentencepiece and pre not in GGUF_PRE_TOKENIZERS:
         raise ModelError(f"{gguf_path}: pre-tokenizer {pre!r} is not supported "
                          f"(supported: {', '.join(GGUF_PRE_TOKENIZERS)})")
+    return reader, meta
 
-    tokens = need("tokenizer.ggml.tokens")
+
+def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig]:
+    """config.json's dict from the metadata, checked as a config.json is (ModelConfig)."""
+    arch = meta["general.architecture"]
+    tokens = _gguf_need(gguf_path, meta, "tokenizer.ggml.tokens")
     tensors = {t.name: t for t in reader.tensors}
     gemma = arch in ("gemma2", "gemma3")
     # A GGUF writes no flag for tied embeddings (nor for biases): a missing tensor says it.
@@ -2815,13 +2844,12 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
     for key, (name, required) in GGUF_CONFIG_KEYS.items():
-        config[key] = need(f"{arch}.{name}") if required else meta.get(f"{arch}.{name}")
+        config[key] = _gguf_need(gguf_path, meta, f"{arch}.{name}") if required else meta.get(f"{arch}.{name}")
     if gemma:   # (its window and the layers it covers: _gguf_gemma, below; the family's default till then)
         del config["sliding_window"]
     else:
         config["hidden_act"] = "silu"
-    special = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}   # role -> the file's name for it
-    for key in special.values():
+    for key in GGUF_SPECIAL_TOKENS.values():
         if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None and i >= len(tokens):
             raise ModelError(f"{gguf_path}: tokenizer.ggml.{key}_token_id {i} is past the vocab ({len(tokens)} tokens)")
     # A config.json's checks, before anything is computed from it; then the defaults filled in.
@@ -2834,10 +2862,18 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         c = ModelConfig.from_dict(config)
     config |= {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                "rms_norm_eps": _f32(c.norm_eps), "rope_theta": _f32(c.rope_theta)}
+    return config, c
+
+
+def _gguf_tokenizer(gguf_path: Path, meta: dict, config: dict) -> tuple[dict, dict]:
+    """tokenizer.json's and tokenizer_config.json's dicts, as transformers' conversion of
+    the same tokenizer writes them."""
+    arch, tokens, pre = meta["general.architecture"], meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.pre")
+    sentencepiece = meta["tokenizer.ggml.model"] == "llama"   # (llama.cpp's name for Llama 2's tokenizer)
     # the special tokens' strings, as transformers' GGUF loader writes them (a template may use them)
     tokenizer_config = {"chat_template": meta.get("tokenizer.chat_template")}
-    for role, key in special.items():
-        if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None:   # (in the vocab: checked above)
+    for role, key in GGUF_SPECIAL_TOKENS.items():
+        if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None:   # (in the vocab: _gguf_config checked)
             tokenizer_config[f"{role}_token"] = tokens[i]
 
     # The tokens llama.cpp puts around a prompt, written as a tokenizer.json post-processor:
@@ -2867,6 +2903,57 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         raise ModelError(f"{gguf_path}: tokenizer.ggml.token_type has {len(types)} entries for "
                          f"{len(tokens)} tokens")
 
+    # without the padding llama.cpp writes past the tokenizer's vocab ("[PAD151665]"..., type
+    # UNUSED): ids that are no token, which decode skips
+    vocab = {tok: i for i, tok in enumerate(tokens) if types[i] != GGUF_UNUSED}
+    added = (GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNKNOWN) if sentencepiece else (GGUF_CONTROL, GGUF_USER_DEFINED)
+    # A GGUF keeps no lstrip/rstrip flags. Phi-3's tokenizer.json has its chat tokens
+    # (<|user|>, <|end|>...) and </s> drop the whitespace after them, and llama.cpp puts that
+    # back for a model named so: so do we, and for a phi3 GGUF with SentencePiece's tokenizer
+    # (Phi-3, 3.5; Phi-4's is byte-level, without the flags).
+    name = meta.get("general.name")
+    phi3 = (isinstance(name, str) and any(s in name.lower() for s in ("phi-3", "phi3"))
+            or arch == "phi3" and sentencepiece)
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": tok, "single_word": False, "lstrip": False,
+                          "rstrip": phi3 and tok not in ("<unk>", "<s>", "<|endoftext|>"),
+                          "normalized": False, "special": types[i] != GGUF_USER_DEFINED}
+                         for i, tok in enumerate(tokens) if types[i] in added],
+        "post_processor": post_processor,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": sentencepiece, "byte_fallback": sentencepiece, "vocab": vocab}}
+    if sentencepiece:   # as transformers' "legacy" conversion of a SentencePiece model writes it
+        scores = _gguf_need(gguf_path, meta, "tokenizer.ggml.scores")
+        if len(scores) != len(tokens):
+            raise ModelError(f"{gguf_path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+        space_first = meta.get("tokenizer.ggml.add_space_prefix", True)
+        tokenizer |= {
+            "normalizer": {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": SPACE}, {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]}
+            if space_first else None,
+            "pre_tokenizer": None if space_first else
+            {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "never", "split": False},
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}] + [{"type": "Strip", "content": " ", "start": 1, "stop": 0}] * space_first}}
+        tokenizer["model"]["merges"] = _merges_from_scores(
+            {tok: i for tok, i in vocab.items() if types[i] == GGUF_NORMAL}, scores)
+    else:
+        tokenizer |= {"normalizer": GGUF_NORMALIZERS.get(pre), "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre],
+                      "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                                  "use_regex": True}}
+        tokenizer["model"]["merges"] = meta.get("tokenizer.ggml.merges", [])
+    return tokenizer, tokenizer_config
+
+
+def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: str) -> dict[str, torch.Tensor]:
+    """The weights under HF's names, dequantized to float32 (in HF's RoPE layout, and Gemma's
+    norms as HF keeps them); every tensor's name and shape checked first, then `notice`."""
+    import gguf
+    gemma = arch in ("gemma2", "gemma3")
+    tensors = {t.name: t for t in reader.tensors}
     # Every tensor's name and shape checked before the slow part, dequantizing (to float32).
     check_size(gguf_path, c, Llama, torch.float32, "cpu", stored=len(reader.tensors))
     shapes = Llama.checkpoint_shapes(c)
@@ -2898,57 +2985,4 @@ def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
         if gemma and name.endswith("norm.weight"):
             w = w - 1   # (llama.cpp stores Gemma's norm weights as the 1 + weight they scale by)
         weights[name] = w
-
-    # without the padding llama.cpp writes past the tokenizer's vocab ("[PAD151665]"..., type
-    # UNUSED): ids that are no token, which decode skips
-    vocab = {tok: i for i, tok in enumerate(tokens) if types[i] != GGUF_UNUSED}
-    added = (GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNKNOWN) if sentencepiece else (GGUF_CONTROL, GGUF_USER_DEFINED)
-    # A GGUF keeps no lstrip/rstrip flags. Phi-3's tokenizer.json has its chat tokens
-    # (<|user|>, <|end|>...) and </s> drop the whitespace after them, and llama.cpp puts that
-    # back for a model named so: so do we, and for a phi3 GGUF with SentencePiece's tokenizer
-    # (Phi-3, 3.5; Phi-4's is byte-level, without the flags).
-    name = meta.get("general.name")
-    phi3 = (isinstance(name, str) and any(s in name.lower() for s in ("phi-3", "phi3"))
-            or arch == "phi3" and sentencepiece)
-    tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": i, "content": tok, "single_word": False, "lstrip": False,
-                          "rstrip": phi3 and tok not in ("<unk>", "<s>", "<|endoftext|>"),
-                          "normalized": False, "special": types[i] != GGUF_USER_DEFINED}
-                         for i, tok in enumerate(tokens) if types[i] in added],
-        "post_processor": post_processor,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                  "fuse_unk": sentencepiece, "byte_fallback": sentencepiece, "vocab": vocab}}
-    if sentencepiece:   # as transformers' "legacy" conversion of a SentencePiece model writes it
-        scores = need("tokenizer.ggml.scores")
-        if len(scores) != len(tokens):
-            raise ModelError(f"{gguf_path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
-        space_first = meta.get("tokenizer.ggml.add_space_prefix", True)
-        tokenizer |= {
-            "normalizer": {"type": "Sequence", "normalizers": [
-                {"type": "Prepend", "prepend": SPACE}, {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]}
-            if space_first else None,
-            "pre_tokenizer": None if space_first else
-            {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "never", "split": False},
-            "decoder": {"type": "Sequence", "decoders": [
-                {"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
-                {"type": "Fuse"}] + [{"type": "Strip", "content": " ", "start": 1, "stop": 0}] * space_first}}
-        tokenizer["model"]["merges"] = _merges_from_scores(
-            {tok: i for tok, i in vocab.items() if types[i] == GGUF_NORMAL}, scores)
-    else:
-        tokenizer |= {"normalizer": GGUF_NORMALIZERS.get(pre), "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre],
-                      "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
-                                  "use_regex": True}}
-        tokenizer["model"]["merges"] = meta.get("tokenizer.ggml.merges", [])
-
-    try:
-        (out / "config.json").write_text(json.dumps(config, indent=2))
-        (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
-        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    except (OSError, SafetensorError) as e:   # a full disk, most likely: the weights are float32 now
-        size = sum(w.numel() * w.element_size() for w in weights.values())
-        raise ModelError(f"{gguf_path}: cannot write its conversion ({size / 2**30:,.2f} GiB) into "
-                         f"{out.parent} ({e}); free space there, or set NANOPAGED_CACHE to another "
-                         f"directory") from None
+    return weights
