@@ -42,7 +42,8 @@ import build_ext
 from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
 from model import (GEMMAS, ModelConfig, ModelError, load_model, load_tokenizer, override_sampling_defaults,
                    read_generation_config, resolve_model_dir, tanh_softcap)
-from scheduler import BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, hash_block, is_integer, stop_token_set
+from scheduler import (BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, first_visible, hash_block, is_integer,
+                       stop_token_set, truncate_prompt_tokens_check)
 
 # -----------------------------------------------------------------------------
 # 1. The paged KV cache
@@ -320,7 +321,8 @@ class BlockTable:
 #   q               (T, H, D)    queries, RoPE applied
 #   k_cache/v_cache (num_blocks, block_size, KVH, D)   one layer's cache
 #   slot_mapping    (T,) int64   the cache slot of each query token's k, v (write_kv):
-#                                block * block_size + offset
+#                                block * block_size + offset, never < 0 here (no padding;
+#                                the CUDA kernel would skip a -1, vLLM's mark for it)
 #   block_tables    (B, max_blocks) int32   padded and DROPPED entries are never read
 #   seq_lens        (B,) int32   context length of each sequence, this step's tokens included
 #   query_start_loc (B+1,) int32 sequence b owns rows query_start_loc[b]:query_start_loc[b+1]
@@ -378,7 +380,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     """
     check_window(window)
     check_softcap(softcap)
-    T, H, D = q.shape
+    _, H, D = q.shape   # (T, H, D)
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     group = H // kvh
     out = torch.empty_like(q)
@@ -392,7 +394,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
         m = torch.full((q_len, H), float("-inf"), device=q.device)
         l = torch.zeros(q_len, H, device=q.device)
         acc = torch.zeros(q_len, H, D, device=q.device)
-        first = 0 if window is None else max(seq_len - q_len - window + 1, 0)  # first visible position
+        first = first_visible(seq_len - q_len, window)                # what the first query sees
         for i in range(first // block_size, cdiv(seq_len, block_size)):  # logical blocks in order
             block = int(block_tables[b, i])                           # -> physical block
             lo = max(first - i * block_size, 0)                       # (a window may start mid-block)
@@ -452,7 +454,7 @@ class GatherPlan:
         qsl = query_start_loc.tolist()
         q_lens = [qsl[b + 1] - qsl[b] for b in range(len(lens))]
         # the first position any query of sequence b can see
-        firsts = [0 if window is None else max(lens[b] - q_lens[b] - window + 1, 0) for b in range(len(lens))]
+        firsts = [first_visible(lens[b] - q_lens[b], window) for b in range(len(lens))]
         # Decode buckets: (q rows, slots (n * Lmax,) to gather, (n, 1, 1, Lmax) length mask,
         # n, Lmax) each; Lmax is the bucket's longest gather.
         decode = sorted((b for b, n in enumerate(q_lens) if n == 1), key=lambda b: lens[b] - firsts[b])
@@ -901,6 +903,7 @@ VLLM_ONLY_OPTIONS = {
 }
 # vLLM's names for two of nanopaged's options: vLLM's option -> nanopaged's
 VLLM_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory", "num_gpu_blocks_override": "num_blocks"}
+MAX_LOGPROBS = 20   # vLLM's default max_logprobs: the most top tokens a request may ask for
 
 
 def _check_vllm_options(options: dict):
@@ -924,7 +927,7 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto",
                  preemption_mode: str = "recompute", swap_space: float = 4, seed: int | None = 0,
-                 max_logprobs: int = 20, tokenizer=None, override_generation_config: dict | None = None,
+                 max_logprobs: int = MAX_LOGPROBS, tokenizer=None, override_generation_config: dict | None = None,
                  **vllm_options):
         """In order: every argument checked (before anything loads); the model's config, its
         sampling advice, tokenizer and weights; the KV cache (the BlockPool, and the swap
@@ -1154,8 +1157,6 @@ class LLM:
         if params.truncate_prompt_tokens is not None:   # (vLLM's field before 0.20: -1 leaves room for max_tokens)
             keep = params.truncate_prompt_tokens
             ids = truncated(ids, max(self.max_model_len - (params.max_tokens or 1), 1) if keep == -1 else keep)
-        # A beam search's beams must fit the pool all at once: a beam preempted and recomputed
-        # apart from its siblings shares no partial block with them, and they wait for it (parked)
         beams = params.n if params.beam else 1
         if len(ids) >= self.max_model_len:   # (vLLM's rule: a prompt leaves room for one output token)
             raise ValueError(f"prompt ({len(ids)} tokens) leaves no room for an output token in the "
@@ -1174,6 +1175,8 @@ class LLM:
         # max_tokens says: the request's copy is cut to fit (and min_tokens with it)
         params.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
         params.min_tokens = min(params.min_tokens, params.max_tokens)
+        # A beam search's beams must fit the pool all at once: a beam preempted and recomputed
+        # apart from its siblings shares no partial block with them, and they wait for it (parked)
         need = beams * self.scheduler.blocks_at_most(len(ids) + params.max_tokens)
         if params.beam and need > self.pool.num_blocks:
             raise ValueError(f"beam_width = {beams} beams of prompt + max_tokens = {len(ids) + params.max_tokens} "
@@ -1220,7 +1223,7 @@ class LLM:
     def _check_constraints(self, params: SamplingParams):
         """The token ids a request names must be the model's, and its constraints must leave
         some token to draw from its first step. Fills params.bad_words_token_ids and
-        params.disallowed_mask."""
+        params.disallowed_mask, and makes logprobs / prompt_logprobs = -1 the vocabulary's size."""
         V = self.config.vocab_size
         most = V if self.max_logprobs == -1 else self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -1444,9 +1447,8 @@ class LLM:
         Logprob} per token it sampled} for the sequences that ask for them; for those that score
         their prompt, (seq, first position scored, one {token id: Logprob} per prompt token or
         None, the first row of prompt_logprob_token_ids scored, their (count, ids) logprobs or
-        None); and {seq:
-        NOT_FINITE} for those whose prompt rows are broken (NaN or inf): they fail, as a broken
-        sampled row does. logits: (S + R, vocab), the S rows of due, then the R prompt rows;
+        None); and {seq: NOT_FINITE} for those whose prompt rows are broken (NaN or inf): they
+        fail, as a broken sampled row does. logits: (S + R, vocab), the S rows of due, then the R prompt rows;
         finite: per row."""
         rows, targets, picks, contexts = [], [], [], []   # the rows that make {token id: Logprob}s
         for row, seq in enumerate(due):
@@ -1612,9 +1614,9 @@ class LLM:
     def _check_stop_strings(self, seqs):
         """Finish the sequences whose text now contains a stop string; the text ends before it.
         A stop string completed by the last token max_tokens allows (or by the token that
-        completes a repetition) still counts: "stop". So
-        does one that a stop token (or EOS) completes where include_stop_str_in_output keeps
-        its text (vLLM's rule): the stop string is then the stop_reason."""
+        completes a repetition) still counts: "stop". So does one that a stop token (or EOS)
+        completes where include_stop_str_in_output keeps its text (vLLM's rule): the stop
+        string is then the stop_reason."""
         for seq in seqs:
             kept_stop_token = seq.finish_reason == "stop" and seq.params.include_stop_str_in_output
             if not seq.params.stop or not (seq.finish_reason in (None, "length", "repetition") or kept_stop_token):
@@ -2412,9 +2414,9 @@ class Tokenization:
         if not isinstance(add, bool):
             raise ValueError(f"tokenization_kwargs: add_special_tokens must be True or False, got {add!r}")
         keep = kwargs.get("truncate_prompt_tokens")
-        if not (keep is None or (is_integer(keep) and (keep >= 1 or keep == -1))):
-            raise ValueError(f"tokenization_kwargs: truncate_prompt_tokens must be None, -1 (all that fit) or "
-                             f"an integer >= 1, got {keep!r}")
+        ok, why = truncate_prompt_tokens_check(keep)
+        if not ok:
+            raise ValueError(f"tokenization_kwargs: {why}")
         max_length = kwargs.get("max_length", max_model_len)
         if not (is_integer(max_length) and max_length >= 1):
             raise ValueError(f"tokenization_kwargs: max_length must be an integer >= 1, got {max_length!r}")
@@ -2527,7 +2529,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repetition-penalty", type=float, default=1.0,
                     help="> 1 makes tokens already in the prompt or output less likely (default: 1, off)")
     ap.add_argument("--logprobs", type=int, metavar="K",
-                    help="after the text, each token's log-probability and the K likeliest tokens (0 to 20)")
+                    help=f"after the text, each token's log-probability and the K likeliest tokens (0 to {MAX_LOGPROBS})")
     ap.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
     ap.add_argument("--system", help="a system prompt, rendered by the chat template before each prompt")
     ap.add_argument("--dtype", help="float32 (CPU default), bfloat16, float16 (GPU default: the checkpoint's "
@@ -2678,7 +2680,74 @@ def main(argv=None) -> int:
         sys.stdout = stdout
 
 
+def cli_params(args) -> tuple[SamplingParams | BeamSearchParams, list[str]]:
+    """The command line's flags checked together (before the model loads), as the request's
+    params; and the flags that shape a random draw, where given."""
+    if args.chat and (args.prompt or args.n > 1 or args.logprobs is not None or args.trace or args.raw):
+        raise ValueError("--chat reads its turns from stdin and streams one answer at a time: "
+                         "--prompt, --n, --logprobs, --trace and --raw go without it")
+    # the flags that shape a random draw, where given (greedy decoding ignores them)
+    drawing = [flag for flag, given in (("--top-k", args.top_k not in (-1, 0)), ("--top-p", args.top_p != 1.0),
+                                        ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None))
+               if given]
+    sampling = [flag for flag, given in (
+        ("--chat", args.chat), ("--n", args.n != 1), ("--temperature", args.temperature != 0)) if given]
+    sampling += drawing + [flag for flag, given in (
+        ("--stop", args.stop), ("--logprobs", args.logprobs is not None),
+        ("--repetition-penalty", args.repetition_penalty != 1.0)) if given]
+    if args.beam_width is not None and sampling:
+        raise ValueError(f"--beam-width ranks outputs by the model's own log-probabilities and stops at EOS: "
+                         f"{', '.join(sampling)} {'goes' if len(sampling) == 1 else 'go'} without it")
+    if not args.prompt and not args.chat:
+        raise ValueError("give at least one --prompt (or --chat)")
+    if args.chat and sys.stdin is None:   # (started with stdin closed, <&-: said before the model loads)
+        raise ValueError("--chat reads its turns from stdin, which is closed")
+    if any(not p.strip() for p in args.prompt):
+        raise ValueError("a --prompt is empty")
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:   # (the engine's default)
+        raise ValueError(f"--logprobs must be an integer in [0, {MAX_LOGPROBS}], got {args.logprobs}")
+    for flag, value in (("--max-tokens", args.max_tokens), ("--block-size", args.block_size),
+                        ("--num-blocks", args.num_blocks), ("--max-model-len", args.max_model_len),
+                        ("--max-num-seqs", args.max_num_seqs),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                min_p=args.min_p, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                                seed=args.seed, logprobs=args.logprobs,
+                                repetition_penalty=args.repetition_penalty)
+        if args.beam_width is not None:
+            params = BeamSearchParams(args.beam_width, args.max_tokens, ignore_eos=args.ignore_eos)
+    except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
+        name = str(e).split()[0]   # SamplingParams' messages start with the field's name
+        raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
+    return params, drawing
+
+
+def cli_prompts(llm: LLM, args) -> tuple[list[str], list[dict]]:
+    """The prompts as the model is given them (rendered with its chat template, unless
+    --raw), and --system's message."""
+    tok = llm.get_tokenizer()
+    chat = tok.has_chat_template and not args.raw
+    if chat and tok.chat_template is None:   # (the CLI has no flag to name one)
+        raise ValueError(f"the model's chat templates are all named ({', '.join(sorted(tok.named_templates))}), "
+                         f"none 'default', which the CLI renders with: --raw sends the prompt as it is")
+    if args.chat and not chat:
+        raise ValueError("--chat needs the model's chat template: this model has none")
+    if args.system is not None and not chat:
+        raise ValueError("--system needs the model's chat template (" +
+                         ("--raw skips it)" if args.raw else "this model has none)"))
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    prompts = ([render_chat(tok, [*system, {"role": "user", "content": p}])[1] for p in args.prompt]
+               if chat else args.prompt)
+    return prompts, system
+
+
 def run_cli(argv) -> int:
+    """The command line: its flags checked, the model loaded, the prompts answered (or --chat's
+    turns). Returns the exit status: 0, 1 where the model failed or output could not be
+    written, 2 for bad input, 130 for Ctrl-C."""
     # The model writes any character: where stdout's encoding lacks one (an ASCII or Latin-1 locale,
     # cp1252 on Windows when redirected), a "?" shows, rather than a UnicodeEncodeError cutting the
     # answer off halfway (a ValueError: it read as bad input, status 2)
@@ -2700,45 +2769,7 @@ def run_cli(argv) -> int:
 
     try:
         args = build_parser().parse_args(argv)   # (in here: --help's text fails to write as any answer does)
-        if args.chat and (args.prompt or args.n > 1 or args.logprobs is not None or args.trace or args.raw):
-            raise ValueError("--chat reads its turns from stdin and streams one answer at a time: "
-                             "--prompt, --n, --logprobs, --trace and --raw go without it")
-        # the flags that shape a random draw, where given (greedy decoding ignores them)
-        drawing = [flag for flag, given in (("--top-k", args.top_k not in (-1, 0)), ("--top-p", args.top_p != 1.0),
-                                            ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None))
-                   if given]
-        sampling = [flag for flag, given in (
-            ("--chat", args.chat), ("--n", args.n != 1), ("--temperature", args.temperature != 0)) if given]
-        sampling += drawing + [flag for flag, given in (
-            ("--stop", args.stop), ("--logprobs", args.logprobs is not None),
-            ("--repetition-penalty", args.repetition_penalty != 1.0)) if given]
-        if args.beam_width is not None and sampling:
-            raise ValueError(f"--beam-width ranks outputs by the model's own log-probabilities and stops at EOS: "
-                             f"{', '.join(sampling)} {'goes' if len(sampling) == 1 else 'go'} without it")
-        if not args.prompt and not args.chat:
-            raise ValueError("give at least one --prompt (or --chat)")
-        if args.chat and sys.stdin is None:   # (started with stdin closed, <&-: said before the model loads)
-            raise ValueError("--chat reads its turns from stdin, which is closed")
-        if any(not p.strip() for p in args.prompt):
-            raise ValueError("a --prompt is empty")
-        if args.logprobs is not None and not 0 <= args.logprobs <= 20:   # (the engine's max_logprobs)
-            raise ValueError(f"--logprobs must be an integer in [0, 20], got {args.logprobs}")
-        for flag, value in (("--max-tokens", args.max_tokens), ("--block-size", args.block_size),
-                            ("--num-blocks", args.num_blocks), ("--max-model-len", args.max_model_len),
-                            ("--max-num-seqs", args.max_num_seqs),
-                            ("--max-num-batched-tokens", args.max_num_batched_tokens)):
-            if value is not None and value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-        try:
-            params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                    min_p=args.min_p, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-                                    seed=args.seed, logprobs=args.logprobs,
-                                    repetition_penalty=args.repetition_penalty)
-            if args.beam_width is not None:
-                params = BeamSearchParams(args.beam_width, args.max_tokens, ignore_eos=args.ignore_eos)
-        except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
-            name = str(e).split()[0]   # SamplingParams' messages start with the field's name
-            raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
+        params, drawing = cli_params(args)
         try:
             llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                       num_blocks=args.num_blocks, max_model_len=args.max_model_len,
@@ -2749,19 +2780,7 @@ def run_cli(argv) -> int:
                       seed=None)   # (without --seed, each run draws anew, as a command line's user expects)
         except ValueError as e:   # (the flag's name, not the argument's)
             raise ValueError(str(e).replace("max_model_len = ", "--max-model-len ", 1)) from None
-        tok = llm.get_tokenizer()
-        chat = tok.has_chat_template and not args.raw
-        if chat and tok.chat_template is None:   # (the CLI has no flag to name one)
-            raise ValueError(f"the model's chat templates are all named ({', '.join(sorted(tok.named_templates))}), "
-                             f"none 'default', which the CLI renders with: --raw sends the prompt as it is")
-        if args.chat and not chat:
-            raise ValueError("--chat needs the model's chat template: this model has none")
-        if args.system is not None and not chat:
-            raise ValueError("--system needs the model's chat template (" +
-                             ("--raw skips it)" if args.raw else "this model has none)"))
-        system = [] if args.system is None else [{"role": "system", "content": args.system}]
-        prompts = ([render_chat(tok, [*system, {"role": "user", "content": p}])[1] for p in args.prompt]
-                   if chat else args.prompt)
+        prompts, system = cli_prompts(llm, args)
         if args.temperature == 0 and args.beam_width is None:   # greedy: say so, rather than ignore what was asked
             notes = [f"{', '.join(drawing)} {'has' if len(drawing) == 1 else 'have'} no effect"] if drawing else []
             notes += [f"--n {args.n} gives {args.n} identical samples"] if args.n > 1 else []

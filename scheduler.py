@@ -158,11 +158,7 @@ class SamplingParams:
                               ("frequency_penalty", self.frequency_penalty))],
             (_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"),
-            (self.truncate_prompt_tokens is None or (is_integer(self.truncate_prompt_tokens)
-                                                     and (self.truncate_prompt_tokens >= 1
-                                                          or self.truncate_prompt_tokens == -1)),
-             f"truncate_prompt_tokens must be None, -1 (all that fit) or an integer >= 1, "
-             f"got {self.truncate_prompt_tokens!r}"),
+            truncate_prompt_tokens_check(self.truncate_prompt_tokens),
             (is_integer(self.min_tokens) and self.min_tokens >= 0
              and (not is_integer(self.max_tokens) or self.min_tokens <= self.max_tokens),   # (a bad max_tokens: its own message)
              f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens!r}], got {self.min_tokens!r}"),
@@ -264,6 +260,18 @@ def _token_id_rows(rows) -> list[list[int]] | None:
 def _max_tokens_check(max_tokens) -> tuple[bool, str]:
     return (max_tokens is None or (is_integer(max_tokens) and max_tokens >= 1),
             f"max_tokens must be None (up to the context) or an integer >= 1, got {max_tokens!r}")
+
+
+def first_visible(position: int, window: int | None) -> int:
+    """The first position the query at `position` sees: 0 without a sliding window, else
+    the window's `window` positions end at its own (HF's masks)."""
+    return 0 if window is None else max(position - window + 1, 0)
+
+
+def truncate_prompt_tokens_check(keep) -> tuple[bool, str]:
+    """(SamplingParams' field, and tokenization_kwargs' key: what -1 keeps differs, see their users)"""
+    return (keep is None or (is_integer(keep) and (keep >= 1 or keep == -1)),
+            f"truncate_prompt_tokens must be None, -1 (all that fit) or an integer >= 1, got {keep!r}")
 
 
 def _refuse_the_first_failed(checks: list[tuple[bool, str]]):
@@ -465,7 +473,8 @@ class SchedulerOutput:
     num_tokens: list[int] = field(default_factory=list)   # tokens computed for each sequence
     slots: list[list[int]] = field(default_factory=list)  # their cache slots (the slot_mapping)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)   # step 1's victims (recomputed or swapped
+    # out): memory is short, so the step admits nobody (a parked beam preempted later is not listed)
     # swapping, to run before the copies: (GPU block, CPU block) pairs to save, then (CPU
     # block, GPU block) pairs to bring back; and the sequences that moved either way
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -695,13 +704,9 @@ class Scheduler:
         dropped: _adopt_cached_prefix)."""
         if self.sliding_window is None:
             return
-        dropped = seq.block_table.drop_before(self._first_visible(seq.num_computed_tokens))
+        dropped = seq.block_table.drop_before(first_visible(seq.num_computed_tokens, self.sliding_window))
         if dropped:
             self.pool.say(f"{seq}: blocks {dropped} slid out of the window of {self.sliding_window} tokens: freed")
-
-    def _first_visible(self, num_computed: int) -> int:
-        """The first position the query at position num_computed sees (0 without a window)."""
-        return 0 if self.sliding_window is None else max(num_computed - self.sliding_window + 1, 0)
 
     def _parked_beam_newer_than(self, seq: Sequence) -> Sequence | None:
         """The newest running beam that is parked (computed to its end, waiting for its
@@ -842,9 +847,9 @@ class Scheduler:
                     # this miss)
                     if self.sliding_window is None:
                         break   # (no later block can serve without this one)
-                elif last_miss < self._first_visible((i + 1) * self.block_size) // self.block_size:
+                elif last_miss < first_visible((i + 1) * self.block_size, self.sliding_window) // self.block_size:
                     done = i + 1   # every block from the window of the query after block i on is here
-        skip = self._first_visible(done * self.block_size) // self.block_size
+        skip = first_visible(done * self.block_size, self.sliding_window) // self.block_size
         return found[skip:done], done, skip
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple:
@@ -1000,7 +1005,7 @@ class Scheduler:
         p = seq.params
         if token in stop_token_set(p, self.eos_token_ids):
             self.finish(seq, "stop")
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_output_tokens >= p.max_tokens:   # (add() made prompt + max_tokens fit max_model_len)
             self.finish(seq, "length")
         elif (p.repetition_detection and seq.num_output_tokens >= p.min_tokens
               and p.repetition_detection.ends_in_a_loop(seq.output_token_ids)):
