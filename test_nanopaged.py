@@ -3673,7 +3673,7 @@ def test_preempting_a_parked_beam_for_a_seat_frees_its_seat():
 def test_a_block_is_freed_the_step_its_last_position_leaves_the_window():
     """Window 4, blocks of 4: once 7 tokens are computed, the next query (position 7) sees
     4..7, so block 0 (0..3) is freed before that step, not one step later.
-    Catches: _first_visible `num_computed - self.sliding_window + 1` -> `- self.sliding_window`."""
+    Catches: first_visible `position - window + 1` -> `- window`."""
     sched = make_sched(num_blocks=8, block_size=4, sliding_window=4)
     a = sched.add("a", list(range(2, 9)), SamplingParams(max_tokens=3, ignore_eos=True))
     kv = SimulatedKV(sched)
