@@ -85,13 +85,19 @@ def _unreadable(path: Path, why: str) -> ModelError:
     return ModelError(f"{path}: {why}")
 
 
+def _check_regular(path: Path) -> None:
+    """A model's file must be a regular file: reading a FIFO waits for ever, /dev/zero never ends."""
+    mode = _kind(path)
+    if mode is None or not stat.S_ISREG(mode):
+        raise ModelError(f"{path}: " + ("file not found" if mode is None else "not a regular file"))
+
+
 def _read_json(path: Path) -> dict:
     """A JSON file holding an object, as every file nanopaged reads does."""
+    _check_regular(path)
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelError(f"{path}: file not found") from None
-    except OSError as e:   # a directory, no permission...
+    except OSError as e:   # no permission...
         raise ModelError(f"{path}: cannot be read ({e.strerror})") from None
     except (ValueError, RecursionError) as e:   # not JSON, not UTF-8, nested too deep, a 5000-digit number
         raise _unreadable(path, f"not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
@@ -1728,6 +1734,7 @@ def _chat_template(model_dir: Path) -> tuple[str | None, dict, dict]:
             tokens[key] = value
     jinja = model_dir / "chat_template.jinja"
     if jinja.exists():
+        _check_regular(jinja)
         try:
             return jinja.read_text(encoding="utf-8"), {}, tokens
         except (OSError, UnicodeDecodeError) as e:
@@ -2255,9 +2262,7 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
 
 
 def _open_safetensors(path: Path):
-    mode = _kind(path)
-    if mode is None or not stat.S_ISREG(mode):   # (safe_open would wait forever on a FIFO)
-        raise ModelError(f"{path}: " + ("file not found" if mode is None else "not a regular file"))
+    _check_regular(path)
     try:
         path.open("rb").close()  # (safe_open says "file not found" of a file it may not read)
     except OSError as e:
@@ -2764,14 +2769,23 @@ def _read_gguf(gguf_path: Path):
     # Each tensor's data follows the one before it, padded to the alignment, as llama.cpp checks
     # (and refuses otherwise): an offset that points elsewhere would read another tensor's bytes,
     # or bytes shifted by a few, as weights, with no error.
-    expected, align = 0, int(reader.alignment)   # (a numpy uint32 where the file sets general.alignment)
+    expected, align, end = 0, int(reader.alignment), 0   # (a numpy uint32 where the file sets general.alignment)
     for t in reader.tensors:
         offset = int(t.data_offset) - int(reader.data_offset)
         if offset != expected:
             raise ModelError(f"{gguf_path}: tensor {t.name!r} has its data at byte {offset} of the data section, "
                              f"expected {expected} (right after the tensor before it, padded to "
                              f"{align} bytes): the file is damaged")
+        end = offset + int(t.n_bytes)
         expected += -(-int(t.n_bytes) // align) * align
+    # And the data section, which begins where the header ends padded to the alignment, ends with
+    # the last tensor (llama.cpp and gguf-py pad that one too): a wrong general.alignment moves its
+    # start, every tensor with it, by a few bytes, which the offsets above cannot show.
+    size = len(reader.data) - int(reader.data_offset)
+    if not end <= size <= expected:
+        raise ModelError(f"{gguf_path}: its data section holds {size} bytes, but its tensors take {end} "
+                         f"({expected} padded to general.alignment = {align}): the file is damaged (its "
+                         f"alignment or its length)")
     # The keys read below as strings, flags, token ids and lists must be of that kind (a damaged or
     # hand-made file may hold another); the numbers of the config are ModelConfig's to check.
     string = lambda x: isinstance(x, str)  # noqa: E731

@@ -1206,6 +1206,32 @@ def test_paths_that_cannot_be_looked_at_are_named(tmp_path):
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)   # the writer let go (held until it has)
     writer.join()
     os.close(reader)
+    # the small files too (read_text would wait on a FIFO for ever, and read /dev/zero until
+    # memory ran out), each with a writer that ends every read with an EOF (a file may be read twice)
+    path = write_checkpoint(tmp_path / "fifos", c, llama_tensors(c))
+    shutil.copy(TESTDATA / "qwen2_tokenizer" / "tokenizer.json", path)
+    LLM(path, num_blocks=4)   # (as written, it loads)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        fifo, stop = path / name, threading.Event()
+        fifo.unlink(missing_ok=True)
+        os.mkfifo(fifo)
+        def feed():
+            while not stop.is_set():
+                open(fifo, "wb").close()
+        writer = threading.Thread(target=feed, daemon=True)
+        writer.start()
+        with pytest.raises(ModelError, match=f"fifos/{name}: not a regular file$"):
+            LLM(path, num_blocks=4)
+        stop.set()
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        writer.join()
+        os.close(reader)
+        fifo.unlink()
+        shutil.copy(TESTDATA / "qwen2_tokenizer" / "tokenizer.json", path)
+    (path / "tokenizer.json").unlink()
+    (path / "tokenizer.json").symlink_to("/dev/zero")
+    with pytest.raises(ModelError, match="fifos/tokenizer.json: not a regular file$"):
+        LLM(path, num_blocks=4)
 
 
 def test_git_lfs_pointers_are_named_as_such(tmp_path, own_cache):
@@ -2826,7 +2852,9 @@ def test_a_gguf_that_would_load_as_garbage_or_never_load_is_refused_by_name(tmp_
     float); a big-endian file (dequantize reinterprets its bytes: weights off by 1e38); a
     metadata array whose count runs past the end of the file (read an empty element at a time,
     for ever, with a damaged count of 2**60); RoPE factors stored as F64 (a NotImplementedError
-    from deep inside). Catches: each check dropped."""
+    from deep inside). And a general.alignment damaged from 64 to 32: the data section then
+    begins 32 bytes early, every tensor with it, and the weights came out shifted by 8 floats
+    (caught by where the data section ends). Catches: each check dropped."""
     import gguf
     def patched(name, fields, **kwargs):   # fields: (bytes past a key's or tensor's name, struct format, value)
         data = bytearray(write_gguf(tmp_path / "ok.gguf", **kwargs).read_bytes())
@@ -2849,7 +2877,12 @@ def test_a_gguf_that_would_load_as_garbage_or_never_load_is_refused_by_name(tmp_
     writer.close()
     f64 = write_gguf(tmp_path / "f64.gguf", extra=[("rope_freqs.weight", np.ones(2))],
                      dtypes={"rope_freqs.weight": np.float64})
+    # general.alignment: the value type (u32), then the value
+    aligned = patched(b"general.alignment", [(4, "<I", 32)], alignment=64)
+    # (as written, alignment 64 loads: test_tiny_gguf_loads)
     for path, message in (
+            (aligned, r"its data section holds \d+ bytes, but its tensors take \d+ \(\d+ padded to "
+                      r"general.alignment = 32\): the file is damaged \(its alignment or its length\)"),
             (shifted, "tensor 'token_embd.weight' has its data at byte 32 of the data section, expected 0 "
                       r"\(right after the tensor before it, padded to 32 bytes\): the file is damaged"),
             (endless, r"not a readable GGUF file \(the data at byte \d+ runs past the end of the file\)"),
