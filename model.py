@@ -1643,16 +1643,28 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     # stays one where BPE can make it, a character or a merge's result: a single_word "dog"
     # inside "dogs" is not the added token, but BPE still makes "dog" there, as HF's does.
     # (BPE cannot make the others, such as "<|im_start|>", but tiktoken would, from pieces.)
+    # tiktoken makes any token of its ranks it can put together from two parts; HF's BPE only
+    # those the merges make (and, with ignore_merges, a whole piece first, as tiktoken does). So a
+    # vocab token that no merge makes, which HF never outputs, is not a rank: it is decoded only,
+    # as a tiktoken special token, which encode_ordinary never looks for.
     made = {left + right for left, right in merges}
-    ranks, added_ids = {}, set(special.values())
+    ranks, added_ids, decode_only = {}, set(special.values()), {}
     for token, i in vocab.items():
         if i in added_ids and not (special.get(token) == i and (len(token) == 1 or token in made)):
             continue
         try:
-            ranks[bytes(BYTE_OF_CHAR[c] for c in token)] = i
+            token_bytes = bytes(BYTE_OF_CHAR[c] for c in token)
         except KeyError:
             raise ModelError(f"{path}: token {token!r} is not in the byte-level alphabet, and the BPE has "
                              f"no byte_fallback (SentencePiece's)") from None
+        if len(token) == 1 or token in made or bpe.get("ignore_merges") is True:
+            ranks[token_bytes] = i
+            continue
+        try:
+            decode_only[token_bytes.decode("utf-8")] = i
+        except UnicodeDecodeError:   # (a special token is a str: tiktoken could not decode it)
+            raise ModelError(f"{path}: vocab token {token!r} (id {i}) is made by no merge, and is no UTF-8 "
+                             f"text: nanopaged cannot keep it from BPE's output") from None
     if not ranks:
         raise ModelError(f"{path}: model.vocab has no tokens (but for added tokens)")
     # rank = id reproduces HF's BPE only if ids follow merge order (see the chapter's top).
@@ -1664,7 +1676,7 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
                              f"after a merge that made id {last}: token ids do not follow "
                              f"merge order, so they cannot serve as tiktoken ranks")
         last = i
-    return bpe_tokenizer(model_dir.name, pattern, ranks, special, nfc=normalizer == "NFC", **common)
+    return bpe_tokenizer(model_dir.name, pattern, ranks, decode_only | special, nfc=normalizer == "NFC", **common)
 
 
 def _merge_pairs(merges, vocab: dict[str, int], path: Path) -> list[tuple[str, str]]:

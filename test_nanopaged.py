@@ -870,6 +870,27 @@ def test_tiny_tokenizer_json(tmp_path):
     assert tok.encode("1234 ab") == [ord("1"), ord("2"), ord("3"), ord("4"), 259]
 
 
+def test_a_vocab_token_no_merge_makes_is_decoded_never_made(tmp_path):
+    """HF's BPE makes a token only by a merge, so a vocab token that none makes ("ab" here,
+    as when a merge is dropped from a file) never comes out of it: "ab" is "a", "b", as HF's
+    tokenizers library gives it. tiktoken made it, from "a" and "b" or as the whole piece. The
+    token still decodes, and keeps its HF string. With ignore_merges, HF looks a whole piece
+    up in the vocab first, as tiktoken does. Catches: the orphan kept among tiktoken's ranks."""
+    vocab, char = byte_vocab()
+    vocab |= {char[32] + "a": 256, "ab": 257}
+    merges = [[char[32], "a"]]
+    pre = {"type": "ByteLevel", "add_prefix_space": False}
+    tok = load_tokenizer(write_tokenizer_json(tmp_path / "t", pre, vocab, merges))
+    assert tok.encode("ab ab", add_special_tokens=False) == [ord("a"), ord("b"), 256, ord("b")]
+    assert tok.decode([257, 256]) == "ab a"
+    assert tok.convert_ids_to_tokens(257) == "ab" and tok.convert_tokens_to_ids("ab") == 257
+    # (one whose bytes are no UTF-8 text, "ab" and byte 0xE9, cannot be a tiktoken special token)
+    with pytest.raises(ModelError, match=r"vocab token 'ab\xe9' \(id 258\) is made by no merge, and is no UTF-8 text"):
+        load_tokenizer(write_tokenizer_json(tmp_path / "u", pre, vocab | {"ab\xe9": 258}, merges))
+    whole = load_tokenizer(write_tokenizer_json(tmp_path / "w", pre, vocab, merges, model={"ignore_merges": True}))
+    assert whole.encode("ab ab", add_special_tokens=False) == [257, 256, ord("b")]
+
+
 @pytest.mark.parametrize("pre_tokenizer, model, message", [
     ({"type": "ByteLevel"}, {"type": "WordPiece"}, "'WordPiece' is not supported"),
     ({"type": "ByteLevel"}, {"byte_fallback": True}, "needs the 256 byte tokens <0x00>...<0xFF>; <0x00> is missing"),
