@@ -2296,7 +2296,7 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     that model.safetensors.index.json lists."""
     index = model_dir / "model.safetensors.index.json"
     single = model_dir / "model.safetensors"
-    if index.exists():
+    if _kind(index) is not None:   # (exists() is False for a link in a loop: _read_json names it)
         weight_map = _read_json(index).get("weight_map")
         if not (isinstance(weight_map, dict)
                 and all(isinstance(file, str) for file in weight_map.values())):
@@ -2307,10 +2307,13 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
             if not Path(file).parts:   # "" or ".": the directory itself
                 raise ModelError(f"{index}: weight_map names {file!r} for {name!r}, not a file")
         return {name: model_dir / file for name, file in weight_map.items()}
-    if single.exists():
+    if _kind(single) is not None or single.is_symlink():
         with _open_safetensors(single) as f:
             return dict.fromkeys(f.keys(), single)
-    raise ModelError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+    bins = sorted(p.name for p in model_dir.glob("*.bin"))   # (torch.load's pickles: they can run code)
+    raise ModelError(f"{model_dir}: no model.safetensors or model.safetensors.index.json" +
+                     (f" ({bins[0]} is a PyTorch pickle, which nanopaged does not load: convert it to safetensors)"
+                      if bins else ""))
 
 
 def checkpoint_size(arch, config: ModelConfig) -> tuple[int, int, int]:
@@ -2772,6 +2775,8 @@ def _read_gguf(gguf_path: Path):
     try:
         reader = WholeReader(gguf_path)
         meta = {name: f.contents() for name, f in reader.fields.items()}
+    except OSError as e:   # (no permission: nothing to do with what the file holds)
+        raise ModelError(f"{gguf_path}: cannot be read ({e.strerror or e})") from None
     except Exception as e:  # the reader raises assorted errors, numpy's for a file cut short
         raise _unreadable(gguf_path, f"not a readable GGUF file ({e}): damaged, cut short (an incomplete "
                                      f"download?), or newer than the gguf package reads") from None

@@ -25,6 +25,7 @@ import json
 import math
 import numbers
 import os
+import re
 import reprlib
 import signal
 import sys
@@ -2317,7 +2318,10 @@ def render_chat(tokenizer, conversation, /, add_special_tokens: bool = False, **
     apply_chat_template's options), and that text's token ids (the tokenizer's encode_chat:
     no special tokens added, as HF and vLLM encode it, unless add_special_tokens)."""
     text = tokenizer.apply_chat_template(conversation, **options)
-    return text, tokenizer.encode(text) if add_special_tokens else tokenizer.encode_chat(text)
+    ids = tokenizer.encode(text) if add_special_tokens else tokenizer.encode_chat(text)
+    if not ids:   # (else "the prompt is empty", of a prompt the caller never wrote)
+        raise ValueError(f"the chat template rendered the conversation as {text!r}, no tokens: is the template empty?")
+    return text, ids
 
 
 def vllm_tool_calls(conversation):
@@ -2571,7 +2575,7 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
     # pool too small) is said once, before the first turn is read, rather than at every turn: a
     # one-word turn's request, made and closed unrun (stream() checks a request as it queues
     # it). (A template that fails fails here, once: main's error.)
-    word = llm.tokenizer.encode_chat(llm.tokenizer.apply_chat_template(conversation + [{"role": "user", "content": "Hi"}]))
+    _, word = render_chat(llm.tokenizer, conversation + [{"role": "user", "content": "Hi"}])
     try:
         llm.stream(word, params).close()
     except ValueError as e:
@@ -2611,7 +2615,7 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
         try:
             pieces = llm.stream(ids, params)
         except ValueError as e:   # the conversation outgrew the context, or the KV pool
-            print(f"nanopaged: error: {e}; the conversation starts over", file=sys.stderr)
+            print(f"nanopaged: error: {in_flags(str(e))}; the conversation starts over", file=sys.stderr)
             conversation = list(system)
             refused += 1
             continue
@@ -2680,6 +2684,25 @@ def main(argv=None) -> int:
         sys.stdout = stdout
 
 
+# The options the command line sets, by their Python names: its error messages name the flags
+CLI_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n", "beam_width", "stop",
+               "logprobs", "repetition_penalty", "block_size", "max_model_len", "num_blocks", "max_num_seqs",
+               "max_num_batched_tokens", "preemption_mode", "attn_backend")
+_CLI_OPTION = re.compile(rf"(^)?\b({'|'.join(CLI_OPTIONS)})\b( = |=)?")
+
+
+def in_flags(message: str) -> str:
+    """An error of the Python API in the command line's words: "n = 3 samples exceed
+    max_num_seqs = 2" -> "--n 3 samples exceed --max-num-seqs 2". An option is renamed where
+    it has a value, starts the message, or has a name no English word has (an underscore)."""
+    def flag(m):
+        first, name, equals = m.groups()
+        if not (first is not None or equals or "_" in name):
+            return m.group(0)   # (a word: "stop string")
+        return "--" + name.replace("_", "-") + (" " if equals else "")
+    return _CLI_OPTION.sub(flag, message)
+
+
 def cli_params(args) -> tuple[SamplingParams | BeamSearchParams, list[str]]:
     """The command line's flags checked together (before the model loads), as the request's
     params; and the flags that shape a random draw, where given."""
@@ -2712,16 +2735,11 @@ def cli_params(args) -> tuple[SamplingParams | BeamSearchParams, list[str]]:
                         ("--max-num-batched-tokens", args.max_num_batched_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    try:
-        params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                min_p=args.min_p, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-                                seed=args.seed, logprobs=args.logprobs,
-                                repetition_penalty=args.repetition_penalty)
-        if args.beam_width is not None:
-            params = BeamSearchParams(args.beam_width, args.max_tokens, ignore_eos=args.ignore_eos)
-    except ValueError as e:   # name the flag, not the field: "--max-tokens must be ..."
-        name = str(e).split()[0]   # SamplingParams' messages start with the field's name
-        raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name):]}") from None
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                            seed=args.seed, logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)
+    if args.beam_width is not None:
+        params = BeamSearchParams(args.beam_width, args.max_tokens, ignore_eos=args.ignore_eos)
     return params, drawing
 
 
@@ -2770,16 +2788,13 @@ def run_cli(argv) -> int:
     try:
         args = build_parser().parse_args(argv)   # (in here: --help's text fails to write as any answer does)
         params, drawing = cli_params(args)
-        try:
-            llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                      num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      enable_prefix_caching=not args.no_prefix_caching,
-                      attn_backend=args.attn_backend, preemption_mode=args.preemption_mode,
-                      generation_config="vllm",   # (the flags' own defaults sample: greedy)
-                      seed=None)   # (without --seed, each run draws anew, as a command line's user expects)
-        except ValueError as e:   # (the flag's name, not the argument's)
-            raise ValueError(str(e).replace("max_model_len = ", "--max-model-len ", 1)) from None
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                  num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=not args.no_prefix_caching,
+                  attn_backend=args.attn_backend, preemption_mode=args.preemption_mode,
+                  generation_config="vllm",   # (the flags' own defaults sample: greedy)
+                  seed=None)   # (without --seed, each run draws anew, as a command line's user expects)
         prompts, system = cli_prompts(llm, args)
         if args.temperature == 0 and args.beam_width is None:   # greedy: say so, rather than ignore what was asked
             notes = [f"{', '.join(drawing)} {'has' if len(drawing) == 1 else 'have'} no effect"] if drawing else []
@@ -2824,7 +2839,8 @@ def run_cli(argv) -> int:
             print(llm.stats.summary(llm.pool.num_blocks), file=sys.stderr)
         sys.stdout.flush()   # (a write that fails fails here, not at exit, where no one would report it)
     except ValueError as e:   # bad input of any kind: one clear line, exit status 2
-        print(f"nanopaged: error: {e}", file=sys.stderr)
+        # (in the flags' words; a model file's problem as it is: its path may hold any name)
+        print(f"nanopaged: error: {e if isinstance(e, ModelError) else in_flags(str(e))}", file=sys.stderr)
         return 2
     except GenerationError as e:  # the model failed (broken weights): one line, status 1
         print("\n" * line_open + f"nanopaged: error: {e}", file=sys.stderr)

@@ -1154,10 +1154,23 @@ def test_missing_directory_and_files(tmp_path):
     with pytest.raises(ModelError, match="^/dev/null: neither a file nor a directory"):
         load_model("/dev/null")
     (tmp_path / "config.json").write_text(json.dumps(llama_config()))
-    with pytest.raises(ModelError, match="no model.safetensors"):
+    with pytest.raises(ModelError, match="no model.safetensors or model.safetensors.index.json$"):
         load_model(tmp_path)
     with pytest.raises(ModelError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)
+    # a PyTorch checkpoint only, named; links in a loop, or to nothing, named as such
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ModelError, match=r"\(pytorch_model.bin is a PyTorch pickle, which nanopaged does not "
+                                         r"load: convert it to safetensors\)$"):
+        load_model(tmp_path)
+    (tmp_path / "model.safetensors").symlink_to("nowhere")
+    with pytest.raises(ModelError, match="model.safetensors: file not found$"):
+        load_model(tmp_path)
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        (tmp_path / name).unlink(missing_ok=True)
+        (tmp_path / name).symlink_to(name)
+        with pytest.raises(ModelError, match=f"{name}: cannot be read \\(Too many levels of symbolic links\\)$"):
+            load_model(tmp_path)
 
 
 def test_a_tied_config_with_a_distinct_lm_head_unties_it_as_transformers_does(tmp_path, capsys):
@@ -2865,6 +2878,17 @@ def test_a_truncated_gguf_is_said_to_be_one(tmp_path, own_cache):
         with pytest.raises(ModelError, match=f"cut{cut}.gguf: not a readable GGUF file \\(.*\\): damaged, cut short "
                                              r"\(an incomplete download\?\), or newer than the gguf package reads$"):
             load_model(tmp_path / f"cut{cut}.gguf")
+
+
+def test_a_gguf_that_cannot_be_opened_is_not_called_damaged(tmp_path, own_cache, monkeypatch):
+    """A GGUF the OS will not open for us (no permission: root's tests cannot make one, so the
+    reader's open fails as it would) is said so, not called damaged or cut short."""
+    import gguf
+    def refused(self, path, mode="r"):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", refused)
+    with pytest.raises(ModelError, match=r"locked.gguf: cannot be read \(Permission denied\)$"):
+        load_model(write_gguf(tmp_path / "locked.gguf"))
 
 
 def test_a_gguf_that_would_load_as_garbage_or_never_load_is_refused_by_name(tmp_path, own_cache):
@@ -6042,7 +6066,11 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--block-size", "0", "--seed", "3"], "--block-size"),   # (and no greedy note first)
     (["--prompt", "hi", "--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
     (["--prompt", "hi", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
-    (["--prompt", "hi", "--n", "3", "--temperature", "1", "--max-num-seqs", "2"], "n = 3 samples exceed max_num_seqs = 2"),
+    (["--prompt", "hi", "--n", "3", "--temperature", "1", "--max-num-seqs", "2"], "--n 3 samples exceed --max-num-seqs 2"),
+    (["--prompt", "hi", "--beam-width", "3", "--max-num-seqs", "2"], "--beam-width 3 exceeds --max-num-seqs 2"),
+    (["--prompt", "hi", "--max-model-len", "1"], "in the context served, --max-model-len 1 tokens"),
+    (["--prompt", "hi", "--block-size", "99999999"], "use a smaller --block-size or give more memory"),
+    (["--prompt", "hi", "--temperature", "3"], "--temperature must be a number in [0, 2] (vLLM's range), got 3.0"),
     (["--prompt", "hi", "--max-num-batched-tokens", "-2"], "--max-num-batched-tokens must be >= 1, got -2"),
     (["--prompt", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'"),      # argparse's own
     (["--prompt", "hi", "--seed", "99999999999999999999"], "--seed must be an integer in [0, 2**63)"),
@@ -6372,6 +6400,14 @@ def test_cli_renders_the_models_chat_template(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nHello\n"))   # --chat too: once, not at every turn
     code, out, err = run_cli(capsys, "--model", str(path), "--chat")
     assert code == 2 and err == "nanopaged: error: the model's chat template failed: TemplateError: no system turn\n"
+    # a template that renders nothing: said of the template (it was "the prompt is empty"), also by llm.chat
+    (path / "chat_template.jinja").write_text("")
+    empty = "the chat template rendered the conversation as '', no tokens: is the template empty?"
+    for argv in (("--prompt", "Hi"), ("--chat",)):
+        code, out, err = run_cli(capsys, "--model", str(path), *argv)
+        assert code == 2 and err == f"nanopaged: error: {empty}\n"
+    with pytest.raises(ValueError, match=re.escape(empty)):
+        LLM(path, num_blocks=8).chat([{"role": "user", "content": "Hi"}])
     # named templates, none "default": said, with the CLI's way out, not sent raw
     (path / "chat_template.jinja").unlink()
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "rag", "template": "RAG"}]}))
