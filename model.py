@@ -2339,7 +2339,7 @@ def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | N
     if stored is not None and tensors > stored + per_layer:
         raise ModelError(f"{source}: {config.num_hidden_layers:,} layers need {tensors:,} tensors, but the "
                          f"checkpoint holds {stored:,}")
-    memory = _memory_bytes(device)
+    memory = device_memory(device)
     weights = params * dtype.itemsize
     # the angles, their cos and their sin, (P, R/2) float32 each (rope_tables); Gemma 3's
     # windowed layers have a second set (local=True)
@@ -2356,7 +2356,7 @@ def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | N
                          f"{device.type} memory")
 
 
-def _memory_bytes(device: torch.device) -> int | None:
+def device_memory(device: torch.device) -> int | None:
     """The device's whole memory, if it can be told."""
     try:
         if device.type == "cuda":

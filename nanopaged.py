@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import build_ext
 from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
-from model import (GEMMAS, ModelConfig, ModelError, load_model, load_tokenizer, override_sampling_defaults,
+from model import (GEMMAS, ModelConfig, ModelError, device_memory, load_model, load_tokenizer, override_sampling_defaults,
                    read_generation_config, resolve_model_dir, tanh_softcap)
 from scheduler import (BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, first_visible, hash_block, is_integer,
                        stop_token_set, truncate_prompt_tokens_check)
@@ -1019,6 +1019,8 @@ class LLM:
         # The KV cache: sized by a block count, or by a memory budget in bytes.
         self.bytes_per_block = BlockPool.bytes_per_block(cfg.num_hidden_layers, block_size,
                                                          cfg.num_key_value_heads, cfg.head_dim, dtype)
+        asked = (f"num_blocks = {num_blocks}" if num_blocks is not None else
+                 None if kv_cache_memory is None else f"kv_cache_memory = {kv_cache_memory} bytes")
         if num_blocks is None:
             if kv_cache_memory is None:
                 kv_cache_memory = _default_kv_cache_memory(device)
@@ -1027,6 +1029,12 @@ class LLM:
                 raise ValueError(f"kv_cache_memory = {kv_cache_memory} bytes holds no block of "
                                  f"{self.bytes_per_block} bytes ({block_size} tokens): use a smaller "
                                  f"block_size or give more memory")
+        # A pool the device could never hold is refused now: the OS hands out untouched memory
+        # freely (overcommit), so it would allocate, and fail (the OOM killer) once it filled up.
+        memory, size = device_memory(device), num_blocks * self.bytes_per_block
+        if asked and memory is not None and size > memory:
+            raise ValueError(f"{asked}: a KV cache of {num_blocks} blocks ({size / 2**30:,.1f} GiB) is more "
+                             f"than all {memory / 2**30:,.1f} GiB of the {device.type} memory")
         self.pool = BlockPool(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
                               cfg.head_dim, dtype, device)
         # The swap space (vLLM's swap_space, in GiB): a second pool, in CPU memory, that

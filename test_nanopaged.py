@@ -5414,7 +5414,7 @@ def test_abort_and_a_failing_request_leave_the_others_intact(llm, monkeypatch):
     assert_nothing_leaked(llm)
 
 
-def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
+def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir, monkeypatch):
     for prompt, message in [("", "prompt 1: the prompt is empty"), ([], "prompt 1: the prompt is empty"),
                             ([1, 2, 10**9], "prompt 1: prompt token ids must be"),
                             (None, "prompt 1: a prompt is a string or a list of token ids"),
@@ -5513,8 +5513,17 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir):
     for dtype in (torch.float64, torch.int8, "float64", ["bf16"]):   # (a float64 model ran, an int8 one crashed)
         with pytest.raises(ValueError, match=f"unsupported dtype {re.escape(repr(dtype))}: use one of float32"):
             LLM(smollm2_dir, dtype=dtype)
-    with pytest.raises(ValueError, match="cannot allocate a KV cache of 2 blocks"):   # past int64
+    with pytest.raises(ValueError, match="^num_blocks = 2: a KV cache of 2 blocks .* is more than all"):   # past int64
         LLM(smollm2_dir, num_blocks=2, block_size=2**62)
+    # a pool the memory could never hold is refused before it is allocated (overcommitted, it
+    # would be, and fail once it filled up); the default one is not checked so
+    monkeypatch.setattr(nanopaged_module, "device_memory", lambda device: 100 * 737280 - 1)
+    for kwargs, asked in (({"num_blocks": 100}, "num_blocks = 100"),
+                          ({"kv_cache_memory": 100 * 737280}, "kv_cache_memory = 73728000 bytes")):
+        with pytest.raises(ValueError, match=f"^{asked}: a KV cache of 100 blocks \\(0.1 GiB\\) is more than all "
+                                             f"0.1 GiB of the cpu memory$"):
+            LLM(smollm2_dir, **kwargs)
+    assert LLM(smollm2_dir, num_blocks=99).pool.num_blocks == 99
 
 
 def interrupted_on_call(n, fn):
@@ -8147,9 +8156,9 @@ def test_gpt2_memory_check_counts_no_rope_tables(tmp_path, monkeypatch):
     loads it. Catches: RoPE tables counted for GPT-2 in check_size."""
     (tmp_path / "config.json").write_text(json.dumps(GPT2_CONFIG))
     _, params, _ = model_module.checkpoint_size(model_module.GPT2, ModelConfig.from_dict(GPT2_CONFIG))
-    monkeypatch.setattr(model_module, "_memory_bytes", lambda device: params * 4)
+    monkeypatch.setattr(model_module, "device_memory", lambda device: params * 4)
     assert load_model(tmp_path, dummy=True).config.model_type == "gpt2"
-    monkeypatch.setattr(model_module, "_memory_bytes", lambda device: params * 4 - 1)
+    monkeypatch.setattr(model_module, "device_memory", lambda device: params * 4 - 1)
     with pytest.raises(ModelError, match="more than all"):
         load_model(tmp_path, dummy=True)
 
