@@ -4209,6 +4209,18 @@ def test_fork_shares_the_prompt_then_diverges_by_copy_on_write():
     assert all(s.num_output_tokens == 4 for s in samples) and sched.pool.num_used == 0
 
 
+def test_a_late_fork_keeps_its_parents_first_token_time():
+    """A child forked after its parent's first token (a beam) has that token too: its time
+    per output token is measured from it. Catches: fork not copying first_token_time."""
+    sched = make_sched()
+    s = sched.add(1, [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        run_step(sched)
+    (child,) = sched.fork(s, 1)
+    run_step(sched)
+    assert s.first_token_time is not None and child.first_token_time == s.first_token_time
+
+
 def test_finish_on_eos_stop_tokens_and_length():
     sched = make_sched()
     s1 = sched.add(1, [5], SamplingParams(max_tokens=5))
@@ -4220,6 +4232,16 @@ def test_finish_on_eos_stop_tokens_and_length():
     assert (s1.output_token_ids, s1.finish_reason) == ([4, EOS], "stop")
     assert (s2.output_token_ids, s2.finish_reason) == ([EOS, EOS, 4, 4, 4], "length")
     assert (s3.output_token_ids, s3.finish_reason) == ([4, 9], "stop")
+    # EOS or a stop token drawn as the last token max_tokens allows is a stop, not a length
+    # (the engine then leaves it out of the text, and names a stop token as the stop_reason).
+    # Catches: the length checked first.
+    s4 = sched.add(4, [5], SamplingParams(max_tokens=2))
+    s5 = sched.add(5, [5], SamplingParams(max_tokens=2, stop_token_ids=[9]))
+    tokens = {s4: [4, EOS], s5: [4, 9]}
+    while sched.has_unfinished():
+        run_step(sched, token=lambda s: tokens[s][s.num_output_tokens])
+    assert (s4.output_token_ids, s4.finish_reason) == ([4, EOS], "stop")
+    assert (s5.output_token_ids, s5.finish_reason) == ([4, 9], "stop")
 
 
 def test_scheduler_bad_input_is_refused_and_nothing_leaks():
@@ -4228,6 +4250,8 @@ def test_scheduler_bad_input_is_refused_and_nothing_leaks():
         sched.add(1, [], SamplingParams())
     with pytest.raises(ValueError, match="max_model_len = 20 tokens"):
         sched.add(2, [3] * 15, SamplingParams(max_tokens=6))
+    # (one token less fits: prompt + max_tokens may be max_model_len exactly)
+    make_sched(num_blocks=8, block_size=4, max_model_len=20).add(2, [3] * 15, SamplingParams(max_tokens=5))
     with pytest.raises(ValueError, match="whole pool has 4"):
         make_sched(num_blocks=4, block_size=4).add(3, [3] * 15, SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="max_tokens must be"):
@@ -5010,6 +5034,9 @@ def test_penalties_and_min_tokens(llm):
                 dict(max_tokens="8", min_tokens=2)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+    for name in ("presence_penalty", "frequency_penalty"):   # (vLLM's closed range: its ends are in)
+        for x in (-2, -2.0, 2, 2.0):
+            assert getattr(SamplingParams(**{name: x}), name) == x
     with pytest.raises(ValueError, match="no token is left to draw"):
         llm.add_request("Hi", SamplingParams(min_tokens=1, stop_token_ids=list(range(llm.config.vocab_size))))
     assert_nothing_leaked(llm)
