@@ -89,7 +89,8 @@ def _check_regular(path: Path) -> None:
     """A model's file must be a regular file: reading a FIFO waits for ever, /dev/zero never ends."""
     mode = _kind(path)
     if mode is None or not stat.S_ISREG(mode):
-        raise ModelError(f"{path}: " + ("file not found" if mode is None else "not a regular file"))
+        raise ModelError(f"{path}: " + ("file not found" if mode is None else "a directory, not a file"
+                                        if stat.S_ISDIR(mode) else "not a regular file"))
 
 
 def _read_json(path: Path) -> dict:

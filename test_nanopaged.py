@@ -1320,7 +1320,7 @@ def test_bad_config(tmp_path):
         load_model(tmp_path)
     tok_dir = tiny_tokenizer_dir(tmp_path / "tok")
     (tok_dir / "tokenizer_config.json").mkdir()
-    with pytest.raises(ModelError, match=r"tokenizer_config.json: cannot be read \(Is a directory\)"):
+    with pytest.raises(ModelError, match=r"tokenizer_config.json: a directory, not a file$"):
         load_tokenizer(tok_dir)
 
 
