@@ -805,6 +805,21 @@ class Request:
 
 
 @dataclass
+class RunningMean:
+    """The mean of numbers as they come, kept as their count and sum: an engine serving
+    add_request / step for ever (never reset) would otherwise keep every request's number."""
+    count: int = 0
+    total: float = 0.0
+
+    def add(self, x: float):
+        self.count, self.total = self.count + 1, self.total + x
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+@dataclass
 class Stats:
     """What --stats prints. generate() and stream() reset it; each step adds its counts and
     peaks (_record_usage, _commit), each reported request its TTFT, TPOTs and prompt tokens."""
@@ -812,8 +827,8 @@ class Stats:
     prompt_tokens: int = 0
     output_tokens: int = 0
     elapsed: float = 0.0       # seconds spent in steps
-    ttfts: list = field(default_factory=list)
-    tpots: list = field(default_factory=list)
+    ttft: RunningMean = field(default_factory=RunningMean)   # seconds, of each request reported
+    tpot: RunningMean = field(default_factory=RunningMean)   # seconds, of each sample of 2+ tokens
     peak_blocks_used: int = 0
     peak_running: int = 0      # (not in the summary: bench.py's memory comparison reads it)
     peak_blocks_listed: int = 0   # the running sequences' tables' blocks, a shared one once per table:
@@ -827,13 +842,13 @@ class Stats:
 
     def summary(self, num_blocks: int) -> str:
         # (a mean of none, "n/a": no request had a first token, or a second one to time)
-        ms = lambda xs: f"{1000 * sum(xs) / len(xs):9.1f} ms (mean)" if xs else f"{'n/a':>9}"  # noqa: E731
+        ms = lambda m: f"{1000 * m.mean:9.1f} ms (mean)" if m.count else f"{'n/a':>9}"  # noqa: E731
         per_s = lambda n: n / self.elapsed if self.elapsed else float("nan")  # noqa: E731
         waste = 100 * (1 - self.filled_slots / self.allocated_slots) if self.allocated_slots else 0.0
         hit = 100 * self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
         return "\n".join([
-            f"time to first token   {ms(self.ttfts)}",
-            f"time per output token {ms(self.tpots)}",
+            f"time to first token   {ms(self.ttft)}",
+            f"time per output token {ms(self.tpot)}",
             f"throughput            {per_s(self.output_tokens):9.1f} output tok/s, "
             f"{per_s(self.prompt_tokens + self.output_tokens):.1f} total tok/s "
             f"({self.output_tokens} output + {self.prompt_tokens} prompt tokens in {self.elapsed:.2f} s, "
@@ -1731,23 +1746,23 @@ class LLM:
         if not outputs:
             return   # (most decode steps finish nothing)
         s = self.stats
-        before, forgotten = (len(s.ttfts), len(s.tpots), s.prompt_tokens), {}
+        before, forgotten = (copy.copy(s.ttft), copy.copy(s.tpot), s.prompt_tokens), {}
         try:
             with defer_ctrl_c():
                 for output in outputs:
                     forgotten[output.request_id] = req = self._requests.pop(output.request_id)
                     self._to_report.pop(output.request_id, None)
-                    s.ttfts.append(output.ttft)
-                    s.tpots += [(q.finish_time - q.first_token_time) / (q.num_output_tokens - 1)
-                                for q in req.seqs if q.first_token_time and q.num_output_tokens > 1
-                                and q.finish_reason != "dropped"]   # (a beam search's results only)
+                    s.ttft.add(output.ttft)
+                    for q in req.seqs:
+                        if q.first_token_time and q.num_output_tokens > 1 and q.finish_reason != "dropped":
+                            # (time from the first token to the last, per token after it; a beam search's results only)
+                            s.tpot.add((q.finish_time - q.first_token_time) / (q.num_output_tokens - 1))
                     s.prompt_tokens += len(output.prompt_token_ids)
         except KeyboardInterrupt:   # held until the block's end (even one that came as it ended): the
             with defer_ctrl_c():    # caller will not get them, so all back, for the next step() to return
                 self._requests |= forgotten
                 self._to_report |= dict.fromkeys(forgotten)
-                del s.ttfts[before[0]:], s.tpots[before[1]:]
-                s.prompt_tokens = before[2]
+                s.ttft, s.tpot, s.prompt_tokens = before
             raise
 
     # --- the whole loop ---

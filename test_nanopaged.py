@@ -12,6 +12,7 @@ Chapters, in the order the code is built:
                     with one (bash gpu_check.sh): the same on the GPU, the full matrix
 """
 
+import collections
 import functools
 import importlib.util
 import io
@@ -47,7 +48,7 @@ import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
                    load_tokenizer, resolve_model_dir)
 from nanopaged import (LLM, BlockPool, BlockTable, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks,
-                       PagedAttention, StopStringScan, TextPrompt, TokensPrompt, bad_words_token_ids, copy_blocks,
+                       PagedAttention, RunningMean, StopStringScan, TextPrompt, TokensPrompt, bad_words_token_ids, copy_blocks,
                        logprob_dicts, main, paged_attention, paged_attention_ref, render_chat, sampling_probs,
                        write_kv)
 from scheduler import RepetitionDetectionParams, BeamSearchParams, SamplingParams, Scheduler, Status
@@ -5706,12 +5707,12 @@ def test_ctrl_c_in_the_bookkeeping_waits_for_its_end(llm, monkeypatch):
     # are put back, come next, and are counted once
     ids = [llm.add_request(p, params[0]) for p in prompts[:2]]
     llm.reset_stats()
-    llm.stats.ttfts = type("Ttfts", (list,), {"append": ctrl_c_on_call(2, list.append)})()
+    llm.stats.ttft = type("Ttft", (RunningMean,), {"add": ctrl_c_on_call(2, RunningMean.add)})()
     with pytest.raises(KeyboardInterrupt):
         step_to_the_end(llm)
     done = step_to_the_end(llm)
     assert [done[i].outputs[0].token_ids for i in ids] == [alone[0], alone[1][:3]]
-    assert len(llm.stats.ttfts) == 2
+    assert llm.stats.ttft.count == 2
     assert llm.stats.prompt_tokens == sum(len(done[i].prompt_token_ids) for i in ids)
     assert_nothing_leaked(llm)
     # ... and one that lands as the hold ends (in its __exit__, the handler not yet put back):
@@ -6063,7 +6064,10 @@ def test_stats_of_requests_stepped_by_hand(llm):
 def test_stats_and_kv_waste(llm):
     llm.generate(PROMPTS16, greedy(16, ignore_eos=True))
     s = llm.stats
-    assert s.output_tokens == 16 * 16 and len(s.ttfts) == 16 and len(s.tpots) == 16
+    assert s.output_tokens == 16 * 16 and s.ttft.count == 16 and s.tpot.count == 16
+    # Stats keep no per-request list: an engine serving add_request / step for ever never
+    # resets them (a soak of 20,000 requests grew a list of TTFTs and one of TPOTs)
+    assert not [name for name, value in vars(s).items() if isinstance(value, (list, dict, set, collections.deque))]
     assert 0 < s.peak_blocks_used <= llm.pool.num_blocks and s.peak_running == 16
     assert 0 <= 1 - s.filled_slots / s.allocated_slots < 0.5
     text = s.summary(llm.pool.num_blocks)
@@ -7882,8 +7886,8 @@ def test_time_per_output_token_divides_by_the_tokens_after_the_first(llm):
     rid = llm.add_request("Water boils at", greedy(4, ignore_eos=True))
     seq = llm._requests[rid].seqs[0]
     step_to_the_end(llm)
-    assert seq.num_output_tokens == 4 and len(llm.stats.tpots) == 1
-    assert llm.stats.tpots[0] == pytest.approx((seq.finish_time - seq.first_token_time) / 3)
+    assert seq.num_output_tokens == 4 and llm.stats.tpot.count == 1
+    assert llm.stats.tpot.mean == pytest.approx((seq.finish_time - seq.first_token_time) / 3)
 
 
 def test_a_request_aborted_before_it_forked_reports_all_n_samples(llm):
