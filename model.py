@@ -1066,6 +1066,51 @@ class Tokenizer:
         return sorted(self.special_ids)
 
     @property
+    def all_special_tokens(self) -> list[str]:   # (the strings of all_special_ids)
+        return [self._token_string(i) for i in self.all_special_ids]
+
+    def get_added_vocab(self) -> dict[str, int]:   # (HF's added tokens: string -> id)
+        return {string: i for i, string in self._added_strings.items()}
+
+    @property
+    def max_token_id(self) -> int:
+        return max(self._vocab().values())
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        """The text of token strings, as decode gives it of their ids."""
+        ids = self.convert_tokens_to_ids(list(tokens))
+        if None in ids:
+            raise ValueError(f"{tokens[ids.index(None)]!r} is no token of this tokenizer")
+        return self.decode(ids)
+
+    def batch_decode(self, sequences, skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    # vLLM truncates a prompt on the left (its start), keeping the tokens nearest the output
+    truncation_side = "left"
+
+    def num_special_tokens_to_add(self) -> int:   # (the post-processor's: a BOS, say)
+        return len(self.prefix_ids) + len(self.suffix_ids)
+
+    def __call__(self, text, text_pair=None, add_special_tokens: bool = True, truncation: bool = False,
+                 max_length: int | None = None) -> dict:
+        """HF's (and vLLM's tokenizer protocol's) tokenizer(text): {"input_ids": ids,
+        "attention_mask": ones}, of one text or of each in a list; with truncation, at most
+        max_length tokens, those at the end (truncation_side)."""
+        if text_pair is not None:
+            raise ValueError("text_pair: a causal LM's tokenizer here encodes one text, not pairs")
+        if truncation and not (_is_id(max_length) and max_length >= 1):
+            raise ValueError(f"truncation needs max_length, an integer >= 1, got {max_length!r}")
+        if not (isinstance(text, str) or isinstance(text, list) and all(isinstance(t, str) for t in text)):
+            raise ValueError(f"tokenizer() takes a text or a list of texts, got {reprlib.repr(text)}")
+        def ids_of(t):
+            ids = self.encode(t, add_special_tokens)
+            return ids[-max_length:] if truncation and len(ids) > max_length else ids
+        ids = ids_of(text) if isinstance(text, str) else [ids_of(t) for t in text]
+        ones = [1] * len(ids) if isinstance(text, str) else [[1] * len(row) for row in ids]
+        return {"input_ids": ids, "attention_mask": ones}
+
+    @property
     def bos_token_id(self) -> int | None:
         return self.convert_tokens_to_ids(self.template_tokens.get("bos_token", ""))
 

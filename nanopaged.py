@@ -897,7 +897,7 @@ VLLM_ONLY_OPTIONS = {
     "enforce_eager": ((True, False), "nanopaged always runs eagerly, without CUDA graphs"),
     "trust_remote_code": ((True, False), "nanopaged runs no code from a model's files"),
     "disable_log_stats": ((True,), "nanopaged logs no stats as it runs: llm.stats holds them"),
-    "gpu_memory_utilization": ((), "nanopaged sizes its KV cache by kv_cache_memory (bytes) or num_blocks"),
+    "gpu_memory_utilization": ((None,), "nanopaged sizes its KV cache by kv_cache_memory (bytes) or num_blocks"),
     "task": (("auto", "generate"), "nanopaged generates: no other task"),
     "runner": (("auto", "generate"), "nanopaged generates: no other runner"),
     "logprobs_mode": (("raw_logprobs",), "nanopaged's logprobs are the model's own, a log_softmax of its logits"),
@@ -916,6 +916,19 @@ VLLM_ONLY_OPTIONS = {
     "enable_sleep_mode": ((False,), "nanopaged has no sleep mode"),
     "distributed_executor_backend": ((None,), "nanopaged runs in one process"),
     "compilation_config": ((None,), "nanopaged always runs eagerly, without torch.compile or CUDA graphs"),
+    "structured_outputs_config": ((None,), "nanopaged has no structured outputs (grammar-constrained decoding)"),
+    "logits_processors": ((None, []), "nanopaged has no custom logits processors (SamplingParams has "
+                                      "logit_bias, allowed_token_ids and bad_words)"),
+    "profiler_config": ((None,), "nanopaged has no profiler of its own: run it under cProfile or torch.profiler"),
+    "enable_prompt_embeds": ((False,), "nanopaged takes token ids or text as prompts, not embeddings"),
+    "config_format": (("auto", "hf"), "nanopaged reads config.json, HF's format"),
+    "attention_config": ((None,), "nanopaged picks its attention with attn_backend"),
+    "quantization_config": ((None,), "nanopaged has no quantized weights"),
+    "pooler_config": ((None,), "nanopaged generates: no pooling"),
+    "convert": (("auto", "none"), "nanopaged runs the model as it is: no conversion to another task"),
+    "spec_method": ((None,), "nanopaged has no speculative decoding"),
+    "spec_model": ((None,), "nanopaged has no speculative decoding"),
+    "spec_tokens": ((None,), "nanopaged has no speculative decoding"),
 }
 # vLLM's names for two of nanopaged's options: vLLM's option -> nanopaged's
 VLLM_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory", "num_gpu_blocks_override": "num_blocks"}
@@ -934,6 +947,25 @@ def _check_vllm_options(options: dict):
             raise ValueError(f"{name}={value!r}: {why}{took}")
 
 
+def load_chat_template(chat_template) -> str | None:
+    """LLM(chat_template=...), as vLLM reads it: a Jinja template, or the path of a file that
+    holds one (a string with no "{", "}" or line break is taken for a path)."""
+    if chat_template is None:
+        return None
+    if not isinstance(chat_template, (str, Path)):
+        raise ValueError(f"chat_template must be a Jinja template or a file's path, got {_describe(chat_template)}")
+    if isinstance(chat_template, str) and any(c in chat_template for c in "{}\n"):
+        return chat_template
+    path = Path(chat_template)
+    try:
+        if not path.is_file():   # (a FIFO would hang the read)
+            raise OSError("no such file")
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"chat_template={str(chat_template)!r} is no Jinja template (it has no '{{'), and "
+                         f"no file's path that can be read ({e})") from None
+
+
 class LLM:
     """The engine, with vLLM's API: LLM(...).generate(prompts, SamplingParams(...))."""
 
@@ -944,7 +976,7 @@ class LLM:
                  attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto",
                  preemption_mode: str = "recompute", swap_space: float = 4, seed: int | None = 0,
                  max_logprobs: int = MAX_LOGPROBS, tokenizer=None, override_generation_config: dict | None = None,
-                 **vllm_options):
+                 chat_template: str | Path | None = None, **vllm_options):
         """In order: every argument checked (before anything loads); the model's config, its
         sampling advice, tokenizer and weights; the KV cache (the BlockPool, and the swap
         space); the Scheduler, and the PagedAttention object the model calls."""
@@ -955,6 +987,7 @@ class LLM:
             ours[VLLM_ALIASES[alias]] = vllm_options.pop(alias)
         kv_cache_memory, num_blocks = ours["kv_cache_memory"], ours["num_blocks"]
         _check_vllm_options(vllm_options)
+        self.chat_template = load_chat_template(chat_template)   # (vLLM's: chat()'s, where it is given none)
         if seed is not None and not (is_integer(seed) and 0 <= seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
         if not (is_integer(max_logprobs) and max_logprobs >= -1):
@@ -1134,6 +1167,9 @@ class LLM:
         text} or {"prompt_token_ids": ids}. Bad input raises ValueError and leaves the engine
         as it was."""
         self._check_free("add_request()")
+        if isinstance(request_id, (SamplingParams, BeamSearchParams)):
+            raise ValueError("add_request takes (prompt, params, request_id=None), nanopaged's order: vLLM's "
+                             "LLMEngine.add_request takes the request id first")
         text, ids = self._parse_prompt(prompt)
         return self._add(text, ids, params, request_id)
 
@@ -1146,7 +1182,8 @@ class LLM:
             asked = {k: v for k, v in prompt.items() if v is not None or k in ("prompt", "prompt_token_ids")}
             if not {"prompt", "prompt_token_ids"} & asked.keys() or asked.keys() - {"prompt", "prompt_token_ids"}:
                 why = {"multi_modal_data": "no multimodal inputs", "mm_processor_kwargs": "no multimodal inputs",
-                       "cache_salt": "one prefix cache shared by all requests, unsalted"}
+                       "cache_salt": "one prefix cache shared by all requests, unsalted",
+                       "prompt_embeds": "token ids or text as prompts, not embeddings"}
                 lacks = sorted({why[k] for k in asked if k in why})
                 raise ValueError('a prompt dict holds "prompt" (text), "prompt_token_ids", or both (the ids '
                                  f"run, the text is the output's prompt), got keys {sorted(map(str, asked))}"
@@ -1836,7 +1873,7 @@ class LLM:
              tokenization_kwargs: dict | None = None, mm_processor_kwargs=None) -> list[RequestOutput]:
         """vLLM's chat (its arguments, in its order): one conversation (a list of messages such
         as {"role": "user", "content": ...}) or a list of conversations, each rendered with the
-        model's chat template, or `chat_template`, (render_chat) and generated for; one
+        model's chat template, or `chat_template` (else LLM's), (render_chat) and generated for; one
         RequestOutput per conversation, whose prompt is the rendered text.
         continue_final_message, tools and chat_template_kwargs (the template's own variables)
         go to apply_chat_template. lora_request and priority: as generate takes them;
@@ -1854,7 +1891,8 @@ class LLM:
         if "tokenize" in (chat_template_kwargs or {}):   # (vLLM refuses it too)
             raise ValueError("chat_template_kwargs cannot set tokenize: chat() encodes the rendered text itself")
         # as vLLM merges them: chat_template_kwargs may also set the named options
-        options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+        options = dict(chat_template=self.chat_template if chat_template is None else chat_template,
+                       add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, tools=tools) | (chat_template_kwargs or {})
         # (refused, rather than a string message passed on unrendered)
         if not self.tokenizer.has_chat_template and options["chat_template"] is None:

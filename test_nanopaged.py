@@ -796,6 +796,21 @@ def test_token_strings_as_the_vocab_file_writes_them(name, smollm2_dir):
     assert tok.convert_tokens_to_ids("no such token") is None and tok.convert_ids_to_tokens(10**6) is None
     assert tok.decode(ids[1]) == tok.decode([ids[1]])
     assert tok.all_special_ids == sorted(t["id"] for t in spec["added_tokens"] if t["special"])
+    # the rest of vLLM's tokenizer protocol (vllm/tokenizers/protocol.py, 0.34)
+    added = {t["content"]: t["id"] for t in spec["added_tokens"]}
+    assert tok.all_special_tokens == [tok.convert_ids_to_tokens(i) for i in tok.all_special_ids]
+    assert tok.get_added_vocab() == added and tok.max_token_id == max(want.values())
+    assert tok.convert_tokens_to_string(strings) == tok.decode(ids)
+    with pytest.raises(ValueError, match="'no such token' is no token of this tokenizer"):
+        tok.convert_tokens_to_string(["no such token"])
+    assert tok.batch_decode([ids, ids[:1]]) == [tok.decode(ids), tok.decode(ids[:1])]
+    assert tok.num_special_tokens_to_add() == len(tok.encode("x")) - len(tok.encode("x", add_special_tokens=False))
+    texts = ["Hello world, the € and 日本\n", "x"]
+    assert tok(texts[0]) == {"input_ids": tok.encode(texts[0]), "attention_mask": [1] * len(tok.encode(texts[0]))}
+    both = tok(texts, add_special_tokens=False, truncation=True, max_length=3)   # (vLLM's side: the start goes)
+    assert both["input_ids"] == [ids[-3:], tok.encode("x", add_special_tokens=False)]
+    assert [len(m) for m in both["attention_mask"]] == [3, len(both["input_ids"][1])]
+    assert tok.truncation_side == "left"
     config = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
     for key in ("bos_token", "pad_token"):
         value = config.get(key)
@@ -7656,7 +7671,9 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
               quantization=None, kv_cache_dtype="auto", enable_lora=False, enforce_eager=True,
               trust_remote_code=True, disable_log_stats=True, tokenizer=None, task="generate",
               logprobs_mode="raw_logprobs", tokenizer_mode="auto", revision=None, download_dir=None,
-              hf_overrides={}, enable_chunked_prefill=True, scheduling_policy="fcfs", cpu_offload_gb=0)
+              hf_overrides={}, enable_chunked_prefill=True, scheduling_policy="fcfs", cpu_offload_gb=0,
+              gpu_memory_utilization=None, structured_outputs_config=None, logits_processors=[],
+              profiler_config=None, enable_prompt_embeds=False, config_format="auto", convert="auto")
     # vLLM's names for two of nanopaged's options
     assert LLM(model_dir, load_format="dummy", num_gpu_blocks_override=24).pool.num_blocks == 24
     small = LLM(model_dir, load_format="dummy", kv_cache_memory_bytes=2**22)
@@ -7670,8 +7687,12 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
                             ({"kv_cache_dtype": "fp8"}, "no quantized KV cache \\(it takes 'auto'\\)"),
                             ({"enable_lora": True}, "nanopaged has no LoRA adapters"),
                             ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization=0.9: nanopaged sizes its KV "
-                                                              "cache by kv_cache_memory \\(bytes\\) or num_blocks$"),
+                                                              "cache by kv_cache_memory \\(bytes\\) or num_blocks \\(it takes None\\)$"),
                             ({"disable_log_stats": False}, "llm.stats holds them"),
+                            ({"structured_outputs_config": {"backend": "xgrammar"}}, "no structured outputs"),
+                            ({"logits_processors": ["my.Processor"]}, "no custom logits processors"),
+                            ({"profiler_config": {"profiler": "torch"}}, "no profiler of its own"),
+                            ({"enable_prompt_embeds": True}, "not embeddings"),
                             ({"enable_chunked_prefill": False}, "nanopaged chunks a prefill past the token "
                                                                 "budget"),
                             ({"tokenizer_mode": "mistral"}, "\\(it takes 'auto' or 'hf'\\)"),
@@ -7696,6 +7717,24 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
             llm.generate(["ab", "cd"], params, **kw)
     chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert llm.chat([{"role": "user", "content": "ab"}], params, False, None, chat_template=chat_template)
+    # vLLM's LLM(chat_template=...): a template, or a file holding one, for chat() to use where
+    # it is given none (this model has none of its own)
+    (tmp_path / "t.jinja").write_text("<{{ messages[0]['content'] }}>")
+    for given in (chat_template + "!", tmp_path / "t.jinja", str(tmp_path / "t.jinja")):
+        own = LLM(model_dir, load_format="dummy", num_blocks=16, chat_template=given)
+        rendered = "ab!" if given == chat_template + "!" else "<ab>"
+        assert own.chat([{"role": "user", "content": "ab"}], params)[0].prompt == rendered
+        assert own.chat([{"role": "user", "content": "ab"}], params, chat_template=chat_template)[0].prompt == "ab"
+    for given, message in ((tmp_path / "none.jinja", "is no Jinja template .* no file's path that can be read"),
+                           (tmp_path, "no file's path that can be read"), (7, "got int 7")):
+        with pytest.raises(ValueError, match=f"chat_template.*{message}"):
+            LLM(model_dir, load_format="dummy", num_blocks=16, chat_template=given)
+    # vLLM's LLMEngine.add_request order (the id first) is named, not taken for bad params
+    with pytest.raises(ValueError, match="add_request takes \\(prompt, params, request_id=None\\), nanopaged's "
+                                         "order: vLLM's LLMEngine.add_request takes the request id first"):
+        llm.add_request("0", "ab", params)
+    with pytest.raises(ValueError, match="nanopaged has token ids or text as prompts, not embeddings"):
+        llm.generate({"prompt_embeds": torch.zeros(2, 8)}, params)
     with pytest.raises(ValueError, match="no LoRA adapters"):
         llm.chat([{"role": "user", "content": "ab"}], params, False, "adapter", chat_template=chat_template)
     # as vLLM's chat: a tool call's JSON-string arguments reach the template as a dict ({} where
