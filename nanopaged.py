@@ -41,8 +41,8 @@ import torch.nn.functional as F
 
 import build_ext
 from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
-from model import (GEMMAS, ModelConfig, ModelError, device_memory, load_model, load_tokenizer, override_sampling_defaults,
-                   read_generation_config, resolve_model_dir, tanh_softcap)
+from model import (GEMMAS, ModelConfig, ModelError, device_memory, load_model, load_tokenizer,
+                   override_sampling_defaults, read_generation_config, resolve_model_dir, tanh_softcap)
 from scheduler import (BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, first_visible, hash_block, is_integer,
                        stop_token_set, truncate_prompt_tokens_check)
 
@@ -1509,8 +1509,8 @@ class LLM:
         their prompt, (seq, first position scored, one {token id: Logprob} per prompt token or
         None, the first row of prompt_logprob_token_ids scored, their (count, ids) logprobs or
         None); and {seq: NOT_FINITE} for those whose prompt rows are broken (NaN or inf): they
-        fail, as a broken sampled row does. logits: (S + R, vocab), the S rows of due, then the R prompt rows;
-        finite: per row."""
+        fail, as a broken sampled row does. logits: (S + R, vocab), the S rows of due, then the
+        R prompt rows; finite: per row."""
         rows, targets, picks, contexts = [], [], [], []   # the rows that make {token id: Logprob}s
         for row, seq in enumerate(due):
             if seq in sampled and seq.params.num_logprobs is not None:
