@@ -757,7 +757,7 @@ class IncrementalDetokenizer:
 
 
 class StopStringScan:
-    """Finds the first stop string in a sample's text as it grows. A stop string that
+    """Finds the first stop string to end in a sample's text as it grows. A stop string that
     appears now ends in the new text, so it began at most len(longest stop) - 1
     characters before it: only that tail and the new text are searched."""
 
@@ -773,12 +773,17 @@ class StopStringScan:
         completes begins. armed=False scans without stopping (SamplingParams.min_tokens)."""
         window = self.tail + self.detokenizer.new_text(token_ids)
         # only a stop string that ends in the new text (one that ends in the tail was seen
-        # before, and did not count then: armed=False)
-        for stop in self.stops if armed else ():   # (two at once: the first listed wins, as in vLLM)
+        # before, and did not count then: armed=False). Of two that the new text completes,
+        # the one that ends first wins, as if the text came a character at a time; of two
+        # that end together, the first listed (vLLM's rule since 0.27)
+        best = None   # (where it ends, where it begins, the stop string)
+        for stop in self.stops if armed else ():
             i = window.find(stop, max(len(self.tail) - len(stop) + 1, 0))
-            if i >= 0:
-                self.found, self.stop = self.tail_start + i, stop
-                return self.found
+            if i >= 0 and (best is None or i + len(stop) < best[0]):
+                best = (i + len(stop), i, stop)
+        if best is not None:
+            self.found, self.stop = self.tail_start + best[1], best[2]
+            return self.found
         cut = max(len(window) - self.keep, 0)
         self.tail, self.tail_start = window[cut:], self.tail_start + cut
         return None

@@ -6032,9 +6032,18 @@ def test_incremental_text_matches_decoding_the_whole_output():
             whole = tok.decode(ids[:n])
             assert whole.startswith(text) and whole[len(text):] in ("", "\ufffd")   # a character pending
             found = scan.find(ids[:n])
-            # the first listed in the text (no earlier call found one, so all of it is new)
-            first = next((s for s in stops if s in text), None)
+            # the one that ends first in the text, of those that end together the first listed
+            # (vLLM's rule; no earlier call found one, so all of the text is new)
+            ends = [(text.find(s) + len(s), k) for k, s in enumerate(stops) if s in text]
+            first = stops[min(ends)[1]] if ends else None
             assert (found, scan.stop) == ((text.find(first), first) if first else (None, None)), (trial, ids[:n], stops)
+    # one token, '."' (GPT-2's 526), completes both '"' and '.': '.' ends first, and wins though
+    # listed second (vLLM 0.27 on: the text as if it came a character at a time). Catches: the
+    # first listed winning, vLLM's rule before.
+    ids = tok.encode(' and then it ended."')
+    scan = StopStringScan(tok, ['"', "."])
+    assert ids[-1] == 526 and scan.find(ids[:-1]) is None
+    assert scan.find(ids) == len(" and then it ended") and scan.stop == "."
     # a decode that fails (an interrupt) skips no token: the next call decodes them
     detok, decode_bytes = IncrementalDetokenizer(tok), tok.decode_bytes
     tok.decode_bytes = interrupted_on_call(1, decode_bytes)
