@@ -5102,6 +5102,11 @@ def test_min_p_logit_bias_allowed_token_ids_and_bad_words(llm):
     stuck = SamplingParams(max_tokens=10, seed=0, allowed_token_ids=[a, b], bad_words=["a b", "a a"], logit_bias={a: 100})
     outs = llm.generate([prompt, prompt], [stuck, greedy(10, ignore_eos=True)])
     assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == [a]
+    # ... but a word of two tokens bans its first at no step: a request whose only allowed token
+    # begins one is taken. Catches: the first step's check counting it as banned.
+    out = llm.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True, allowed_token_ids=[a],
+                                              bad_words=["a b"]))[0].outputs[0]
+    assert out.token_ids == [a, a]
     assert outs[1].outputs[0].token_ids == plain.token_ids
     with pytest.raises(GenerationError, match="no token is left to draw: allowed_token_ids, bad_words ban them all"):
         list(llm.stream(prompt, stuck))
