@@ -4730,7 +4730,7 @@ def test_sampling_bounds(llm):
     assert (probs > 0).sum() == 7 and set(probs.topk(7).indices.tolist()) == set(logits.topk(7).indices.tolist())
     hot, cold = (sampling_probs(logits, SamplingParams(temperature=t)) for t in (2.0, 0.5))
     assert hot.max() < torch.softmax(logits, -1).max() < cold.max()     # temperature flattens / sharpens
-    for t in (1e-45, 1e-300):                            # (0 in float32)
+    for t in (1e-45, 1e-300, 1e-310):                    # (0 in float32; subnormal in float64)
         frozen = llm.generate(prompt, SamplingParams(temperature=t, seed=3, max_tokens=10, ignore_eos=True))[0]
         assert frozen.outputs[0].token_ids == g          # the limit of a vanishing temperature: greedy
     # every value is checked when the params are made, not in the middle of a step
