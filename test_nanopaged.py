@@ -4728,6 +4728,7 @@ def test_sampling_bounds(llm):
     assert torch.isclose(probs.sum(), full[kept].sum())
     probs = sampling_probs(logits, SamplingParams(top_k=7))
     assert (probs > 0).sum() == 7 and set(probs.topk(7).indices.tolist()) == set(logits.topk(7).indices.tolist())
+    assert torch.equal(sampling_probs(logits, SamplingParams(top_k=-1)), sampling_probs(logits, SamplingParams()))
     hot, cold = (sampling_probs(logits, SamplingParams(temperature=t)) for t in (2.0, 0.5))
     assert hot.max() < torch.softmax(logits, -1).max() < cold.max()     # temperature flattens / sharpens
     for t in (1e-45, 1e-300, 1e-310):                    # (0 in float32; subnormal in float64)
