@@ -8589,6 +8589,120 @@ def test_emulated_write_kv_and_copy_blocks_refuse_what_they_cannot_copy(emulated
         emulated_ops.copy_blocks(torch.zeros(8, 1, 1, 2, dtype=torch.float16), pairs)
 
 
+# Tests from a mutation pass over kernels.cu on the emulator (session 30): what the matrix
+# above missed: rounding of the half-precision output, padding slots, dropped table entries
+# never read, a one-hot softmax's rescale, the merge's cap at the table under a window, GQA
+# groups of more than 8 over several kv heads, and q as a view into a fused qkv.
+
+def one_seq(seq_len):
+    """seq_lens and query_start_loc of one sequence with one query."""
+    return torch.tensor([seq_len], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_emulated_output_rounds_to_nearest_even(emulated_ops, dtype):
+    """q = 0 weighs every key the same: over two keys the output is (v0 + v1) / 2, exact in
+    float32, so the stored value must be its round-to-nearest-even, as torch's .to(dtype)."""
+    D, bs = 64, 16
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(2, bs, 1, D, generator=gen).to(dtype)
+    v_cache = torch.randn(2, bs, 1, D, generator=gen).to(dtype)
+    q = torch.zeros(1, 1, D, dtype=dtype)
+    out = emulated_ops.paged_attention(q, k_cache, v_cache, torch.tensor([[1]], dtype=torch.int32), *one_seq(2), 0.125, 1, 2)
+    expect = ((v_cache[1, 0, 0].float() + v_cache[1, 1, 0].float()) / 2).to(dtype)
+    assert torch.equal(out[0, 0], expect)
+
+
+def test_emulated_write_kv_writes_exactly_its_slots(emulated_ops):
+    """Padding (-1) writes nothing, not even just before the cache; the last token is written."""
+    kvh, D = 2, 64
+    big_k, big_v = torch.zeros(2, 5, 16, kvh, D)
+    k_cache, v_cache = big_k[1:], big_v[1:]     # contiguous, 16-byte aligned: "block -1" is big[0]
+    k, v = torch.randn(2, 4, kvh, D)
+    slots = torch.tensor([-1, 5, -1, 7])
+    emulated_ops.write_kv(k, v, k_cache, v_cache, slots)
+    assert not big_k[0].any() and not big_v[0].any()
+    assert torch.equal(k_cache.view(-1, kvh, D)[[5, 7]], k[[1, 3]])
+    assert torch.equal(v_cache.view(-1, kvh, D)[[5, 7]], v[[1, 3]])
+    assert k_cache.view(-1, kvh, D).count_nonzero() == 2 * kvh * D
+
+
+def test_emulated_dropped_blocks_are_never_read(emulated_ops):
+    """Table entries wholly before the window are -1 (dropped): never read. Here "block -1" is a
+    NaN block just before the caches (a view at an offset), so a read of it poisons the output."""
+    bs, kvh, D, W = 16, 1, 64, 20
+    gen = torch.Generator().manual_seed(0)
+    big_k = torch.randn(9, bs, kvh, D, generator=gen)
+    big_v = torch.randn(9, bs, kvh, D, generator=gen)
+    big_k[0] = big_v[0] = float("nan")
+    k_cache, v_cache = big_k[1:], big_v[1:]
+    seq_len = 100                                    # positions 80..99 visible: blocks 0..4 dropped
+    tables = torch.tensor([[-1, -1, -1, -1, 4, 5, 6, 7]], dtype=torch.int32)
+    q = torch.randn(1, 1, D, generator=gen)
+    args = (q, k_cache, v_cache, tables, *one_seq(seq_len), 0.125)
+    ref = paged_attention_ref(*args, W)
+    for partition_size in (0, 16, 32):
+        out = emulated_ops.paged_attention(*args, 1, seq_len, window=W, partition_size=partition_size)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_emulated_extreme_scores_do_not_overflow(emulated_ops):
+    """One key scores far above the rest (a logit gap of ~220, 2^318 in base 2): softmax is one-hot
+    on it. Every rescale must be relative to a true maximum, or 2^(gap) overflows to inf / inf."""
+    bs, D = 16, 128
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(4, bs, 1, D, generator=gen) * 0.1
+    v_cache = torch.randn(4, bs, 1, D, generator=gen)
+    unit = torch.zeros(D)
+    unit[0] = 1
+    for hot in (3, 11, 24, 30, 60):                  # a key in each warp's share of the first tiles
+        k = k_cache.clone()
+        k.view(-1, 1, D)[hot, 0] = 50 * unit
+        q = (50 * unit).view(1, 1, D)
+        args = (q, k, v_cache, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32), *one_seq(64), D ** -0.5)
+        ref = paged_attention_ref(*args)
+        for partition_size in (0, 16):
+            out = emulated_ops.paged_attention(*args, 1, 64, partition_size=partition_size)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_emulated_merge_caps_keys_at_the_table_with_a_window(emulated_ops):
+    """seq_lens past the block table's end, with a window and split-K: the merge must cap a row's
+    keys at the table as the attention kernel does, or it starts at the wrong partition."""
+    case = Case([(1, 32), (1, 32)], 2, 2, 64, 16, torch.float32)
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(case, "cpu")
+    tables = tables[:, :2].contiguous()
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125, 10)
+    long_lens = torch.tensor([100, 90], dtype=torch.int32)
+    for partition_size in (8, 16):
+        out = emulated_ops.paged_attention(q, k_cache, v_cache, tables, long_lens, qsl, 0.125, 1, 32,
+                                           window=10, partition_size=partition_size)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [12, 16])
+def test_emulated_large_groups_over_several_kv_heads(emulated_ops, group):
+    """A GQA group larger than 8 takes several CTAs per kv head (head_chunks > 1), and with more
+    than one kv head the kv head, the chunk's first head and the group's end all matter (the
+    matrix's groups of 16 have a single kv head); 12 leaves the second chunk half empty."""
+    for partition_size in (0, 100):
+        check_attention(emulated_ops, Case([(1, 300), (9, 40)], 2, group, 64, 16, torch.float32,
+                                           partition_size=partition_size), "cpu")
+
+
+def test_emulated_q_may_be_a_view_into_a_fused_qkv(emulated_ops):
+    """q [T, H, D] whose tokens lie q_token_stride > H * D elements apart (a view into the fused
+    qkv projection, as model.py's layers without RoPE pass it): the same output as a contiguous q."""
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(CASES["varlen-bf16-d64-bs16-g1"], "cpu")
+    T, H, D = q.shape
+    qkv = torch.cat([q, torch.full((T, 2, D), float("nan"), dtype=q.dtype)], dim=1)
+    q_view = qkv[:, :H]
+    assert q_view.stride(0) == (H + 2) * D
+    args = (k_cache, v_cache, tables, seq_lens, qsl, 0.125, 129, 1328)
+    torch.testing.assert_close(emulated_ops.paged_attention(q_view, *args), emulated_ops.paged_attention(q, *args),
+                               rtol=0, atol=0)
+
+
 def test_abort_writes_its_trace_lines_before_it_returns(llm):
     """With the block trace on, abort() writes what it did (the sequence finished by the
     abort, the blocks it releases) before it returns, not at some later step, which may
