@@ -45,6 +45,7 @@ kernels_cpu.c, the CPU's decode kernel, is built apart, with the system's C comp
 --check compiles it first, with warnings as errors.
 """
 
+import contextlib
 import ctypes
 import hashlib
 import importlib
@@ -732,12 +733,27 @@ def _build(emulate: bool, archs: tuple[str, ...] | None = None, out: Path | None
         options = dict(name="nanopaged_kernels", extra_include_paths=[str(HERE)], extra_cflags=["-O3"],
                        extra_cuda_cflags=["-O3", *gencode_flags(archs)])
     try:
-        return cpp_extension.load(sources=[str(binding), str(kernels)], build_directory=str(out),
-                                  verbose=False, **options)
+        with _one_build_at_a_time(out):
+            return cpp_extension.load(sources=[str(binding), str(kernels)], build_directory=str(out),
+                                      verbose=False, **options)
     except Exception as e:  # a compiler error, a missing header, a link error...
         log = out / "build.log"
         log.write_text(f"{type(e).__name__}: {e}\n")
         raise KernelsUnavailable(f"building kernels.cu failed: {first_error(str(e))} (log: {log})") from None
+
+
+@contextlib.contextmanager
+def _one_build_at_a_time(out: Path):
+    """Hold the build directory, with torch's own lock file cleared where a build was killed
+    halfway. cpp_extension marks every load (built or not) with a file `lock`, and waits, for
+    ever, while another's is there: a Ctrl-C during the first build (a minute, for the CUDA
+    kernels) made every later load hang. An flock, which the OS drops with its process, says
+    whether anyone is in here: held, a `lock` left behind is stale."""
+    import fcntl   # (POSIX: nanopaged's builds run on Linux and macOS)
+    with open(out / "nanopaged.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)   # (released as the file closes)
+        (out / "lock").unlink(missing_ok=True)
+        yield
 
 
 _loaded: dict = {}  # emulate (True/False) or "cpu" -> (ops or None, reason or None)

@@ -6848,6 +6848,16 @@ def emulated_ops():
     return kernels
 
 
+def test_a_build_killed_halfway_leaves_no_lock_that_hangs_the_next_load(emulated_ops):
+    """torch's cpp_extension waits, for ever, while the build directory holds the file `lock`
+    that a build killed halfway leaves behind (a Ctrl-C during the first build): the next
+    load, in a new process, clears it and loads. Catches: the stale lock left in place."""
+    (build_ext.build_dir() / "emulated" / "lock").touch()
+    code = "import build_ext; assert build_ext.load_kernels(emulate=True) is not None"
+    subprocess.run([sys.executable, "-c", code], cwd=HERE, check=True, timeout=300)
+    assert not (build_ext.build_dir() / "emulated" / "lock").exists()
+
+
 # The emulator takes microseconds per shuffle: the same matrix, but the 256 x 8192
 # chunked prefill (minutes there) shrinks; bash gpu_check.sh runs the full one.
 EMULATED_CASES = {name: case for name, case in CASES.items() if not name.startswith("chunked")}
