@@ -836,7 +836,7 @@ class Tokenizer:
                  prefix_ids: list[int] = (), suffix_ids: list[int] = (),
                  template_tokens: dict | None = None, added_tokens: list[dict] | None = None,
                  named_templates: dict[str, str] | None = None, sentencepiece: str | None = None,
-                 strip_space: bool = False):
+                 strip_space: bool = False, vocab_size: int | None = None):
         self.encoding = encoding   # (a SentencePieceBPE has the methods of tiktoken's used here)
         # None for byte-level BPE; for SentencePiece, where its "▁" goes before a text: "legacy"
         # (a normalizer: before each text between added tokens, a space there or not), or a
@@ -876,6 +876,7 @@ class Tokenizer:
         self.special_ids = frozenset(t["id"] for t in added_tokens if t.get("special"))
         self._added_strings = {t["id"]: t["content"] for t in added_tokens}   # (HF's token strings)
         self._ids_of_strings = None   # HF's vocab, token string -> id: made when first asked
+        self._vocab_size = vocab_size  # the BPE model's own vocab (None: all of it, as GPT-2's ranks)
         # What HF's post-processor puts around every encoded text: Llama 3 starts each
         # prompt with <|begin_of_text|> (its BOS), GPT-2, SmolLM2 and Qwen 2 add nothing.
         self.prefix_ids, self.suffix_ids = list(prefix_ids), list(suffix_ids)
@@ -1071,6 +1072,10 @@ class Tokenizer:
 
     def get_added_vocab(self) -> dict[str, int]:   # (HF's added tokens: string -> id)
         return {string: i for i, string in self._added_strings.items()}
+
+    @property
+    def vocab_size(self) -> int:   # (HF's: the model's vocab without the added tokens past it; len() counts those)
+        return len(self) if self._vocab_size is None else self._vocab_size
 
     @property
     def max_token_id(self) -> int:
@@ -1674,7 +1679,7 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
         eos_token_id = config.eos_token_id[0]
     prefix_ids, suffix_ids = _post_processor_ids(tj.get("post_processor"), path)
     common = dict(eos_token_id=eos_token_id, prefix_ids=prefix_ids, suffix_ids=suffix_ids, added_tokens=added,
-                  chat_template=template, named_templates=named_templates, template_tokens=template_tokens)
+                  vocab_size=len(vocab), chat_template=template, named_templates=named_templates, template_tokens=template_tokens)
     if bpe.get("byte_fallback"):
         scheme = _space_scheme(tj, vocab, path)
         return Tokenizer(SentencePieceBPE(vocab, merges, special), sentencepiece=scheme,

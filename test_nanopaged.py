@@ -800,6 +800,7 @@ def test_token_strings_as_the_vocab_file_writes_them(name, smollm2_dir):
     added = {t["content"]: t["id"] for t in spec["added_tokens"]}
     assert tok.all_special_tokens == [tok.convert_ids_to_tokens(i) for i in tok.all_special_ids]
     assert tok.get_added_vocab() == added and tok.max_token_id == max(want.values())
+    assert tok.vocab_size == len(spec["model"]["vocab"])   # (Qwen 2's and Llama 3's added tokens lie past it)
     assert tok.convert_tokens_to_string(strings) == tok.decode(ids)
     with pytest.raises(ValueError, match="'no such token' is no token of this tokenizer"):
         tok.convert_tokens_to_string(["no such token"])
