@@ -1199,10 +1199,8 @@ class LLM:
                                      f"got {_describe(value)}")
             # (a TokensPrompt's ids run; its text, if any, is not tokenized)
             text, prompt = asked.get("prompt"), asked.get("prompt_token_ids", asked.get("prompt"))
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens)
+        if isinstance(prompt, str):   # ("" is a prompt where the tokenizer adds a BOS: unconditional
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens)   # text, as vLLM takes it)
         if _is_token_ids(prompt):
             return text, [int(t) for t in prompt]   # numpy and torch integers become ints
         raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")

@@ -1827,6 +1827,9 @@ def test_tokenization_kwargs_of_generate_and_chat(tmp_path):
         assert out.prompt == (prompt if isinstance(prompt, str) else None)   # (the text as given)
         return out.prompt_token_ids
     assert prompt_ids() == full and prompt_ids(add_special_tokens=False) == plain
+    assert prompt_ids("") == [tok.bos_token_id]   # (text from the BOS alone, as vLLM takes "")
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        prompt_ids("", add_special_tokens=False)
     assert prompt_ids(truncate_prompt_tokens=3) == full[-3:] == prompt_ids(truncation=True, max_length=3)
     assert prompt_ids(truncate_prompt_tokens=3, truncation_side="right") == full[:3]
     assert prompt_ids(truncate_prompt_tokens=3, truncation="do_not_truncate") == full   # (HF's: truncation wins)
