@@ -5455,7 +5455,7 @@ def test_abort_and_a_failing_request_leave_the_others_intact(llm, monkeypatch):
     clean = llm.generate(PROMPTS16[1], seeded)[0].outputs[0].token_ids
     ids = [llm.add_request(PROMPTS16[0], greedy(12, ignore_eos=True)), llm.add_request(PROMPTS16[1], seeded)]
     monkeypatch.setattr(llm.model, "forward", poisoned)
-    monkeypatch.setattr(torch, "multinomial", interrupted_on_call(1, torch.multinomial))
+    monkeypatch.setattr(nanopaged_module, "draw", interrupted_on_call(1, nanopaged_module.draw))
     with pytest.raises(KeyboardInterrupt):
         llm.step()
     monkeypatch.undo()
@@ -5669,7 +5669,7 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     # (the first sequence has drawn its token when the second's draw is interrupted)
     seeded = SamplingParams(temperature=2.0, seed=1234, max_tokens=6, ignore_eos=True)   # flat: draws differ
     clean = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)]
-    ids = failed_step(KeyboardInterrupt, (torch, "multinomial", interrupted_on_call(2, torch.multinomial)),
+    ids = failed_step(KeyboardInterrupt, (nanopaged_module, "draw", interrupted_on_call(2, nanopaged_module.draw)),
                       params=seeded)
     assert tokens_at_the_end(ids) == clean
     # a step that raises in its bookkeeping after it finished a request (a bug, say): the
@@ -7945,6 +7945,48 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it_exactly():
     assert (probs > 0).sum() == 1
     probs = sampling_probs(torch.tensor([0.0, 0.0, 0.0, 0.0]), SamplingParams(top_p=0.5))
     assert (probs > 0).sum() == 2   # 0.25 + 0.25 reaches 0.5: the third is left out
+
+
+def test_top_p_over_a_big_vocabulary_is_the_sorted_vocabularys_nucleus():
+    """top_p looks among the likeliest NUCLEUS_LOOK tokens first and sorts everything only
+    where they fall short: over 50,000 tokens, a peaked distribution (a nucleus of a few
+    hundred) and a flat one (thousands), each against the set a full sort finds, written out.
+    Catches: the first look's set taken where it falls short (the rest of the nucleus lost),
+    and a full sort's set cut to the first look's tokens."""
+    from nanopaged import NUCLEUS_LOOK, sampling_probs
+    g = torch.Generator().manual_seed(0)
+    for scale, top_p in ((4.0, 0.9), (0.3, 0.95), (0.3, 0.02)):
+        logits = torch.randn(50_000, generator=g) * scale
+        full = torch.softmax(logits.double(), -1)
+        sorted_p, order = full.sort(descending=True)
+        size = int((sorted_p.cumsum(0) - sorted_p < top_p).sum())   # the smallest set reaching top_p
+        want = torch.zeros_like(full)
+        want[order[:size]] = full[order[:size]]
+        probs = sampling_probs(logits, SamplingParams(top_p=top_p))
+        assert torch.equal(probs > 0, want > 0) and torch.allclose(probs.double(), want.float().double())
+        assert (size > NUCLEUS_LOOK) == (scale == 0.3 and top_p == 0.95)   # (both ways were taken)
+
+
+def test_a_draw_follows_the_probabilities_and_never_picks_a_zero(monkeypatch):
+    """draw (inverse transform sampling): 40,000 seeded draws from weights with zeros at the
+    start, the middle and the end land on each token as often as its probability says
+    (within 5 standard deviations), never on a zero; a one-hot row always gives its token.
+    Catches: a draw off by one token (the zero after a likely token picked), u in [0, 1)
+    where it must be (0, 1] (the first token, a zero, picked at u = 0), and weights not
+    normalized by their sum."""
+    from nanopaged import draw
+    weights = torch.tensor([0.0, 0.1, 0.0, 0.0, 0.3, 0.05, 0.0, 0.35, 0.0])
+    probs = weights / weights.sum() * 0.999   # (sums to about 1, as a float32 softmax does)
+    g = torch.Generator().manual_seed(0)
+    counts = collections.Counter(draw(probs, g) for _ in range(40_000))
+    assert set(counts) == {1, 4, 5, 7}
+    for token, p in enumerate((weights / weights.sum()).tolist()):
+        assert abs(counts[token] - 40_000 * p) <= 5 * math.sqrt(40_000 * p * (1 - p)) + 1e-9
+    assert {draw(torch.tensor([0.0, 0.0, 1.0]), g) for _ in range(100)} == {2}
+    assert {draw(torch.tensor([1.0, 0.0, 0.0]), g) for _ in range(100)} == {0}
+    for u, token in ((0.0, 3), (1.0 - 2**-53, 1)):   # torch.rand's extremes: 0 and the last float64 below 1
+        monkeypatch.setattr(torch, "rand", lambda *args, u=u, **kwargs: torch.tensor([u], dtype=torch.float64))
+        assert draw(torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0]), g) == token
 
 
 def test_time_per_output_token_divides_by_the_tokens_after_the_first(llm):
