@@ -405,6 +405,8 @@ class Sequence:
         self.block_hashes: list[int] = []       # prefix hash of each full block hashed so far: a memo
                                                 # (Scheduler._prefix_hashes), true for good since the
                                                 # tokens only grow; kept through preemption
+        self.token_counts = None                # its tokens counted for the penalties (nanopaged's
+                                                # TokenCounts), from its first step that needs them
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -7524,7 +7524,8 @@ def test_the_kernels_openmp_runtime_is_torchs_with_the_default_compiler_and_not_
 def fake_seq(prompt, output, **params):
     """What process_logits reads of a sequence: its params, and its prompt + output tokens."""
     return SimpleNamespace(params=SamplingParams(**params), token_ids=list(prompt) + list(output),
-                           output_token_ids=list(output), num_output_tokens=len(output))
+                           num_prompt_tokens=len(prompt), output_token_ids=list(output),
+                           num_output_tokens=len(output), token_counts=None)
 
 
 def test_repetition_penalty_makes_a_seen_token_less_likely_whatever_its_sign():
