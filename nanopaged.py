@@ -1661,12 +1661,14 @@ class LLM:
         beam = req.params.beam
         best = sorted(hypotheses, key=lambda h: beam_rank(h, beam.length_penalty))[:req.params.n]
         results = []
-        prompt = req.seqs[0].prompt_token_ids[-4:]   # (the context decoded_token looks back on)
+        prompt = req.seqs[0].prompt_token_ids[-4:]   # (the context token_texts looks back on)
         for i, (ids, cum, history, reason) in enumerate(best):
             # each token's entry: its beam's candidates at that step, the chosen one first
-            logprobs = [{t: Logprob(lp, rank, decoded_token(self.tokenizer, t, (prompt + ids[:j])[-4:]))
-                         for rank, (t, lp) in sorted(enumerate(cands, 1), key=lambda c: c[1][0] != token)}
-                        for j, (token, cands) in enumerate(zip(ids, beam_history(history)))]
+            tokens, logprobs = prompt + ids, []
+            for j, (token, cands) in enumerate(zip(ids, beam_history(history)), start=len(prompt)):
+                text = token_texts(self.tokenizer, tokens[max(j - 4, 0):j])
+                logprobs.append({t: Logprob(lp, rank, text(t)) for rank, (t, lp)
+                                 in sorted(enumerate(cands, 1), key=lambda c: c[1][0] != token)})
             # an EOS ends the text, unless include_stop_str_in_output; stop_reason as for samples
             eos = ids[-1] if reason == "stop" else None
             text = self.tokenizer.decode(without_stop_token(ids, eos, beam.include_stop_str_in_output),
@@ -2289,7 +2291,7 @@ def logprob_dicts(lp, targets: list[int], picks: list, tokenizer,
     result = []
     for m, (target, t_lp, rank, pick, row_lp, row_ids, context) in enumerate(zip(
             targets, target_lp[:, 0].tolist(), ranks, picks, top_lp.tolist(), top_ids.tolist(), contexts)):
-        text = (lambda t: None) if context is None else (lambda t: decoded_token(tokenizer, t, context))
+        text = (lambda t: None) if context is None else token_texts(tokenizer, context)
         d = {target: Logprob(t_lp, rank, text(target))}
         if isinstance(pick, int):
             for r, (x, t) in enumerate(zip(row_lp[:pick], row_ids[:pick]), start=1):
@@ -2303,9 +2305,10 @@ def logprob_dicts(lp, targets: list[int], picks: list, tokenizer,
     return result
 
 
-def decoded_token(tokenizer, token: int, context: list[int]) -> str:
-    """A logprob entry's text: what the token adds to the text after `context`, up to 4 of
-    the sequence's tokens before it. Where a token holds whole characters, that is the token
+def token_texts(tokenizer, context: list[int]):
+    """Logprob entries' texts at one position: a function of a token, giving what it adds to
+    the text after `context`, up to 4 of the sequence's tokens before it (decoded once for
+    all of the position's candidates). Where a token holds whole characters, that is the token
     decoded alone, a SentencePiece token's leading space kept (a real one, as in an output's
     text): vLLM's (0.14 and 0.26 on). Where a UTF-8 character is cut between tokens (byte
     fallback, byte-level BPE), it belongs to the token that holds its last byte: "" for a
@@ -2315,7 +2318,12 @@ def decoded_token(tokenizer, token: int, context: list[int]) -> str:
     the character the token may complete began at most 3 bytes, so 3 tokens, before it.)"""
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     utf8.decode(tokenizer.decode_bytes(context))   # (keeps the bytes of a character the context leaves cut)
-    return utf8.decode(tokenizer.decode_bytes([token]))
+    after_context = utf8.getstate()
+
+    def text(token: int) -> str:
+        utf8.setstate(after_context)
+        return utf8.decode(tokenizer.decode_bytes([token]))
+    return text
 
 
 def logprob_table(c: CompletionOutput, k: int) -> str:

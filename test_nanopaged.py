@@ -4800,17 +4800,17 @@ def test_decoded_tokens_add_up_to_the_text(llm):
     text = "I love 🍕 and 日本, tell me the €"
     for tok in (llm.get_tokenizer(), load_tokenizer(TESTDATA / "llama2_tokenizer")):   # byte-level BPE, byte fallback
         ids = tok.encode(text, add_special_tokens=False)
-        pieces = [nanopaged_module.decoded_token(tok, t, ids[max(i - 4, 0):i]) for i, t in enumerate(ids)]
+        pieces = [nanopaged_module.token_texts(tok, ids[max(i - 4, 0):i])(t) for i, t in enumerate(ids)]
         assert "".join(pieces) == tok.decode(ids, continuation=True) and "" in pieces
         assert "\ufffd" not in "".join(pieces) and "\ufffd" in "".join(tok.decode([t]) for t in ids)
     sp = load_tokenizer(TESTDATA / "llama2_tokenizer")
-    assert nanopaged_module.decoded_token(sp, sp.encode("the", add_special_tokens=False)[0], []) == " the"
+    assert nanopaged_module.token_texts(sp, [])(sp.encode("the", add_special_tokens=False)[0]) == " the"
     # Llama 3's token 531 is "世" and 2 bytes of "畞", 505 the last byte of "畞" and "常"; a lone
     # 0x80 makes no character. (vLLM's show "", "\ufffd常" and "".)
     l3 = load_tokenizer(TESTDATA / "llama3_tokenizer")
     b80 = next(t for t in range(len(l3)) if l3.decode_bytes([t]) == b"\x80")
     ids = [12, 531, 505, b80, 505]
-    pieces = [nanopaged_module.decoded_token(l3, t, ids[max(i - 4, 0):i]) for i, t in enumerate(ids)][1:]
+    pieces = [nanopaged_module.token_texts(l3, ids[max(i - 4, 0):i])(t) for i, t in enumerate(ids)][1:]
     assert pieces == ["世", "畞常", "\ufffd", "\ufffd常"] and "".join(pieces) == l3.decode(ids[1:], continuation=True)
     # in the engine: the prompt's entries (after the first, None) and the output's
     tok = llm.get_tokenizer()
@@ -8846,7 +8846,7 @@ def test_logprobs_up_to_max_logprobs_and_past_a_tiny_vocabulary(tmp_path):
                                          "max_logprobs = 5"):
         narrow.generate([[1, 2, 3]], SamplingParams(max_tokens=2, prompt_logprobs=-1))
     assert_nothing_leaked(narrow)
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=20, prompt_logprobs=20))[0]
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=20, prompt_logprobs=20, ignore_eos=True))[0]
     entries = out.prompt_logprobs[1:] + out.outputs[0].logprobs
     assert len(entries) == 4 and all(sorted(d) == list(range(10)) for d in entries)
     for d in entries:   # the likeliest first, ranks 1 to 10
