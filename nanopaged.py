@@ -1035,6 +1035,9 @@ class LLM:
         model_dir = resolve_model_dir(model)
         cfg = ModelConfig.from_json(model_dir / "config.json")
         dtype = dtype or auto_dtype(device, cfg)
+        if dtype == torch.float16 and cfg.model_type in GEMMAS:   # (vLLM refuses it too)
+            raise ValueError(f"dtype = float16: {cfg.model_type}'s activations overflow float16 (past 65,504, "
+                             "into NaN logits); use bfloat16 or float32")
         self.device, self.dtype = device, dtype
         # What a request without SamplingParams samples with (vLLM's rule): the model's advice in
         # generation_config.json, such as a temperature, where generation_config is "auto" (or
@@ -2799,7 +2802,7 @@ def main(argv=None) -> int:
 # The options the command line sets, by their Python names: its error messages name the flags
 CLI_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n", "beam_width", "stop",
                "logprobs", "repetition_penalty", "block_size", "max_model_len", "num_blocks", "max_num_seqs",
-               "max_num_batched_tokens", "preemption_mode", "attn_backend")
+               "max_num_batched_tokens", "preemption_mode", "attn_backend", "dtype")
 _CLI_OPTION = re.compile(rf"(^)?\b({'|'.join(CLI_OPTIONS)})\b( = |=)?")
 
 

@@ -7816,8 +7816,9 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
 def test_auto_dtype_follows_the_checkpoint_on_a_gpu_as_vllms(tmp_path):
     """dtype "auto" (None): float32 on the CPU; on a GPU the checkpoint's dtype as vLLM picks
     it (config.json's torch_dtype, or transformers 5's dtype): float16 or bfloat16 as stored,
-    bfloat16 for float32 or none said, and for Gemma stored in float16. Catches: bfloat16 for
-    every checkpoint on a GPU (a float16 one ran in another precision than in vLLM)."""
+    bfloat16 for float32 or none said, and for Gemma stored in float16; float16 asked for a
+    Gemma is refused. Catches: bfloat16 for every checkpoint on a GPU (a float16 one ran in
+    another precision than in vLLM)."""
     gpu, cpu = torch.device("cuda"), torch.device("cpu")   # (no GPU needed to name one)
     for model_type, stored, want in (("llama", "float16", f16), ("llama", "bfloat16", bf16), ("qwen2", "float32", bf16),
                                      ("llama", None, bf16), ("gemma3_text", "float16", bf16), ("gemma2", "float16", bf16)):
@@ -7827,6 +7828,12 @@ def test_auto_dtype_follows_the_checkpoint_on_a_gpu_as_vllms(tmp_path):
         model_dir = tiny_llama_dir(tmp_path / key, **{key: "float16"})
         llm = LLM(model_dir, load_format="dummy", num_blocks=8)
         assert llm.config.torch_dtype == "float16" and llm.dtype == f32
+    # float16 asked for a Gemma is refused, as vLLM refuses it (its activations overflow float16)
+    for model_type in ("gemma2", "gemma3_text"):
+        model_dir = tiny_llama_dir(tmp_path / model_type, model_type=model_type)
+        with pytest.raises(ValueError, match=f"dtype = float16: {model_type}'s activations overflow float16"):
+            LLM(model_dir, load_format="dummy", num_blocks=8, dtype="half")
+        assert LLM(model_dir, load_format="dummy", num_blocks=8, dtype="bfloat16").dtype == bf16
 
 
 def test_reset_prefix_cache_frees_every_cached_block_but_only_while_none_is_held(tmp_path):
