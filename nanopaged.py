@@ -1599,10 +1599,11 @@ class LLM:
             if due[row].params.disallowed_mask is not None:
                 lp[i].masked_fill_(due[row].params.disallowed_mask, -math.inf)
         top = lp.topk(k, dim=-1)                                           # (beams, k), best first
-        fresh, broken = {}, {}
+        fresh, broken = {}, {}   # fresh: {request id: {beam: its candidates}}
         for seq, row, ids, lps in zip([due[r] for r in rows], rows, top.indices.tolist(), top.values.tolist()):
             if finite[row]:   # (token, logprob), best first; none that allowed_token_ids leaves out (-inf)
-                fresh[seq] = [(t, x) for t, x in zip(ids, lps) if x > -math.inf][:2 * seq.params.n]
+                kept = [(t, x) for t, x in zip(ids, lps) if x > -math.inf][:2 * seq.params.n]
+                fresh.setdefault(seq.request_id, {})[seq] = kept
             else:
                 broken[seq] = NOT_FINITE
         sampled, plan = {}, {}
@@ -1610,7 +1611,7 @@ class LLM:
             req = self._requests[rid]
             # a parked beam preempted since has its candidates again when it is recomputed
             ready = {seq: c for seq, c in req.parked.items() if seq.parked}
-            ready |= {seq: c for seq, c in fresh.items() if seq.request_id == rid}
+            ready |= fresh.get(rid, {})
             live = [seq for seq in self.scheduler.requests[rid] if seq not in broken]
             if not live or not all(seq in ready for seq in live):   # (none: every beam broke)
                 plan[rid] = (ready, {}, [])   # wait for the others
