@@ -544,10 +544,12 @@ def bench_sampling(args):
                  dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5)),
                 ("constraints (logit_bias 100 ids, allowed_token_ids half the vocab, 2 bad_words)",
                  dict(logit_bias={t: 1.0 for t in range(1000, 1100)}, allowed_token_ids=list(range(llm.config.vocab_size // 2)),
-                      bad_words=["hello world", "goodbye"]))]
-    fns = [lambda extra=extra: llm.generate(prompts, SamplingParams(**base, **extra)) for _, extra in variants]
+                      bad_words=["hello world", "goodbye"])),
+                ("a draw: temperature 1.0", dict(temperature=1.0, seed=0)),
+                ("a draw: temperature 0.8, top_p 0.95", dict(temperature=0.8, top_p=0.95, seed=0))]
+    fns = [lambda extra=extra: llm.generate(prompts, SamplingParams(**(base | extra))) for _, extra in variants]
     times = median_times(fns, repeats=args.repeats, warmup=1)
-    print(f"{len(prompts)} prompts of 100 tokens, 32 greedy output tokens each, one batch; "
+    print(f"{len(prompts)} prompts of 100 tokens, 32 output tokens each (greedy but for the draws), one batch; "
           f"median of {args.repeats}, timed in turns:")
     for (label, _), t in zip(variants, times):
         print(f"  {label:80s} {t:6.2f} s  {t / times[0]:.2f}x")

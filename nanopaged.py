@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TypedDict
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -2253,17 +2254,27 @@ def sampling_probs(logits, p: SamplingParams):
     probs = torch.softmax(x, dim=-1)
     if p.top_p < 1.0:
         # keep the smallest set of most likely tokens whose probability reaches top_p. That set
-        # is mostly a few hundred tokens: look among the likeliest NUCLEUS_LOOK first (a topk,
-        # ~0.1 ms of a 49k vocabulary on a CPU core), and sort the whole vocabulary (~3 ms, for
-        # every row, every step) only where their mass falls short of top_p
+        # is often a few hundred tokens: look among the likeliest NUCLEUS_LOOK first (a topk,
+        # 0.1 ms of a 49k vocabulary on a CPU core), and sort the whole vocabulary only where
+        # their mass falls short of top_p (a flat distribution: high temperatures, odd text)
         top, order = probs.topk(min(NUCLEUS_LOOK, probs.numel()))   # likeliest first
         mass = top.cumsum(-1)
         if mass[-1] < p.top_p and top.numel() < probs.numel():
-            top, order = probs.sort(descending=True)
+            top, order = sort_descending(probs)
             mass = top.cumsum(-1)
         outside = mass - top >= p.top_p   # mass before this token already enough
         probs = torch.zeros_like(probs).scatter(0, order, top.masked_fill(outside, 0.0))
     return probs.to(logits.dtype)
+
+
+def sort_descending(x) -> tuple:
+    """x (V,) sorted, largest first, and the order that sorts it, as torch.sort gives them.
+    On the CPU through numpy: torch's CPU sort takes 3.2 ms of 49k float64s, numpy's 0.5 ms
+    (on a GPU, torch's is the fast one)."""
+    if x.device.type != "cpu":
+        return x.sort(descending=True)
+    order = torch.from_numpy(np.argsort(-x.numpy()))   # (V,)
+    return x[order], order
 
 
 def draw(probs, generator) -> int:
