@@ -1679,7 +1679,8 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
         eos_token_id = config.eos_token_id[0]
     prefix_ids, suffix_ids = _post_processor_ids(tj.get("post_processor"), path)
     common = dict(eos_token_id=eos_token_id, prefix_ids=prefix_ids, suffix_ids=suffix_ids, added_tokens=added,
-                  vocab_size=len(vocab), chat_template=template, named_templates=named_templates, template_tokens=template_tokens)
+                  vocab_size=len(vocab), chat_template=template, named_templates=named_templates,
+                  template_tokens=template_tokens)
     if bpe.get("byte_fallback"):
         scheme = _space_scheme(tj, vocab, path)
         return Tokenizer(SentencePieceBPE(vocab, merges, special), sentencepiece=scheme,

@@ -2158,9 +2158,10 @@ class TokenCounts:
     quadratic in its length (0.6 ms a row, a step, at 4,000 tokens); this counts each token once."""
 
     def __init__(self, vocab_size: int, device):
-        self.seen: set[int] = set()   # the tokens in the prompt or the output, and as a tensor (len(seen),):
-        self.seen_ids = torch.zeros(0, dtype=torch.int64, device=device)   # (indexing by it touches only
-        # those logits: a torch.where over all V of them takes 10x as long on a CPU)
+        self.seen: set[int] = set()   # the tokens in the prompt or the output
+        # the same as a tensor (len(seen),): the repetition penalty indexes the logits by it, touching
+        # only those (a torch.where over all V of them takes 8x as long on a CPU: 144 us of 49k)
+        self.seen_ids = torch.zeros(0, dtype=torch.int64, device=device)
         self.output = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # (V,) times in the output
         self.num_counted = 0   # the first tokens of seq.token_ids, counted (they are only ever appended)
 
