@@ -48,6 +48,16 @@ from enum import Enum
 MAX_LOGPROB_TOKEN_IDS = 128   # vLLM's bound on logprob_token_ids
 
 
+class RequestOutputKind(Enum):
+    """vLLM's: what its streaming engines return of a request at each step (the whole output
+    so far, the new part, or nothing until it ends). Its offline LLM sets FINAL_ONLY on every
+    request; nanopaged's generate, step and stream work as they do whatever it says: the
+    field is kept so that a vLLM script that sets it runs here."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(kw_only=True)   # (vLLM's fields come in another order: a positional argument would land elsewhere)
 class SamplingParams:
     """How to pick a request's tokens (vLLM's names). temperature 0 is greedy."""
@@ -97,6 +107,7 @@ class SamplingParams:
     # by vLLM's own sampling)
     spaces_between_special_tokens: bool = True
     extra_args: dict | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # (any: see RequestOutputKind)
     # Filled by LLM._check_constraints (from LLM._add) in the request's copy: bad_words as
     # token ids, both spellings (with the model's tokenizer, as vLLM does), and a (vocab,)
     # bool tensor on the engine's device, True outside allowed_token_ids (made once: a list
@@ -153,6 +164,8 @@ class SamplingParams:
              f"vLLM's True (it takes True)"),
             (self.extra_args is None or isinstance(self.extra_args, dict),
              f"extra_args must be None or a dict, got {self.extra_args!r}"),
+            (isinstance(self.output_kind, RequestOutputKind),
+             f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"),
             *[(_finite_number(x) and -2 <= x <= 2, f"{name} must be a number in [-2, 2], got {x!r}")
               for name, x in (("presence_penalty", self.presence_penalty),
                               ("frequency_penalty", self.frequency_penalty))],

@@ -51,7 +51,7 @@ from nanopaged import (LLM, BlockPool, BlockTable, GenerationError, IncrementalD
                        PagedAttention, RunningMean, StopStringScan, TextPrompt, TokensPrompt, bad_words_token_ids, copy_blocks,
                        logprob_dicts, main, paged_attention, paged_attention_ref, render_chat, sampling_probs,
                        write_kv)
-from scheduler import RepetitionDetectionParams, BeamSearchParams, SamplingParams, Scheduler, Status
+from scheduler import RepetitionDetectionParams, RequestOutputKind, BeamSearchParams, SamplingParams, Scheduler, Status
 
 HERE = Path(__file__).resolve().parent
 TESTDATA = HERE / "testdata"
@@ -4745,7 +4745,7 @@ def test_sampling_bounds(llm):
                 dict(stop=5), dict(stop=[5]), dict(stop=[""]), dict(stop_token_ids=5),
                 dict(stop_token_ids="ab"), dict(seed=1.5), dict(seed=2**64), dict(seed="x"),
                 dict(ignore_eos="no"), dict(max_tokens=np.float64(3)), dict(skip_special_tokens=1),
-                dict(spaces_between_special_tokens=False), dict(extra_args=[1])):
+                dict(spaces_between_special_tokens=False), dict(extra_args=[1]), dict(output_kind=2)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     # numpy's numbers are numbers, and become Python's
@@ -4757,6 +4757,10 @@ def test_sampling_bounds(llm):
     with pytest.raises(TypeError, match="positional"):
         SamplingParams(1, 0.5)
     assert SamplingParams(extra_args={"tag": 1}, spaces_between_special_tokens=True).extra_args == {"tag": 1}
+    # vLLM's output_kind, whatever it says, returns each request once, finished (its offline LLM's FINAL_ONLY)
+    for kind in RequestOutputKind:
+        out = llm.generate(prompt, greedy(10, ignore_eos=True, output_kind=kind))[0]
+        assert out.finished and out.outputs[0].token_ids == g
 
 
 def check_logprobs(entries, targets, dense_lp, k, tok):
