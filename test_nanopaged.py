@@ -13,8 +13,10 @@ Chapters, in the order the code is built:
 """
 
 import collections
+import enum
 import functools
 import importlib.util
+import inspect
 import io
 import json
 import math
@@ -6555,6 +6557,22 @@ def test_readme_python_blocks_run(capsys, smollm2_dir):
             assert sum(bool(re.match(r"-\d+\.\d+ The capital of France is", line)) for line in out) == 3
         else:
             assert len(out) >= 3   # two generations and a chat answer
+
+
+def test_readme_signatures_are_the_code_s():
+    """The README writes out the signatures of SamplingParams, BeamSearchParams, LLM,
+    llm.chat and beam_search: each parameter, in order, with its default, as the code has it."""
+    readme = re.sub(r"\s+", " ", (HERE / "README.md").read_text())
+    for f, name in ((SamplingParams, "SamplingParams"), (BeamSearchParams, "BeamSearchParams"), (LLM, "LLM"),
+                    (LLM.chat, "llm.chat"), (LLM.beam_search, "beam_search")):
+        parts = []
+        for p in inspect.signature(f).parameters.values():
+            if p.name == "self":
+                continue
+            default = p.default if isinstance(p.default, enum.Enum) else repr(p.default).replace("'", '"')
+            parts.append("**" + p.name if p.kind == p.VAR_KEYWORD else p.name if p.default is p.empty
+                         else f"{p.name}={default}")
+        assert f"`{name}({', '.join(parts)})`" in readme, name
 
 
 def test_cli_trace_tells_the_chapter_walk_through(capsys, smollm2_dir):
