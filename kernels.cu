@@ -583,8 +583,8 @@ __global__ void write_kv_kernel(uint4* k_cache, uint4* v_cache, const uint4* k, 
   }
 }
 
-// One CTA per (src, dst) pair. Copy-on-write copies onto fresh blocks, so no
-// destination is also a source of the same call and the order does not matter.
+// One CTA per (src, dst) pair, in no set order: no block may be both a source and
+// a destination of one call (PagedAttention.copy_blocks launches such pairs apart).
 __global__ void copy_blocks_kernel(uint4* cache, const int64_t* src_dst, int64_t num_blocks,
                                    int vecs_per_block) {
   const int64_t src = src_dst[2 * blockIdx.x], dst = src_dst[2 * blockIdx.x + 1];

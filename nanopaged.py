@@ -355,6 +355,21 @@ def copy_blocks(src_caches, dst_caches, pairs):
         dst_cache[dst] = src_cache[src].to(dst_cache.device)
 
 
+def copy_waves(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """pairs (src, dst), in order, cut into runs in which no block is both read and written,
+    so that a run's copies may run at once, in any order, and give what copying the pairs one
+    after another gives."""
+    waves, read, written = [[]], set(), set()
+    for src, dst in pairs:
+        if dst in read or src in written:
+            waves.append([])
+            read, written = set(), set()
+        waves[-1].append((src, dst))
+        read.add(src)
+        written.add(dst)
+    return waves
+
+
 def swap_blocks(src_pool, dst_pool, pairs):
     """Swapping: copy whole blocks (src, dst) from one pool to another, in every layer:
     from the GPU's pool to the swap space in CPU memory, or back. (Through pageable memory: a
@@ -633,9 +648,14 @@ class PagedAttention:
             caches = (*self.pool.k_cache, *self.pool.v_cache)
             copy_blocks(caches, caches, copies)
             return
-        pairs = torch.tensor(copies, dtype=torch.int64, device=self.pool.k_cache[0].device)
-        for cache in (*self.pool.k_cache, *self.pool.v_cache):
-            self.ops.copy_blocks(cache, pairs)
+        # The kernel copies a launch's pairs all at once, in no set order; the torch copy above
+        # reads every source before it writes. A block can be both: read by a copy-on-write,
+        # then freed (its last other holder preempted later in the same schedule()) and handed
+        # to a later copy-on-write as its destination. Such a copy waits for a launch of its own.
+        for wave in copy_waves(copies):
+            pairs = torch.tensor(wave, dtype=torch.int64, device=self.pool.k_cache[0].device)   # (P, 2)
+            for cache in (*self.pool.k_cache, *self.pool.v_cache):
+                self.ops.copy_blocks(cache, pairs)
 
 
 # -----------------------------------------------------------------------------

@@ -50,7 +50,7 @@ import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
                    load_tokenizer, resolve_model_dir)
 from nanopaged import (LLM, BlockPool, BlockTable, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks,
-                       PagedAttention, RunningMean, StopStringScan, TextPrompt, TokensPrompt, bad_words_token_ids, copy_blocks,
+                       PagedAttention, RunningMean, StopStringScan, TextPrompt, TokensPrompt, bad_words_token_ids, copy_blocks, copy_waves,
                        logprob_dicts, main, paged_attention, paged_attention_ref, render_chat, sampling_probs,
                        write_kv)
 from scheduler import RepetitionDetectionParams, RequestOutputKind, BeamSearchParams, SamplingParams, Scheduler, Status
@@ -3265,6 +3265,46 @@ def test_slots_fork_and_release_share_blocks():
     assert [pool.ref_count[b] for b in child.block_ids] == [1, 1] and pool.num_free == free_before
     child.release()                                          # the last holder frees
     assert pool.num_free == 8 and t.block_ids == [] and child.num_tokens == 0
+
+
+def test_a_block_copied_from_then_reused_as_a_copy_destination_in_one_step():
+    """Copy-on-write reads block X, X's last other holder is preempted (X is free again), and
+    the next copy-on-write takes X as its destination: the step's copies are [(X, F), (W, X)].
+    The CUDA kernel copies a launch's pairs at once, in no set order, so PagedAttention
+    launches the second after the first (copy_waves): the result is the torch copy's, which
+    reads every source before it writes, even where a kernel runs the pairs backwards."""
+    pool = tiny_pool(3, block_size=4)
+    a = pool.new_table()
+    a.slots_for(2)
+    b = a.fork()                  # X, partial, shared by a and b
+    c = pool.new_table()
+    c.slots_for(2)
+    d = c.fork()                  # W, partial, shared by c and d
+    x, w = a.block_ids[0], c.block_ids[0]
+    a.slots_for(1)                # copy-on-write X -> F, the last free block
+    f = a.block_ids[0]
+    b.release()                   # (b preempted) X is free again
+    c.slots_for(1)                # copy-on-write W -> X
+    assert c.block_ids == [x] and pool.pending_copies == [(x, f), (w, x)]
+    assert copy_waves(pool.pending_copies) == [[(x, f)], [(w, x)]]
+    caches = (*pool.k_cache, *pool.v_cache)
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape))
+    expect = [cache.clone() for cache in caches]
+    copy_blocks(expect, expect, pool.pending_copies)
+    assert all(torch.equal(e[f], cache[x]) and torch.equal(e[x], cache[w]) for e, cache in zip(expect, caches))
+
+    class Backwards:   # a GPU may run the launch's CTAs in any order: here, last pair first
+        def copy_blocks(self, cache, pairs):
+            for src, dst in reversed(pairs.tolist()):
+                cache[dst] = cache[src]
+    PagedAttention(pool, 1.0, ops=Backwards()).copy_blocks(pool.pending_copies)
+    assert all(torch.equal(e, cache) for e, cache in zip(expect, caches))
+    assert d.block_ids == [w] and pool.ref_count[w] == 1
+    # chains cut where a block is both read and written, and nowhere else
+    assert copy_waves([(1, 2), (3, 1), (4, 3), (5, 6)]) == [[(1, 2)], [(3, 1)], [(4, 3), (5, 6)]]
+    assert copy_waves([(1, 2), (2, 3)]) == [[(1, 2)], [(2, 3)]]
+    assert copy_waves([(1, 2), (3, 4), (1, 5)]) == [[(1, 2), (3, 4), (1, 5)]]
 
 
 def test_slots_for_out_of_blocks_changes_nothing():
