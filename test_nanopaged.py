@@ -9062,3 +9062,74 @@ def test_a_swapped_in_sequence_offers_only_blocks_it_holds():
     run_all(sched, kv=kv)
     assert offered and offered[0][0] > 0
     assert all(block != BlockTable.DROPPED for _, in_flight in offered for block, _ in in_flight.values())
+
+
+# --- bookkeeping that only a mutation pass found untested: stats, latency, beams, reset ---
+def test_running_mean_is_the_mean_of_all_it_was_given():
+    m = RunningMean()
+    assert m.mean is None                      # none yet: no mean (the summary's "n/a")
+    for x in (1.0, 2.0, 6.0):
+        m.add(x)
+    assert (m.count, m.mean) == (3, 3.0)
+
+
+def test_peak_blocks_used_is_the_peak_not_the_last_steps(tmp_path):
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64, block_size=4)
+    llm.generate([[5] * 40, [6] * 3], [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                                      SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])
+    assert llm.stats.peak_blocks_used == 11    # step 1: 10 blocks for the long prompt + 1; later 3 at most
+
+
+def test_kv_waste_under_a_window_counts_only_the_blocks_held(tmp_path):
+    llm = LLM(tiny_llama_dir(tmp_path, model_type="mistral", sliding_window=12), dtype="float32",
+              load_format="dummy", max_num_batched_tokens=64, num_blocks=100)
+    llm.generate([(3 * j) % 250 + 1 for j in range(300)], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    s = llm.stats
+    assert 0 < s.filled_slots <= s.allocated_slots and "KV waste                  -" not in s.summary(100)
+
+
+def test_latency_runs_to_the_last_sample_to_finish(tmp_path):
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64)
+    rid = llm.add_request([5, 6, 7], SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=6,
+                                                    stop_token_ids=list(range(1, 60))))
+    req = llm._requests[rid]
+    out = step_to_the_end(llm)[rid]
+    assert [len(c.token_ids) for c in out.outputs] == [1, 3]   # sample 0 finished two steps before sample 1
+    assert out.latency == max(q.finish_time for q in req.seqs) - req.seqs[0].arrival_time
+
+
+def test_a_beam_search_whose_every_candidate_ends_in_eos(tmp_path):
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64)
+    out = llm.beam_search([[72, 105, 33]], BeamSearchParams(2, 5, allowed_token_ids=[0]))[0]
+    assert [(s.tokens[3:], s.finish_reason) for s in out.sequences] == [([0], "stop")]
+    assert_nothing_leaked(llm)
+
+
+def test_tpot_counts_the_beam_search_results_not_a_dropped_beam(tmp_path):
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=256)
+    rid = llm.add_request([3, 7, 11], BeamSearchParams(3, 10, ignore_eos=True))
+    beam0 = llm._requests[rid].seqs[0]
+    out = step_to_the_end(llm)[rid]
+    assert beam0.finish_reason == "dropped" and beam0.num_output_tokens >= 2
+    assert llm.stats.tpot.count == len(out.outputs) == 3
+
+
+def test_reset_prefix_cache_refuses_while_a_request_is_swapped_out(tmp_path):
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", block_size=4, num_blocks=16,
+              preemption_mode="swap", swap_space=1 / 256)
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    a, b = llm.add_request(list(range(1, 25)), p), llm.add_request(list(range(40, 64)), p)
+    while not llm.scheduler.swapped:
+        llm.step()
+    llm.abort(a)                                     # b holds CPU blocks only
+    assert llm.pool.num_used == 0 and llm.swap_pool.num_used > 0
+    cached = llm.pool.num_cached
+    assert llm.reset_prefix_cache() is False and llm.pool.num_cached == cached
+    assert step_to_the_end(llm)[b].outputs[0].finish_reason == "length"
+    assert_nothing_leaked(llm)
+
+
+def test_beam_candidates_cover_a_vocabulary_smaller_than_twice_the_width(tmp_path):
+    llm = LLM(tiny_llama_dir(tmp_path, vocab_size=10), load_format="dummy", num_blocks=32)
+    out = llm.beam_search([[1, 2, 3]], BeamSearchParams(5, 1, ignore_eos=True))[0]
+    assert all(len(s.logprobs[0]) == 10 for s in out.sequences)
