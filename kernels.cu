@@ -48,7 +48,10 @@
 //    partitions that separate CTAs process at once (split-K, "flash decoding").
 //    Each CTA then writes its unnormalised state (m, l, acc) and a second small
 //    kernel merges the partitions of every row. One partition needs no merge:
-//    the CTA writes the final output itself.
+//    the CTA writes the final output itself. Partitions are counted from the
+//    first key any query of the sequence sees (partition_origin): with a
+//    sliding window, from the window's start, so a million-token context with a
+//    4k window is cut into partitions of its window, not of its million keys.
 // Inside a CTA, 4 warps take turns over tiles of consecutive keys. Inside a
 // warp, one key row (head_dim elements, contiguous in memory) is spread over
 // head_dim * sizeof(T) / 16 lanes, each loading one 16-byte vector; the other
@@ -233,6 +236,16 @@ __host__ __device__ inline int first_tile(int query_start, int seq, int tokens_p
   return (query_start + seq * (tokens_per_cta - 1)) / tokens_per_cta;
 }
 
+// Where a sequence's partitions begin: the first key its first query sees,
+// key 0 without a window (INT_MAX), its window's start with one. Every later
+// query sees from there on or later, so partition p of the sequence covers keys
+// origin + p * partition_size onwards. The attention kernel and the merge both
+// call this, and cap a row's keys at the block table as each other does.
+__device__ __forceinline__ int partition_origin(int cached, int table_keys, int window) {
+  const int first_limit = max(min(cached + 1, table_keys), 0);  // keys query 0 sees end here
+  return first_limit > window ? first_limit - window : 0;
+}
+
 // Largest b in [0, num_seqs) with first_of(b) <= x, for a non-decreasing
 // first_of: which sequence a query token (or query tile) belongs to.
 template <typename FirstOf>
@@ -327,11 +340,16 @@ paged_attention_kernel(const PagedAttentionArgs a, const AttentionPlan plan) {
 
   cta_first = min(cta_first, cta_limit);  // (a CTA with no row: an empty range)
 
+  // This partition's keys, counted from the sequence's origin (every row's
+  // window begins there or later). In int64 until capped: origin + a whole
+  // context of partitions may pass INT_MAX.
   const int partition = blockIdx.z;
-  const int key_begin = partition * plan.partition_size;
+  const int64_t begin = partition_origin(cached, table_keys, a.window) +
+                        (int64_t)partition * plan.partition_size;
+  const int key_begin = (int)min(begin, (int64_t)cta_limit);
   const int key_end = partition == plan.num_partitions - 1
                           ? cta_limit  // the last partition takes all the rest
-                          : min(key_begin + plan.partition_size, cta_limit);
+                          : (int)min(begin + plan.partition_size, (int64_t)cta_limit);
   // Every row ends before this partition, or every row's window begins after
   // it: nothing to do, nothing the merge will read. (Partition 0 goes on to
   // write its rows even when they see no key at all: NaN, see above.)
@@ -536,16 +554,19 @@ __global__ void merge_partitions_kernel(const PagedAttentionArgs a, const Attent
   });
   const int q_start = __ldg(a.query_start_loc + seq);
   const int q_len = __ldg(a.query_start_loc + seq + 1) - q_start;
-  const int keys = min(__ldg(a.seq_lens + seq) - q_len + (token - q_start) + 1,  // causal,
-                       a.max_blocks_per_seq * a.block_size);  // as the attention kernel caps it
+  const int cached = __ldg(a.seq_lens + seq) - q_len;
+  const int table_keys = a.max_blocks_per_seq * a.block_size;
+  const int keys = min(cached + (token - q_start) + 1, table_keys);  // causal, capped as there
   // Read only the partitions that hold some of this row's keys (the others may
   // not have been written): from the one where its window begins to the one
-  // where its keys end. (The last partition takes every key past the others:
-  // with a max_seq_len shorter than the context, `first` may lie beyond it.)
+  // where its keys end, counted from the sequence's origin. (The last partition
+  // takes every key past the others: with a max_seq_len or max_query_len
+  // shorter than the batch's, `first` may lie beyond it.)
   const int P = plan.num_partitions;
-  const int64_t touched = ((int64_t)keys + plan.partition_size - 1) / plan.partition_size;
+  const int ahead = keys - partition_origin(cached, table_keys, a.window);  // keys from the origin
+  const int64_t touched = ((int64_t)ahead + plan.partition_size - 1) / plan.partition_size;
   const int used = touched < P ? (int)touched : P;
-  const int first = keys > a.window ? min((keys - a.window) / plan.partition_size, max(used - 1, 0)) : 0;
+  const int first = ahead > a.window ? min((ahead - a.window) / plan.partition_size, max(used - 1, 0)) : 0;
 
   const float* part_max = a.partial_max + row * P;
   const float* part_sum = a.partial_sum + row * P;
@@ -654,30 +675,31 @@ AttentionPlan plan_paged_attention(int num_tokens, int num_seqs, int num_heads,
   plan.num_tiles = first_tile(num_tokens, num_seqs, plan.tokens_per_cta);
   const int busy_tiles = ceil_div(num_tokens, plan.tokens_per_cta);
 
+  // The keys a sequence's partitions cover, from its origin (partition_origin):
+  // the whole context, or with a sliding window at most window + max_query_len
+  // - 1 (the first query's window to the last query). Metadata that says less
+  // than the batch holds costs time, not answers: the last partition takes
+  // every key past the others.
   const int seq_len = max_seq_len > 1 ? max_seq_len : 1;
+  const int queries = max_query_len > 1 ? max_query_len : 1;
+  int span = seq_len;
+  if (window > 0 && (int64_t)window + queries - 1 < span) span = window + queries - 1;
   if (partition_size <= 0) {
     // Split only as far as needed to give every SM several CTAs, and never
-    // into partitions shorter than kMinPartitionKeys. A sliding window leaves
-    // a row at most window + max_query_len - 1 keys to split: partitions
-    // before a row's window exit at once. (One partition is the whole
-    // context: its CTAs start at their rows' first visible key anyway.)
-    const int queries = max_query_len > 1 ? max_query_len : 1;
-    int64_t span = seq_len;
-    if (window > 0 && (int64_t)window + queries - 1 < span) span = (int64_t)window + queries - 1;
+    // into partitions shorter than kMinPartitionKeys.
     const int64_t busy_ctas = (int64_t)busy_tiles * num_kv_heads * plan.head_chunks;
     int parts = ceil_div((int64_t)kTargetCtasPerSm * num_sms, busy_ctas > 0 ? busy_ctas : 1);
     const int by_length = ceil_div(span, kMinPartitionKeys);
     if (parts > by_length) parts = by_length;
     if (parts < 1) parts = 1;
-    partition_size = parts == 1 ? seq_len : ceil_div(ceil_div(span, parts), kPartitionAlign) * kPartitionAlign;
+    partition_size = parts == 1 ? span : ceil_div(ceil_div(span, parts), kPartitionAlign) * kPartitionAlign;
   }
-  // More keys than the longest context is one partition; capping it here keeps
-  // key_begin + partition_size inside an int.
-  if (partition_size > seq_len) partition_size = seq_len;
+  // More keys than the span is one partition.
+  if (partition_size > span) partition_size = span;
   // grid.z is at most 65535.
-  if (ceil_div(seq_len, partition_size) > 65535) partition_size = ceil_div(seq_len, 65535);
+  if (ceil_div(span, partition_size) > 65535) partition_size = ceil_div(span, 65535);
   plan.partition_size = partition_size;
-  plan.num_partitions = ceil_div(seq_len, partition_size);
+  plan.num_partitions = ceil_div(span, partition_size);
   return plan;
 }
 

@@ -7093,6 +7093,15 @@ def check_contradictory_metadata(ops, device):
         out = ops.paged_attention(q, k_cache, v_cache, *to(tables, seq_lens, qsl), 0.125, max_query_len, max_seq_len,
                                   window=100, partition_size=partition_size)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # a 40-token chunk said to be a decode (max_query_len 1): partitions are planned for one
+    # window (100 keys, 7 of 16) where its last query sees 139 keys past the first's window
+    # start; the last partition takes them
+    case = Case([(40, 1000)], 2, 2, 64, 16, f32)
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(case, device)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125, 100)
+    out = ops.paged_attention(q, k_cache, v_cache, *to(tables, seq_lens, qsl), 0.125, 1, 1000,
+                              window=100, partition_size=16)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 @needs_cuda
@@ -7102,11 +7111,17 @@ def test_cuda_contradictory_metadata_stays_in_bounds(ops):
 
 def test_emulated_planner_splits_the_window_not_the_context(emulated_ops):
     """Split-K with a sliding window (the emulator plans for 132 SMs): a few long decodes
-    split their window finely (the partitions before it exit at once); a step that fills the
-    GPU without splitting is not split at all, since one partition starts at the window anyway."""
+    split their window finely, into partitions counted from the window's start (one launched
+    CTA per partition of the window, not of the context); a step that fills the GPU without
+    splitting is not split at all. A chunk's queries see a span of window + chunk - 1 keys."""
     plan = lambda *shape, **kw: emulated_ops.describe_plan(*shape, **kw)   # noqa: E731
     assert plan(8, 8, 32, 8, 1, 32768)["partition_size"] == 1024
+    assert plan(8, 8, 32, 8, 1, 32768)["grid"][2] == 32
     assert plan(8, 8, 32, 8, 1, 32768, window=1024)["partition_size"] == 256
+    assert plan(8, 8, 32, 8, 1, 32768, window=1024)["grid"][2] == 4          # not 32768 / 256 = 128
+    assert plan(1, 1, 32, 8, 1, 2**20, window=4096)["grid"][2] == 16         # not 4096
+    assert plan(1, 1, 32, 8, 1, 1000, window=100, partition_size=16)["grid"][2] == 7
+    assert plan(40, 1, 32, 8, 40, 1000, window=100, partition_size=16)["grid"][2] == 9   # 139 keys
     assert plan(512, 512, 32, 8, 1, 131072, window=128)["grid"][2] == 1        # 512 decodes
     assert plan(2048, 1, 32, 8, 2048, 131072, window=4096)["grid"][2] == 1     # a 2048-token chunk
 
