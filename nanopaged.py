@@ -1003,8 +1003,8 @@ class LLM:
                  preemption_mode: str = "recompute", swap_space: float = 4, seed: int | None = 0,
                  max_logprobs: int = MAX_LOGPROBS, tokenizer=None, override_generation_config: dict | None = None,
                  chat_template: str | Path | None = None, **vllm_options):
-        """In order: every argument checked (before anything loads); the model's config, its
-        sampling advice, tokenizer and weights; the KV cache (the BlockPool, and the swap
+        """In order: the arguments checked that need no model file; the model's config (and
+        the arguments checked against it), its sampling advice, tokenizer and weights; the KV cache (the BlockPool, and the swap
         space); the Scheduler, and the PagedAttention object the model calls."""
         ours = {"kv_cache_memory": kv_cache_memory, "num_blocks": num_blocks}
         for alias in VLLM_ALIASES.keys() & vllm_options.keys():
@@ -1153,8 +1153,9 @@ class LLM:
         self._open_stream = None   # the request id of a stream() being read
         self._generating = False   # whether generate() is running (its steps own the engine)
         # Set as generate() or stream() begins, cleared once nothing of theirs is left (by
-        # _drop_all, which frees what an error left): should a second Ctrl-C cut that short,
-        # their leftovers are dropped as the engine is next used.
+        # _generate when all is reported, or by _drop_all, which frees what an error or a
+        # closed stream left): should a second Ctrl-C cut that short, their leftovers are
+        # dropped as the engine is next used.
         self._cleanup_due = False
         self._trace: list[str] | None = None   # the block trace's lines of this step; None: off
 
@@ -1824,7 +1825,8 @@ class LLM:
                     s.ttft.add(output.ttft)
                     for q in req.seqs:
                         if q.first_token_time and q.num_output_tokens > 1 and q.finish_reason != "dropped":
-                            # (time from the first token to the last, per token after it; a beam search's results only)
+                            # (time from the first token to the last, per token after it; of a beam
+                            # search, the beams not dropped: those that ran to the end)
                             s.tpot.add((q.finish_time - q.first_token_time) / (q.num_output_tokens - 1))
                     s.prompt_tokens += len(output.prompt_token_ids)
         except KeyboardInterrupt:   # held until the block's end (even one that came as it ended): the
@@ -2329,7 +2331,7 @@ def logprob_dicts(lp, targets: list[int], picks: list, tokenizer,
     wanted (detokenize=False: decoded_token None)."""
     target_lp = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])   # (M, 1)
     ranks = (lp >= target_lp).sum(dim=-1).tolist()                       # (M,) ties count against it
-    # (a k past a tiny vocabulary, up to 20 allowed, is all of it: topk would raise)
+    # (a k past a tiny vocabulary, up to LLM(max_logprobs), is all of it: topk would raise)
     k_most = max((k for k in picks if isinstance(k, int)), default=0)
     top_lp, top_ids = lp.topk(min(k_most, lp.shape[-1]), dim=-1)         # (M, k_most), most likely first
     result = []

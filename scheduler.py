@@ -346,8 +346,9 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0            # (vLLM's; nanopaged ranks by the model's own logprobs: 0 only)
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False   # generate()'s beam texts keep a final EOS (beam_search()'s
-                                        # always do, as vLLM's; the tokens always hold it)
+    include_stop_str_in_output: bool = False   # generate()'s beam texts keep a final EOS, unless
+                                        # skip_special_tokens drops it (beam_search()'s keep it as
+                                        # that allows, as vLLM's; the tokens always hold it)
     skip_special_tokens: bool = True    # special tokens left out of the beams' texts (vLLM 0.30 on)
     allowed_token_ids: list[int] | None = None   # candidates only among these (vLLM 0.34's), ranked
                                         # by the model's own logprobs over the whole vocabulary
