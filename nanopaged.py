@@ -1004,8 +1004,9 @@ class LLM:
                  max_logprobs: int = MAX_LOGPROBS, tokenizer=None, override_generation_config: dict | None = None,
                  chat_template: str | Path | None = None, **vllm_options):
         """In order: the arguments checked that need no model file; the model's config (and
-        the arguments checked against it), its sampling advice, tokenizer and weights; the KV cache (the BlockPool, and the swap
-        space); the Scheduler, and the PagedAttention object the model calls."""
+        the arguments checked against it), its sampling advice, tokenizer and weights; the KV
+        cache (the BlockPool, and the swap space); the Scheduler, and the PagedAttention
+        object the model calls."""
         ours = {"kv_cache_memory": kv_cache_memory, "num_blocks": num_blocks}
         for alias in VLLM_ALIASES.keys() & vllm_options.keys():
             if ours[VLLM_ALIASES[alias]] is not None:
