@@ -428,9 +428,9 @@ def bench_parallel(args):
 
 
 def bench_preempt(args):
-    """16 requests of 400 random prompt tokens + 64 greedy output tokens, arriving together,
-    in a pool of 64 blocks of 16 (1,024 token slots, where they need 7,424): the engine
-    preempts again and again. Recomputing a preempted sequence prefills its prompt and
+    """16 requests of 100 random prompt tokens + 100 greedy output tokens, arriving together,
+    in a pool of 64 blocks of 16 (1,024 token slots, where they need 3,200): the engine
+    admits as many prompts as fit whole, then preempts as they grow. Recomputing a preempted sequence prefills its prompt and
     output again; swapping copies its blocks to CPU memory and back (on this CPU, from one
     part of RAM to another: what is measured is the copy against the recompute). Medians of
     args.repeats, the three engines timed in turns."""
@@ -440,8 +440,8 @@ def bench_preempt(args):
                "64 blocks, swap": new_engine(args, num_blocks=64, enable_prefix_caching=False,
                                              preemption_mode="swap")}
     vocab = next(iter(engines.values())).config.vocab_size
-    prompts = [[rng.randrange(17, vocab) for _ in range(400)] for _ in range(16)]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prompts = [[rng.randrange(17, vocab) for _ in range(100)] for _ in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     tokens, stats, computed = {}, {}, {}
 
     def counting(name, forward):   # the tokens each run puts through the model
@@ -457,7 +457,7 @@ def bench_preempt(args):
         outs = engines[name].generate(prompts, params)
         tokens[name], stats[name] = [o.outputs[0].token_ids for o in outs], engines[name].stats
     times = median_times([lambda name=name: run(name) for name in engines], repeats=args.repeats)
-    print(f"16 requests x (400 prompt + 64 output tokens), greedy, block size 16, {torch.get_num_threads()} CPU "
+    print(f"16 requests x (100 prompt + 100 output tokens), greedy, block size 16, {torch.get_num_threads()} CPU "
           f"threads; medians of {args.repeats}, timed in turns:")
     print(f"  {'':28s} {'time':>8s} {'preemptions':>12s} {'swapped':>8s} {'tokens computed':>16s}  same tokens")
     first = next(iter(engines))
