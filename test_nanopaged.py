@@ -617,22 +617,20 @@ def test_blocks_that_slide_out_of_the_window_are_freed(tmp_path):
     llm.scheduler.sliding_window = None   # every block kept to the end
     assert engine_tokens(llm, (5, 40, 300, 17), max_tokens=12) == dropping
 
-    # (a prompt is admitted only with room for all of it, so here the preemptions come from
-    # sequences growing past their prompts; recomputed, 60 + up to 80 tokens are chunks of 64)
     model_dir = tiny_llama_dir(tmp_path / "40", model_type="mistral", sliding_window=40)
-    prompts = [[(5 * i + j) % 250 + 1 for j in range(60)] for i in range(8)]
+    prompts = [[(5 * i + j) % 250 + 1 for j in range(150)] for i in range(8)]
     results = {}
-    for num_blocks, mode in ((400, "recompute"), (16, "recompute"), (16, "swap")):
+    for num_blocks, mode in ((400, "recompute"), (24, "recompute"), (24, "swap")):
         llm = LLM(model_dir, dtype="float32", load_format="dummy", max_num_batched_tokens=64, num_blocks=num_blocks,
                   preemption_mode=mode, swap_space=0.01)
         said = []
         llm.pool.trace = said.append
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         results[num_blocks, mode] = [o.outputs[0].token_ids for o in outs]
-        if num_blocks == 16:
+        if num_blocks == 24:
             assert any(line.startswith("swap out" if mode == "swap" else "preempt") for line in said)
         assert_nothing_leaked(llm)
-    assert results[16, "recompute"] == results[16, "swap"] == results[400, "recompute"]
+    assert results[24, "recompute"] == results[24, "swap"] == results[400, "recompute"]
 
 
 @pytest.mark.parametrize("prefix", ["transformer.", ""])  # GPT2LMHeadModel / GPT2Model saves
@@ -3600,6 +3598,14 @@ def test_a_prompt_is_admitted_only_when_all_of_it_fits():
     need = 40 + 100 + 162 + 100 + 4 * 9          # each prompt once, then 9 decode tokens each
     assert workload(48) == (need, 0)             # 192 slots: the 162-token prompt waits its turn
     assert workload(200) == (need, 0)
+    # Under a sliding window only the chunk is charged: a prompt holds its window and a chunk
+    # at most, and charging that bound (blocks_at_most) made these four wait their turns:
+    # 106 steps, where side by side they take 62, with nothing preempted either way.
+    sched = make_sched(num_blocks=34, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False,
+                       sliding_window=16)
+    for i in range(4):
+        sched.add(i, [2 + (5 * j + i) % 90 for j in range(200)], SamplingParams(max_tokens=50, ignore_eos=True))
+    assert run_all(sched, kv=SimulatedKV(sched)) == 62 and sched.num_preemptions == 0
 
 
 def swapping_pair():
