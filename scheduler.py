@@ -660,20 +660,19 @@ class Scheduler:
                 done = done_blocks * self.block_size
             n = min(seq.num_tokens - done, budget)
             kept = seq.block_table.num_dropped + skip + len(hits)   # (dropped, skipped: before the window)
-            need = cdiv(done + n, self.block_size) - kept
-            if not swapped and self.sliding_window is None:
-                # A prompt is admitted only when all of it fits, not just this step's chunk:
-                # admitted on its first chunk, a long prompt is the newest running sequence,
-                # the first preempted when the others grow, and recomputing it throws its
-                # chunks away, again and again. (4 prompts of 2k-8k tokens in 600 blocks
-                # of 16, no prefix cache: 66,522 tokens computed where 20,256 suffice, as
-                # now. vLLM's v0 checked the whole prompt too; its v1 checks the chunk.)
-                # Not under a sliding window: there a prompt holds its window and a chunk
-                # at most, and that bound (blocks_at_most: a whole budget's chunk, any
-                # alignment) is loose enough to keep waiting requests that would have run
-                # side by side: 4 prompts of 200 tokens, window 16, 34 blocks of 4 took
-                # 106 steps instead of 62, none preempted either way.
-                need = max(need, cdiv(seq.num_tokens, self.block_size) - kept)
+            # A prompt is admitted only when all of it fits, not just this step's chunk:
+            # admitted on its first chunk, a long prompt is the newest running sequence,
+            # the first preempted when the others grow, and recomputing it throws its
+            # chunks away, again and again. (4 prompts of 2k-8k tokens in 600 blocks
+            # of 16, no prefix cache: 66,522 tokens computed where 20,256 suffice, as
+            # now. vLLM's v0 checked the whole prompt too; its v1 checks the chunk.)
+            # Not under a sliding window: there a prompt holds its window and a chunk
+            # at most, and that bound (blocks_at_most: a whole budget's chunk, any
+            # alignment) is loose enough to keep waiting requests that would have run
+            # side by side: 4 prompts of 200 tokens, window 16, 34 blocks of 4 took
+            # 106 steps instead of 62, none preempted either way.
+            end = seq.num_tokens if not swapped and self.sliding_window is None else done + n
+            need = cdiv(end, self.block_size) - kept
             revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
             fits = need <= self.pool.num_available - revived
             if not fits or seats + seq.pending_samples > self.max_num_seqs:
