@@ -620,17 +620,17 @@ def test_blocks_that_slide_out_of_the_window_are_freed(tmp_path):
     model_dir = tiny_llama_dir(tmp_path / "40", model_type="mistral", sliding_window=40)
     prompts = [[(5 * i + j) % 250 + 1 for j in range(150)] for i in range(8)]
     results = {}
-    for num_blocks, mode in ((400, "recompute"), (24, "recompute"), (24, "swap")):
+    for num_blocks, mode in ((400, "recompute"), (10, "recompute"), (10, "swap")):
         llm = LLM(model_dir, dtype="float32", load_format="dummy", max_num_batched_tokens=64, num_blocks=num_blocks,
                   preemption_mode=mode, swap_space=0.01)
         said = []
         llm.pool.trace = said.append
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         results[num_blocks, mode] = [o.outputs[0].token_ids for o in outs]
-        if num_blocks == 24:
+        if num_blocks == 10:
             assert any(line.startswith("swap out" if mode == "swap" else "preempt") for line in said)
         assert_nothing_leaked(llm)
-    assert results[24, "recompute"] == results[24, "swap"] == results[400, "recompute"]
+    assert results[10, "recompute"] == results[10, "swap"] == results[400, "recompute"]
 
 
 @pytest.mark.parametrize("prefix", ["transformer.", ""])  # GPT2LMHeadModel / GPT2Model saves
@@ -3535,7 +3535,7 @@ def finished_outputs(seqs):
 def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks, window):
     for seed in range(3):
         rng = random.Random(seed)
-        sched = make_sched(num_blocks=24, block_size=4, max_num_seqs=6 if window is None else 16,
+        sched = make_sched(num_blocks=20, block_size=4, max_num_seqs=6 if window is None else 16,
                            max_num_batched_tokens=20, swap_pool=tiny_pool(swap_blocks, 4) if swap_blocks else None,
                            sliding_window=window)
         kv, said = SimulatedKV(sched), []
@@ -3608,6 +3608,23 @@ def test_a_prompt_is_admitted_only_when_all_of_it_fits():
     assert run_all(sched, kv=SimulatedKV(sched)) == 62 and sched.num_preemptions == 0
 
 
+def test_a_prompt_leaves_room_for_the_older_requests_to_grow():
+    """a and b arrive together; b's whole prompt fits the blocks a leaves, just. Admitted
+    into them, b would be preempted (the newest) when a crosses its next block boundary, and
+    recomputed. So b waits while a runs, until there is room for a's next block (n blocks for
+    a request about to fork into n samples) and one of b's own."""
+    for n, prompt in ((1, 28), (2, 24)):
+        sched = make_sched(num_blocks=10, block_size=4, enable_prefix_caching=False)
+        a = sched.add("a", [3] * 8, SamplingParams(max_tokens=8, ignore_eos=True, n=n, temperature=1.0))
+        b = sched.add("b", list(range(10, 10 + prompt)), SamplingParams(max_tokens=2, ignore_eos=True))
+        kv, computed = SimulatedKV(sched), 0
+        out = run_step(sched, kv=kv)
+        assert out.seqs == [a]   # b's prompt fits the 8 free blocks, but not with a's growth and its own
+        while sched.has_unfinished():
+            computed += sum(run_step(sched, kv=kv).num_tokens)
+        assert b.num_preemptions == 0 and computed == 7 * n + prompt + 1, n   # every token once
+
+
 def swapping_pair():
     """a grows while b, newer, is swapped out; a's growth then evicts all but b's first block
     from the prefix cache (b released them to it when it left)."""
@@ -3647,10 +3664,11 @@ def test_a_swapped_sequence_drops_what_slid_out_before_it_comes_back():
     dropped before it went (nothing slides while it is away), so nothing freed is copied back
     or offered to the step's other sequences, and c, with b's prompt, adopts only blocks that
     hold b's tokens. (A freed block offered went on to hold other K/V under b's prefix hash.)"""
-    sched = make_sched(num_blocks=5, block_size=2, max_num_batched_tokens=16, swap_pool=tiny_pool(100, 2),
-                       sliding_window=5)
+    sched = make_sched(num_blocks=10, block_size=2, max_num_batched_tokens=16, swap_pool=tiny_pool(100, 2),
+                       sliding_window=7)
     kv = SimulatedKV(sched)
     sched.add("a", [34, 23, 40], SamplingParams(max_tokens=7, ignore_eos=True))
+    sched.add("a2", [4, 5, 6], SamplingParams(max_tokens=7, ignore_eos=True))   # (a and a2 grow: b goes)
     run_step(sched, kv=kv)
     sched.add("b", [20, 45, 28, 15, 32, 9], SamplingParams(max_tokens=4, ignore_eos=True))
     while not run_step(sched, kv=kv).swap_in:
@@ -3884,13 +3902,15 @@ def test_a_parked_beam_is_recomputed_not_swapped():
     """A parked beam (nothing left to compute) chosen as the victim is preempted by
     recomputation even with swap space free: brought back, it would be a step of no work.
     Catches: dropping `and not victim.parked` in _make_room."""
-    sched = make_sched(num_blocks=2, block_size=4, swap_pool=tiny_pool(10, 4))
-    a = sched.add("a", [3, 4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+    sched = make_sched(num_blocks=4, block_size=4, swap_pool=tiny_pool(10, 4))
+    a = sched.add("a", [3, 4, 5, 6], SamplingParams(max_tokens=12, ignore_eos=True))
     b = sched.add("b", [7, 8, 9, 10], SamplingParams(max_tokens=1, ignore_eos=True))
-    out = sched.schedule()
-    sched.update(out, {a: [fake_token(a)]})            # b: parked, a needs a 2nd block
-    assert b.parked
-    out = sched.schedule()
+    out = sched.schedule()   # (b fits with room for a's next block and its own: _room_to_grow)
+    for _ in range(9):       # a grows into all 3 blocks that b left, and needs a 4th
+        assert a in out.seqs and out.preempted == []
+        sched.update(out, {a: [fake_token(a)]})        # b: parked
+        assert b.parked
+        out = sched.schedule()
     assert out.preempted == [b] and out.swap_out == [] and b.status is Status.WAITING
     assert sched.num_swapped_out == 0 and sched.swap_pool.num_free == 10
 
@@ -4622,7 +4642,14 @@ def test_beam_search_equals_a_dense_reference_and_its_beams_share_blocks(llm, mo
     assert_nothing_leaked(llm)
 
 
-def test_beam_search_is_the_same_preempted_parked_or_uncached(smollm2_dir, llm):
+def admit_into_the_last_blocks(monkeypatch):
+    """Admit a prompt whenever it fits, leaving the running sequences no room to grow (the
+    rule before Scheduler._room_to_grow): a tight pool then preempts soon and often, which
+    is what the tests that call this are about (any schedule must come out right)."""
+    monkeypatch.setattr(Scheduler, "_room_to_grow", lambda self, seq: 0)
+
+
+def test_beam_search_is_the_same_preempted_parked_or_uncached(smollm2_dir, llm, monkeypatch):
     """Beams preempted one by one (a pool that holds one search at a time), recomputed or
     swapped out, beams that wait parked for their siblings (a token budget of two: three
     beams never run in one step), no prefix cache: the same results as a roomy engine's."""
@@ -4631,6 +4658,7 @@ def test_beam_search_is_the_same_preempted_parked_or_uncached(smollm2_dir, llm):
     want = [beam_results(r) for r in llm.generate(prompts, params)]   # (generate takes them too)
     assert all(len(r) == 3 for r in want)
     longest = max(len(r.prompt_token_ids) for r in llm.generate(prompts, SamplingParams(max_tokens=1)))
+    admit_into_the_last_blocks(monkeypatch)   # (so that the second search is admitted, then preempted)
     tight = LLM(smollm2_dir, num_blocks=3 * -(-(longest + 20) // 16))
     swapping = LLM(smollm2_dir, num_blocks=3 * -(-(longest + 20) // 16), preemption_mode="swap")
     budget = LLM(smollm2_dir, num_blocks=512, max_num_batched_tokens=2)
@@ -4923,6 +4951,7 @@ def test_logprobs_and_prompt_logprobs_are_the_models_own(smollm2_dir, llm, monke
     llm.generate(prompts[0], greedy(2))                       # the system prompt is now cached
     # 13 blocks of 8, all that the first request needs at its end: preemption; 32 tokens a
     # step: chunked prefill
+    admit_into_the_last_blocks(monkeypatch)
     tight = LLM(smollm2_dir, num_blocks=13, block_size=8, max_num_batched_tokens=32)
     tight.generate(prompts[0], greedy(2))
     for engine in (llm, tight):
@@ -4967,7 +4996,7 @@ def test_logprobs_and_prompt_logprobs_are_the_models_own(smollm2_dir, llm, monke
             SamplingParams(**bad)
 
 
-def test_scoring_given_token_ids_and_from_prompt_logprob_start(smollm2_dir, llm):
+def test_scoring_given_token_ids_and_from_prompt_logprob_start(smollm2_dir, llm, monkeypatch):
     """vLLM 0.34's scoring: logprob_token_ids (per output token, the chosen one's then those
     tokens', ranked in the whole vocabulary), prompt_logprob_token_ids (a row of ids per scored
     prompt position, -1 padding: RequestOutput.prompt_token_id_logprobs) and
@@ -4984,6 +5013,7 @@ def test_scoring_given_token_ids_and_from_prompt_logprob_start(smollm2_dir, llm)
     params = greedy(3, ignore_eos=True, logprob_token_ids=labels, prompt_logprobs=1,
                     prompt_logprob_token_ids=rows, prompt_logprob_start=start)
     llm.generate([ids], greedy(1))                            # the prompt's blocks are now cached
+    admit_into_the_last_blocks(monkeypatch)
     tight = LLM(smollm2_dir, num_blocks=14, block_size=8, max_num_batched_tokens=16)   # (13 for ids + 3)
     other = greedy(12, ignore_eos=True)                       # (arrives first: the scorer is preempted)
     for engine in (llm, tight):
@@ -8986,7 +9016,7 @@ def test_an_aborted_stream_ends_with_the_character_it_had_cut_short(tmp_path):
     assert_nothing_leaked(llm)
 
 
-def test_a_copy_on_write_into_a_block_swapped_out_that_step_waits_for_the_swap(tmp_path):
+def test_a_copy_on_write_into_a_block_swapped_out_that_step_waits_for_the_swap(tmp_path, monkeypatch):
     """Swap preemption frees the victim's blocks in the step it swaps them out, and the
     copy-on-write of a fork in that same step may be handed one of them: the swap-out must
     read the block before the copy lands in it, or the victim comes back with the fork's K/V.
@@ -9008,6 +9038,7 @@ def test_a_copy_on_write_into_a_block_swapped_out_that_step_waits_for_the_swap(t
         return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)], any(overlaps)
 
     roomy, _ = run(num_blocks=200)
+    admit_into_the_last_blocks(monkeypatch)   # (leaving room to grow, no such step turned up in a random search)
     tight, overlapped = run(num_blocks=12, preemption_mode="swap", swap_space=1)
     assert overlapped and tight == roomy
 
@@ -9084,12 +9115,12 @@ def test_cli_prints_an_empty_logprobs_table_for_a_sample_that_failed_at_once(llm
 
 
 def test_a_swapped_in_sequence_offers_only_blocks_it_holds():
-    """b (window 5, blocks of 2) has its first block dropped when it is swapped out; swapped
+    """b (window 7, blocks of 2) has its first block dropped when it is swapped out; swapped
     back in, it offers this step's other sequences its full blocks from the first it holds
     on, never a dropped entry (block id -1, which update() would then look up and cache).
     Catches: _swap_in offering from len(hits) instead of num_dropped + len(hits)."""
-    sched = make_sched(num_blocks=5, block_size=2, max_num_batched_tokens=16, swap_pool=tiny_pool(100, 2),
-                       sliding_window=5)
+    sched = make_sched(num_blocks=10, block_size=2, max_num_batched_tokens=16, swap_pool=tiny_pool(100, 2),
+                       sliding_window=7)
     kv, offered, schedule = SimulatedKV(sched), [], sched.schedule
 
     def schedule_and_look():
@@ -9099,6 +9130,7 @@ def test_a_swapped_in_sequence_offers_only_blocks_it_holds():
         return out
     sched.schedule = schedule_and_look
     sched.add("a", [34, 23, 40], SamplingParams(max_tokens=7, ignore_eos=True))
+    sched.add("a2", [4, 5, 6], SamplingParams(max_tokens=7, ignore_eos=True))   # (a and a2 grow: b goes)
     run_step(sched, kv=kv)
     sched.add("b", [20, 45, 28, 15, 32, 9], SamplingParams(max_tokens=4, ignore_eos=True))
     run_all(sched, kv=kv)
