@@ -430,11 +430,11 @@ def bench_parallel(args):
 def bench_preempt(args):
     """16 requests of 100 random prompt tokens + 100 greedy output tokens, arriving together,
     in a pool of 64 blocks of 16 (1,024 token slots, where they need 3,200): the engine
-    admits as many prompts as fit whole, then preempts as they grow. Recomputing a
-    preempted sequence prefills its prompt and output again; swapping copies its blocks to
-    CPU memory and back (on this CPU, from one part of RAM to another: what is measured is
-    the copy against the recompute). Medians of args.repeats, the three engines timed in
-    turns."""
+    admits the prompts that fit whole with a block each to grow, then preempts as they grow
+    further. Recomputing a preempted sequence prefills its prompt and output again;
+    swapping copies its blocks to CPU memory and back (on this CPU, from one part of RAM to
+    another: what is measured is the copy against the recompute). Medians of args.repeats,
+    the three engines timed in turns."""
     rng = random.Random(0)
     engines = {"roomy pool (no preemption)": new_engine(args, num_blocks=512, enable_prefix_caching=False),
                "64 blocks, recompute": new_engine(args, num_blocks=64, enable_prefix_caching=False),

@@ -748,7 +748,7 @@ class Scheduler:
         older ones cross their next block boundary a few steps later: preempted, recomputed
         from zero, and admitted again into the same squeeze. (Scheduler-only runs of the
         engine's workload, 64 requests of 16-512 + 32-256 tokens in 300-800 blocks of 16:
-        see the README's "Preemption".) Only older requests count, and they are all running
+        see the README's "Room to grow".) Only older requests count, and they are all running
         (seq is the oldest sequence not running), so they make progress; once they have
         finished, seq is admitted as it would have been without this room: nothing waits
         for good. Newer sequences give way to seq, not seq to them."""
