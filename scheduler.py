@@ -647,9 +647,16 @@ class Scheduler:
         # A request with n samples that has not forked yet will soon be n sequences: it is
         # admitted only with room for all n within max_num_seqs.
         seats = sum(s.pending_samples for s in self.running)
+        # The room to grow that the running sequences of older requests need (_room_to_grow),
+        # summed as the candidates advance in arrival order: self.running is in that order too,
+        # so its first `older` entries are the ones older than the candidate, each summed once.
+        older = room = 0
         while (self.waiting or self.swapped) and budget > 0 and not out.preempted:
             swapped = bool(self.swapped) and (not self.waiting or self.swapped[0].order < self.waiting[0].order)
             seq = self.swapped[0] if swapped else self.waiting[0]
+            while older < len(self.running) and self.running[older].arrival < seq.arrival:
+                room += self._room_to_grow(self.running[older])
+                older += 1
             if swapped:   # (its computed tokens are in the swap space, or still here: hits)
                 # (Nothing of it slid out of its window while it was away: step 0 slid it just
                 # before step 1 swapped it out, and it has computed nothing since.)
@@ -674,9 +681,9 @@ class Scheduler:
             end = seq.num_tokens if not swapped and self.sliding_window is None else done + n
             need = cdiv(end, self.block_size) - kept
             revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
-            fits = need <= self.pool.num_available - revived
-            if fits:   # (and room for the older requests' sequences to grow: _room_to_grow)
-                fits = need + self._room_to_grow(seq) <= self.pool.num_available - revived
+            # (and, while older requests run, room for them to grow and for seq's own first block,
+            # or n of them for n samples: see _room_to_grow; room is 0 only when none runs)
+            fits = need + (room + seq.pending_samples if room else 0) <= self.pool.num_available - revived
             if not fits or seats + seq.pending_samples > self.max_num_seqs:
                 # A parked beam makes no progress until its siblings run: it must not hold
                 # blocks or a seat that an older sequence waits for, or the two could wait for
@@ -738,27 +745,22 @@ class Scheduler:
         if dropped:
             self.pool.say(f"{seq}: blocks {dropped} slid out of the window of {self.sliding_window} tokens: freed")
 
-    def _room_to_grow(self, seq: Sequence) -> int:
-        """The blocks that admitting seq must leave free while sequences of older requests run:
-        enough for each of them to place the rest of its prompt and then grow by one block
-        more, and for seq to grow by one block past its prompt (a block for each of the n
-        samples a request will fork into: they share the prompt's blocks, but copy-on-write
-        gives each its own last block).
-        Admitted into the last free blocks, seq would be the newest running sequence when the
-        older ones cross their next block boundary a few steps later: preempted, recomputed
-        from zero, and admitted again into the same squeeze. (Scheduler-only runs of the
-        engine's workload, 64 requests of 16-512 + 32-256 tokens in 300-800 blocks of 16:
-        see the README's "Room to grow".) Only older requests count, and they are all running
-        (seq is the oldest sequence not running), so they make progress; once they have
-        finished, seq is admitted as it would have been without this room: nothing waits
-        for good. Newer sequences give way to seq, not seq to them."""
-        older = [q for q in self.running if q.arrival < seq.arrival]
-        if not older:
-            return 0
-        grow = self.block_size
-        return seq.pending_samples + sum(
-            q.block_table.blocks_needed(q.num_tokens - q.block_table.num_tokens + grow) + q.pending_samples - 1
-            for q in older)
+    def _room_to_grow(self, q: Sequence) -> int:
+        """The blocks a running sequence q still needs to place the rest of its prompt and then
+        grow by one block more (and one more for each further sample of the n it is about to
+        fork into: they share the prompt's blocks, but copy-on-write gives each its own last
+        block). A prompt is admitted only with this room left free for every running sequence
+        of an older request, and a block of its own (schedule, step 2). Admitted into the last
+        free blocks, it would be the newest running sequence when the older ones cross their
+        next block boundary a few steps later: preempted, recomputed from zero, and admitted
+        again into the same squeeze. (Scheduler-only runs of the engine's workload, 64
+        requests of 16-512 + 32-256 tokens in 300-800 blocks of 16: see the README's "Room to
+        grow".) Only older requests count, and they are all running (the candidate is the
+        oldest sequence not running), so they make progress; once they have finished, it is
+        admitted as it would have been without this room: nothing waits for good. Newer
+        sequences give way to it, not it to them."""
+        rest = q.num_tokens - q.block_table.num_tokens   # (of its prompt: tokens without a slot yet)
+        return q.block_table.blocks_needed(rest + self.block_size) + q.pending_samples - 1
 
     def _parked_beam_newer_than(self, seq: Sequence) -> Sequence | None:
         """The newest running beam that is parked (computed to its end, waiting for its

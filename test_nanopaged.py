@@ -4646,7 +4646,7 @@ def admit_into_the_last_blocks(monkeypatch):
     """Admit a prompt whenever it fits, leaving the running sequences no room to grow (the
     rule before Scheduler._room_to_grow): a tight pool then preempts soon and often, which
     is what the tests that call this are about (any schedule must come out right)."""
-    monkeypatch.setattr(Scheduler, "_room_to_grow", lambda self, seq: 0)
+    monkeypatch.setattr(Scheduler, "_room_to_grow", lambda self, q: 0)
 
 
 def test_beam_search_is_the_same_preempted_parked_or_uncached(smollm2_dir, llm, monkeypatch):
