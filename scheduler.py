@@ -759,7 +759,7 @@ class Scheduler:
         oldest sequence not running), so they make progress; once they have finished, it is
         admitted as it would have been without this room: nothing waits for good. Newer
         sequences give way to it, not it to them."""
-        rest = q.num_tokens - q.block_table.num_tokens   # (of its prompt: tokens without a slot yet)
+        rest = q.num_tokens - q.block_table.num_tokens   # (no slot yet: its prompt's rest, or a token the budget left)
         return q.block_table.blocks_needed(rest + self.block_size) + q.pending_samples - 1
 
     def _parked_beam_newer_than(self, seq: Sequence) -> Sequence | None:
