@@ -3659,11 +3659,10 @@ def test_swap_in_adopts_blocks_still_cached_and_caches_the_ones_it_copies():
     assert finished_outputs([a, b, c]) == finished_outputs(same)
 
 
-def test_a_swapped_sequence_drops_what_slid_out_before_it_comes_back():
-    """b is swapped out, then swapped back after a has grown: what slid out of its window was
-    dropped before it went (nothing slides while it is away), so nothing freed is copied back
-    or offered to the step's other sequences, and c, with b's prompt, adopts only blocks that
-    hold b's tokens. (A freed block offered went on to hold other K/V under b's prefix hash.)"""
+def b_swapped_out_under_a_window():
+    """A scheduler (window 7, blocks of 2, 10 blocks, a swap space) where b, admitted after a
+    and a2 have run a step, is swapped out as they grow, with its first block dropped, and
+    swapped back later. Returns the scheduler and its SimulatedKV."""
     sched = make_sched(num_blocks=10, block_size=2, max_num_batched_tokens=16, swap_pool=tiny_pool(100, 2),
                        sliding_window=7)
     kv = SimulatedKV(sched)
@@ -3671,12 +3670,40 @@ def test_a_swapped_sequence_drops_what_slid_out_before_it_comes_back():
     sched.add("a2", [4, 5, 6], SamplingParams(max_tokens=7, ignore_eos=True))   # (a and a2 grow: b goes)
     run_step(sched, kv=kv)
     sched.add("b", [20, 45, 28, 15, 32, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    return sched, kv
+
+
+def test_a_swapped_sequence_drops_what_slid_out_before_it_comes_back():
+    """b is swapped out, then swapped back after a has grown: what slid out of its window was
+    dropped before it went (nothing slides while it is away), so nothing freed is copied back
+    or offered to the step's other sequences, and c, with b's prompt, adopts only blocks that
+    hold b's tokens. (A freed block offered went on to hold other K/V under b's prefix hash.)"""
+    sched, kv = b_swapped_out_under_a_window()
     while not run_step(sched, kv=kv).swap_in:
         pass
     for block, tokens in sched.pool.block_tokens.items():   # every cached block holds its tokens
         assert [kv.pool.get(block * 2 + i, (None, None))[1] for i in range(2)] == list(tokens)
     sched.add("c", [20, 45, 28], SamplingParams(max_tokens=2, ignore_eos=True))
     run_all(sched, kv=kv)
+
+
+def test_a_swapped_in_sequence_offers_only_blocks_it_holds():
+    """b (window 7, blocks of 2) has its first block dropped when it is swapped out; swapped
+    back in, it offers this step's other sequences its full blocks from the first it holds
+    on, never a dropped entry (block id -1, which update() would then look up and cache).
+    Catches: _swap_in offering from len(hits) instead of num_dropped + len(hits)."""
+    sched, kv = b_swapped_out_under_a_window()
+    offered, schedule = [], sched.schedule
+
+    def schedule_and_look():
+        out = schedule()
+        if out.swap_in:
+            offered.append((out.swapped_in[0].block_table.num_dropped, dict(sched.in_flight)))
+        return out
+    sched.schedule = schedule_and_look
+    run_all(sched, kv=kv)
+    assert offered and offered[0][0] > 0
+    assert all(block != BlockTable.DROPPED for _, in_flight in offered for block, _ in in_flight.values())
 
 
 def test_a_long_windowed_request_takes_only_the_cached_blocks_its_window_reads():
@@ -9112,30 +9139,6 @@ def test_cli_prints_an_empty_logprobs_table_for_a_sample_that_failed_at_once(llm
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "hi", "--logprobs", "1")
     assert code == 1 and out.splitlines() == ["[prompt 0]   (error)", "  cumulative logprob 0.000"]
     assert err.startswith("nanopaged: error: ") and "not finite" in err
-
-
-def test_a_swapped_in_sequence_offers_only_blocks_it_holds():
-    """b (window 7, blocks of 2) has its first block dropped when it is swapped out; swapped
-    back in, it offers this step's other sequences its full blocks from the first it holds
-    on, never a dropped entry (block id -1, which update() would then look up and cache).
-    Catches: _swap_in offering from len(hits) instead of num_dropped + len(hits)."""
-    sched = make_sched(num_blocks=10, block_size=2, max_num_batched_tokens=16, swap_pool=tiny_pool(100, 2),
-                       sliding_window=7)
-    kv, offered, schedule = SimulatedKV(sched), [], sched.schedule
-
-    def schedule_and_look():
-        out = schedule()
-        if out.swap_in:
-            offered.append((out.swapped_in[0].block_table.num_dropped, dict(sched.in_flight)))
-        return out
-    sched.schedule = schedule_and_look
-    sched.add("a", [34, 23, 40], SamplingParams(max_tokens=7, ignore_eos=True))
-    sched.add("a2", [4, 5, 6], SamplingParams(max_tokens=7, ignore_eos=True))   # (a and a2 grow: b goes)
-    run_step(sched, kv=kv)
-    sched.add("b", [20, 45, 28, 15, 32, 9], SamplingParams(max_tokens=4, ignore_eos=True))
-    run_all(sched, kv=kv)
-    assert offered and offered[0][0] > 0
-    assert all(block != BlockTable.DROPPED for _, in_flight in offered for block, _ in in_flight.values())
 
 
 # --- bookkeeping that only a mutation pass found untested: stats, latency, beams, reset ---
