@@ -682,7 +682,7 @@ class Scheduler:
             need = cdiv(end, self.block_size) - kept
             revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
             # (and, while older requests run, room for them to grow and for seq's own first block,
-            # or n of them for n samples: see _room_to_grow; room is 0 only when none runs)
+            # or n of them for n samples: see _room_to_grow; room is 0 only when no older request runs)
             fits = need + (room + seq.pending_samples if room else 0) <= self.pool.num_available - revived
             if not fits or seats + seq.pending_samples > self.max_num_seqs:
                 # A parked beam makes no progress until its siblings run: it must not hold
@@ -746,21 +746,24 @@ class Scheduler:
             self.pool.say(f"{seq}: blocks {dropped} slid out of the window of {self.sliding_window} tokens: freed")
 
     def _room_to_grow(self, q: Sequence) -> int:
-        """The blocks a running sequence q still needs to place the rest of its prompt and then
-        grow by one block more (and one more for each further sample of the n it is about to
-        fork into: they share the prompt's blocks, but copy-on-write gives each its own last
-        block). A prompt is admitted only with this room left free for every running sequence
-        of an older request, and a block of its own (schedule, step 2). Admitted into the last
-        free blocks, it would be the newest running sequence when the older ones cross their
-        next block boundary a few steps later: preempted, recomputed from zero, and admitted
-        again into the same squeeze. (Scheduler-only runs of the engine's workload, 64
-        requests of 16-512 + 32-256 tokens in 300-800 blocks of 16: see the README's "Room to
-        grow".) Only older requests count, and they are all running (the candidate is the
-        oldest sequence not running), so they make progress; once they have finished, it is
-        admitted as it would have been without this room: nothing waits for good. Newer
-        sequences give way to it, not it to them."""
-        rest = q.num_tokens - q.block_table.num_tokens   # (no slot yet: its prompt's rest, or a token the budget left)
-        return q.block_table.blocks_needed(rest + self.block_size) + q.pending_samples - 1
+        """The blocks a running sequence q needs to grow by one block more: one, or two where
+        its last block is partial and shared (a fork's: copy-on-write gives it its own), and
+        one more for each further sample of the n it is about to fork into (they share the
+        prompt's blocks, but copy-on-write gives each its own last block). Nothing for the
+        rest of its prompt: step 2, the only caller, runs only when step 1 placed every
+        running sequence whole (budget left over, nothing preempted), so q's slots reach its
+        last token. A waiting prompt, or a swapped-out sequence coming back, is admitted only
+        with this room left free for every running sequence of an older request, and a block
+        of its own (schedule, step 2). Admitted into the last free blocks, it would be the
+        newest running sequence when the older ones cross their next block boundary a few
+        steps later: preempted, recomputed from zero, and admitted again into the same
+        squeeze. (Scheduler-only runs of the engine's workload, 64 requests of 16-512 + 32-256
+        tokens in 300-800 blocks of 16: see the README's "Room to grow".) Only older requests
+        count, and they are all running (the candidate is the oldest sequence not running), so
+        they make progress; once they have finished, it is admitted as it would have been
+        without this room: nothing waits for good. Newer sequences give way to it, not it to
+        them."""
+        return q.block_table.blocks_needed(self.block_size) + q.pending_samples - 1
 
     def _parked_beam_newer_than(self, seq: Sequence) -> Sequence | None:
         """The newest running beam that is parked (computed to its end, waiting for its
@@ -997,11 +1000,12 @@ class Scheduler:
         the tokens picked for a sequence: one; or k > 1, where it forks (a request's first
         sampling with n > 1, a beam that several of the best candidates continue), token 0
         its own, token j its j-th child; or none, a beam that fell out of its search, dropped.
-        Returns {sequence: its new children}. The step's commit point is update()'s last
-        line: until then rollback() preempts the step's sequences, which is sound for an
-        update() cut short while it counts computed tokens (the prefix cache then holds only
-        blocks that were computed), but not once it has forked and appended; so the engine
-        holds Ctrl-C through it all (its counting, forking and appending raise nothing else)."""
+        Returns {sequence: its new children}. The step's commit point is where update()
+        clears self.scheduled, just before it returns: until then rollback() preempts the
+        step's sequences, which is sound for an update() cut short while it counts computed
+        tokens (the prefix cache then holds only blocks that were computed), but not once it
+        has forked and appended; so the engine holds Ctrl-C through it all (its counting,
+        forking and appending raise nothing else)."""
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.status is Status.RUNNING:
                 first = seq.num_computed_tokens // self.block_size   # the block this step began in
