@@ -644,9 +644,11 @@ class Scheduler:
         #    After a preemption in step 1 memory is short: admitting more would only thrash.
         #    (So no step swaps both ways: swap-outs happen in step 1 alone. A parked beam
         #    preempted below, to make room, is recomputed, never swapped.)
-        # A request with n samples that has not forked yet will soon be n sequences: it is
-        # admitted only with room for all n within max_num_seqs.
-        seats = sum(s.pending_samples for s in self.running)
+        # The seats of max_num_seqs the running sequences hold, by holder (_seats): a request
+        # with n samples that has not forked yet will soon be n sequences, so it is admitted only
+        # with room for all n; a beam search holds beam_width while any of its beams runs.
+        seats = dict(self._seats(s) for s in self.running)
+        taken = sum(seats.values())
         # The room to grow that the running sequences of older requests need (_room_to_grow),
         # summed as the candidates advance in arrival order: self.running is in that order too,
         # so its first `older` entries are the ones older than the candidate, each summed once.
@@ -684,7 +686,10 @@ class Scheduler:
             # (and, while older requests run, room for them to grow and for seq's own first block,
             # or n of them for n samples: see _room_to_grow; room is 0 only when no older request runs)
             fits = need + (room + seq.pending_samples if room else 0) <= self.pool.num_available - revived
-            if not fits or seats + seq.pending_samples > self.max_num_seqs:
+            holder, wanted = self._seats(seq)
+            if holder in seats:   # (a beam of a search that runs: its seat is held already)
+                wanted = 0
+            if not fits or taken + wanted > self.max_num_seqs:
                 # A parked beam makes no progress until its siblings run: it must not hold
                 # blocks or a seat that an older sequence waits for, or the two could wait for
                 # each other for good. The newest such beam goes (recomputed later), and seq
@@ -692,8 +697,10 @@ class Scheduler:
                 victim = self._parked_beam_newer_than(seq)
                 if victim is None:
                     break
-                seats -= victim.pending_samples
                 self._preempt(victim)
+                holder = self._seats(victim)[0]   # (its search holds on while another of its beams runs)
+                if holder is victim or not any(s.status is Status.RUNNING for s in self.requests[victim.request_id]):
+                    taken -= seats.pop(holder)
                 continue
             if swapped:
                 self.swapped.popleft()
@@ -705,7 +712,8 @@ class Scheduler:
                 bisect.insort(self.running, seq, key=lambda s: s.order)
             self._place(seq, n, out)
             budget -= n
-            seats += seq.pending_samples
+            seats.setdefault(holder, wanted)
+            taken += wanted
         out.copies = self.pool.pending_copies
         self.pool.pending_copies = []
         self.scheduled = out
@@ -764,6 +772,18 @@ class Scheduler:
         without this room: nothing waits for good. Newer sequences give way to it, not it to
         them."""
         return q.block_table.blocks_needed(self.block_size) + q.pending_samples - 1
+
+    @staticmethod
+    def _seats(seq: Sequence) -> tuple:
+        """(who holds seq's seats of max_num_seqs, how many): seq itself, one seat, or n for a
+        request's first sequence until it forks into n samples; or, for a beam, its search
+        (the request id), beam_width seats while any of its beams runs. A search runs fewer
+        beams where fewer candidates were left (allowed_token_ids, EOS ids among the best) and
+        grows back to beam_width as it finds more, asking for no seat: holding only its running
+        beams' seats, it let a later request take the others, then ran past max_num_seqs."""
+        if seq.params.beam is not None:
+            return seq.request_id, seq.params.n
+        return seq, seq.pending_samples
 
     def _parked_beam_newer_than(self, seq: Sequence) -> Sequence | None:
         """The newest running beam that is parked (computed to its end, waiting for its

@@ -3839,6 +3839,32 @@ def test_a_request_with_n_samples_holds_n_seats_while_its_prompt_is_prefilled_in
         assert len(sched.running) <= 3
 
 
+def test_a_beam_search_holds_beam_width_seats_while_it_runs_fewer_beams(tmp_path):
+    """Two tokens allowed: a search of width 4 runs 2 beams after its first step, then 4 (2
+    candidates each). The 2 seats it leaves unused meanwhile stay its own: a request with n=2
+    arriving then waits, and no step runs more than max_num_seqs = 4 sequences (a roomy
+    engine runs 6 side by side); the outputs are the roomy engine's.
+    Catches: a search holding only its running beams' seats, as samples do."""
+    model_dir = tiny_llama_dir(tmp_path)
+
+    def run(max_num_seqs):
+        llm = LLM(model_dir, load_format="dummy", max_num_seqs=max_num_seqs, num_blocks=64)
+        running, schedule = [], llm.scheduler.schedule
+        llm.scheduler.schedule = lambda: (schedule(), running.append(len(llm.scheduler.running)))[0]
+        llm.add_request([5, 6, 7], BeamSearchParams(4, 6, ignore_eos=True, allowed_token_ids=[40, 41]), "beam")
+        llm.step()
+        llm.add_request([9, 9, 9], SamplingParams(n=2, max_tokens=6, ignore_eos=True, seed=1), "other")
+        outs = {}
+        while llm.has_unfinished_requests():
+            outs |= {o.request_id: [c.token_ids for c in o.outputs] for o in llm.step() if o.finished}
+        assert_nothing_leaked(llm)
+        return running, outs
+    running, outs = run(4)
+    roomy_running, roomy_outs = run(256)
+    assert running[:3] == [1, 2, 4] and max(running) == 4 and max(roomy_running) == 6
+    assert outs == roomy_outs and len(outs["beam"]) == 4 and len(outs["other"]) == 2
+
+
 def test_max_num_seqs_sequences_run_side_by_side():
     """max_num_seqs = 2 admits 2 requests together, not 1.
     Catches: `seats + seq.pending_samples > self.max_num_seqs` -> `>=`."""
@@ -3868,8 +3894,8 @@ def test_preempting_a_parked_beam_for_a_seat_frees_its_seat():
     """An older sequence waits for a seat held by parked beams (running, nothing left to
     compute: here, sequences the fake model does not sample). Preempting the newest parked
     one frees a seat: the older one is admitted, and the other parked one keeps running.
-    Catches: dropping `seats -= victim.pending_samples` (every parked beam is preempted, and
-    the older sequence still waits)."""
+    Catches: dropping `taken -= seats.pop(holder)` (every parked beam is preempted, and the
+    older sequence still waits)."""
     sched = make_sched(num_blocks=32, block_size=4, max_num_seqs=3)
     a, b, c = (sched.add(r, [3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True)) for r in "abc")
     out = sched.schedule()
@@ -3894,6 +3920,34 @@ def test_a_block_is_freed_the_step_its_last_position_leaves_the_window():
     run_step(sched, kv=kv)                    # position 7: block 0 slid out first
     assert a.block_table.num_dropped == 1 and a.block_table.num_held == 1
     run_all(sched, kv=kv)
+
+
+def test_a_beam_search_takes_its_seats_once_and_gives_them_back_with_its_last_beam():
+    """A search of width 2 beside a request a, under max_num_seqs = 3. Its two beams, both
+    preempted, come back in one step (the first takes the search's 2 seats, the second none).
+    Then, under max_num_seqs = 2, a (older), preempted, waits for a seat while both beams are
+    parked: both are preempted for it, the search's seats come free with the second, and a
+    runs in that same step.
+    Catches: the second beam asking for seats again (`wanted = 0` dropped), the first not
+    recording them (`seats.setdefault` dropped), and the search's seats kept when its last
+    running beam goes (the `not any(...)` refund dropped)."""
+    sched = make_sched(num_blocks=32, block_size=4, max_num_seqs=3)
+    a = sched.add("a", [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    params = SamplingParams(n=2, max_tokens=4, ignore_eos=True)
+    params.beam = BeamSearchParams(2, 4, ignore_eos=True)   # (what LLM._add makes of a beam search)
+    b = sched.add("b", [6, 7, 8], params)
+    out = sched.schedule()
+    b1 = sched.update(out, {a: [fake_token(a)], b: [fake_token(b), 9]})[b][0]   # b forks into 2 beams
+    for beam in (b1, b):                                   # (as the pool running dry would)
+        sched._preempt(beam)
+    out = sched.schedule()
+    assert out.seqs == [a, b, b1]
+    sched.update(out, {a: [fake_token(a)]})                # both beams computed, not sampled: parked
+    assert b.parked and b1.parked
+    sched.max_num_seqs = 2
+    sched._preempt(a)
+    out = sched.schedule()
+    assert out.seqs == [a] and b.status is Status.WAITING and b1.status is Status.WAITING
 
 
 def test_a_parked_beam_older_than_the_waiting_sequence_keeps_its_seat():
