@@ -727,19 +727,36 @@ def _build(emulate: bool, archs: tuple[str, ...] | None = None, out: Path | None
     else:
         # Compile for this GPU only. An arch flag of our own makes torch add none of its own,
         # whatever TORCH_CUDA_ARCH_LIST the machine sets (a list of five archs builds five
-        # times; one this nvcc dropped fails).
+        # times; one this nvcc dropped fails); but older torch (2.5) adds them all the same
+        # (_arch_list_for_old_torch).
         archs = archs or ("".join(map(str, torch.cuda.get_device_capability())),)
         kernels = KERNELS
         options = dict(name="nanopaged_kernels", extra_include_paths=[str(HERE)], extra_cflags=["-O3"],
                        extra_cuda_cflags=["-O3", *gencode_flags(archs)])
     try:
-        with _one_build_at_a_time(out):
+        with _one_build_at_a_time(out), _arch_list_for_old_torch(None if emulate else archs):
             return cpp_extension.load(sources=[str(binding), str(kernels)], build_directory=str(out),
                                       verbose=False, **options)
     except Exception as e:  # a compiler error, a missing header, a link error...
         log = out / "build.log"
         log.write_text(f"{type(e).__name__}: {e}\n")
         raise KernelsUnavailable(f"building kernels.cu failed: {first_error(str(e))} (log: {log})") from None
+
+
+@contextlib.contextmanager
+def _arch_list_for_old_torch(archs):
+    """TORCH_CUDA_ARCH_LIST set to archs during the build, where the machine sets none. torch
+    2.5 (not 2.11) gives its ninja build arch flags of its own whatever extra_cuda_cflags say:
+    this variable's, or else the visible GPU's, and with no GPU visible (build_ext --check) it
+    failed with an IndexError. Named here, they are ours again (the same flags twice: one build)."""
+    if not archs or "TORCH_CUDA_ARCH_LIST" in os.environ:
+        yield
+        return
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(f"{a[:-1]}.{a[-1]}" for a in archs)   # ("90" -> "9.0")
+    try:
+        yield
+    finally:
+        del os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
 @contextlib.contextmanager

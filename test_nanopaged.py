@@ -441,13 +441,16 @@ def paged_forward_all(model, ids, block_size=4):
         return model(torch.tensor(ids), torch.arange(T), attn)
 
 
+@pytest.mark.skipif(torch.__version__ < "2.11", reason="the goldens are transformers' bits on torch 2.13 (2.11 "
+                    "gives the same); torch 2.5 rounds bfloat16 differently from the first attention on "
+                    "(the projections before it agree): 70-77% of the logits differ, by up to 1.4% of their scale")
 @pytest.mark.parametrize("variant", BFLOAT16_VARIANTS)
 def test_bfloat16_rounds_as_transformers(tmp_path, variant):
     """In bfloat16 Gemma's sqrt(C) embedding scale is rounded to bfloat16 (sqrt(48) = 6.93
     becomes 6.94) and its RMSNorms compute in float32; the Llama family's RMSNorms (Qwen 3's
     q/k norms too) round to bfloat16 before the weight scales, as in transformers: through the
-    paged attention, the logits come out with transformers' bits (here all of them; a few may
-    move with another torch's kernels). Catches: the scale kept in full precision, or the norms
+    paged attention, the logits come out with transformers' bits (here all of them, on torch
+    2.11 and 2.13; another torch's kernels may move them, as 2.5's move most). Catches: the scale kept in full precision, or the norms
     computed in bfloat16, or scaled before rounding (nn.RMSNorm; each changes about 80% of the
     logits)."""
     c = LLAMA_FAMILY_VARIANTS[variant]
