@@ -450,9 +450,9 @@ def test_bfloat16_rounds_as_transformers(tmp_path, variant):
     becomes 6.94) and its RMSNorms compute in float32; the Llama family's RMSNorms (Qwen 3's
     q/k norms too) round to bfloat16 before the weight scales, as in transformers: through the
     paged attention, the logits come out with transformers' bits (here all of them, on torch
-    2.11 and 2.13; another torch's kernels may move them, as 2.5's move most). Catches: the scale kept in full precision, or the norms
-    computed in bfloat16, or scaled before rounding (nn.RMSNorm; each changes about 80% of the
-    logits)."""
+    2.11 and 2.13; another torch's kernels may move them, as 2.5's move most). Catches: the
+    scale kept in full precision, or the norms computed in bfloat16, or scaled before rounding
+    (nn.RMSNorm; each changes about 80% of the logits)."""
     c = LLAMA_FAMILY_VARIANTS[variant]
     expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())[variant + "_bfloat16"]
     assert expected["config"] == c
