@@ -108,7 +108,7 @@ def _read_json(path: Path) -> dict:
 
 
 @contextlib.contextmanager
-def _in_file(path: Path):
+def _in_file(path: Path | str):
     """Prefix the ModelErrors raised inside with the file whose contents they are about."""
     try:
         yield
@@ -833,7 +833,7 @@ class Tokenizer:
     def __init__(self, encoding: "tiktoken.Encoding | SentencePieceBPE", eos_token_id: int | None = None,
                  chat_template: str | None = None, dropped_from: int | None = None,
                  pattern: str | None = None, nfc: bool = False,
-                 prefix_ids: list[int] = (), suffix_ids: list[int] = (),
+                 prefix_ids: list[int] | tuple = (), suffix_ids: list[int] | tuple = (),
                  template_tokens: dict | None = None, added_tokens: list[dict] | None = None,
                  named_templates: dict[str, str] | None = None, sentencepiece: str | None = None,
                  strip_space: bool = False, vocab_size: int | None = None):
@@ -855,9 +855,10 @@ class Tokenizer:
         # tokens) are found in the text before BPE, as HF finds them: the longest one at the
         # leftmost place; a single_word one only as a whole word. Then an lstrip (rstrip)
         # one drops the whitespace on its left (right), up to the next match.
-        if added_tokens is None:
+        if added_tokens is None:   # (a SentencePieceBPE has no special tokens of its own)
+            specials = () if isinstance(encoding, SentencePieceBPE) else encoding.special_tokens_set
             added_tokens = [{"content": t, "id": encoding.encode_single_token(t), "special": True}
-                            for t in encoding.special_tokens_set]
+                            for t in specials]
         # HF finds the tokens marked normalized: false in the raw text, then normalizes the
         # text between them and finds the normalized: true ones in that, normalized too
         # ("<A\u030a>" is found as "<Å>" with NFC; "foo" as "▁foo" with Llama 2's normalizer,

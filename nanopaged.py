@@ -1193,9 +1193,10 @@ class LLM:
                 + f"attention backend: {self.attn.backend}")
 
     # --- requests ---
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
+    def add_request(self, prompt, params: SamplingParams | BeamSearchParams | None = None, request_id=None):
         """Queue one prompt: text, a list of token ids, or, as vLLM writes them, {"prompt":
-        text} or {"prompt_token_ids": ids}. Bad input raises ValueError and leaves the engine
+        text} or {"prompt_token_ids": ids}; with BeamSearchParams, a beam search (its outputs:
+        the beams, best first). Bad input raises ValueError and leaves the engine
         as it was."""
         self._check_free("add_request()")
         if isinstance(request_id, (SamplingParams, BeamSearchParams)):
@@ -1231,7 +1232,8 @@ class LLM:
             return text, [int(t) for t in prompt]   # numpy and torch integers become ints
         raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
 
-    def _add(self, text: str | None, ids: list[int], params: SamplingParams | None, request_id=None):
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams | BeamSearchParams | None,
+             request_id=None):
         advised = params is None
         params = self._default_params if advised else params
         if isinstance(params, BeamSearchParams):   # a beam search: its beams are the request's sequences
@@ -2902,9 +2904,9 @@ def cli_params(args) -> tuple[SamplingParams | BeamSearchParams, list[str]]:
     return params, drawing
 
 
-def cli_prompts(llm: LLM, args) -> tuple[list[str], list[dict]]:
-    """The prompts as the model is given them (rendered with its chat template, unless
-    --raw), and --system's message."""
+def cli_prompts(llm: LLM, args) -> tuple[list[str] | list[list[int]], list[dict]]:
+    """The prompts as the model is given them: rendered with its chat template and
+    tokenized (unless --raw: the text as typed), and --system's message."""
     tok = llm.get_tokenizer()
     chat = tok.has_chat_template and not args.raw
     if chat and tok.chat_template is None:   # (the CLI has no flag to name one)

@@ -287,8 +287,9 @@ def truncate_prompt_tokens_check(keep) -> tuple[bool, str]:
             f"truncate_prompt_tokens must be None, -1 (all that fit) or an integer >= 1, got {keep!r}")
 
 
-def _refuse_the_first_failed(checks: list[tuple[bool, str]]):
-    """checks: (ok, the message if not). Raises ValueError with the first failure's message."""
+def _refuse_the_first_failed(checks: list[tuple[object, str]]):
+    """checks: (ok, the message if not; ok is any truthy value: True, a match, a list).
+    Raises ValueError with the first failure's message."""
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)

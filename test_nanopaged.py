@@ -1813,6 +1813,17 @@ def test_sentencepiece_outputs_keep_their_first_space(tmp_path):
     assert_nothing_leaked(llm)
 
 
+def test_a_tokenizer_built_by_hand_on_sentencepiece_needs_no_added_tokens():
+    """Tokenizer(SentencePieceBPE(...)) without added_tokens has none (tiktoken's special
+    tokens are the default for a tiktoken Encoding only), and encodes by its merges.
+    Catches: the default read off a SentencePieceBPE (AttributeError: special_tokens_set)."""
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"\u2581": 256, "\u2581a": 257, "\u2581ab": 258, "b": 259}
+    bpe = model_module.SentencePieceBPE(vocab, [("\u2581", "a"), ("\u2581a", "b")], {})
+    tok = model_module.Tokenizer(bpe, sentencepiece="always", strip_space=True)
+    assert tok.encode("ab a b") == [258, 257, 256, 259] and tok.decode([258, 257, 256, 259]) == "ab a b"
+    assert tok.special_ids == frozenset()
+
+
 def test_tokenization_kwargs_of_generate_and_chat(tmp_path):
     """vLLM's tokenization_kwargs: add_special_tokens (generate's default True, chat's False),
     truncate_prompt_tokens from the left (vLLM's side for generation) or the right, -1 one
