@@ -765,7 +765,8 @@ def _one_build_at_a_time(out: Path):
     halfway. cpp_extension marks every load (built or not) with a file `lock`, and waits, for
     ever, while another's is there: a Ctrl-C during the first build (a minute, for the CUDA
     kernels) made every later load hang. An flock, which the OS drops with its process, says
-    whether anyone is in here: held, a `lock` left behind is stale."""
+    whether anyone is in here: held, a `lock` left behind is stale. (torch 2.14 holds such
+    an OS lock on `lock` itself, and a file left there is harmless: cleared all the same.)"""
     import fcntl   # (POSIX: nanopaged's builds run on Linux and macOS)
     with open(out / "nanopaged.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)   # (released as the file closes)
