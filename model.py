@@ -855,10 +855,9 @@ class Tokenizer:
         # tokens) are found in the text before BPE, as HF finds them: the longest one at the
         # leftmost place; a single_word one only as a whole word. Then an lstrip (rstrip)
         # one drops the whitespace on its left (right), up to the next match.
-        if added_tokens is None:   # (a SentencePieceBPE has no special tokens of its own)
-            specials = () if isinstance(encoding, SentencePieceBPE) else encoding.special_tokens_set
+        if added_tokens is None:
             added_tokens = [{"content": t, "id": encoding.encode_single_token(t), "special": True}
-                            for t in specials]
+                            for t in encoding.special_tokens_set]
         # HF finds the tokens marked normalized: false in the raw text, then normalizes the
         # text between them and finds the normalized: true ones in that, normalized too
         # ("<A\u030a>" is found as "<Å>" with NFC; "foo" as "▁foo" with Llama 2's normalizer,
@@ -1479,7 +1478,8 @@ SPACE = "\u2581"   # "▁", SentencePiece's space
 
 class SentencePieceBPE:
     """A SentencePiece vocab and its merges: encode_ordinary (text whose spaces are "▁"
-    already), decode_bytes and decode_single_token_bytes, as tiktoken's Encoding."""
+    already), decode_bytes, decode_single_token_bytes and special_tokens_set, as tiktoken's
+    Encoding."""
 
     def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], added: dict[str, int]):
         self.vocab = vocab
@@ -1495,6 +1495,7 @@ class SentencePieceBPE:
         self.bytes_of = {i: token.replace(SPACE, " ").encode("utf-8", "surrogatepass")
                          for token, i in (added | vocab).items()}
         self.bytes_of |= {i: bytes([b]) for b, i in enumerate(self.byte_ids)}
+        self.special_tokens_set = frozenset()   # (tiktoken's: a SentencePiece vocab's come as added tokens)
 
     def encode_ordinary(self, text: str) -> list[int]:
         ids = []
