@@ -32,9 +32,9 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 import numpy as np
 import torch
@@ -44,8 +44,8 @@ import build_ext
 from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
 from model import (GEMMAS, ModelConfig, ModelError, device_memory, load_model, load_tokenizer,
                    override_sampling_defaults, read_generation_config, resolve_model_dir, tanh_softcap)
-from scheduler import (BeamSearchParams, SamplingParams, Scheduler, Status, cdiv, first_visible, hash_block, is_integer,
-                       stop_token_set, truncate_prompt_tokens_check)
+from scheduler import (BeamSearchParams, RequestOutputKind, SamplingParams, Scheduler, Status, cdiv, first_visible,
+                       hash_block, is_integer, stop_token_set, truncate_prompt_tokens_check)
 
 # -----------------------------------------------------------------------------
 # 1. The paged KV cache
@@ -723,7 +723,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprob_token_ids: a numpy float32 (rows, ids) array, row i the
     # logprobs of its ids as prompt token prompt_logprob_start + i + 1 (-inf where -1 pads it)
     prompt_token_id_logprobs: object = None
-    finished: bool = True      # (vLLM's: a request is returned once, when it has finished)
+    finished: bool = True      # False: an output before the request's end (SamplingParams.output_kind)
     # vLLM's, always None here (a script may test them): its offline LLM logs no per-request
     # metrics either (ttft and latency above, llm.stats); no LoRA, encoder or KV transfer
     metrics: None = None
@@ -777,6 +777,23 @@ class IncrementalDetokenizer:
         return self.utf8.decode(new)
 
 
+class GrowingText:
+    """A sample's text as its tokens arrive, and how much of it is settled: sure to begin its
+    final text. Its last len(longest stop string) - 1 characters could begin a stop string,
+    before which the final text ends: they wait until the next tokens tell. (With
+    include_stop_str_in_output the final text keeps a stop string: nothing waits.) What
+    stream() yields, and step()'s outputs show before a request ends (RequestOutputKind)."""
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.detokenizer, self.text = IncrementalDetokenizer(tokenizer, params.skip_special_tokens), ""
+        self.hold = 0 if params.include_stop_str_in_output else max(map(len, params.stop or ()), default=1) - 1
+
+    def settled(self, token_ids: list[int]) -> int:
+        """Decode the tokens added since the last call; return how many characters of the text are settled."""
+        self.text += self.detokenizer.new_text(token_ids)
+        return max(len(self.text) - self.hold, 0)
+
+
 class StopStringScan:
     """Finds the first stop string to end in a sample's text as it grows. A stop string that
     appears now ends in the new text, so it began at most len(longest stop) - 1
@@ -810,6 +827,21 @@ class StopStringScan:
         return None
 
 
+class Shown(NamedTuple):
+    """How much of a sample the outputs handed out so far held (its last output's, or under DELTA their sum)."""
+    tokens: int = 0
+    chars: int = 0
+    ended: bool = False   # its finish_reason was handed out
+
+    def after(self, c: CompletionOutput) -> "Shown":
+        """Once c is handed out too (from Shown() where c holds all the sample so far)."""
+        return Shown(self.tokens + len(c.token_ids), self.chars + len(c.text), c.finished())
+
+    def news(self, num_tokens: int, finished: bool) -> bool:
+        """Whether a sample of num_tokens tokens has something not handed out: tokens, or its end."""
+        return num_tokens > self.tokens or (finished and not self.ended)
+
+
 @dataclass(eq=False)
 class Request:
     """The engine's record of one request, from add_request until it is reported (LLM._requests):
@@ -828,6 +860,11 @@ class Request:
     beams: dict = field(default_factory=dict)
     parked: dict = field(default_factory=dict)       # beam -> its candidates, computed before its siblings' were
     done: list = field(default_factory=list)         # (output ids, cumulative logprob, history, "stop"): ended in EOS
+    # What its outputs before the end handed out (output_kind CUMULATIVE, DELTA; see _request_output):
+    texts: dict = field(default_factory=dict)        # sample index -> its GrowingText
+    finals: dict = field(default_factory=dict)       # sample index -> its CompletionOutput, once it finished
+    shown: dict = field(default_factory=dict)        # sample index -> Shown: what was handed out of it
+    handed_out: bool = False                         # whether an output was (DELTA: prompt logprobs in the first only)
 
 
 @dataclass
@@ -1233,16 +1270,21 @@ class LLM:
         raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
 
     def _add(self, text: str | None, ids: list[int], params: SamplingParams | BeamSearchParams | None,
-             request_id=None):
+             request_id=None, final_only: bool = False):
+        """add_request's; final_only: the request's copy of its params gets output_kind FINAL_ONLY
+        (generate() and stream(): no output before the end, as vLLM's LLM sets for its own)."""
         advised = params is None
         params = self._default_params if advised else params
         if isinstance(params, BeamSearchParams):   # a beam search: its beams are the request's sequences
             beam = request_copy(params)
             params = SamplingParams(n=beam.beam_width, temperature=0.0, max_tokens=beam.max_tokens,
-                                    ignore_eos=beam.ignore_eos, allowed_token_ids=beam.allowed_token_ids)
+                                    ignore_eos=beam.ignore_eos, allowed_token_ids=beam.allowed_token_ids,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)   # (its beams are not results)
             params.beam = beam
         elif isinstance(params, SamplingParams):
             params = request_copy(params)
+            if final_only:
+                params.output_kind = RequestOutputKind.FINAL_ONLY
         else:
             raise ValueError(f"sampling params must be a SamplingParams (or BeamSearchParams), "
                              f"got {type(params).__name__}")
@@ -1369,14 +1411,15 @@ class LLM:
 
     # --- one step ---
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests finished in it, or by an earlier step that
-        raised after finishing them (none when idle)."""
+        """Run one engine step; return the outputs of the requests that finished in it (or in
+        an earlier step that raised after finishing them), and of those that sampled in it
+        under output_kind CUMULATIVE or DELTA (see _request_output). None when idle."""
         self._check_free("step()")
         return self._step()
 
     def _step(self) -> list[RequestOutput]:
         if not self.scheduler.has_unfinished():
-            return self._collect_finished()   # what an interrupted step finished, if anything
+            return self._collect_outputs()   # what an interrupted step finished, if anything
         start = time.perf_counter()
         try:
             # The bookkeeping (queues, block tables, ref counts) must not stop halfway, so a
@@ -1420,7 +1463,7 @@ class LLM:
             self._flush_trace()
             raise
         self._flush_trace()
-        return self._collect_finished()
+        return self._collect_outputs()
 
     def _commit(self, out, sampled: dict, broken: dict, start: float, token_logprobs: dict, prompt_logprobs: list,
                 beam_plan: dict):
@@ -1753,26 +1796,45 @@ class LLM:
         s.preemptions, s.swapped_out, s.prefix_hit_tokens, s.prefix_query_tokens = (
             sched.num_preemptions, sched.num_swapped_out, sched.prefix_hit_tokens, sched.prefix_query_tokens)
 
-    def _collect_finished(self) -> list[RequestOutput]:
-        """The outputs of the requests that finished and were not reported yet: this step's,
-        and those of a step that was interrupted after it finished them."""
-        done = [rid for rid in self._to_report if rid not in self.scheduler.requests]
-        outputs = [self._request_output(rid) for rid in done]   # all built first: an interrupt here loses none
+    def _collect_outputs(self) -> list[RequestOutput]:
+        """The outputs to return now: of the requests that finished and were not reported yet
+        (this step's, and those of a step that was interrupted after it finished them), and
+        of the unfinished ones that sampled since their last output, by their output_kind
+        (FINAL_ONLY: none). In the order the engine first ran them."""
+        outputs = []   # all built first: an interrupt here loses none
+        for rid in self._to_report:
+            req = self._requests[rid]
+            if rid in self.scheduler.requests and (req.params.output_kind is RequestOutputKind.FINAL_ONLY or not any(
+                    req.shown.get(q.sample_index, Shown()).news(q.num_output_tokens, q.finish_reason is not None)
+                    for q in req.seqs)):
+                continue   # running, and nothing to say yet (a prefill chunk, a preempted request)
+            outputs.append(self._request_output(rid))
         self._hand_back(outputs)
         return outputs
 
     def _request_output(self, request_id) -> RequestOutput:
-        """A finished request's RequestOutput (changes nothing)."""
+        """A request's RequestOutput (changing nothing but what _sample_result keeps): its final
+        one once it finished; before, its samples so far, as its output_kind asks: CUMULATIVE
+        all of them, each with its settled text (GrowingText); DELTA only what each added
+        since the outputs handed out (Request.shown), the prompt's logprobs in the first alone.
+        (A beam search's beams are not its results: it has only a final one.)"""
         req = self._requests[request_id]
         seqs = sorted(req.seqs, key=lambda q: q.sample_index)
-        first = seqs[0]
-        first_token = min((q.first_token_time for q in seqs if q.first_token_time), default=first.finish_time)
-        ttft = first_token - first.arrival_time
+        first, finished = seqs[0], request_id not in self.scheduler.requests
+        now = time.perf_counter()
+        first_token = min((q.first_token_time for q in seqs if q.first_token_time), default=first.finish_time or now)
         outputs = self._beam_results(req) if first.params.beam else self._sample_results(req, seqs)
-        return RequestOutput(request_id, req.prompt, first.prompt_token_ids, outputs,
-                             first.num_cached_tokens, ttft, max(q.finish_time for q in seqs) - first.arrival_time,
-                             req.prompt_logprobs, None if req.prompt_token_id_logprobs is None
-                             else req.prompt_token_id_logprobs.numpy().copy())
+        prompt_logprobs, prompt_token_id_logprobs = req.prompt_logprobs, req.prompt_token_id_logprobs
+        if req.params.output_kind is RequestOutputKind.DELTA:
+            outputs = [delta(c, shown) for c in outputs
+                       if (shown := req.shown.get(c.index, Shown())).news(len(c.token_ids), c.finished())]
+            if req.handed_out:
+                prompt_logprobs = prompt_token_id_logprobs = None
+        return RequestOutput(request_id, req.prompt, first.prompt_token_ids, outputs, first.num_cached_tokens,
+                             first_token - first.arrival_time,
+                             (max(q.finish_time for q in seqs) if finished else now) - first.arrival_time,
+                             prompt_logprobs, None if prompt_token_id_logprobs is None
+                             else prompt_token_id_logprobs.numpy().copy(), finished)
 
     def _stop_reason(self, stop_token: int | None, ignore_eos: bool) -> int | None:
         """vLLM's stop_reason for an output that a stop token ended (None: it did not): the
@@ -1785,13 +1847,30 @@ class LLM:
         return stop_token
 
     def _sample_results(self, req, seqs: list) -> list[CompletionOutput]:
-        """A finished request's n samples (seqs: its sequences, by sample index)."""
-        outputs, first = [], seqs[0]
-        for q in seqs:
-            ids, p, eos = q.output_token_ids, q.params, self.scheduler.eos_token_ids
+        """A request's n samples (seqs: its sequences, by sample index)."""
+        outputs = [self._sample_result(req, q) for q in seqs]
+        # A request that ended before its first token (aborted, or its logits broke) never
+        # forked: its n samples all ended there, empty.
+        first = seqs[0]
+        return outputs + [CompletionOutput(j, "", [], first.finish_reason, logprobs=None if first.params.num_logprobs
+                                           is None else [], cumulative_logprob=None if first.params.num_logprobs
+                                           is None else 0.0) for j in range(len(seqs), first.params.n)]
+
+    def _sample_result(self, req, q) -> CompletionOutput:
+        """One sample's CompletionOutput: once it finished, its final one (kept in req.finals,
+        for the outputs its request gives until all its samples end); before, its settled text."""
+        if q.sample_index in req.finals:
+            return req.finals[q.sample_index]
+        ids, p = q.output_token_ids, q.params
+        if q.finish_reason is None:
+            text = req.texts.setdefault(q.sample_index, GrowingText(self.tokenizer, p))
+            out = CompletionOutput(q.sample_index, text.text[:text.settled(ids)] if p.detokenize else "", list(ids),
+                                   None)
+        else:
             # a stop token ends the text but is not part of it (an ignored EOS is), unless
             # include_stop_str_in_output
-            stop_token = ids[-1] if q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(p, eos) else None
+            stop_token = (ids[-1] if q.finish_reason == "stop" and ids and ids[-1] in stop_token_set(
+                p, self.scheduler.eos_token_ids) else None)
             # (an output continues its prompt: the space a SentencePiece token starts with stays)
             text = self.tokenizer.decode(without_stop_token(ids, stop_token, p.include_stop_str_in_output),
                                          p.skip_special_tokens, continuation=True) if p.detokenize else ""
@@ -1801,28 +1880,35 @@ class LLM:
             if scan and scan.found is not None:   # the text ends before the stop string, or after it
                 text = text[:scan.found + (len(scan.stop) if p.include_stop_str_in_output else 0)]
                 stop_reason = scan.stop
-            outputs.append(CompletionOutput(q.sample_index, text, ids, q.finish_reason, stop_reason))
-        # A request that ended before its first token (aborted, or its logits broke) never
-        # forked: its n samples all ended there, empty.
-        outputs += [CompletionOutput(j, "", [], first.finish_reason) for j in range(len(seqs), first.params.n)]
-        if first.params.num_logprobs is not None:
-            for o in outputs:
-                o.logprobs = req.logprobs.get(o.index, [])
-                o.cumulative_logprob = sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids))
-        return outputs
+            out = CompletionOutput(q.sample_index, text, ids, q.finish_reason, stop_reason)
+        if p.num_logprobs is not None:
+            out.logprobs = list(req.logprobs.get(q.sample_index, []))
+            out.cumulative_logprob = sum(d[t].logprob for d, t in zip(out.logprobs, out.token_ids))
+        if out.finished() and p.output_kind is not RequestOutputKind.FINAL_ONLY:
+            req.finals[q.sample_index] = out   # (a full decode: once)
+        return out
 
     def _hand_back(self, outputs: list[RequestOutput]):
-        """Requests about to be returned: counted in the stats and forgotten, all or none. A
-        Ctrl-C halfway would lose the forgotten ones' outputs, which the caller never gets:
-        so it is held, everything is put back, and the next step() returns them. (One in the
-        few bytecodes between this and the caller's hands can still lose them.)"""
+        """Outputs about to be returned: the finished requests' counted in the stats and
+        forgotten, the others' recorded as handed out (Request.shown), all or none. A Ctrl-C
+        halfway would lose the outputs, which the caller never gets: so it is held, everything
+        is put back, and the next step() returns them (under DELTA, what they held within the
+        next ones). (One in the few bytecodes between this and the caller's hands can still lose them.)"""
         if not outputs:
             return   # (most decode steps finish nothing)
         s = self.stats
-        before, forgotten = (copy.copy(s.ttft), copy.copy(s.tpot), s.prompt_tokens), {}
+        before, forgotten, shown_before = (copy.copy(s.ttft), copy.copy(s.tpot), s.prompt_tokens), {}, {}
         try:
             with defer_ctrl_c():
                 for output in outputs:
+                    if not output.finished:
+                        req = self._requests[output.request_id]
+                        shown_before[req] = req.shown, req.handed_out
+                        summed = req.params.output_kind is RequestOutputKind.DELTA   # (else c holds it all)
+                        req.shown = req.shown | {c.index: (req.shown.get(c.index, Shown()) if summed
+                                                           else Shown()).after(c) for c in output.outputs}
+                        req.handed_out = True
+                        continue
                     forgotten[output.request_id] = req = self._requests.pop(output.request_id)
                     self._to_report.pop(output.request_id, None)
                     s.ttft.add(output.ttft)
@@ -1837,6 +1923,8 @@ class LLM:
                 self._requests |= forgotten
                 self._to_report |= dict.fromkeys(forgotten)
                 s.ttft, s.tpot, s.prompt_tokens = before
+                for req, (shown, handed_out) in shown_before.items():
+                    req.shown, req.handed_out = shown, handed_out
             raise
 
     # --- the whole loop ---
@@ -1964,7 +2052,7 @@ class LLM:
             self._generating = self._cleanup_due = True   # (before its requests exist: a step elsewhere would run them)
             for i, ((text, token_ids), p) in enumerate(zip(prompts, params)):
                 try:
-                    ids.append(self._add(text, token_ids, p))
+                    ids.append(self._add(text, token_ids, p, final_only=True))
                 except ValueError as e:
                     self._next_id = first_id   # (the ids of the prompts before it: never seen by the caller)
                     raise ValueError(f"prompt {i}: {e}") from None
@@ -2056,12 +2144,12 @@ class LLM:
     def _stream(self, prompt, params):
         try:
             self._cleanup_due = True   # (stream() checked the engine was free: add, unchecked)
-            rid = self._add(*self._parse_prompt(prompt), params)
-            seq, self._open_stream = self._requests[rid].seqs[0], rid
-            detokenizer, shown, held = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens), 0, ""
-            # hold back text that could be the start of a stop string, until we know (the
-            # request's own checked copy of the params: the caller's may have changed since)
-            hold = max((len(s) for s in seq.params.stop or ()), default=1) - 1
+            rid = self._add(*self._parse_prompt(prompt), params, final_only=True)
+            req = self._requests[rid]
+            seq, self._open_stream = req.seqs[0], rid
+            # the text shown so far: what is settled (its own copy of the params: the caller's
+            # may have changed since)
+            growing, shown = GrowingText(self.tokenizer, seq.params), 0
             yield ""   # where stream() leaves us, primed
             while rid in self.scheduler.requests:   # until it finishes, or someone aborts it
                 finished = [r for r in self._step() if r.request_id == rid]
@@ -2071,14 +2159,13 @@ class LLM:
                     if out.finish_reason == "error":
                         raise GenerationError(f"{seq.error}: generation stopped")
                     return
-                held += detokenizer.new_text(seq.output_token_ids)
-                cut = max(len(held) - hold, 0)
-                if cut:
-                    yield held[:cut]
-                    shown, held = shown + cut, held[cut:]
-            # aborted (between two pieces): no stop string came, so what it held back is the
-            # rest of its text, and a character cut short shows as U+FFFD, as in abort()'s output
-            if rest := held + detokenizer.utf8.decode(b"", final=True):
+                settled = growing.settled(seq.output_token_ids)
+                if settled > shown:
+                    yield growing.text[shown:settled]
+                    shown = settled
+            # aborted (between two pieces): the rest of the text abort() returned (a character
+            # cut short shows as U+FFFD)
+            if rest := self._sample_result(req, seq).text[shown:]:
                 yield rest
         finally:   # the caller stopped reading early, or a step raised: free its blocks
             self._open_stream = None   # (first, and with no call before it: no Ctrl-C lands ahead of it)
@@ -2152,6 +2239,13 @@ def beam_rank(hypothesis: tuple, length_penalty: float) -> float:
     the same order, and neither overflows nor underflows (length ** 1000 would)."""
     ids, cum = hypothesis[:2]
     return -math.inf if cum >= 0 else math.log(-cum) - length_penalty * math.log(max(len(ids), 1))
+
+
+def delta(c: CompletionOutput, shown: Shown) -> CompletionOutput:
+    """What c adds to the outputs of its sample handed out so far (RequestOutputKind.DELTA;
+    cumulative_logprob stays the sum over all its tokens, as in vLLM)."""
+    return replace(c, text=c.text[shown.chars:], token_ids=c.token_ids[shown.tokens:],
+                   logprobs=None if c.logprobs is None else c.logprobs[shown.tokens:])
 
 
 def without_stop_token(ids: list[int], stop_token: int | None, include_stop_str_in_output: bool) -> list[int]:

@@ -49,10 +49,11 @@ MAX_LOGPROB_TOKEN_IDS = 128   # vLLM's bound on logprob_token_ids
 
 
 class RequestOutputKind(Enum):
-    """vLLM's: what its streaming engines return of a request at each step (the whole output
-    so far, the new part, or nothing until it ends). Its offline LLM sets FINAL_ONLY on every
-    request; nanopaged's generate, step and stream work as they do whatever it says: the
-    field is kept so that a vLLM script that sets it runs here."""
+    """vLLM's: what LLM.step() returns of a request before it ends. CUMULATIVE: at each step
+    it sampled in, all its output so far; DELTA: what each step added (the outputs add up
+    to the final one); FINAL_ONLY: nothing until it ends. Its final output comes in every
+    case. generate() and stream() set FINAL_ONLY on their requests' copies, as vLLM's
+    offline LLM does; a beam search has only a final output."""
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2

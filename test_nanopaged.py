@@ -50,7 +50,8 @@ import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
                    load_tokenizer, resolve_model_dir)
 from nanopaged import (LLM, BlockPool, BlockTable, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks,
-                       PagedAttention, RunningMean, StopStringScan, TextPrompt, TokensPrompt, bad_words_token_ids, copy_blocks, copy_waves,
+                       PagedAttention, RequestOutput, RunningMean, Shown, StopStringScan, TextPrompt, TokensPrompt,
+                       bad_words_token_ids, copy_blocks, copy_waves,
                        logprob_dicts, main, paged_attention, paged_attention_ref, render_chat, sampling_probs,
                        write_kv)
 from scheduler import RepetitionDetectionParams, RequestOutputKind, BeamSearchParams, SamplingParams, Scheduler, Status
@@ -4949,7 +4950,7 @@ def test_sampling_bounds(llm):
     with pytest.raises(TypeError, match="positional"):
         SamplingParams(1, 0.5)
     assert SamplingParams(extra_args={"tag": 1}, spaces_between_special_tokens=True).extra_args == {"tag": 1}
-    # vLLM's output_kind, whatever it says, returns each request once, finished (its offline LLM's FINAL_ONLY)
+    # generate() returns each request once, finished, whatever output_kind says (vLLM's offline LLM sets FINAL_ONLY)
     for kind in RequestOutputKind:
         out = llm.generate(prompt, greedy(10, ignore_eos=True, output_kind=kind))[0]
         assert out.finished and out.outputs[0].token_ids == g
@@ -8139,6 +8140,147 @@ def test_a_stream_yields_each_tokens_text_as_it_arrives(llm):
     before = "".join(per_token[:-1])   # the last step's piece: the 2 characters held, and its token's text
     assert len(before) > 2 and held[-1] == before[-2:] + per_token[-1]
     assert_nothing_leaked(llm)
+
+
+
+def outputs_by_step(llm, requests: list) -> tuple[list, list]:
+    """Add (prompt, params) pairs, step to the end: their ids, and every step's outputs."""
+    ids = [llm.add_request(p, sp) for p, sp in requests]
+    steps = []
+    while llm.has_unfinished_requests():
+        steps.append(llm.step())
+    return ids, steps
+
+
+def check_outputs_add_up(steps: list, rid, final: RequestOutput, kind: RequestOutputKind):
+    """A request's outputs across steps, under kind, against its final output of a FINAL_ONLY run."""
+    mine = [o for outs in steps for o in outs if o.request_id == rid]
+    assert [o.finished for o in mine] == [False] * (len(mine) - 1) + [True]
+    assert all(sum(o.request_id == rid for o in outs) <= 1 for outs in steps)   # one output a step at most
+    if kind is RequestOutputKind.FINAL_ONLY:
+        assert len(mine) == 1
+    whole = {c.index: c for c in final.outputs}
+    if kind is RequestOutputKind.DELTA:
+        for c in whole.values():
+            parts = [d for o in mine for d in o.outputs if d.index == c.index]
+            assert all(d.token_ids or d.finished() for d in parts)          # nothing empty comes
+            assert [d.finished() for d in parts] == [False] * (len(parts) - 1) + [True]
+            assert "".join(d.text for d in parts) == c.text
+            assert [t for d in parts for t in d.token_ids] == c.token_ids
+            if c.logprobs is not None:
+                assert [e for d in parts for e in d.logprobs] == c.logprobs
+                assert parts[-1].cumulative_logprob == c.cumulative_logprob   # (a sum over all, not the part's)
+            assert (parts[-1].finish_reason, parts[-1].stop_reason) == (c.finish_reason, c.stop_reason)
+        assert [o.prompt_logprobs is not None for o in mine] == [final.prompt_logprobs is not None] + [False] * (
+            len(mine) - 1)   # (the prompt's logprobs in the first output alone)
+    else:
+        for o in mine:   # each a prefix of the final one, all samples in each
+            assert sorted(c.index for c in o.outputs) == sorted(whole)
+            for c in o.outputs:
+                w = whole[c.index]
+                assert w.text.startswith(c.text) and w.token_ids[:len(c.token_ids)] == c.token_ids
+                assert c.logprobs == (None if w.logprobs is None else w.logprobs[:len(c.token_ids)])
+                assert c.finish_reason in (None, w.finish_reason)
+            assert o.prompt_logprobs == final.prompt_logprobs
+        assert mine[-1].outputs == final.outputs
+    return mine
+
+
+def test_step_returns_each_request_as_its_output_kind_asks(llm):
+    """step() returns, besides the requests that finished, those that sampled in it by their
+    SamplingParams.output_kind (vLLM's LLMEngine): CUMULATIVE all of each sample so far,
+    DELTA what each step added, FINAL_ONLY nothing before the end; one output per request per
+    step, the final one too. Run three times on the same batch (n = 2 seeded samples, one
+    stopped early; logprobs, prompt_logprobs; a stop string that completes over two tokens):
+    CUMULATIVE's outputs are prefixes of FINAL_ONLY's and its last equals it; DELTA's add
+    up to it. Catches: a stop string's first characters shown before it is cut (no hold-back),
+    DELTA repeating or losing text, tokens or logprobs, the prompt logprobs in every delta,
+    a sample that finished before its sibling listed again under DELTA."""
+    prompts = [SYSTEM + q for q in ("Name a fruit.", "What is 2+2?", "Say hi.")]
+    g = llm.generate(prompts[0], greedy(12, ignore_eos=True))[0].outputs[0]
+
+    def text(ids):
+        return llm.get_tokenizer().decode(ids, True, continuation=True)
+    # a stop string of two tokens, first found where they are: the first alone would show its start
+    k = next(i for i in range(3, 10) if text(g.token_ids[i:i + 1]).strip()
+             and g.text.find(text(g.token_ids[i:i + 2])) == len(text(g.token_ids[:i])))
+    stop = text(g.token_ids[k:k + 2])
+    chat = render_chat(llm.get_tokenizer(), [{"role": "user", "content": "Name a fruit."}],
+                       add_generation_prompt=True)[1]
+
+    def requests(kind):
+        return [(prompts[0], greedy(12, stop=[stop], ignore_eos=True, logprobs=1, output_kind=kind)),
+                (chat, SamplingParams(n=2, seed=0, temperature=1.3, max_tokens=10, logprobs=2, ignore_eos=True,
+                                      prompt_logprobs=1, stop=[","], output_kind=kind)),
+                (prompts[2], SamplingParams(seed=3, max_tokens=6, output_kind=kind)),
+                (prompts[2], BeamSearchParams(beam_width=2, max_tokens=4))]   # a beam search: its final only
+    runs = {}
+    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        llm.reset_prefix_cache()   # (the same batches each time: the same tokens)
+        runs[kind] = outputs_by_step(llm, requests(kind))
+        assert_nothing_leaked(llm)
+    ids, steps = runs[RequestOutputKind.FINAL_ONLY]
+    finals = {o.request_id: o for outs in steps for o in outs}
+    first = finals[ids[0]].outputs[0]
+    assert first.stop_reason == stop and first.text == text(g.token_ids[:k])
+    samples = finals[ids[1]].outputs   # one sample stops at a comma, the other runs on
+    assert samples[0].finish_reason == "stop" and len(samples[0].token_ids) < len(samples[1].token_ids)
+    for kind, (kind_ids, kind_steps) in runs.items():
+        assert len(kind_steps) == len(steps)
+        for rid, reference in zip(kind_ids, ids):
+            mine = check_outputs_add_up(kind_steps, rid, finals[reference], kind if rid != kind_ids[3]
+                                        else RequestOutputKind.FINAL_ONLY)
+            if kind is not RequestOutputKind.FINAL_ONLY and rid in (kind_ids[0], kind_ids[2]):
+                assert len(mine) == len(finals[reference].outputs[0].token_ids)   # one a step: a token each
+    # the stop string's first token alone shows none of it: the text waits for the next token
+    cumulative = [o.outputs[0] for outs in runs[RequestOutputKind.CUMULATIVE][1] for o in outs
+                  if o.request_id == runs[RequestOutputKind.CUMULATIVE][0][0]]
+    assert len(cumulative[k].token_ids) == k + 1 and not cumulative[k].finished()
+    assert len(cumulative[k].text) <= len(first.text) < len(text(g.token_ids[:k + 1]))
+
+
+def test_delta_outputs_add_up_through_preemption_abort_and_ctrl_c(smollm2_dir, monkeypatch):
+    """Under DELTA, the outputs add up to the whole: when the pool is too small for the
+    batch (recompute preemption), when a Ctrl-C lands while they are handed back (they come
+    with the next step's), and when the request is aborted (abort() returns the rest).
+    Catches: a preempted request's recompute showing its tokens again; deltas recorded as
+    handed out but never returned; abort() returning all of it again."""
+    tight = LLM(smollm2_dir, num_blocks=12, block_size=16)   # (three requests need 17: one is preempted)
+    prompts = [SYSTEM + q for q in ("Name a fruit.", "What is 2+2?", "Say hi.")]
+
+    def requests(kind):
+        return [(p, SamplingParams(seed=i, max_tokens=40, ignore_eos=True, logprobs=0, output_kind=kind))
+                for i, p in enumerate(prompts)]
+    ids, steps = outputs_by_step(tight, requests(RequestOutputKind.FINAL_ONLY))
+    assert tight.stats.preemptions > 0
+    finals = {o.request_id: o for outs in steps for o in outs}
+    tight.reset_prefix_cache()
+    delta_ids, delta_steps = outputs_by_step(tight, requests(RequestOutputKind.DELTA))
+    assert tight.stats.preemptions > 0 and len(delta_steps) == len(steps)
+    for rid, reference in zip(delta_ids, ids):
+        check_outputs_add_up(delta_steps, rid, finals[reference], RequestOutputKind.DELTA)
+    # a Ctrl-C as a step's deltas are handed back: none is lost, the next step's output holds them
+    tight.reset_prefix_cache()
+    delta_ids = [tight.add_request(p, sp) for p, sp in requests(RequestOutputKind.DELTA)]
+    delta_steps = [tight.step() for _ in range(12)]
+    monkeypatch.setattr(Shown, "after", ctrl_c_on_call(2, Shown.after))
+    with pytest.raises(KeyboardInterrupt):
+        tight.step()
+    monkeypatch.undo()
+    while tight.has_unfinished_requests():
+        delta_steps.append(tight.step())
+    for rid, reference in zip(delta_ids, ids):
+        mine = check_outputs_add_up(delta_steps, rid, finals[reference], RequestOutputKind.DELTA)
+        assert max(len(o.outputs[0].token_ids) for o in mine) >= 2   # (the interrupted step's came later)
+    assert_nothing_leaked(tight)
+    # abort(): the rest, a character cut short as U+FFFD, as its final output
+    rid = tight.add_request(prompts[0], SamplingParams(seed=1, max_tokens=40, output_kind=RequestOutputKind.DELTA))
+    parts = [o for _ in range(9) for o in tight.step()]
+    parts.append(tight.abort(rid))
+    ids_seen = [t for o in parts for t in o.outputs[0].token_ids]
+    assert parts[-1].finished and parts[-1].outputs[0].finish_reason == "abort" and len(ids_seen) >= 5
+    assert "".join(o.outputs[0].text for o in parts) == tight.get_tokenizer().decode(ids_seen, True, continuation=True)
+    assert_nothing_leaked(tight)
 
 
 def test_stats_count_every_sample_of_a_forked_request(llm):
