@@ -6736,18 +6736,23 @@ def test_readme_transcripts_reproduce_exactly(capsys, smollm2_dir, monkeypatch):
 def test_readme_python_blocks_run(capsys, smollm2_dir):
     """Each of the README's ```python blocks runs as written (the default model from the
     session's cache) and prints what its comments say: the emulator's difference from the
-    reference, ~1e-7; beam search's 3 best."""
+    reference, ~1e-7; beam search's 3 best; step()'s DELTA pieces, which add up to generate()'s text."""
     blocks = re.findall(r"```python\n(.*?)```", (HERE / "README.md").read_text(), re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     for block in blocks:
         if "emulate=True" in block and build_ext.find_cuda_home() is None:
             continue   # (the emulator needs the CUDA toolkit's headers)
-        exec(compile(block, "README.md", "exec"), {})
+        namespace = {}
+        exec(compile(block, "README.md", "exec"), namespace)
         out = capsys.readouterr().out.splitlines()
         if "emulate=True" in block:
             assert len(out) == 1 and float(re.fullmatch(r"tensor\((.*)\)", out[0])[1]) < 1e-5
         elif "beam_search" in block:
             assert sum(bool(re.match(r"-\d+\.\d+ The capital of France is", line)) for line in out) == 3
+        elif "DELTA" in block:
+            llm, texts = namespace["llm"], namespace["texts"]
+            whole = llm.generate(["The capital of France is", "Water boils at"], greedy(24))
+            assert sorted(out) == sorted(f"{rid} {o.outputs[0].text!r}" for rid, o in zip(texts, whole))
         else:
             assert len(out) >= 3   # two generations and a chat answer
 
