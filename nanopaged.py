@@ -844,7 +844,7 @@ class Shown(NamedTuple):
 
 @dataclass(eq=False)
 class Request:
-    """The engine's record of one request, from add_request until it is reported (LLM._requests):
+    """The engine's record of one request, from add_request until its final output is handed out (LLM._requests):
     what its output is made of, beside the Sequences the scheduler runs."""
     prompt: str | None                # the text, None if given as token ids alone
     params: SamplingParams            # the request's own copy (request_copy), limits filled in
@@ -1863,8 +1863,10 @@ class LLM:
             return req.finals[q.sample_index]
         ids, p = q.output_token_ids, q.params
         if q.finish_reason is None:
-            text = req.texts.setdefault(q.sample_index, GrowingText(self.tokenizer, p))
-            out = CompletionOutput(q.sample_index, text.text[:text.settled(ids)] if p.detokenize else "", list(ids),
+            if p.detokenize and q.sample_index not in req.texts:
+                req.texts[q.sample_index] = GrowingText(self.tokenizer, p)
+            growing = req.texts.get(q.sample_index)
+            out = CompletionOutput(q.sample_index, growing.text[:growing.settled(ids)] if growing else "", list(ids),
                                    None)
         else:
             # a stop token ends the text but is not part of it (an ignored EOS is), unless

@@ -8217,7 +8217,7 @@ def test_step_returns_each_request_as_its_output_kind_asks(llm):
         return [(prompts[0], greedy(12, stop=[stop], ignore_eos=True, logprobs=1, output_kind=kind)),
                 (chat, SamplingParams(n=2, seed=0, temperature=1.3, max_tokens=10, logprobs=2, ignore_eos=True,
                                       prompt_logprobs=1, stop=[","], output_kind=kind)),
-                (prompts[2], SamplingParams(seed=3, max_tokens=6, output_kind=kind)),
+                (prompts[2], SamplingParams(seed=3, max_tokens=6, detokenize=False, output_kind=kind)),   # (no text)
                 (prompts[2], BeamSearchParams(beam_width=2, max_tokens=4))]   # a beam search: its final only
     runs = {}
     for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
