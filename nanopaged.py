@@ -1865,9 +1865,11 @@ class LLM:
         if q.finish_reason is None:
             if p.detokenize and q.sample_index not in req.texts:
                 req.texts[q.sample_index] = GrowingText(self.tokenizer, p)
-            growing = req.texts.get(q.sample_index)
-            out = CompletionOutput(q.sample_index, growing.text[:growing.settled(ids)] if growing else "", list(ids),
-                                   None)
+            growing, text = req.texts.get(q.sample_index), ""
+            if growing:
+                settled = growing.settled(ids)   # (first: it decodes the new tokens into growing.text)
+                text = growing.text[:settled]
+            out = CompletionOutput(q.sample_index, text, list(ids), None)
         else:
             # a stop token ends the text but is not part of it (an ignored EOS is), unless
             # include_stop_str_in_output

@@ -8200,7 +8200,8 @@ def test_step_returns_each_request_as_its_output_kind_asks(llm):
     CUMULATIVE's outputs are prefixes of FINAL_ONLY's and its last equals it; DELTA's add
     up to it. Catches: a stop string's first characters shown before it is cut (no hold-back),
     DELTA repeating or losing text, tokens or logprobs, the prompt logprobs in every delta,
-    a sample that finished before its sibling listed again under DELTA."""
+    a sample that finished before its sibling listed again under DELTA, an output showing
+    the text of all its tokens but the last."""
     prompts = [SYSTEM + q for q in ("Name a fruit.", "What is 2+2?", "Say hi.")]
     g = llm.generate(prompts[0], greedy(12, ignore_eos=True))[0].outputs[0]
 
@@ -8218,7 +8219,8 @@ def test_step_returns_each_request_as_its_output_kind_asks(llm):
                 (chat, SamplingParams(n=2, seed=0, temperature=1.3, max_tokens=10, logprobs=2, ignore_eos=True,
                                       prompt_logprobs=1, stop=[","], output_kind=kind)),
                 (prompts[2], SamplingParams(seed=3, max_tokens=6, detokenize=False, output_kind=kind)),   # (no text)
-                (prompts[2], BeamSearchParams(beam_width=2, max_tokens=4))]   # a beam search: its final only
+                (prompts[2], BeamSearchParams(beam_width=2, max_tokens=4)),   # a beam search: its final only
+                (prompts[1], greedy(6, ignore_eos=True, output_kind=kind))]   # no stop string: nothing held back
     runs = {}
     for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
         llm.reset_prefix_cache()   # (the same batches each time: the same tokens)
@@ -8235,8 +8237,12 @@ def test_step_returns_each_request_as_its_output_kind_asks(llm):
         for rid, reference in zip(kind_ids, ids):
             mine = check_outputs_add_up(kind_steps, rid, finals[reference], kind if rid != kind_ids[3]
                                         else RequestOutputKind.FINAL_ONLY)
-            if kind is not RequestOutputKind.FINAL_ONLY and rid in (kind_ids[0], kind_ids[2]):
+            if kind is not RequestOutputKind.FINAL_ONLY and rid in (kind_ids[0], kind_ids[2], kind_ids[4]):
                 assert len(mine) == len(finals[reference].outputs[0].token_ids)   # one a step: a token each
+    # without a stop string, each output shows the text of every token it has (the last one's too)
+    for o in (o for outs in runs[RequestOutputKind.CUMULATIVE][1] for o in outs
+              if o.request_id == runs[RequestOutputKind.CUMULATIVE][0][4]):
+        assert o.outputs[0].text == text(o.outputs[0].token_ids)
     # the stop string's first token alone shows none of it: the text waits for the next token
     cumulative = [o.outputs[0] for outs in runs[RequestOutputKind.CUMULATIVE][1] for o in outs
                   if o.request_id == runs[RequestOutputKind.CUMULATIVE][0][0]]
