@@ -8239,6 +8239,24 @@ def test_step_returns_each_request_as_its_output_kind_asks(llm):
                                         else RequestOutputKind.FINAL_ONLY)
             if kind is not RequestOutputKind.FINAL_ONLY and rid in (kind_ids[0], kind_ids[2], kind_ids[4]):
                 assert len(mine) == len(finals[reference].outputs[0].token_ids)   # one a step: a token each
+    # step by step, DELTA's pieces so far add up to CUMULATIVE's output of that step
+    (cumulative_ids, cumulative_steps), (delta_ids, delta_steps) = (runs[RequestOutputKind.CUMULATIVE],
+                                                                    runs[RequestOutputKind.DELTA])
+    sums = {}   # (request, sample index) -> [text, token ids, logprobs, finish_reason]
+    for cumulative_outs, delta_outs in zip(cumulative_steps, delta_steps):
+        assert [o.request_id for o in cumulative_outs] == [cumulative_ids[delta_ids.index(o.request_id)]
+                                                           for o in delta_outs]
+        for o in delta_outs:
+            for c in o.outputs:
+                add = sums.setdefault((o.request_id, c.index), ["", [], [], None])
+                add[0] += c.text
+                add[1] += c.token_ids
+                add[2] += c.logprobs or []
+                add[3] = c.finish_reason
+        for o in cumulative_outs:
+            rid = delta_ids[cumulative_ids.index(o.request_id)]
+            assert [[c.text, c.token_ids, c.logprobs or [], c.finish_reason] for c in o.outputs] == [
+                sums[rid, c.index] for c in o.outputs]
     # without a stop string, each output shows the text of every token it has (the last one's too)
     for o in (o for outs in runs[RequestOutputKind.CUMULATIVE][1] for o in outs
               if o.request_id == runs[RequestOutputKind.CUMULATIVE][0][4]):
