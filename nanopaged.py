@@ -1860,7 +1860,7 @@ class LLM:
         """One sample's CompletionOutput: once it finished, its final one (kept in req.finals,
         for the outputs its request gives until all its samples end); before, its settled text."""
         if q.sample_index in req.finals:
-            return req.finals[q.sample_index]
+            return replace(req.finals[q.sample_index])   # (a copy: a caller may change the one it got)
         ids, p = q.output_token_ids, q.params
         if q.finish_reason is None:
             if p.detokenize and q.sample_index not in req.texts:
@@ -1889,7 +1889,7 @@ class LLM:
             out.logprobs = list(req.logprobs.get(q.sample_index, []))
             out.cumulative_logprob = sum(d[t].logprob for d, t in zip(out.logprobs, out.token_ids))
         if out.finished() and p.output_kind is not RequestOutputKind.FINAL_ONLY:
-            req.finals[q.sample_index] = out   # (a full decode: once)
+            req.finals[q.sample_index] = replace(out)   # (a full decode: once)
         return out
 
     def _hand_back(self, outputs: list[RequestOutput]):

@@ -8257,6 +8257,11 @@ def test_step_returns_each_request_as_its_output_kind_asks(llm):
             rid = delta_ids[cumulative_ids.index(o.request_id)]
             assert [[c.text, c.token_ids, c.logprobs or [], c.finish_reason] for c in o.outputs] == [
                 sums[rid, c.index] for c in o.outputs]
+    # a sample that finished while its sibling runs on is in each later output, each time a new object
+    # (a caller may change one)
+    early = [o.outputs[0] for outs in cumulative_steps for o in outs if o.request_id == cumulative_ids[1]
+             and o.outputs[0].finished()]
+    assert len(early) > 1 and len(set(map(id, early))) == len(early)
     # without a stop string, each output shows the text of every token it has (the last one's too)
     for o in (o for outs in runs[RequestOutputKind.CUMULATIVE][1] for o in outs
               if o.request_id == runs[RequestOutputKind.CUMULATIVE][0][4]):
