@@ -863,8 +863,8 @@ class Request:
     # What its outputs before the end handed out (output_kind CUMULATIVE, DELTA; see _request_output):
     texts: dict = field(default_factory=dict)        # sample index -> its GrowingText
     finals: dict = field(default_factory=dict)       # sample index -> its CompletionOutput, once it finished
-    shown: dict = field(default_factory=dict)        # sample index -> Shown: what was handed out of it
-    handed_out: bool = False                         # whether an output was (DELTA: prompt logprobs in the first only)
+    shown: dict = field(default_factory=dict)        # sample index -> Shown: what was handed out of it (empty:
+                                                     # no output yet; DELTA gives the prompt logprobs in the first)
 
 
 @dataclass
@@ -1828,7 +1828,7 @@ class LLM:
         if req.params.output_kind is RequestOutputKind.DELTA:
             outputs = [delta(c, shown) for c in outputs
                        if (shown := req.shown.get(c.index, Shown())).news(len(c.token_ids), c.finished())]
-            if req.handed_out:
+            if req.shown:
                 prompt_logprobs = prompt_token_id_logprobs = None
         return RequestOutput(request_id, req.prompt, first.prompt_token_ids, outputs, first.num_cached_tokens,
                              first_token - first.arrival_time,
@@ -1907,11 +1907,10 @@ class LLM:
                 for output in outputs:
                     if not output.finished:
                         req = self._requests[output.request_id]
-                        shown_before[req] = req.shown, req.handed_out
+                        shown_before[req] = req.shown
                         summed = req.params.output_kind is RequestOutputKind.DELTA   # (else c holds it all)
                         req.shown = req.shown | {c.index: (req.shown.get(c.index, Shown()) if summed
                                                            else Shown()).after(c) for c in output.outputs}
-                        req.handed_out = True
                         continue
                     forgotten[output.request_id] = req = self._requests.pop(output.request_id)
                     self._to_report.pop(output.request_id, None)
@@ -1927,8 +1926,8 @@ class LLM:
                 self._requests |= forgotten
                 self._to_report |= dict.fromkeys(forgotten)
                 s.ttft, s.tpot, s.prompt_tokens = before
-                for req, (shown, handed_out) in shown_before.items():
-                    req.shown, req.handed_out = shown, handed_out
+                for req, shown in shown_before.items():
+                    req.shown = shown
             raise
 
     # --- the whole loop ---
