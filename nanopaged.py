@@ -1851,10 +1851,10 @@ class LLM:
         outputs = [self._sample_result(req, q) for q in seqs]
         # A request that ended before its first token (aborted, or its logits broke) never
         # forked: its n samples all ended there, empty.
-        first = seqs[0]
-        return outputs + [CompletionOutput(j, "", [], first.finish_reason, logprobs=None if first.params.num_logprobs
-                                           is None else [], cumulative_logprob=None if first.params.num_logprobs
-                                           is None else 0.0) for j in range(len(seqs), first.params.n)]
+        first, scored = seqs[0], req.params.num_logprobs is not None
+        return outputs + [CompletionOutput(j, "", [], first.finish_reason, logprobs=[] if scored else None,
+                                           cumulative_logprob=0.0 if scored else None)
+                          for j in range(len(seqs), first.params.n)]
 
     def _sample_result(self, req, q) -> CompletionOutput:
         """One sample's CompletionOutput: once it finished, its final one (kept in req.finals,
