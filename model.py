@@ -11,7 +11,7 @@ layer hands its q, k, v to the `attn` object it was given,
 
 and that object (nanopaged's PagedAttention: the torch path, its decode rows on kernels_cpu.c,
 or the CUDA kernel; the tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
-context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen, SmolLM3, Gemma layers), to the
+context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen, SmolLM3, Gemma, OLMo 3 layers), to the
 last W positions up to each query. The model knows nothing about pages.
 
 Chapters: config, tokenizers (the Tokenizer, chat templates, the tokenizers built from files),
@@ -136,6 +136,10 @@ GEMMAS = ("gemma2", "gemma3_text")   # (Gemma 3 with a vision tower, "gemma3", r
 # num_attention_heads for both: MinistralConfig leaves it null, which MinistralAttention of
 # transformers 5.24 cannot run.)
 MISTRALS = ("mistral", "ministral")
+# OLMo 2 (AI2's fully open models) puts its norms after attention and the MLP, on their
+# outputs, and normalizes q and k across all heads at once; OLMo 3 is OLMo 2 with three
+# layers in four windowed (transformers' Olmo3Config), its full layers' RoPE alone scaled.
+OLMOS = ("olmo2", "olmo3")
 
 # model_types that run on the Llama module below (with the differences ModelConfig notes),
 # and the values their HF config classes take where a config.json leaves a key out
@@ -149,6 +153,8 @@ LLAMA_FAMILY = {
     "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128,
               "num_key_value_heads": 32},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
+    "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "sliding_window": 4096},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
                 "rope_theta": 2_000_000.0, "num_key_value_heads": 4},
     "gemma2": {"vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -201,7 +207,13 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
     qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
     o_bias: bool = False              # o_proj has a bias (attention_bias)
-    qk_norm: bool = False             # RMSNorm over each head's q and k before RoPE (Qwen 3, Gemma 3)
+    qk_norm: str | None = None        # RMSNorm on q and k before RoPE: "head", each head's (one (D,) scale
+                                      # shared by all: Qwen 3, Gemma 3); "all", all heads' at once (OLMo 2)
+    # Where each layer's RMSNorms sit: before attention and the MLP, on their inputs (Llama's
+    # "pre-norm"), after them, on their outputs before the residual adds (OLMo 2's), or both
+    # (Gemma's "sandwich")
+    pre_norms: bool = True
+    post_norms: bool = False
     # Gemma (2, 3): its RMSNorms scale by (1 + weight), in float32; norms after attention and
     # the MLP as well as before ("sandwich"); embeddings scaled by sqrt(C); a GELU-gated MLP;
     # the attention scaled by query_pre_attn_scalar^-1/2; Gemma 2 softcaps the scores and the
@@ -209,7 +221,7 @@ class ModelConfig:
     gemma: bool = False
     hidden_act: str = "silu"          # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma)
     query_pre_attn_scalar: float | None = None  # attention scores times its -1/2 power (None: D^-1/2)
-    rope_local_base_freq: float | None = None   # the windowed layers' RoPE base, unscaled (Gemma 3)
+    rope_local_base_freq: float | None = None   # the windowed layers' RoPE base, unscaled (Gemma 3, OLMo 3)
     final_logit_softcapping: float | None = None  # logits squashed to (-cap, cap): cap * tanh(x / cap)
     attn_logit_softcapping: float | None = None   # attention scores squashed so, after scaling (Gemma 2)
     nope_layers: range | tuple = ()   # the layers whose attention has no RoPE (SmolLM3: every 4th)
@@ -287,8 +299,11 @@ class ModelConfig:
             d, model_type = _gemma3_text_config(d), "gemma3_text"
         if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
             d = LLAMA_FAMILY[model_type] | d
-            gemma, d_rope = _gemma_fields(d, model_type) if model_type in GEMMAS else ({}, d)
-            if not gemma and d.get("hidden_act", "silu") not in ("silu", "swish"):   # (transformers': one function)
+            if model_type in GEMMAS:
+                extra, d_rope = _gemma_fields(d, model_type)
+            else:   # (OLMo 3's windowed layers turn by a RoPE of their own, as Gemma 3's)
+                extra, d_rope = _two_ropes(d, model_type) if model_type == "olmo3" else ({}, d)
+            if model_type not in GEMMAS and d.get("hidden_act", "silu") not in ("silu", "swish"):   # (transformers': one function)
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu', or 'swish')")
             if d.get("mlp_bias"):
                 raise ModelError("mlp_bias is not supported")
@@ -308,16 +323,17 @@ class ModelConfig:
             max_position = _positive(d, "max_position_embeddings", default=2048)
             rope_theta, rope_scaling, partial = _rope_config(d_rope, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
-            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's, SmolLM3's and Gemma's
-            # attention_bias gives all four one; Mistral has none. Qwen 3 and Gemma 3 normalize
-            # each head's q and k.
-            attention_bias = model_type in ("llama", "qwen3", "smollm3", *GEMMAS) and _flag(d, "attention_bias")
+            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's, SmolLM3's, Gemma's and
+            # OLMo's attention_bias gives all four one; Mistral has none. Qwen 3 and Gemma 3
+            # normalize each head's q and k, OLMo all of q and all of k.
+            attention_bias = (model_type in ("llama", "qwen3", "smollm3", *GEMMAS, *OLMOS)
+                              and _flag(d, "attention_bias"))
             nope_layers = _nope_layers(d, model_type)
             window, window_layers = _sliding_window(d, model_type, nope_layers)
-            # A window as long as the context changes nothing. (Gemma 3's is kept: it also says
-            # which layers take the local RoPE.)
+            # A window as long as the context changes nothing. (Kept where it also says which
+            # layers take the local RoPE: Gemma 3's, a scaled OLMo 3's.)
             if (window and window >= _context_length(max_position, rope_scaling, model_type)
-                    and model_type != "gemma3_text"):
+                    and "rope_local_base_freq" not in extra):
                 window, window_layers = None, ()
             fields = dict(
                 hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
@@ -327,8 +343,9 @@ class ModelConfig:
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings"),
                 qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
-                qk_norm=model_type in ("qwen3", "gemma3_text"), nope_layers=nope_layers, sliding_window=window,
-                window_layers=window_layers, **gemma)
+                qk_norm="head" if model_type in ("qwen3", "gemma3_text") else "all" if model_type in OLMOS else None,
+                pre_norms=model_type not in OLMOS, post_norms=model_type in (*GEMMAS, *OLMOS), nope_layers=nope_layers,
+                sliding_window=window, window_layers=window_layers, **extra)
             default_token_id = None
         elif model_type == "gpt2":
             if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -415,11 +432,8 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
     """ModelConfig's Gemma fields, read as transformers' Gemma2Config and Gemma3TextConfig
     read them, and d with its RoPE written as _rope_config reads a Llama's. Gemma 2 has one
     RoPE, and softcaps its attention scores and its logits. Gemma 3 has per-head q/k norms
-    instead of the scores' softcap, and two RoPEs: the full attention layers' rope_theta
-    and any scaling (the 4B and larger: linear, 8), from rope_theta + rope_scaling or
-    transformers 5's rope_parameters["full_attention"]; the windowed layers' base from
-    rope_local_base_freq or rope_parameters["sliding_attention"], never scaled. Refused: the
-    bidirectional attention of Gemma 3's embedding models."""
+    instead of the scores' softcap, and two RoPEs (_two_ropes). Refused: the bidirectional
+    attention of Gemma 3's embedding models."""
     if d.get("hidden_activation") not in ("gelu_pytorch_tanh", "gelu_new"):   # (both the tanh GELU)
         raise ModelError(f"hidden_activation {d.get('hidden_activation')!r} is not supported "
                          f"(only the tanh GELU: 'gelu_pytorch_tanh')")
@@ -433,25 +447,44 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
     if model_type == "gemma2":
         return fields, d
     fields["attn_logit_softcapping"] = None   # (Gemma 3's attention ignores it in transformers too)
-    nested = d.get("rope_parameters")
+    local, d = _two_ropes(d, model_type)
+    return fields | local, d
+
+
+def _two_ropes(d: dict, model_type: str) -> tuple[dict, dict]:
+    """The RoPEs of Gemma 3 and OLMo 3, whose windowed layers turn by one of their own: the
+    full attention layers' rope_theta and any scaling (Gemma 3 4B and larger: linear, 8; OLMo
+    3: YaRN), from rope_theta + rope_scaling or transformers 5's
+    rope_parameters["full_attention"]; the windowed layers' base from
+    rope_parameters["sliding_attention"], or else Gemma 3's rope_local_base_freq or OLMo 3's
+    one rope_theta, never scaled. Returns ModelConfig's rope_local_base_freq (left out where
+    both RoPEs are one: OLMo 3 unscaled) and d with its RoPE written as _rope_config reads a
+    Llama's. (transformers 5.25's Olmo3Config gives the windowed layers its default base,
+    500,000, whatever rope_theta says; vLLM, as here, the same one: a real OLMo 3's is 500,000.)"""
+    nested, name = d.get("rope_parameters"), "OLMo 3" if model_type == "olmo3" else "Gemma 3"
     if nested is not None and not (isinstance(nested, dict) and set(nested) <= {"full_attention", "sliding_attention"}
                                    and all(isinstance(v, dict | None) for v in nested.values())):
-        raise ModelError(f"'rope_parameters' is {reprlib.repr(nested)}, expected Gemma 3's "
+        raise ModelError(f"'rope_parameters' is {reprlib.repr(nested)}, expected {name}'s "
                          f"{{'full_attention': {{...}}, 'sliding_attention': {{...}}}}")
     full, local = (nested or {}).get("full_attention") or {}, (nested or {}).get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
         raise ModelError(f"rope type {local['rope_type']!r} for the sliding-window layers is not supported "
-                         f"(Gemma 3 scales only its full-attention layers' RoPE)")
-    if "rope_theta" in local:
-        with _in_file("rope_parameters['sliding_attention']"):   # (named as where the key is)
-            fields["rope_local_base_freq"] = _positive(local, "rope_theta", float)
-    else:
-        fields["rope_local_base_freq"] = _positive(d, "rope_local_base_freq", float)
+                         f"({name} scales only its full-attention layers' RoPE)")
     # (an old-style rope_scaling given too goes into the full layers' parameters, as transformers merges it)
     scaling = d.get("rope_scaling")
     if not isinstance(scaling, dict | None):
         raise ModelError(f"'rope_scaling' is {reprlib.repr(scaling)}, expected an object or null")
-    return fields, d | {"rope_parameters": (full | (scaling or {})) or None, "rope_scaling": None}
+    full = full | (scaling or {})
+    if "rope_theta" in local:
+        with _in_file("rope_parameters['sliding_attention']"):   # (named as where the key is)
+            base = _positive(local, "rope_theta", float)
+    elif model_type == "olmo3":
+        base = _positive(full if "rope_theta" in full else d, "rope_theta", float)
+    else:
+        base = _positive(d, "rope_local_base_freq", float)
+    same = (model_type == "olmo3" and full.get("rope_type", full.get("type", "default")) == "default"
+            and base == full.get("rope_theta", d.get("rope_theta")))
+    return {} if same else {"rope_local_base_freq": base}, d | {"rope_parameters": full or None, "rope_scaling": None}
 
 
 def _nope_layers(d: dict, model_type: str) -> range | tuple:
@@ -480,16 +513,16 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     without); then the layers layer_types names so (by default, Qwen's from max_window_layers
     on, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
-    (Gemma 3: 6). Llama has no window."""
-    if model_type == "llama" or d.get("sliding_window") is None and model_type not in GEMMAS:
-        return None, ()   # (Gemma's layer_types or pattern window layers: they need a window, below)
+    (Gemma 3: 6), OLMo 3's all but every 4th. Llama and OLMo 2 have no window."""
+    if model_type in ("llama", "olmo2") or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3"):
+        return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
     if model_type == "phi3" or model_type in MISTRALS and d.get("layer_types") is None:
         windowed = range(layers)
-    elif model_type in GEMMAS and d.get("layer_types") is None:   # (Gemma 2: every other layer; 3: 5 of 6)
-        pattern = 2 if model_type == "gemma2" else _positive(d, "sliding_window_pattern", default=6)
+    elif model_type in (*GEMMAS, "olmo3") and d.get("layer_types") is None:   # (Gemma 2: every other layer; 3: 5 of 6)
+        pattern = {"gemma2": 2, "olmo3": 4}.get(model_type) or _positive(d, "sliding_window_pattern", default=6)
         windowed = LayersBut(layers, range(pattern - 1, layers, pattern))
-    elif (not _flag(d, "use_sliding_window") and model_type not in (*GEMMAS, *MISTRALS)
+    elif (not _flag(d, "use_sliding_window") and model_type not in (*GEMMAS, *MISTRALS, "olmo3")
           and not (model_type == "smollm3" and d.get("layer_types") is not None)):
         return None, ()   # (SmolLM3's masks follow its layer_types even so, as transformers runs it)
     elif (kinds := d.get("layer_types")) is None and model_type == "smollm3":
@@ -1584,7 +1617,10 @@ def _space_scheme(tj: dict, vocab: dict[str, int], path: Path) -> str:
 def _hf_pattern(pre: dict | None, path: Path) -> str:
     """The tiktoken regex equal to a tokenizer.json pre_tokenizer. Three shapes cover the
     byte-level BPE families: ByteLevel alone (GPT-2), Digits + ByteLevel (SmolLM2), and
-    Split(regex) + ByteLevel without its own regex (Llama 3, Qwen 2)."""
+    Split(regex) + ByteLevel without its own regex (Llama 3, Qwen 2, OLMo 2). The Split
+    isolates each match as a piece (Llama's), or keeps the matches and removes the rest
+    (OLMo's "Removed", inverted): tiktoken's pieces are its regex's matches; the two differ
+    only on text the regex leaves unmatched, which these regexes never do."""
     steps = pre.get("pretokenizers", [pre]) if pre else []
     if not (isinstance(steps, list) and all(isinstance(s, dict) for s in steps)):
         raise ModelError(f"{path}: pre_tokenizer {pre!r} is not a pre-tokenizer object")
@@ -1601,11 +1637,12 @@ def _hf_pattern(pre: dict | None, path: Path) -> str:
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and own_regex:
         return SMOLLM_PATTERN
     split = steps[0].get("pattern")
+    how = (steps[0].get("behavior"), bool(steps[0].get("invert")))
     if (kinds == ["Split", "ByteLevel"] and not own_regex and isinstance(split, dict) and "Regex" in split
-            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")):
+            and how in (("Isolated", False), ("Removed", True))):
         return _split_regex(split["Regex"], path)
     raise ModelError(f"{path}: pre_tokenizer {kinds} is not supported (supported: ByteLevel; "
-                     f"Digits(individual) + ByteLevel; Split(regex, isolated) + ByteLevel)")
+                     f"Digits(individual) + ByteLevel; Split(regex, isolated, or removed and inverted) + ByteLevel)")
 
 
 def _split_regex(pattern, path: Path) -> str:
@@ -1849,7 +1886,7 @@ def rope_tables(config: ModelConfig, max_model_len: int | None = None,
     computed once so that a forward pass just picks rows by position.
     Float32 and in the same order of operations as HF, whose numbers the checkpoints were
     evaluated with. device="cpu" explicitly: real numbers even while the model is built on
-    'meta'. local: the tables of Gemma 3's windowed layers (rope_local_base_freq, unscaled)."""
+    'meta'. local: the tables of Gemma 3's and OLMo 3's windowed layers (rope_local_base_freq, unscaled)."""
     R = config.rotary_dim
     theta, s = (config.rope_local_base_freq, {}) if local else (config.rope_theta, config.rope_scaling or {})
     P = max_model_len or config.context_length
@@ -1915,10 +1952,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate the pairs (x[i], x[i + R/2]) of each head's first R dimensions by their
     position's angles: HF's "rotate half" layout. The other D - R pass unchanged (R < D:
     partial rotary, Phi-4-mini). (llama.cpp rotates neighbouring pairs instead; see GGUF
-    below.) x (T, h, D); cos, sin (T, 1, R/2)."""
+    below.) x (T, h, D); cos, sin (T, 1, R/2), in x's dtype or float32 (OLMo's: the rotation
+    computed in float32, its result rounded to x's dtype)."""
     R = 2 * cos.shape[-1]
     x1, x2 = x[..., :R].chunk(2, dim=-1)  # (T, h, R/2) each
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, h, R)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)  # (T, h, R)
     return rotated if R == x.shape[-1] else torch.cat((rotated, x[..., R:]), dim=-1)  # (T, h, D)
 
 
@@ -1936,28 +1974,31 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 
 # ----------------------------------------------------------------------------------------
-# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3)
+# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, OLMo 2/3)
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, rounded as transformers rounds it: normalized in float32 and cast
     back to x's dtype before the weight scales it (nn.RMSNorm scales first: in bfloat16, nine
     logits in ten of a small Llama then differ from transformers' by up to 0.1, enough to flip
     a greedy near-tie). Gemma's weights are offsets from 1 (it scales by 1 + weight, so a
-    weight of zero keeps x), and it scales in float32, casting back only at the end."""
+    weight of zero keeps x), and it scales in float32, casting back only at the end; so
+    does OLMo (scale_in_float32), by the weight itself."""
 
-    def __init__(self, dim: int, eps: float, gemma: bool = False):
+    def __init__(self, dim: int, eps: float, gemma: bool = False, scale_in_float32: bool = False):
         super().__init__()
         self.eps, self.gemma, self.weight = eps, gemma, nn.Parameter(torch.empty(dim))
+        self.scale_in_float32 = scale_in_float32 or gemma
 
     def forward(self, x):
         normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)   # (..., dim) float32
-        if self.gemma:
-            return (normed * (1.0 + self.weight.float())).type_as(x)
+        if self.scale_in_float32:
+            weight = self.weight.float() + 1.0 if self.gemma else self.weight.float()   # (C,) float32
+            return (normed * weight).type_as(x)
         return self.weight * normed.type_as(x)
 
 
 def rms_norm(config: ModelConfig, dim: int) -> nn.Module:
-    return RMSNorm(dim, config.norm_eps, gemma=config.gemma)
+    return RMSNorm(dim, config.norm_eps, gemma=config.gemma, scale_in_float32=config.model_type in OLMOS)
 
 
 class LlamaAttention(nn.Module):
@@ -1974,15 +2015,20 @@ class LlamaAttention(nn.Module):
                                   bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.H * self.D, config.hidden_size, bias=config.o_bias)
         # Qwen 3 and Gemma 3 normalize every head's q and k (one (D,) scale shared by all heads)
-        # before RoPE, which keeps the attention logits in range without a softcap.
-        self.q_norm = rms_norm(config, self.D) if config.qk_norm else None
-        self.k_norm = rms_norm(config, self.D) if config.qk_norm else None
+        # before RoPE, which keeps the attention logits in range without a softcap; OLMo
+        # normalizes all of q, and all of k, at once (one scale per dimension of every head).
+        self.qk_norm = config.qk_norm
+        q_dim, k_dim = (self.D, self.D) if self.qk_norm == "head" else (self.H * self.D, self.KVH * self.D)
+        self.q_norm = rms_norm(config, q_dim) if self.qk_norm else None
+        self.k_norm = rms_norm(config, k_dim) if self.qk_norm else None
 
     def forward(self, x, cos, sin, attn):
         T, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
         q, k, v = self.qkv_proj(x).split([H * D, KVH * D, KVH * D], dim=-1)   # (T, H*D), (T, KVH*D) x 2
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.view(T, H, D), k.view(T, KVH, D)                              # (T, H, D), (T, KVH, D)
-        if self.q_norm is not None:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotates:
             q = apply_rope(q, cos, sin)                # (T, H, D)
@@ -2012,23 +2058,26 @@ class LlamaBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         C = config.hidden_size
-        self.input_layernorm = rms_norm(config, C)
         self.self_attn = LlamaAttention(config, layer_idx)
-        # Llama's post_attention_layernorm normalizes the MLP's input; Gemma's (HF's names)
-        # the attention's output, then two more wrap the MLP: a "sandwich" of norms.
-        self.post_attention_layernorm = rms_norm(config, C)
         self.mlp = LlamaMLP(config)
-        self.sandwich = config.gemma
-        if self.sandwich:
-            self.pre_feedforward_layernorm = rms_norm(config, C)
+        # Llama's post_attention_layernorm normalizes the MLP's input. Gemma's and OLMo's (HF's
+        # names) normalize the attention's output, and post_feedforward_layernorm the MLP's;
+        # Gemma also normalizes both inputs (a "sandwich" of norms), OLMo neither.
+        self.post_norms = config.post_norms
+        self.input_layernorm = rms_norm(config, C) if config.pre_norms else None
+        self.post_attention_layernorm = rms_norm(config, C)
+        if self.post_norms:
+            self.pre_feedforward_layernorm = rms_norm(config, C) if config.pre_norms else None
             self.post_feedforward_layernorm = rms_norm(config, C)
 
     def forward(self, x, cos, sin, attn):
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not self.post_norms:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h = x if self.input_layernorm is None else self.input_layernorm(x)
+        x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, attn))
+        h = x if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(x)
+        return x + self.post_feedforward_layernorm(self.mlp(h))
 
 
 class Llama(nn.Module):
@@ -2046,7 +2095,7 @@ class Llama(nn.Module):
         cos, sin = rope_tables(config, max_model_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if config.rope_local_base_freq is not None:   # Gemma 3's windowed layers turn by a base of their own
+        if config.rope_local_base_freq is not None:   # Gemma 3's (OLMo 3's) windowed layers turn by a RoPE of their own
             cos, sin = rope_tables(config, max_model_len, local=True)
             self.register_buffer("rope_local_cos", cos, persistent=False)
             self.register_buffer("rope_local_sin", sin, persistent=False)
@@ -2089,9 +2138,14 @@ class Llama(nn.Module):
             shapes["lm_head.weight"] = (V, C)
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            shapes |= {
-                p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
-                p + "self_attn.o_proj.weight": (C, q), p + "mlp.down_proj.weight": (C, I)}
+            shapes |= {p + "post_attention_layernorm.weight": (C,), p + "self_attn.o_proj.weight": (C, q),
+                       p + "mlp.down_proj.weight": (C, I)}
+            if config.pre_norms:
+                shapes[p + "input_layernorm.weight"] = (C,)
+            if config.post_norms:
+                shapes[p + "post_feedforward_layernorm.weight"] = (C,)
+            if config.pre_norms and config.post_norms:
+                shapes[p + "pre_feedforward_layernorm.weight"] = (C,)
             if config.model_type == "phi3":   # Phi-3 stores them fused, as this module holds them
                 shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, C), p + "mlp.gate_up_proj.weight": (2 * I, C)}
             else:
@@ -2105,9 +2159,8 @@ class Llama(nn.Module):
                 shapes[p + "self_attn.o_proj.bias"] = (C,)
             if config.qk_norm:
                 D = config.head_dim
-                shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
-            if config.gemma:
-                shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
+                shapes |= {p + "self_attn.q_norm.weight": (D,) if config.qk_norm == "head" else (q,),
+                           p + "self_attn.k_norm.weight": (D,) if config.qk_norm == "head" else (kv,)}
         return shapes
 
     @staticmethod
@@ -2322,8 +2375,12 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
         net = arch(config) if arch is GPT2 else arch(config, max_model_len)   # (GPT-2's positions are learned)
     net.load_state_dict(arch.from_checkpoint(hf, config), assign=True)
     # moves what isn't a weight, the RoPE tables (and Gemma's embed_scale), and casts them to
-    # dtype: made in float32, used in the model's dtype, as HF casts cos and sin to q's
+    # dtype: made in float32, used in the model's dtype, as HF casts cos and sin to q's. (But
+    # OLMo's: it rotates q and k in float32, rounding only the result, so its tables stay so.)
+    tables = {n: b for n, b in net.named_buffers() if n.startswith("rope_")} if config.model_type in OLMOS else {}
     net.to(device=device, dtype=dtype)
+    for name, table in tables.items():
+        setattr(net, name, table.to(device))   # (the buffer, replaced)
     return net.eval().requires_grad_(False)  # no autograd bookkeeping in inference
 
 
@@ -2395,7 +2452,7 @@ def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | N
                          f"checkpoint holds {stored:,}")
     memory = device_memory(device)
     weights = params * dtype.itemsize
-    # the angles, their cos and their sin, (P, R/2) float32 each (rope_tables); Gemma 3's
+    # the angles, their cos and their sin, (P, R/2) float32 each (rope_tables); Gemma 3's and OLMo 3's
     # windowed layers have a second set (local=True)
     positions = max_model_len or config.context_length
     tables = 0 if arch is GPT2 else 2 if config.rope_local_base_freq is not None else 1

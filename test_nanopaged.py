@@ -167,7 +167,7 @@ def llama_config(kv_heads=2, tied=True, head_dim=None, **extra):
 
 def llama_tensors(c, seed=0):
     """Random weights under HF LlamaForCausalLM names, and the extra tensors of the family's
-    other members as HF's Qwen2/Qwen3 modeling files name them."""
+    other members as HF's Qwen2/Qwen3 (Gemma, OLMo) modeling files name them."""
     g = torch.Generator().manual_seed(seed)
     C, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     D = c.get("head_dim") or C // c["num_attention_heads"]
@@ -177,7 +177,9 @@ def llama_tensors(c, seed=0):
         shapes["lm_head.weight"] = (V, C)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+        olmo = c["model_type"] in ("olmo2", "olmo3")   # (norms after attention and the MLP, none before)
+        shapes |= {} if olmo else {p + "input_layernorm.weight": (C,)}
+        shapes |= {p + "post_attention_layernorm.weight": (C,),
                    p + "self_attn.q_proj.weight": (q, C), p + "self_attn.k_proj.weight": (kv, C),
                    p + "self_attn.v_proj.weight": (kv, C), p + "self_attn.o_proj.weight": (C, q),
                    p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
@@ -189,8 +191,12 @@ def llama_tensors(c, seed=0):
             shapes[p + "self_attn.o_proj.bias"] = (C,)
         if c["model_type"] in ("qwen3", "gemma3_text"):
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
+        if olmo:   # (q and k normalized across all heads)
+            shapes |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)}
         if c["model_type"] in ("gemma2", "gemma3_text"):
             shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
+        if olmo:
+            shapes[p + "post_feedforward_layernorm.weight"] = (C,)
     tensors = {n: (1 + 0.1 * torch.randn(s, generator=g)) if n.endswith("norm.weight")
                else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
     if c["model_type"] in ("gemma2", "gemma3_text"):   # Gemma's norm weights are offsets from 1
@@ -395,6 +401,20 @@ LLAMA_FAMILY_VARIANTS = {
     # q/k norms; layer 0 windowed, layer 1 not (every other layer)
     "gemma2": llama_config(model_type="gemma2", head_dim=16, sliding_window=4, query_pre_attn_scalar=12,
                            attn_logit_softcapping=1.5, final_logit_softcapping=4.0, pad_token_id=0),
+    # OLMo 2: norms on the attention's and the MLP's outputs only; q and k each normalized
+    # across all heads (GQA: k over its 2 heads)
+    "olmo2": llama_config(model_type="olmo2", tied=False),
+    # OLMo 3: 4 layers, the first three windowed (its default pattern); YaRN on the full layer
+    # alone, the windowed ones turning by the same base unscaled
+    "olmo3": llama_config(model_type="olmo3", tied=False, num_hidden_layers=4, sliding_window=3, rope_theta=500_000.0,
+                          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    # transformers 5's nested rope_parameters (a base of its own for the windowed layer),
+    # layer_types, q/k/v/o biases
+    "olmo3_nested": {k: v for k, v in llama_config(
+        model_type="olmo3", tied=False, kv_heads=6, sliding_window=4, layer_types=["full_attention", "sliding_attention"],
+        attention_bias=True).items() if k != "rope_theta"} | {"rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}},
 }
 
 
@@ -425,7 +445,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 
 
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
-BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral")
+BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -449,11 +469,12 @@ def paged_forward_all(model, ids, block_size=4):
 def test_bfloat16_rounds_as_transformers(tmp_path, variant):
     """In bfloat16 Gemma's sqrt(C) embedding scale is rounded to bfloat16 (sqrt(48) = 6.93
     becomes 6.94) and its RMSNorms compute in float32; the Llama family's RMSNorms (Qwen 3's
-    q/k norms too) round to bfloat16 before the weight scales, as in transformers: through the
-    paged attention, the logits come out with transformers' bits (here all of them, on torch
-    2.11 and 2.13; another torch's kernels may move them, as 2.5's move most). Catches: the
-    scale kept in full precision, or the norms computed in bfloat16, or scaled before rounding
-    (nn.RMSNorm; each changes about 80% of the logits)."""
+    q/k norms too) round to bfloat16 before the weight scales, as in transformers, and OLMo's
+    after it; OLMo rotates q and k in float32: through the paged attention, the logits come
+    out with transformers' bits (here all of them, on torch 2.11 and 2.13; another torch's
+    kernels may move them, as 2.5's move most). Catches: the scale kept in full precision, or
+    the norms computed in bfloat16, or scaled before rounding (nn.RMSNorm), OLMo's scaled
+    after, or its RoPE tables rounded to bfloat16 (each changes about 80% of the logits)."""
     c = LLAMA_FAMILY_VARIANTS[variant]
     expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())[variant + "_bfloat16"]
     assert expected["config"] == c
@@ -571,11 +592,12 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
 @pytest.mark.parametrize("variant, window", [("qwen3_attention_bias", None), ("mistral_window", 10),
                                              ("mistral_window", 4), ("qwen2_window", 3), ("smollm3_window", 10),
                                              ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None),
-                                             ("gemma2", 6)])
+                                             ("gemma2", 6), ("olmo2", None), ("olmo3", 10)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
-    windowed layer) and Gemma 2 (softcapped attention scores) through the paged engine:
+    windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after) and OLMo 3
+    (three windowed layers in four, YaRN on the fourth alone) through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
     SmolLM3, Gemma), and do not shorten the context."""
@@ -870,7 +892,9 @@ def byte_vocab():
 
 
 def test_tiny_tokenizer_json(tmp_path):
-    """Merges in id order, a Split(regex) pre-tokenizer (Llama 3's digit groups), specials."""
+    """Merges in id order, a Split(regex) pre-tokenizer (Llama 3's digit groups), specials;
+    the Split as OLMo 2's tokenizer.json writes it (the matches kept, the rest "Removed":
+    inverted) pieces alike. A Split that removed its matches would not: refused."""
     vocab, char = byte_vocab()
     merges = [["1", "2"], ["12", "3"], [char[32], "a"], [char[32] + "a", "b"]]
     for n, (a, b) in enumerate(merges):
@@ -886,6 +910,15 @@ def test_tiny_tokenizer_json(tmp_path):
     # "1234" is pieced "123" + "4" (groups of three digits): the merge 1+2 then 12+3 applies
     assert tok.encode("1234 ab<|eot|>") == [257, ord("4"), 259, 300]
     assert tok.decode([257, ord("4"), 259, 300]) == "1234 ab<|eot|>"
+    split = pre["pretokenizers"][0]
+    for behavior, invert in (("Removed", True), ("Removed", False)):
+        olmo = {**pre, "pretokenizers": [split | {"behavior": behavior, "invert": invert}, *pre["pretokenizers"][1:]]}
+        path = write_tokenizer_json(tmp_path / f"olmo_{invert}", olmo, vocab, merges, added=[("<|eot|>", 300)])
+        if invert:
+            assert load_tokenizer(path).encode("1234 ab<|eot|>") == [257, ord("4"), 259, 300]
+        else:
+            with pytest.raises(ModelError, match=r"pre_tokenizer \['Split', 'ByteLevel'\] is not supported"):
+                load_tokenizer(path)
     # the same vocab with SmolLM2's one-digit pieces: no digit merges
     smol = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
                                                   {"type": "ByteLevel", "add_prefix_space": False}]}
@@ -1390,6 +1423,31 @@ def test_gemma3_configs_are_read_as_transformers_reads_them_or_refused():
              "rope_parameters\\['sliding_attention'\\]: 'rope_theta' is -1")]:
         with pytest.raises(ModelError, match=message):
             ModelConfig.from_dict(base | change)
+
+
+def test_olmo_configs_read_as_transformers_reads_them():
+    """OLMo 2 has no window, even where a config asks for one (Olmo2Config has none), its norms
+    after attention and the MLP, its q/k norms over all heads. OLMo 3 without layer_types
+    windows all but every 4th layer; its windowed layers turn by the full layers' base
+    unscaled: no second RoPE where nothing scales the first, and then a window as long as the
+    context is dropped; with YaRN, two RoPEs, and the window kept (it says which layer takes
+    which). Refused: a scaled RoPE for the windowed layers, and no window for them at all."""
+    o2 = ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS["olmo2"] | {"sliding_window": 4, "use_sliding_window": True})
+    assert (o2.sliding_window, o2.qk_norm, o2.pre_norms, o2.post_norms) == (None, "all", False, True)
+    scaled = LLAMA_FAMILY_VARIANTS["olmo3"] | {"num_hidden_layers": 8}
+    plain = {k: v for k, v in scaled.items() if k != "rope_scaling"}
+    c = ModelConfig.from_dict(plain)
+    assert [i for i in range(8) if c.layer_window(i)] == [0, 1, 2, 4, 5, 6] and c.rope_local_base_freq is None
+    c = ModelConfig.from_dict(scaled)
+    assert c.rope_local_base_freq == 500_000.0 and c.rope_scaling["rope_type"] == "yarn"
+    assert ModelConfig.from_dict(plain | {"sliding_window": 128}).sliding_window is None
+    assert ModelConfig.from_dict(scaled | {"sliding_window": 128}).sliding_window == 128
+    nested = LLAMA_FAMILY_VARIANTS["olmo3_nested"]
+    local = nested["rope_parameters"]["sliding_attention"] | {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ModelError, match="rope type 'linear' for the sliding-window layers is not supported"):
+        ModelConfig.from_dict(nested | {"rope_parameters": nested["rope_parameters"] | {"sliding_attention": local}})
+    with pytest.raises(ModelError, match="sliding_window"):
+        ModelConfig.from_dict(plain | {"sliding_window": None})
 
 
 def test_gemma3_with_a_vision_tower_runs_its_text_model(tmp_path, capsys):
@@ -2574,7 +2632,7 @@ def test_qwen_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     model = load_model(path)
     c = model.config
     assert (c.model_type, c.qkv_bias, c.qk_norm, c.tie_word_embeddings, c.head_dim) == {
-        "qwen2": ("qwen2", True, False, True, 8), "qwen3": ("qwen3", False, True, False, 16)}[name]
+        "qwen2": ("qwen2", True, None, True, 8), "qwen3": ("qwen3", False, "head", False, 16)}[name]
     logits = forward_all(model, IDS)
     for t, row in json.loads((TESTDATA / "qwen_gguf_logits.json").read_text())[name].items():
         torch.testing.assert_close(logits[int(t)], torch.tensor(row), rtol=0, atol=2e-2)
