@@ -140,6 +140,7 @@ MISTRALS = ("mistral", "ministral")
 # outputs, and normalizes q and k across all heads at once; OLMo 3 is OLMo 2 with three
 # layers in four windowed (transformers' Olmo3Config), its full layers' RoPE alone scaled.
 OLMOS = ("olmo2", "olmo3")
+# Granite (IBM's Granite 3) is Llama with four scalars of its own (ModelConfig's "Granite" fields).
 
 # model_types that run on the Llama module below (with the differences ModelConfig notes),
 # and the values their HF config classes take where a config.json leaves a key out
@@ -153,6 +154,7 @@ LLAMA_FAMILY = {
     "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128,
               "num_key_value_heads": 32},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
+    "granite": {"max_position_embeddings": 2048},
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "sliding_window": 4096},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
@@ -224,6 +226,14 @@ class ModelConfig:
     rope_local_base_freq: float | None = None   # the windowed layers' RoPE base, unscaled (Gemma 3, OLMo 3)
     final_logit_softcapping: float | None = None  # logits squashed to (-cap, cap): cap * tanh(x / cap)
     attn_logit_softcapping: float | None = None   # attention scores squashed so, after scaling (Gemma 2)
+    # Granite (its muP-style training): the embeddings times embedding_multiplier, each
+    # attention's and MLP's output times residual_multiplier before it joins the residual
+    # stream, the scores times attention_multiplier instead of D^-1/2, the logits divided by
+    # logits_scaling. (1.0, None: Llama's.)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     nope_layers: range | tuple = ()   # the layers whose attention has no RoPE (SmolLM3: every 4th)
     # Sliding-window attention: the windowed layers' query at position p sees only positions
     # p - sliding_window + 1 ..= p (HF's masks); the other layers see all of 0 ..= p.
@@ -252,7 +262,10 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        """What attention multiplies q.k by: D^-1/2, or Gemma's query_pre_attn_scalar^-1/2."""
+        """What attention multiplies q.k by: D^-1/2, Gemma's query_pre_attn_scalar^-1/2, or
+        Granite's attention_multiplier."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def longrope_long(self, max_model_len: int) -> bool:
@@ -301,6 +314,8 @@ class ModelConfig:
             d = LLAMA_FAMILY[model_type] | d
             if model_type in GEMMAS:
                 extra, d_rope = _gemma_fields(d, model_type)
+            elif model_type == "granite":
+                extra, d_rope = _granite_fields(d), d
             else:   # (OLMo 3's windowed layers turn by a RoPE of their own, as Gemma 3's)
                 extra, d_rope = _two_ropes(d, model_type) if model_type == "olmo3" else ({}, d)
             if model_type not in GEMMAS and d.get("hidden_act", "silu") not in ("silu", "swish"):   # (transformers': one function)
@@ -323,10 +338,10 @@ class ModelConfig:
             max_position = _positive(d, "max_position_embeddings", default=2048)
             rope_theta, rope_scaling, partial = _rope_config(d_rope, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
-            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's, SmolLM3's, Gemma's and
-            # OLMo's attention_bias gives all four one; Mistral has none. Qwen 3 and Gemma 3
-            # normalize each head's q and k, OLMo all of q and all of k.
-            attention_bias = (model_type in ("llama", "qwen3", "smollm3", *GEMMAS, *OLMOS)
+            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's, SmolLM3's, Gemma's,
+            # Granite's and OLMo's attention_bias gives all four one; Mistral has none. Qwen 3
+            # and Gemma 3 normalize each head's q and k, OLMo all of q and all of k.
+            attention_bias = (model_type in ("llama", "qwen3", "smollm3", "granite", *GEMMAS, *OLMOS)
                               and _flag(d, "attention_bias"))
             nope_layers = _nope_layers(d, model_type)
             window, window_layers = _sliding_window(d, model_type, nope_layers)
@@ -449,6 +464,13 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
     fields["attn_logit_softcapping"] = None   # (Gemma 3's attention ignores it in transformers too)
     local, d = _two_ropes(d, model_type)
     return fields | local, d
+
+
+def _granite_fields(d: dict) -> dict:
+    """ModelConfig's Granite fields, as transformers' GraniteConfig reads them (1.0 where a
+    config leaves one out; so the attention scale too, not D^-1/2)."""
+    return {key: _positive(d, key, float, 1.0) for key in
+            ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")}
 
 
 def _two_ropes(d: dict, model_type: str) -> tuple[dict, dict]:
@@ -1974,7 +1996,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 
 # ----------------------------------------------------------------------------------------
-# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, OLMo 2/3)
+# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, OLMo 2/3, Granite)
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, rounded as transformers rounds it: normalized in float32 and cast
@@ -2063,7 +2085,7 @@ class LlamaBlock(nn.Module):
         # Llama's post_attention_layernorm normalizes the MLP's input. Gemma's and OLMo's (HF's
         # names) normalize the attention's output, and post_feedforward_layernorm the MLP's;
         # Gemma also normalizes both inputs (a "sandwich" of norms), OLMo neither.
-        self.post_norms = config.post_norms
+        self.post_norms, self.residual_multiplier = config.post_norms, config.residual_multiplier
         self.input_layernorm = rms_norm(config, C) if config.pre_norms else None
         self.post_attention_layernorm = rms_norm(config, C)
         if self.post_norms:
@@ -2071,6 +2093,9 @@ class LlamaBlock(nn.Module):
             self.post_feedforward_layernorm = rms_norm(config, C)
 
     def forward(self, x, cos, sin, attn):
+        if self.residual_multiplier != 1.0:   # Granite's
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn) * self.residual_multiplier
+            return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
         if not self.post_norms:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -2108,6 +2133,8 @@ class Llama(nn.Module):
         x = self.embed_tokens(input_ids)               # (T, C)
         if self.config.gemma:
             x = x * self.embed_scale.to(x.dtype)
+        if self.config.embedding_multiplier != 1.0:   # Granite's (a Python float, as HF multiplies)
+            x = x * self.config.embedding_multiplier
         rope = (self.rope_cos[positions].unsqueeze(1),  # (T, 1, R/2): same angles for all heads
                 self.rope_sin[positions].unsqueeze(1))  # (T, 1, R/2)
         local = rope if self.config.rope_local_base_freq is None else (
@@ -2125,6 +2152,8 @@ class Llama(nn.Module):
         logits = F.linear(self.norm(x), head.weight)   # (N, V), or (T, V) without logits_indices
         if (cap := self.config.final_logit_softcapping) is not None:
             logits = tanh_softcap(logits, cap)
+        if self.config.logits_scaling != 1.0:   # Granite's
+            logits = logits / self.config.logits_scaling
         return logits
 
     @staticmethod

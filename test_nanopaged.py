@@ -401,6 +401,10 @@ LLAMA_FAMILY_VARIANTS = {
     # q/k norms; layer 0 windowed, layer 1 not (every other layer)
     "gemma2": llama_config(model_type="gemma2", head_dim=16, sliding_window=4, query_pre_attn_scalar=12,
                            attn_logit_softcapping=1.5, final_logit_softcapping=4.0, pad_token_id=0),
+    # Granite 3: the embeddings times 12, each layer's outputs times 0.22 into the residual
+    # stream, scores times 0.3 (not 8^-1/2), logits divided by 4; q/k/v/o biases
+    "granite": llama_config(model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+                            attention_multiplier=0.3, logits_scaling=4.0, attention_bias=True),
     # OLMo 2: norms on the attention's and the MLP's outputs only; q and k each normalized
     # across all heads (GQA: k over its 2 heads)
     "olmo2": llama_config(model_type="olmo2", tied=False),
@@ -445,7 +449,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 
 
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
-BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2")
+BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -592,7 +596,7 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
 @pytest.mark.parametrize("variant, window", [("qwen3_attention_bias", None), ("mistral_window", 10),
                                              ("mistral_window", 4), ("qwen2_window", 3), ("smollm3_window", 10),
                                              ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None),
-                                             ("gemma2", 6), ("olmo2", None), ("olmo3", 10)])
+                                             ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
@@ -1448,6 +1452,19 @@ def test_olmo_configs_read_as_transformers_reads_them():
         ModelConfig.from_dict(nested | {"rope_parameters": nested["rope_parameters"] | {"sliding_attention": local}})
     with pytest.raises(ModelError, match="sliding_window"):
         ModelConfig.from_dict(plain | {"sliding_window": None})
+
+
+def test_granite_config_takes_its_multipliers_as_transformers_does():
+    """A Granite config that leaves a multiplier out has transformers' default, 1.0: for the
+    attention scores too, not D^-1/2 (the other models' scale); a Llama config's multipliers
+    change nothing (LlamaConfig ignores them); a multiplier of 0 or a string is refused."""
+    c = ModelConfig.from_dict(llama_config(model_type="granite"))
+    assert (c.embedding_multiplier, c.residual_multiplier, c.attn_scale, c.logits_scaling) == (1.0, 1.0, 1.0, 1.0)
+    c = ModelConfig.from_dict(llama_config(attention_multiplier=0.5, logits_scaling=4.0))
+    assert (c.attn_scale, c.logits_scaling) == (8 ** -0.5, 1.0)
+    for bad in (0, "2"):
+        with pytest.raises(ModelError, match="logits_scaling"):
+            ModelConfig.from_dict(llama_config(model_type="granite", logits_scaling=bad))
 
 
 def test_gemma3_with_a_vision_tower_runs_its_text_model(tmp_path, capsys):
