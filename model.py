@@ -2167,10 +2167,10 @@ class Llama(nn.Module):
             shapes["lm_head.weight"] = (V, C)
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            shapes |= {p + "post_attention_layernorm.weight": (C,), p + "self_attn.o_proj.weight": (C, q),
-                       p + "mlp.down_proj.weight": (C, I)}
             if config.pre_norms:
                 shapes[p + "input_layernorm.weight"] = (C,)
+            shapes |= {p + "post_attention_layernorm.weight": (C,), p + "self_attn.o_proj.weight": (C, q),
+                       p + "mlp.down_proj.weight": (C, I)}
             if config.post_norms:
                 shapes[p + "post_feedforward_layernorm.weight"] = (C,)
             if config.pre_norms and config.post_norms:
