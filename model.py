@@ -141,6 +141,9 @@ MISTRALS = ("mistral", "ministral")
 # layers in four windowed (transformers' Olmo3Config), its full layers' RoPE alone scaled.
 OLMOS = ("olmo2", "olmo3")
 # Granite (IBM's Granite 3) is Llama with four scalars of its own (ModelConfig's "Granite" fields).
+# Mixtral (Mistral's attention) and Qwen 3 MoE (Qwen 3's) replace each layer's MLP by a
+# mixture of experts (SparseMoE).
+MOES = ("mixtral", "qwen3_moe")
 
 # model_types that run on the Llama module below (with the differences ModelConfig notes),
 # and the values their HF config classes take where a config.json leaves a key out
@@ -155,6 +158,10 @@ LLAMA_FAMILY = {
               "num_key_value_heads": 32},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "granite": {"max_position_embeddings": 2048},
+    "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
+                "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096,
+                  "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "sliding_window": 4096},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
@@ -200,7 +207,7 @@ class ModelConfig:
     num_attention_heads: int          # H
     num_key_value_heads: int          # KVH; < H is grouped-query attention
     head_dim: int                     # D
-    intermediate_size: int            # MLP width
+    intermediate_size: int            # MLP width (I; each expert's, in a mixture of experts)
     max_position_embeddings: int
     norm_eps: float                   # HF's rms_norm_eps (llama) / layer_norm_epsilon (gpt2)
     rope_theta: float = 10000.0       # Llama's family only
@@ -234,6 +241,12 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # A mixture of experts in every layer (Mixtral, Qwen 3 MoE; 0: a plain MLP): num_experts
+    # MLPs of intermediate_size, of which a router picks num_experts_per_tok for each token,
+    # weighted by its probabilities for them (renormalized to sum to 1 where norm_topk_prob)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
     nope_layers: range | tuple = ()   # the layers whose attention has no RoPE (SmolLM3: every 4th)
     # Sliding-window attention: the windowed layers' query at position p sees only positions
     # p - sliding_window + 1 ..= p (HF's masks); the other layers see all of 0 ..= p.
@@ -316,6 +329,8 @@ class ModelConfig:
                 extra, d_rope = _gemma_fields(d, model_type)
             elif model_type == "granite":
                 extra, d_rope = _granite_fields(d), d
+            elif model_type in MOES:
+                extra, d_rope = _moe_fields(d, model_type), d
             else:   # (OLMo 3's windowed layers turn by a RoPE of their own, as Gemma 3's)
                 extra, d_rope = _two_ropes(d, model_type) if model_type == "olmo3" else ({}, d)
             if model_type not in GEMMAS and d.get("hidden_act", "silu") not in ("silu", "swish"):   # (transformers': one function)
@@ -338,10 +353,10 @@ class ModelConfig:
             max_position = _positive(d, "max_position_embeddings", default=2048)
             rope_theta, rope_scaling, partial = _rope_config(d_rope, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
-            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's, SmolLM3's, Gemma's,
-            # Granite's and OLMo's attention_bias gives all four one; Mistral has none. Qwen 3
-            # and Gemma 3 normalize each head's q and k, OLMo all of q and all of k.
-            attention_bias = (model_type in ("llama", "qwen3", "smollm3", "granite", *GEMMAS, *OLMOS)
+            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's (MoE too), SmolLM3's,
+            # Gemma's, Granite's and OLMo's attention_bias gives all four one; Mistral (Mixtral)
+            # has none. Qwen 3 and Gemma 3 normalize each head's q and k, OLMo all of q and k.
+            attention_bias = (model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "granite", *GEMMAS, *OLMOS)
                               and _flag(d, "attention_bias"))
             nope_layers = _nope_layers(d, model_type)
             window, window_layers = _sliding_window(d, model_type, nope_layers)
@@ -353,12 +368,14 @@ class ModelConfig:
             fields = dict(
                 hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                intermediate_size=_positive(d, "intermediate_size"), max_position_embeddings=max_position,
+                intermediate_size=_positive(d, "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"),
+                max_position_embeddings=max_position,
                 norm_eps=_positive(d, "rms_norm_eps", float, 1e-6), rope_theta=rope_theta,
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings"),
                 qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
-                qk_norm="head" if model_type in ("qwen3", "gemma3_text") else "all" if model_type in OLMOS else None,
+                qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text") else "all" if model_type in OLMOS
+                         else None),
                 pre_norms=model_type not in OLMOS, post_norms=model_type in (*GEMMAS, *OLMOS), nope_layers=nope_layers,
                 sliding_window=window, window_layers=window_layers, **extra)
             default_token_id = None
@@ -473,6 +490,24 @@ def _granite_fields(d: dict) -> dict:
             ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")}
 
 
+def _moe_fields(d: dict, model_type: str) -> dict:
+    """ModelConfig's mixture-of-experts fields, as transformers' MixtralConfig (num_local_experts
+    of intermediate_size, top-k weights always renormalized) and Qwen3MoeConfig (num_experts of
+    moe_intermediate_size, renormalized where norm_topk_prob: its released models say true,
+    its class's default false) read them. Refused: Qwen 3 MoE configs whose layers are not
+    all MoE (decoder_sparse_step, mlp_only_layers: no released one)."""
+    experts = _positive(d, "num_local_experts" if model_type == "mixtral" else "num_experts")
+    k = _positive(d, "num_experts_per_tok")
+    if k > experts:
+        raise ModelError(f"num_experts_per_tok {k} exceeds the {experts} experts")
+    if model_type == "qwen3_moe" and (d.get("decoder_sparse_step", 1) != 1 or d.get("mlp_only_layers")):
+        raise ModelError(f"decoder_sparse_step {d.get('decoder_sparse_step')!r} / mlp_only_layers "
+                         f"{reprlib.repr(d.get('mlp_only_layers'))} are not supported: nanopaged runs a mixture "
+                         f"of experts in every layer (decoder_sparse_step 1, no mlp_only_layers)")
+    return dict(num_experts=experts, num_experts_per_tok=k,
+                norm_topk_prob=model_type == "mixtral" or _flag(d, "norm_topk_prob"))
+
+
 def _two_ropes(d: dict, model_type: str) -> tuple[dict, dict]:
     """The RoPEs of Gemma 3 and OLMo 3, whose windowed layers turn by one of their own: the
     full attention layers' rope_theta and any scaling (Gemma 3 4B and larger: linear, 8; OLMo
@@ -528,18 +563,18 @@ def _nope_layers(d: dict, model_type: str) -> range | tuple:
 
 def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tuple[int | None, range | tuple | LayersBut]:
     """The window and the layers that use it ((None, ()): every layer sees everything), read
-    as HF's config classes read them. Mistral (and Ministral) and Phi-3 window every layer when
-    sliding_window is set; a Mistral or Ministral with layer_types, the layers it names
-    "sliding_attention". Qwen windows only with use_sliding_window, and SmolLM3 with it or
+    as HF's config classes read them. Mistral (and Ministral, Mixtral) and Phi-3 window every
+    layer when sliding_window is set; a Mistral or Ministral with layer_types, the layers it names
+    "sliding_attention". Qwen windows only with use_sliding_window (Qwen 3 MoE every layer then), and SmolLM3 with it or
     wherever its layer_types names "sliding_attention" (transformers' masks follow them even
     without); then the layers layer_types names so (by default, Qwen's from max_window_layers
     on, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
-    (Gemma 3: 6), OLMo 3's all but every 4th. Llama and OLMo 2 have no window."""
-    if model_type in ("llama", "olmo2") or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3"):
+    (Gemma 3: 6), OLMo 3's all but every 4th. Llama, Granite and OLMo 2 have no window."""
+    if model_type in ("llama", "granite", "olmo2") or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3"):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
-    if model_type == "phi3" or model_type in MISTRALS and d.get("layer_types") is None:
+    if model_type in ("phi3", "mixtral") or model_type in MISTRALS and d.get("layer_types") is None:
         windowed = range(layers)
     elif model_type in (*GEMMAS, "olmo3") and d.get("layer_types") is None:   # (Gemma 2: every other layer; 3: 5 of 6)
         pattern = {"gemma2": 2, "olmo3": 4}.get(model_type) or _positive(d, "sliding_window_pattern", default=6)
@@ -547,6 +582,8 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     elif (not _flag(d, "use_sliding_window") and model_type not in (*GEMMAS, *MISTRALS, "olmo3")
           and not (model_type == "smollm3" and d.get("layer_types") is not None)):
         return None, ()   # (SmolLM3's masks follow its layer_types even so, as transformers runs it)
+    elif model_type == "qwen3_moe":   # (every layer: Qwen3MoeConfig has no max_window_layers)
+        windowed = range(layers)
     elif (kinds := d.get("layer_types")) is None and model_type == "smollm3":
         windowed = nope_layers
     elif kinds is None:
@@ -1996,7 +2033,8 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 
 # ----------------------------------------------------------------------------------------
-# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, OLMo 2/3, Granite)
+# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, OLMo 2/3, Granite,
+# and the mixtures of experts Mixtral and Qwen 3 MoE)
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, rounded as transformers rounds it: normalized in float32 and cast
@@ -2076,12 +2114,47 @@ class LlamaMLP(nn.Module):
         return self.down_proj(gate * up)                  # (T, C)
 
 
+class SparseMoE(nn.Module):
+    """A mixture of experts in place of the MLP (Mixtral, Qwen 3 MoE): E MLPs, the experts,
+    of which a router (a linear layer scoring each token against each expert) picks k for
+    every token. A token's output is the sum of its k experts' outputs, weighted by the
+    router's softmax probabilities for them (over all E, in float32; renormalized to sum to 1
+    over the k where norm_topk_prob). So a token costs k MLPs of the E held: the model holds
+    E / k times the weights it computes with. Each expert runs once a step, on the rows of
+    the tokens that chose it (a gather, its MLP, a scatter)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)   # the router
+        self.experts = nn.ModuleList(LlamaMLP(config) for _ in range(config.num_experts))
+        # (transformers weighs Mixtral's experts in float32, Qwen's in the model's dtype: the
+        # same in float32; in bfloat16, its bits)
+        self.weights_in_float32 = config.model_type == "mixtral"
+
+    def forward(self, x):
+        T, C = x.shape
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)   # (T, E)
+        weights, chosen = probs.topk(self.k, dim=-1)                     # (T, k) each: the k likeliest
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.weights_in_float32:
+            weights = weights.to(x.dtype)
+        y = x.new_empty(T, self.k, C)                                    # (T, k, C): each token's k outputs
+        for e in chosen.unique().tolist():
+            rows, slot = torch.where(chosen == e)                        # (n,) each: who chose e, as which of k
+            y[rows, slot] = self.experts[e](x[rows])                     # (n, C)
+        # weighted and summed likeliest first, in the weights' dtype, as transformers' default
+        # (grouped_mm) sums them
+        return (y * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)        # (T, C)
+
+
 class LlamaBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         C = config.hidden_size
         self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.mlp = SparseMoE(config) if config.num_experts else LlamaMLP(config)
         # Llama's post_attention_layernorm normalizes the MLP's input. Gemma's and OLMo's (HF's
         # names) normalize the attention's output, and post_feedforward_layernorm the MLP's;
         # Gemma also normalizes both inputs (a "sandwich" of norms), OLMo neither.
@@ -2169,18 +2242,21 @@ class Llama(nn.Module):
             p = f"model.layers.{i}."
             if config.pre_norms:
                 shapes[p + "input_layernorm.weight"] = (C,)
-            shapes |= {p + "post_attention_layernorm.weight": (C,), p + "self_attn.o_proj.weight": (C, q),
-                       p + "mlp.down_proj.weight": (C, I)}
+            shapes |= {p + "post_attention_layernorm.weight": (C,), p + "self_attn.o_proj.weight": (C, q)}
             if config.post_norms:
                 shapes[p + "post_feedforward_layernorm.weight"] = (C,)
             if config.pre_norms and config.post_norms:
                 shapes[p + "pre_feedforward_layernorm.weight"] = (C,)
             if config.model_type == "phi3":   # Phi-3 stores them fused, as this module holds them
-                shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, C), p + "mlp.gate_up_proj.weight": (2 * I, C)}
+                shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, C), p + "mlp.gate_up_proj.weight": (2 * I, C),
+                           p + "mlp.down_proj.weight": (C, I)}
             else:
                 shapes |= {p + "self_attn.q_proj.weight": (q, C), p + "self_attn.k_proj.weight": (kv, C),
-                           p + "self_attn.v_proj.weight": (kv, C), p + "mlp.gate_proj.weight": (I, C),
-                           p + "mlp.up_proj.weight": (I, C)}
+                           p + "self_attn.v_proj.weight": (kv, C)}
+                for _, (gate, up, down) in _mlp_names(config, p):   # (the MLP's, or each expert's)
+                    shapes |= {gate: (I, C), up: (I, C), down: (C, I)}
+                if config.num_experts:
+                    shapes[_router_name(config, p)] = (config.num_experts, C)
             if config.qkv_bias:
                 shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)}
@@ -2204,10 +2280,29 @@ class Llama(nn.Module):
             for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
                 state[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat(   # ((H + 2 KVH) * D, C), or its bias
                     [hf.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
-            state[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(       # (2 I, C)
-                [hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")])
-        # the rest keep their names: norms, o_proj, down_proj, embeddings, lm_head
+            for name, (gate, up, down) in _mlp_names(config, p):
+                state[f"layers.{i}.{name}.gate_up_proj.weight"] = torch.cat([hf.pop(gate), hf.pop(up)])  # (2 I, C)
+                state[f"layers.{i}.{name}.down_proj.weight"] = hf.pop(down)
+            if config.num_experts:
+                state[f"layers.{i}.mlp.gate.weight"] = hf.pop(_router_name(config, p))   # (E, C)
+        # the rest keep their names: norms, o_proj, (Phi-3's) down_proj, embeddings, lm_head
         return state | {name.removeprefix("model."): hf.pop(name) for name in list(hf)}
+
+
+def _mlp_names(config: ModelConfig, p: str) -> list[tuple[str, tuple[str, str, str]]]:
+    """Layer p's MLPs, as (this module's name, the checkpoint's gate, up and down weights):
+    its MLP, or each of its experts (Mixtral names them w1, w3 and w2, under block_sparse_moe)."""
+    if not config.num_experts:
+        return [("mlp", tuple(f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")))]
+    moe, names = ("block_sparse_moe", ("w1", "w3", "w2")) if config.model_type == "mixtral" else (
+        "mlp", ("gate_proj", "up_proj", "down_proj"))
+    return [(f"mlp.experts.{e}", tuple(f"{p}{moe}.experts.{e}.{n}.weight" for n in names))
+            for e in range(config.num_experts)]
+
+
+def _router_name(config: ModelConfig, p: str) -> str:
+    """Layer p's router weight in a checkpoint of a mixture of experts."""
+    return p + ("block_sparse_moe" if config.model_type == "mixtral" else "mlp") + ".gate.weight"
 
 
 # ----------------------------------------------------------------------------------------
@@ -2460,9 +2555,15 @@ def checkpoint_size(arch, config: ModelConfig) -> tuple[int, int, int]:
     """(tensors, parameters, tensors of one layer) of arch's checkpoint for config, worked out
     from the shapes of no layer and of one layer, not by listing every layer: a config that
     claims a billion layers is refused at once (check_size), not looped over."""
-    (t0, p0), (t1, p1) = [(len(shapes), sum(math.prod(shape) for shape in shapes.values()))
-                          for shapes in (arch.checkpoint_shapes(replace(config, num_hidden_layers=n))
-                                         for n in (0, 1))]
+    def count(**fields):
+        shapes = arch.checkpoint_shapes(replace(config, **fields))
+        return len(shapes), sum(math.prod(shape) for shape in shapes.values())
+    (t0, p0), experts = count(num_hidden_layers=0), config.num_experts
+    if experts > 1:   # a layer's from its first two experts' (nor a billion experts listed)
+        (ta, pa), (tb, pb) = count(num_hidden_layers=1, num_experts=1), count(num_hidden_layers=1, num_experts=2)
+        t1, p1 = ta + (experts - 1) * (tb - ta), pa + (experts - 1) * (pb - pa)
+    else:
+        t1, p1 = count(num_hidden_layers=1)
     layers = config.num_hidden_layers
     return t0 + layers * (t1 - t0), p0 + layers * (p1 - p0), t1 - t0
 

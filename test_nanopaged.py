@@ -189,8 +189,19 @@ def llama_tensors(c, seed=0):
                        p + "self_attn.v_proj.bias": (kv,)}
         if c.get("attention_bias"):
             shapes[p + "self_attn.o_proj.bias"] = (C,)
-        if c["model_type"] in ("qwen3", "gemma3_text"):
+        if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
+        if c["model_type"] in ("mixtral", "qwen3_moe"):   # a router and E MLPs instead of one (Mixtral's names)
+            for n in ("gate", "up", "down"):
+                del shapes[p + f"mlp.{n}_proj.weight"]
+            mixtral = c["model_type"] == "mixtral"
+            moe, (gate, up, down) = ("block_sparse_moe", "w1 w3 w2".split()) if mixtral else ("mlp", (
+                "gate_proj", "up_proj", "down_proj"))
+            E, width = (c["num_local_experts"], I) if mixtral else (c["num_experts"], c["moe_intermediate_size"])
+            shapes[p + f"{moe}.gate.weight"] = (E, C)
+            for e in range(E):
+                x = f"{p}{moe}.experts.{e}."
+                shapes |= {x + gate + ".weight": (width, C), x + up + ".weight": (width, C), x + down + ".weight": (C, width)}
         if olmo:   # (q and k normalized across all heads)
             shapes |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)}
         if c["model_type"] in ("gemma2", "gemma3_text"):
@@ -405,6 +416,15 @@ LLAMA_FAMILY_VARIANTS = {
     # stream, scores times 0.3 (not 8^-1/2), logits divided by 4; q/k/v/o biases
     "granite": llama_config(model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
                             attention_multiplier=0.3, logits_scaling=4.0, attention_bias=True),
+    # mixtures of experts: Qwen 3 MoE (4 experts of 24, 2 a token, their weights renormalized),
+    # and with 5 experts, 3 a token, not renormalized (its config class's default), windowed;
+    # Mixtral (3 experts of 80, 2 a token, windowed)
+    "qwen3_moe": llama_config(model_type="qwen3_moe", tied=False, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=24, norm_topk_prob=True),
+    "qwen3_moe_window": llama_config(model_type="qwen3_moe", tied=False, num_experts=5, num_experts_per_tok=3,
+                                     moe_intermediate_size=16, use_sliding_window=True, sliding_window=4),
+    "mixtral": llama_config(model_type="mixtral", tied=False, num_local_experts=3, num_experts_per_tok=2,
+                            sliding_window=5),
     # OLMo 2: norms on the attention's and the MLP's outputs only; q and k each normalized
     # across all heads (GQA: k over its 2 heads)
     "olmo2": llama_config(model_type="olmo2", tied=False),
@@ -449,7 +469,8 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 
 
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
-BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite")
+BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe", "qwen3_moe_window",
+                     "mixtral")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -596,12 +617,14 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
 @pytest.mark.parametrize("variant, window", [("qwen3_attention_bias", None), ("mistral_window", 10),
                                              ("mistral_window", 4), ("qwen2_window", 3), ("smollm3_window", 10),
                                              ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None),
-                                             ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None)])
+                                             ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
+                                             ("qwen3_moe", None), ("mixtral", 10)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
-    windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after) and OLMo 3
-    (three windowed layers in four, YaRN on the fourth alone) through the paged engine:
+    windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after), OLMo 3
+    (three windowed layers in four, YaRN on the fourth alone), Granite (its multipliers) and
+    mixtures of experts (Qwen 3 MoE, Mixtral windowed) through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
     SmolLM3, Gemma), and do not shorten the context."""
@@ -1466,6 +1489,31 @@ def test_granite_config_takes_its_multipliers_as_transformers_does():
     for bad in (0, "2"):
         with pytest.raises(ModelError, match="logits_scaling"):
             ModelConfig.from_dict(llama_config(model_type="granite", logits_scaling=bad))
+
+
+def test_mixture_of_experts_configs_are_read_or_refused(tmp_path):
+    """Qwen 3 MoE reads its experts' width from moe_intermediate_size and renormalizes only
+    with norm_topk_prob (its class's default: not); Mixtral always, its width intermediate_size.
+    Refused, by name: more experts a token than there are, layers without experts (Qwen's
+    decoder_sparse_step, mlp_only_layers); a config that claims a billion experts is refused by
+    its size at once, before a list of their tensors is made."""
+    c = ModelConfig.from_dict(llama_config(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                           moe_intermediate_size=24))
+    assert (c.num_experts, c.num_experts_per_tok, c.intermediate_size, c.norm_topk_prob, c.qk_norm) == (
+        8, 2, 24, False, "head")
+    c = ModelConfig.from_dict(llama_config(model_type="mixtral", num_local_experts=8))
+    assert (c.num_experts, c.num_experts_per_tok, c.intermediate_size, c.norm_topk_prob) == (8, 2, 80, True)
+    qwen = LLAMA_FAMILY_VARIANTS["qwen3_moe"]
+    for bad, message in [({"num_experts_per_tok": 5}, "num_experts_per_tok 5 exceeds the 4 experts"),
+                         ({"decoder_sparse_step": 2}, "decoder_sparse_step 2 / mlp_only_layers None are not supported"),
+                         ({"mlp_only_layers": [0]}, r"mlp_only_layers \[0\] are not supported"),
+                         ({"num_experts": 0}, "'num_experts' is 0, expected a positive integer")]:
+        with pytest.raises(ModelError, match=message):
+            ModelConfig.from_dict(qwen | bad)
+    start = time.perf_counter()
+    with pytest.raises(ModelError, match=r"the weights \(3,504,000,012,416,000,009,744 parameters .* more than all"):
+        load_model(tiny_llama_dir(tmp_path, **qwen | {"num_hidden_layers": 10**9, "num_experts": 10**9}), dummy=True)
+    assert time.perf_counter() - start < 10
 
 
 def test_gemma3_with_a_vision_tower_runs_its_text_model(tmp_path, capsys):
