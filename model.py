@@ -2119,9 +2119,9 @@ class SparseMoE(nn.Module):
     of which a router (a linear layer scoring each token against each expert) picks k for
     every token. A token's output is the sum of its k experts' outputs, weighted by the
     router's softmax probabilities for them (over all E, in float32; renormalized to sum to 1
-    over the k where norm_topk_prob). So a token costs k MLPs of the E held: the model holds
-    E / k times the weights it computes with. Each expert runs once a step, on the rows of
-    the tokens that chose it (a gather, its MLP, a scatter)."""
+    over the k where norm_topk_prob). So a token costs k MLPs of the E held: a layer keeps
+    E / k times the MLP weights that any one token is computed with. Each expert runs once a
+    step, on the rows of the tokens that chose it (a gather, its MLP, a scatter)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -1380,8 +1380,8 @@ def test_bad_config(tmp_path):
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
-                                            r"gpt2, granite, llama, ministral, mistral, olmo2, olmo3, phi3, qwen2, qwen3, "
-                                            r"smollm3\)"):
+                                            r"gpt2, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, phi3, qwen2, "
+                                            r"qwen3, qwen3_moe, smollm3\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
