@@ -141,9 +141,10 @@ MISTRALS = ("mistral", "ministral")
 # layers in four windowed (transformers' Olmo3Config), its full layers' RoPE alone scaled.
 OLMOS = ("olmo2", "olmo3")
 # Granite (IBM's Granite 3) is Llama with four scalars of its own (ModelConfig's "Granite" fields).
-# Mixtral (Mistral's attention) and Qwen 3 MoE (Qwen 3's) replace each layer's MLP by a
-# mixture of experts (SparseMoE).
-MOES = ("mixtral", "qwen3_moe")
+# Mixtral (Mistral's attention), Qwen 3 MoE (Qwen 3's) and OLMoE (Llama's norms, OLMo's q/k
+# norms, its q, k and v clipped where clip_qkv says) replace each layer's MLP by a mixture
+# of experts (SparseMoE).
+MOES = ("mixtral", "qwen3_moe", "olmoe")
 
 # model_types that run on the Llama module below (with the differences ModelConfig notes),
 # and the values their HF config classes take where a config.json leaves a key out
@@ -162,6 +163,8 @@ LLAMA_FAMILY = {
                 "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
     "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096,
                   "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+    "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "intermediate_size": 2048, "num_experts": 64,
+              "num_experts_per_tok": 8},
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "sliding_window": 4096},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
@@ -216,8 +219,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
     qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
     o_bias: bool = False              # o_proj has a bias (attention_bias)
+    clip_qkv: float | None = None     # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE's option)
     qk_norm: str | None = None        # RMSNorm on q and k before RoPE: "head", each head's (one (D,) scale
-                                      # shared by all: Qwen 3, Gemma 3); "all", all heads' at once (OLMo 2)
+                                      # shared by all: Qwen 3, Gemma 3); "all", all heads' at once (OLMo, OLMoE)
     # Where each layer's RMSNorms sit: before attention and the MLP, on their inputs (Llama's
     # "pre-norm"), after them, on their outputs before the residual adds (OLMo 2's), or both
     # (Gemma's "sandwich")
@@ -354,10 +358,11 @@ class ModelConfig:
             rope_theta, rope_scaling, partial = _rope_config(d_rope, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
             # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's (MoE too), SmolLM3's,
-            # Gemma's, Granite's and OLMo's attention_bias gives all four one; Mistral (Mixtral)
-            # has none. Qwen 3 and Gemma 3 normalize each head's q and k, OLMo all of q and k.
-            attention_bias = (model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "granite", *GEMMAS, *OLMOS)
-                              and _flag(d, "attention_bias"))
+            # Gemma's, Granite's and OLMo's (OLMoE's) attention_bias gives all four one; Mistral
+            # (Mixtral) has none. Qwen 3 and Gemma 3 normalize each head's q and k, OLMo (OLMoE)
+            # all of q and of k.
+            attention_bias = (model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "granite", "olmoe", *GEMMAS,
+                                            *OLMOS) and _flag(d, "attention_bias"))
             nope_layers = _nope_layers(d, model_type)
             window, window_layers = _sliding_window(d, model_type, nope_layers)
             # A window as long as the context changes nothing. (Kept where it also says which
@@ -374,8 +379,9 @@ class ModelConfig:
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings"),
                 qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
-                qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text") else "all" if model_type in OLMOS
-                         else None),
+                qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+                         else "all" if model_type in (*OLMOS, "olmoe") else None),
+                clip_qkv=None if model_type != "olmoe" or d.get("clip_qkv") is None else _positive(d, "clip_qkv", float),
                 pre_norms=model_type not in OLMOS, post_norms=model_type in (*GEMMAS, *OLMOS), nope_layers=nope_layers,
                 sliding_window=window, window_layers=window_layers, **extra)
             default_token_id = None
@@ -492,9 +498,10 @@ def _granite_fields(d: dict) -> dict:
 
 def _moe_fields(d: dict, model_type: str) -> dict:
     """ModelConfig's mixture-of-experts fields, as transformers' MixtralConfig (num_local_experts
-    of intermediate_size, top-k weights always renormalized) and Qwen3MoeConfig (num_experts of
+    of intermediate_size, top-k weights always renormalized), Qwen3MoeConfig (num_experts of
     moe_intermediate_size, renormalized where norm_topk_prob: its released models say true,
-    its class's default false) read them. Refused: Qwen 3 MoE configs whose layers are not
+    its class's default false) and OlmoeConfig (num_experts of intermediate_size; its
+    released models do not renormalize) read them. Refused: Qwen 3 MoE configs whose layers are not
     all MoE (decoder_sparse_step, mlp_only_layers: no released one)."""
     experts = _positive(d, "num_local_experts" if model_type == "mixtral" else "num_experts")
     k = _positive(d, "num_experts_per_tok")
@@ -570,8 +577,8 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     without); then the layers layer_types names so (by default, Qwen's from max_window_layers
     on, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
-    (Gemma 3: 6), OLMo 3's all but every 4th. Llama, Granite and OLMo 2 have no window."""
-    if model_type in ("llama", "granite", "olmo2") or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3"):
+    (Gemma 3: 6), OLMo 3's all but every 4th. Llama, Granite, OLMo 2 and OLMoE have no window."""
+    if model_type in ("llama", "granite", "olmo2", "olmoe") or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3"):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
     if model_type in ("phi3", "mixtral") or model_type in MISTRALS and d.get("layer_types") is None:
@@ -2034,7 +2041,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 # ----------------------------------------------------------------------------------------
 # Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, OLMo 2/3, Granite,
-# and the mixtures of experts Mixtral and Qwen 3 MoE)
+# and the mixtures of experts Mixtral, Qwen 3 MoE and OLMoE)
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, rounded as transformers rounds it: normalized in float32 and cast
@@ -2077,7 +2084,7 @@ class LlamaAttention(nn.Module):
         # Qwen 3 and Gemma 3 normalize every head's q and k (one (D,) scale shared by all heads)
         # before RoPE, which keeps the attention logits in range without a softcap; OLMo
         # normalizes all of q, and all of k, at once (one scale per dimension of every head).
-        self.qk_norm = config.qk_norm
+        self.qk_norm, self.clip_qkv = config.qk_norm, config.clip_qkv
         q_dim, k_dim = (self.D, self.D) if self.qk_norm == "head" else (self.H * self.D, self.KVH * self.D)
         self.q_norm = rms_norm(config, q_dim) if self.qk_norm else None
         self.k_norm = rms_norm(config, k_dim) if self.qk_norm else None
@@ -2087,6 +2094,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([H * D, KVH * D, KVH * D], dim=-1)   # (T, H*D), (T, KVH*D) x 2
         if self.qk_norm == "all":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:   # (OLMoE's option, after its norms, as transformers clamps)
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q, k = q.view(T, H, D), k.view(T, KVH, D)                              # (T, H, D), (T, KVH, D)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -2242,21 +2251,25 @@ class Llama(nn.Module):
             p = f"model.layers.{i}."
             if config.pre_norms:
                 shapes[p + "input_layernorm.weight"] = (C,)
+            # (in this order: dummy weights are drawn in it)
             shapes |= {p + "post_attention_layernorm.weight": (C,), p + "self_attn.o_proj.weight": (C, q)}
+            if not config.num_experts:
+                shapes[p + "mlp.down_proj.weight"] = (C, I)
             if config.post_norms:
                 shapes[p + "post_feedforward_layernorm.weight"] = (C,)
             if config.pre_norms and config.post_norms:
                 shapes[p + "pre_feedforward_layernorm.weight"] = (C,)
             if config.model_type == "phi3":   # Phi-3 stores them fused, as this module holds them
-                shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, C), p + "mlp.gate_up_proj.weight": (2 * I, C),
-                           p + "mlp.down_proj.weight": (C, I)}
+                shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, C), p + "mlp.gate_up_proj.weight": (2 * I, C)}
             else:
                 shapes |= {p + "self_attn.q_proj.weight": (q, C), p + "self_attn.k_proj.weight": (kv, C),
                            p + "self_attn.v_proj.weight": (kv, C)}
-                for _, (gate, up, down) in _mlp_names(config, p):   # (the MLP's, or each expert's)
+            if config.model_type != "phi3" and not config.num_experts:
+                shapes |= {p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C)}
+            if config.num_experts:
+                shapes[_router_name(config, p)] = (config.num_experts, C)
+                for _, (gate, up, down) in _mlp_names(config, p):
                     shapes |= {gate: (I, C), up: (I, C), down: (C, I)}
-                if config.num_experts:
-                    shapes[_router_name(config, p)] = (config.num_experts, C)
             if config.qkv_bias:
                 shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)}

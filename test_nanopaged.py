@@ -191,18 +191,18 @@ def llama_tensors(c, seed=0):
             shapes[p + "self_attn.o_proj.bias"] = (C,)
         if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
-        if c["model_type"] in ("mixtral", "qwen3_moe"):   # a router and E MLPs instead of one (Mixtral's names)
+        if c["model_type"] in ("mixtral", "qwen3_moe", "olmoe"):   # a router and E MLPs instead of one (Mixtral's names)
             for n in ("gate", "up", "down"):
                 del shapes[p + f"mlp.{n}_proj.weight"]
             mixtral = c["model_type"] == "mixtral"
             moe, (gate, up, down) = ("block_sparse_moe", "w1 w3 w2".split()) if mixtral else ("mlp", (
                 "gate_proj", "up_proj", "down_proj"))
-            E, width = (c["num_local_experts"], I) if mixtral else (c["num_experts"], c["moe_intermediate_size"])
+            E, width = (c["num_local_experts"], I) if mixtral else (c["num_experts"], c.get("moe_intermediate_size", I))
             shapes[p + f"{moe}.gate.weight"] = (E, C)
             for e in range(E):
                 x = f"{p}{moe}.experts.{e}."
                 shapes |= {x + gate + ".weight": (width, C), x + up + ".weight": (width, C), x + down + ".weight": (C, width)}
-        if olmo:   # (q and k normalized across all heads)
+        if olmo or c["model_type"] == "olmoe":   # (q and k normalized across all heads)
             shapes |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)}
         if c["model_type"] in ("gemma2", "gemma3_text"):
             shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
@@ -425,6 +425,9 @@ LLAMA_FAMILY_VARIANTS = {
                                      moe_intermediate_size=16, use_sliding_window=True, sliding_window=4),
     "mixtral": llama_config(model_type="mixtral", tied=False, num_local_experts=3, num_experts_per_tok=2,
                             sliding_window=5),
+    # OLMoE: Llama's norms, q/k norms across all heads, 4 experts of 80, 3 a token, not
+    # renormalized; q, k and v clipped to +-1.5
+    "olmoe": llama_config(model_type="olmoe", tied=False, num_experts=4, num_experts_per_tok=3, clip_qkv=1.5),
     # OLMo 2: norms on the attention's and the MLP's outputs only; q and k each normalized
     # across all heads (GQA: k over its 2 heads)
     "olmo2": llama_config(model_type="olmo2", tied=False),
@@ -470,7 +473,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe", "qwen3_moe_window",
-                     "mixtral")
+                     "mixtral", "olmoe")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -618,13 +621,13 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("mistral_window", 4), ("qwen2_window", 3), ("smollm3_window", 10),
                                              ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None),
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
-                                             ("qwen3_moe", None), ("mixtral", 10)])
+                                             ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
     windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after), OLMo 3
     (three windowed layers in four, YaRN on the fourth alone), Granite (its multipliers) and
-    mixtures of experts (Qwen 3 MoE, Mixtral windowed) through the paged engine:
+    mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE) through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
     SmolLM3, Gemma), and do not shorten the context."""
@@ -1380,7 +1383,7 @@ def test_bad_config(tmp_path):
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
-                                            r"gpt2, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, phi3, qwen2, "
+                                            r"gpt2, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, "
                                             r"qwen3, qwen3_moe, smollm3\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},

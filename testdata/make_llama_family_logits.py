@@ -1,9 +1,9 @@
 """Writes llama_family_logits.json: for each of the test suite's LLAMA_FAMILY_VARIANTS, the
 logits that Hugging Face transformers computes for the token ids IDS from the checkpoint the
 tests build (llama_tensors, seed 0). The tests compare nanopaged's logits with these, so
-transformers (an independent implementation of Qwen 2, Qwen 3, Mistral, Ministral, Phi-3, SmolLM3, Gemma 2 and 3, OLMo 2
-and 3, Granite, Qwen 3 MoE, Mixtral and Llama) is needed
-only to remake the file:
+transformers (an independent implementation of Qwen 2, Qwen 3, Mistral, Ministral, Phi-3, SmolLM3,
+Gemma 2 and 3, OLMo 2 and 3, Granite, Qwen 3 MoE, Mixtral, OLMoE and Llama) is needed only to
+remake the file:
 
     pip install transformers && python testdata/make_llama_family_logits.py
 """
