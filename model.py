@@ -2711,7 +2711,8 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------
-# GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-3, SmolLM3 and Gemma 2/3 GGUF files
+# GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, Granite and OLMo 2
+# GGUF files
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
 # first load converts it once into an ordinary HF-layout directory in the cache: config.json,
@@ -2732,19 +2733,23 @@ HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}   # (Phi-3's fused ones)
-# Gemma's four norms a layer: HF's post_attention_layernorm normalizes the attention's output,
-# and llama.cpp's ffn_norm is the MLP's input norm, HF's pre_feedforward_layernorm
+# Gemma's four norms a layer (OLMo 2's two after): HF's post_attention_layernorm normalizes the
+# attention's output, and llama.cpp's ffn_norm is the MLP's input norm, HF's pre_feedforward_layernorm
 GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"}
 # GGUF's architectures: config.json's architectures entry for each. llama.cpp rotates
 # Llama's RoPE pairs as neighbours, so its converter permuted Llama's Q and K rows (see
-# _unpermute), and SmolLM3's, which it converts as a Llama's; Qwen's, Phi-3's and Gemma's
-# it rotates as HF does ("NEOX"), and stores them as they are. (A SmolLM3 GGUF does not say which layers
+# _unpermute), and SmolLM3's and Granite's, which it converts as a Llama's; Qwen's, Phi-3's,
+# Gemma's and OLMo 2's it rotates as HF does ("NEOX"), and stores them as they are. (A SmolLM3 GGUF does not say which layers
 # go without RoPE: llama.cpp takes every 4th, as SmolLM3Config's default does.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                      "gemma3": "Gemma3ForCausalLM"}
-GGUF_PERMUTED = ("llama", "smollm3")
+                      "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+GGUF_PERMUTED = ("llama", "smollm3", "granite")
+# Granite's multipliers: the GGUF key each is read from (after "granite."; llama.cpp's
+# converter writes none that is 0 or absent, which transformers reads as 1)
+GGUF_GRANITE_KEYS = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
+                     "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
 # the special tokens' roles (tokenizer_config.json's "bos_token"...) -> GGUF's names for them
 GGUF_SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 # config.json's numbers: the GGUF key each is read from (after "<arch>."), and whether every
@@ -2785,6 +2790,10 @@ GGUF_PRE_TOKENIZERS = {
     "llama-bpe": _split_then_bytes(LLAMA3_PATTERN),
     "qwen2": _split_then_bytes(QWEN2_PATTERN),
 }
+# (other names llama.cpp gives the same pre-tokenizers: DBRX's and OLMo 2's tokenizer splits
+# as Llama 3's, Refact's and Granite 3's as SmolLM's, OLMo's (OLMoE's) as GPT-2's)
+GGUF_PRE_TOKENIZERS |= {"dbrx": GGUF_PRE_TOKENIZERS["llama-bpe"], "refact": GGUF_PRE_TOKENIZERS["smollm"],
+                        "olmo": GGUF_PRE_TOKENIZERS["gpt-2"]}
 GGUF_NORMALIZERS = {"qwen2": {"type": "NFC"}}   # the rest have none
 GGUF_NORMAL, GGUF_UNKNOWN = 1, 2        # token types: a BPE's token; SentencePiece's <unk>
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # added tokens, matched before BPE
@@ -2952,7 +2961,7 @@ def _check_dequantizable(gguf_path: Path, t) -> None:
 
 def _gguf_name(hf_name: str, sandwich: bool = False) -> str:
     """A Llama tensor's GGUF name: model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight.
-    sandwich: Gemma's norms, named after where they sit."""
+    sandwich: Gemma's and OLMo 2's norms, named after where they sit."""
     names = HF_TO_GGUF | GGUF_SANDWICH_NAMES if sandwich else HF_TO_GGUF
     base, kind = hf_name.rsplit(".", 1)
     layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
@@ -3134,6 +3143,12 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
         del config["sliding_window"]
     else:
         config["hidden_act"] = "silu"
+    if arch == "granite":
+        config |= {key: _f32(meta[f"granite.{name}"]) for key, name in GGUF_GRANITE_KEYS.items()
+                   if f"granite.{name}" in meta}
+    if arch == "olmo2" and meta.get("olmo2.attention.sliding_window"):   # (llama.cpp converts OLMo 3 as an OLMo 2)
+        raise ModelError(f"{gguf_path}: an OLMo 3 GGUF (olmo2.attention.sliding_window) is not supported: "
+                         f"convert its Hugging Face checkpoint instead")
     for key in GGUF_SPECIAL_TOKENS.values():
         if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None and i >= len(tokens):
             raise ModelError(f"{gguf_path}: tokenizer.ggml.{key}_token_id {i} is past the vocab ({len(tokens)} tokens)")
@@ -3242,7 +3257,7 @@ def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: st
     # Every tensor's name and shape checked before the slow part, dequantizing (to float32).
     check_size(gguf_path, c, Llama, torch.float32, "cpu", stored=len(reader.tensors))
     shapes = Llama.checkpoint_shapes(c)
-    hf_name = {_gguf_name(name, sandwich=gemma): name for name in shapes}
+    hf_name = {_gguf_name(name, sandwich=c.post_norms): name for name in shapes}
     for t in reader.tensors:
         if t.name in GGUF_ROPE_TENSORS:   # (read by _gguf_rope: config.json's numbers)
             continue

@@ -2691,19 +2691,25 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
-def test_qwen_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
-    """GGUFs that llama.cpp's own converter wrote from two tiny Qwen models: the weights
-    (Qwen 2's q/k/v biases, its Q and K rows as HF's, its tied embeddings; Qwen 3's q/k norms
-    and head_dim) give the logits transformers computed before the conversion, to float16's
-    rounding; the tokenizer (NFC, Qwen 2's regex, added tokens) encodes as Hugging Face's does."""
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2"])
+def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
+    """GGUFs that llama.cpp's own converter wrote from tiny models: the weights (Qwen 2's q/k/v
+    biases, its Q and K rows as HF's, its tied embeddings; Qwen 3's q/k norms and head_dim;
+    Granite's Q and K rows permuted as a Llama's and its four multipliers, read back from
+    granite.*_scale; OLMo 2's norms after attention and MLP, named as Gemma's, and its q/k norms
+    across all heads) give the logits transformers computed before the conversion, to
+    float16's rounding; the tokenizer (NFC, Qwen 2's regex, added tokens) encodes as Hugging
+    Face's does."""
     path = TESTDATA / f"{name}-f16.gguf"
     model = load_model(path)
     c = model.config
-    assert (c.model_type, c.qkv_bias, c.qk_norm, c.tie_word_embeddings, c.head_dim) == {
-        "qwen2": ("qwen2", True, None, True, 8), "qwen3": ("qwen3", False, "head", False, 16)}[name]
+    assert (c.model_type, c.qkv_bias, c.qk_norm, c.tie_word_embeddings, c.head_dim, c.post_norms) == {
+        "qwen2": ("qwen2", True, None, True, 8, False), "qwen3": ("qwen3", False, "head", False, 16, False),
+        "granite": ("granite", False, None, True, 8, False), "olmo2": ("olmo2", False, "all", False, 8, True)}[name]
+    assert (c.embedding_multiplier, c.residual_multiplier, c.attn_scale, c.logits_scaling) == (
+        (12.0, 0.22, 0.3, 4.0) if name == "granite" else (1.0, 1.0, c.head_dim ** -0.5, 1.0))
     logits = forward_all(model, IDS)
-    for t, row in json.loads((TESTDATA / "qwen_gguf_logits.json").read_text())[name].items():
+    for t, row in json.loads((TESTDATA / "llama_cpp_gguf_logits.json").read_text())[name].items():
         torch.testing.assert_close(logits[int(t)], torch.tensor(row), rtol=0, atol=2e-2)
     tok = load_tokenizer(path)
     # (the tiny vocab has no token of two digits: Llama 3's digit groups would encode it alike)
@@ -2954,6 +2960,16 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     assert tok.encode("ab 12") == first + [97, 98, 32, 49, 50]
 
 
+@pytest.mark.parametrize("alias, twin", [("dbrx", "llama-bpe"), ("refact", "smollm"), ("olmo", "gpt-2")])
+def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, alias, twin):
+    """OLMo 2's GGUFs name their pre-tokenizer "dbrx", Granite 3's "refact", OLMoE's "olmo":
+    llama.cpp splits them with Llama 3's, SmolLM's and GPT-2's regexes, and so does the
+    converted tokenizer; but a BOS is added by default for llama-bpe alone, as llama.cpp does."""
+    tok, same = (load_tokenizer(write_gguf(tmp_path / f"{pre}.gguf", pre=pre, bos=5)) for pre in (alias, twin))
+    assert tok.encoding._pat_str == same.encoding._pat_str
+    assert tok.encode("ab 12") == [97, 98, 32, 49, 50]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"bos": 256}, "tokenizer.ggml.bos_token_id 256 is past the vocab \\(256 tokens\\)"),
     ({"add_bos": True}, "tokenizer.ggml.add_bos_token is set but there is no tokenizer.ggml.bos_token_id"),
@@ -2987,6 +3003,8 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     ({"meta": [("split.count", "2")]}, "GGUF metadata 'split.count' is '2', not a number of files"),
     ({"meta": [("llama.expert_count", 4), ("llama.expert_used_count", 2)], "extra": [("blk.0.ffn_gate_inp.weight", (4, 16))]},
      r"a mixture-of-experts model \(llama.expert_count 4\) is not supported"),
+    # llama.cpp converts OLMo 3 as an OLMo 2 with a window (and a pattern of windowed layers)
+    ({"arch": "olmo2", "window": 4}, r"an OLMo 3 GGUF \(olmo2.attention.sliding_window\) is not supported"),
     # (llama.cpp's converters wrote no pre-tokenizer before 2024: was "pre-tokenizer 'default' is not supported";
     # a SentencePiece GGUF has none, and loads)
     ({"pre": None}, "GGUF metadata has no 'tokenizer.ggml.pre', the byte-level BPE's pre-tokenizer: an older "

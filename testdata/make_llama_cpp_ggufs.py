@@ -1,16 +1,19 @@
-"""Writes qwen2-f16.gguf, qwen3-f16.gguf and qwen_gguf_logits.json: two tiny random Qwen
-models (Qwen 2 with its q/k/v biases and tied embeddings, Qwen 3 with its q/k norms and a
-head_dim of its own), converted to GGUF by llama.cpp's own convert_hf_to_gguf.py, and the
-logits Hugging Face transformers computes for token ids IDS before the conversion (at three
-positions). The tests
-convert the GGUFs back and compare. transformers and llama.cpp are needed only to remake:
+"""Writes <name>-f16.gguf and the name's entry in llama_cpp_gguf_logits.json for tiny random
+models: Qwen 2 (its q/k/v biases and tied embeddings), Qwen 3 (its q/k norms and a head_dim
+of its own), Granite (its four multipliers; Q and K rows permuted by the converter, as a
+Llama's) and OLMo 2 (its norms after attention and the MLP, its q/k norms across all
+heads), converted to GGUF by llama.cpp's own convert_hf_to_gguf.py, and the logits Hugging
+Face transformers computes for token ids IDS before the conversion (at three positions). The
+tests convert the GGUFs back and compare. transformers and llama.cpp are needed only to
+remake them:
 
     pip install transformers sentencepiece   # (llama.cpp's converter imports sentencepiece)
-    python testdata/make_qwen_ggufs.py path/to/llama.cpp
+    python testdata/make_llama_cpp_ggufs.py path/to/llama.cpp [name ...]   # (default: all)
 
-llama.cpp identifies a tokenizer's pre-tokenizer by hashing its output on a test text; this
+llama.cpp identifies a tokenizer's pre-tokenizer by hashing its output on a test text; the
 tiny tokenizer (qwen2_tokenizer/) is unknown to it, so make its get_vocab_base_pre return
-"qwen2" where it would raise NotImplementedError. Made with llama.cpp 0c1e570 (2026-10-01).
+"qwen2" where it would raise NotImplementedError. Qwen's made with llama.cpp 0c1e570
+(2026-10-01); Granite's and OLMo 2's with the llama.cpp of llama-cpp-python 0.3.36's sdist.
 """
 import json
 import shutil
@@ -27,11 +30,18 @@ IDS = [5, 17, 99, 3, 42, 42, 0, 64, 7, 100, 23]
 CHAT = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
         "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 MODELS = {"qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
-          "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=False, head_dim=16))}
+          "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=False, head_dim=16)),
+          "granite": (transformers.GraniteConfig, dict(tie_word_embeddings=True, embedding_multiplier=12.0,
+                                                       residual_multiplier=0.22, attention_multiplier=0.3,
+                                                       logits_scaling=4.0)),
+          "olmo2": (transformers.Olmo2Config, dict(tie_word_embeddings=False))}
 
-llama_cpp = Path(sys.argv[1])
-out = {"transformers": transformers.__version__}
+llama_cpp, names = Path(sys.argv[1]), sys.argv[2:] or list(MODELS)
+logits_file = HERE / "llama_cpp_gguf_logits.json"
+out = json.loads(logits_file.read_text()) if logits_file.exists() else {}
 for seed, (name, (config_class, extra)) in enumerate(MODELS.items()):
+    if name not in names:
+        continue
     config = config_class(vocab_size=763, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, intermediate_size=64, max_position_embeddings=4096,
                           rms_norm_eps=1e-6, rope_theta=1e6, eos_token_id=758, **extra)
@@ -53,4 +63,5 @@ for seed, (name, (config_class, extra)) in enumerate(MODELS.items()):
                         "--outfile", HERE / f"{name}-f16.gguf"], check=True)
     # three positions keep the file small: the last one has attended to every token
     out[name] = {str(t): [round(x, 5) for x in logits[t].tolist()] for t in (0, 5, len(IDS) - 1)}
-(HERE / "qwen_gguf_logits.json").write_text(json.dumps(out) + "\n")
+    out.setdefault("transformers", {})[name] = transformers.__version__   # (which made its logits)
+logits_file.write_text(json.dumps(out) + "\n")
