@@ -2791,9 +2791,8 @@ GGUF_PRE_TOKENIZERS = {
     "qwen2": _split_then_bytes(QWEN2_PATTERN),
 }
 # (other names llama.cpp gives the same pre-tokenizers: DBRX's and OLMo 2's tokenizer splits
-# as Llama 3's, Refact's and Granite 3's as SmolLM's, OLMo's (OLMoE's) as GPT-2's)
-GGUF_PRE_TOKENIZERS |= {"dbrx": GGUF_PRE_TOKENIZERS["llama-bpe"], "refact": GGUF_PRE_TOKENIZERS["smollm"],
-                        "olmo": GGUF_PRE_TOKENIZERS["gpt-2"]}
+# as Llama 3's, Refact's and Granite 3's as SmolLM's)
+GGUF_PRE_TOKENIZERS |= {"dbrx": GGUF_PRE_TOKENIZERS["llama-bpe"], "refact": GGUF_PRE_TOKENIZERS["smollm"]}
 GGUF_NORMALIZERS = {"qwen2": {"type": "NFC"}}   # the rest have none
 GGUF_NORMAL, GGUF_UNKNOWN = 1, 2        # token types: a BPE's token; SentencePiece's <unk>
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # added tokens, matched before BPE
