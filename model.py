@@ -245,7 +245,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # A mixture of experts in every layer (Mixtral, Qwen 3 MoE; 0: a plain MLP): num_experts
+    # A mixture of experts in every layer (Mixtral, Qwen 3 MoE, OLMoE; 0: a plain MLP): num_experts
     # MLPs of intermediate_size, of which a router picks num_experts_per_tok for each token,
     # weighted by its probabilities for them (renormalized to sum to 1 where norm_topk_prob)
     num_experts: int = 0
@@ -337,7 +337,8 @@ class ModelConfig:
                 extra, d_rope = _moe_fields(d, model_type), d
             else:   # (OLMo 3's windowed layers turn by a RoPE of their own, as Gemma 3's)
                 extra, d_rope = _two_ropes(d, model_type) if model_type == "olmo3" else ({}, d)
-            if model_type not in GEMMAS and d.get("hidden_act", "silu") not in ("silu", "swish"):   # (transformers': one function)
+            # (silu and swish: one function, in transformers)
+            if model_type not in GEMMAS and d.get("hidden_act", "silu") not in ("silu", "swish"):
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu', or 'swish')")
             if d.get("mlp_bias"):
                 raise ModelError("mlp_bias is not supported")
@@ -373,7 +374,8 @@ class ModelConfig:
             fields = dict(
                 hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                intermediate_size=_positive(d, "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"),
+                intermediate_size=_positive(d, "moe_intermediate_size" if model_type == "qwen3_moe"
+                                            else "intermediate_size"),
                 max_position_embeddings=max_position,
                 norm_eps=_positive(d, "rms_norm_eps", float, 1e-6), rope_theta=rope_theta,
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
@@ -381,7 +383,8 @@ class ModelConfig:
                 qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
                 qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text")
                          else "all" if model_type in (*OLMOS, "olmoe") else None),
-                clip_qkv=None if model_type != "olmoe" or d.get("clip_qkv") is None else _positive(d, "clip_qkv", float),
+                clip_qkv=(None if model_type != "olmoe" or d.get("clip_qkv") is None
+                          else _positive(d, "clip_qkv", float)),
                 pre_norms=model_type not in OLMOS, post_norms=model_type in (*GEMMAS, *OLMOS), nope_layers=nope_layers,
                 sliding_window=window, window_layers=window_layers, **extra)
             default_token_id = None
@@ -572,13 +575,15 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     """The window and the layers that use it ((None, ()): every layer sees everything), read
     as HF's config classes read them. Mistral (and Ministral, Mixtral) and Phi-3 window every
     layer when sliding_window is set; a Mistral or Ministral with layer_types, the layers it names
-    "sliding_attention". Qwen windows only with use_sliding_window (Qwen 3 MoE every layer then), and SmolLM3 with it or
+    "sliding_attention". Qwen windows only with use_sliding_window (Qwen 3 MoE: every layer
+    then), and SmolLM3 with it or
     wherever its layer_types names "sliding_attention" (transformers' masks follow them even
     without); then the layers layer_types names so (by default, Qwen's from max_window_layers
     on, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
     (Gemma 3: 6), OLMo 3's all but every 4th. Llama, Granite, OLMo 2 and OLMoE have no window."""
-    if model_type in ("llama", "granite", "olmo2", "olmoe") or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3"):
+    if (model_type in ("llama", "granite", "olmo2", "olmoe")
+            or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3")):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
     if model_type in ("phi3", "mixtral") or model_type in MISTRALS and d.get("layer_types") is None:
@@ -2124,7 +2129,7 @@ class LlamaMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A mixture of experts in place of the MLP (Mixtral, Qwen 3 MoE): E MLPs, the experts,
+    """A mixture of experts in place of the MLP (Mixtral, Qwen 3 MoE, OLMoE): E MLPs, the experts,
     of which a router (a linear layer scoring each token against each expert) picks k for
     every token. A token's output is the sum of its k experts' outputs, weighted by the
     router's softmax probabilities for them (over all E, in float32; renormalized to sum to 1
@@ -2137,8 +2142,8 @@ class SparseMoE(nn.Module):
         self.k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)   # the router
         self.experts = nn.ModuleList(LlamaMLP(config) for _ in range(config.num_experts))
-        # (transformers weighs Mixtral's experts in float32, Qwen's in the model's dtype: the
-        # same in float32; in bfloat16, its bits)
+        # (transformers weighs Mixtral's experts in float32, Qwen's and OLMoE's in the model's
+        # dtype: the same in float32; in bfloat16, its bits)
         self.weights_in_float32 = config.model_type == "mixtral"
 
     def forward(self, x):
@@ -2202,7 +2207,7 @@ class Llama(nn.Module):
         cos, sin = rope_tables(config, max_model_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if config.rope_local_base_freq is not None:   # Gemma 3's (OLMo 3's) windowed layers turn by a RoPE of their own
+        if config.rope_local_base_freq is not None:   # Gemma 3's, OLMo 3's windowed layers: a RoPE of their own
             cos, sin = rope_tables(config, max_model_len, local=True)
             self.register_buffer("rope_local_cos", cos, persistent=False)
             self.register_buffer("rope_local_sin", sin, persistent=False)
@@ -2740,8 +2745,9 @@ GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_f
 # GGUF's architectures: config.json's architectures entry for each. llama.cpp rotates
 # Llama's RoPE pairs as neighbours, so its converter permuted Llama's Q and K rows (see
 # _unpermute), and SmolLM3's and Granite's, which it converts as a Llama's; Qwen's, Phi-3's,
-# Gemma's and OLMo 2's it rotates as HF does ("NEOX"), and stores them as they are. (A SmolLM3 GGUF does not say which layers
-# go without RoPE: llama.cpp takes every 4th, as SmolLM3Config's default does.)
+# Gemma's and OLMo 2's it rotates as HF does ("NEOX"), and stores them as they are. (A
+# SmolLM3 GGUF does not say which layers go without RoPE: llama.cpp takes every 4th, as
+# SmolLM3Config's default does.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}

@@ -191,7 +191,7 @@ def llama_tensors(c, seed=0):
             shapes[p + "self_attn.o_proj.bias"] = (C,)
         if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
-        if c["model_type"] in ("mixtral", "qwen3_moe", "olmoe"):   # a router and E MLPs instead of one (Mixtral's names)
+        if c["model_type"] in ("mixtral", "qwen3_moe", "olmoe"):   # a router and E MLPs, not one (Mixtral's names)
             for n in ("gate", "up", "down"):
                 del shapes[p + f"mlp.{n}_proj.weight"]
             mixtral = c["model_type"] == "mixtral"
@@ -201,7 +201,8 @@ def llama_tensors(c, seed=0):
             shapes[p + f"{moe}.gate.weight"] = (E, C)
             for e in range(E):
                 x = f"{p}{moe}.experts.{e}."
-                shapes |= {x + gate + ".weight": (width, C), x + up + ".weight": (width, C), x + down + ".weight": (C, width)}
+                shapes |= {x + gate + ".weight": (width, C), x + up + ".weight": (width, C),
+                           x + down + ".weight": (C, width)}
         if olmo or c["model_type"] == "olmoe":   # (q and k normalized across all heads)
             shapes |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)}
         if c["model_type"] in ("gemma2", "gemma3_text"):
