@@ -974,7 +974,6 @@ VLLM_ONLY_OPTIONS = {
     "hf_overrides": ((None, {}), "nanopaged reads config.json as it is"),
     "enable_chunked_prefill": ((True, None), "nanopaged chunks a prefill past the token budget: "
                                              "a max_num_batched_tokens of the longest prompt chunks none"),
-    "scheduling_policy": (("fcfs",), "nanopaged's scheduler is first-come-first-served"),
     "cpu_offload_gb": ((0,), "nanopaged keeps the weights on the device"),
     "enable_sleep_mode": ((False,), "nanopaged has no sleep mode"),
     "distributed_executor_backend": ((None,), "nanopaged runs in one process"),
@@ -1039,7 +1038,7 @@ class LLM:
                  attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto",
                  preemption_mode: str = "recompute", swap_space: float = 4, seed: int | None = 0,
                  max_logprobs: int = MAX_LOGPROBS, tokenizer=None, override_generation_config: dict | None = None,
-                 chat_template: str | Path | None = None, **vllm_options):
+                 chat_template: str | Path | None = None, scheduling_policy: str = "fcfs", **vllm_options):
         """In order: the arguments checked that need no model file; the model's config (and
         the arguments checked against it), its sampling advice, tokenizer and weights; the KV
         cache (the BlockPool, and the swap space); the Scheduler, and the PagedAttention
@@ -1083,6 +1082,12 @@ class LLM:
             raise ValueError(f"unknown load_format {load_format!r}: use auto, or dummy (random weights)")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption_mode {preemption_mode!r}: use recompute, or swap (to CPU memory)")
+        # vLLM's: "fcfs", first come, first served; "priority": requests by their priority (lower
+        # first), then arrival, for admission and, reversed, for preemption (Sequence.rank)
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling_policy {scheduling_policy!r}: use fcfs (first come, first served) "
+                             f"or priority (lower priority values first, then first come)")
+        self.scheduling_policy = scheduling_policy
         if not (isinstance(swap_space, numbers.Real) and not isinstance(swap_space, bool) and 0 < swap_space < 2**40):
             raise ValueError(f"swap_space must be a number of GiB > 0, got {swap_space!r}")
         if generation_config not in ("auto", "vllm") and not (isinstance(generation_config, (str, os.PathLike))
@@ -1230,17 +1235,18 @@ class LLM:
                 + f"attention backend: {self.attn.backend}")
 
     # --- requests ---
-    def add_request(self, prompt, params: SamplingParams | BeamSearchParams | None = None, request_id=None):
+    def add_request(self, prompt, params: SamplingParams | BeamSearchParams | None = None, request_id=None,
+                    priority: int = 0):
         """Queue one prompt: text, a list of token ids, or, as vLLM writes them, {"prompt":
         text} or {"prompt_token_ids": ids}; with BeamSearchParams, a beam search (its outputs:
-        the beams, best first). Bad input raises ValueError and leaves the engine
-        as it was."""
+        the beams, best first). priority: under LLM(scheduling_policy="priority"), lower runs
+        first (vLLM's; else 0). Bad input raises ValueError and leaves the engine as it was."""
         self._check_free("add_request()")
         if isinstance(request_id, (SamplingParams, BeamSearchParams)):
             raise ValueError("add_request takes (prompt, params, request_id=None), nanopaged's order: vLLM's "
                              "LLMEngine.add_request takes the request id first")
         text, ids = self._parse_prompt(prompt)
-        return self._add(text, ids, params, request_id)
+        return self._add(text, ids, params, request_id, priority=priority)
 
     def _parse_prompt(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """A prompt's text (None if given as ids alone) and token ids (a text's encoded with
@@ -1270,9 +1276,14 @@ class LLM:
         raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
 
     def _add(self, text: str | None, ids: list[int], params: SamplingParams | BeamSearchParams | None,
-             request_id=None, final_only: bool = False):
+             request_id=None, final_only: bool = False, priority: int = 0):
         """add_request's; final_only: the request's copy of its params gets output_kind FINAL_ONLY
         (generate() and stream(): no output before the end, as vLLM's LLM sets for its own)."""
+        if not is_integer(priority):
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":   # (vLLM refuses it too)
+            raise ValueError(f"priority={priority!r}, but the scheduler is first-come-first-served: "
+                             f"LLM(scheduling_policy='priority') runs requests by priority")
         advised = params is None
         params = self._default_params if advised else params
         if isinstance(params, BeamSearchParams):   # a beam search: its beams are the request's sequences
@@ -1339,7 +1350,7 @@ class LLM:
         seq = None
         try:
             with defer_ctrl_c():   # queued in the scheduler means known here
-                seq = self.scheduler.add(request_id, ids, params)
+                seq = self.scheduler.add(request_id, ids, params, int(priority))
                 self._requests[request_id] = Request(
                     text, params, [seq], beams={seq: (0.0, None)} if params.beam else {},
                     prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids),
@@ -1937,16 +1948,16 @@ class LLM:
         """Generate for every prompt (each as add_request takes it); outputs come back in the
         order of the prompts. sampling_params: one SamplingParams for all prompts, or a list
         with one per prompt. use_tqdm: draw a progress line on stderr (vLLM's name; nanopaged
-        draws its own, and is quiet by default). lora_request and priority: vLLM's, taken at
-        what asks for nothing (None; priorities all 0, as vLLM's first-come-first-served
-        scheduler takes them). tokenization_kwargs: vLLM's, see Tokenization;
+        draws its own, and is quiet by default). lora_request: vLLM's, taken at what asks for
+        nothing (None); priority: vLLM's, one for all the prompts or one each (None: 0), lower
+        first under LLM(scheduling_policy="priority"). tokenization_kwargs: vLLM's, see Tokenization;
         mm_processor_kwargs: vLLM's, None (no multimodal inputs)."""
         tokenization = Tokenization.of(tokenization_kwargs, mm_processor_kwargs, self.max_model_len,
                                        add_special_tokens=True)
         prompts = [(text, tokenization.truncate(ids))
                    for text, ids in self._parse_prompts(prompts, tokenization.add_special_tokens)]
-        _check_per_prompt(len(prompts), lora_request, priority)
-        return self._generate(prompts, sampling_params, use_tqdm)
+        priorities = _check_per_prompt(len(prompts), lora_request, priority)
+        return self._generate(prompts, sampling_params, use_tqdm, priorities=priorities)
 
     def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None, priority=None) -> list[BeamSearchOutput]:
@@ -1960,11 +1971,12 @@ class LLM:
         if concurrency_limit is not None and not (is_integer(concurrency_limit) and concurrency_limit >= 1):
             raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
         prompts = self._parse_prompts(prompts)
-        _check_per_prompt(len(prompts), lora_request, priority)
+        priorities = _check_per_prompt(len(prompts), lora_request, priority)
         at_once = concurrency_limit or max(len(prompts), 1)
         outputs = []
         for start in range(0, len(prompts), at_once):
-            for r in self._generate(prompts[start:start + at_once], params, use_tqdm, "beam_search()"):
+            for r in self._generate(prompts[start:start + at_once], params, use_tqdm, "beam_search()",
+                                    priorities[start:start + at_once]):
                 sequences = []
                 for o in r.outputs:
                     # as vLLM's LLM.beam_search: a final EOS stays in the tokens, and in the text
@@ -2035,13 +2047,13 @@ class LLM:
                 parsed.append((text, tokenization.truncate(ids)))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if batch else str(e)) from None
-        _check_per_prompt(len(parsed), lora_request, priority)
-        return self._generate(parsed, sampling_params, use_tqdm, "chat()")
+        priorities = _check_per_prompt(len(parsed), lora_request, priority)
+        return self._generate(parsed, sampling_params, use_tqdm, "chat()", priorities)
 
     def _generate(self, prompts: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool,
-                  caller: str = "generate()"):
+                  caller: str = "generate()", priorities: list | None = None):
         """Run prompts (text, token ids) to the end, alone in the engine; outputs in their order.
-        (caller: the public method, for its errors.)"""
+        (caller: the public method, for its errors; priorities: one per prompt, None: all 0.)"""
         one_each = isinstance(sampling_params, (list, tuple))
         params = list(sampling_params) if one_each else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -2055,7 +2067,8 @@ class LLM:
             self._generating = self._cleanup_due = True   # (before its requests exist: a step elsewhere would run them)
             for i, ((text, token_ids), p) in enumerate(zip(prompts, params)):
                 try:
-                    ids.append(self._add(text, token_ids, p, final_only=True))
+                    ids.append(self._add(text, token_ids, p, final_only=True,
+                                         priority=priorities[i] if priorities else 0))
                 except ValueError as e:
                     self._next_id = first_id   # (the ids of the prompts before it: never seen by the caller)
                     raise ValueError(f"prompt {i}: {e}") from None
@@ -2632,19 +2645,19 @@ def request_copy(params: SamplingParams | BeamSearchParams) -> SamplingParams | 
     return (BeamSearchParams if isinstance(params, BeamSearchParams) else SamplingParams)(**values)
 
 
-def _check_per_prompt(num_prompts: int, lora_request, priority):
+def _check_per_prompt(num_prompts: int, lora_request, priority) -> list:
     """vLLM's lora_request and priority: one for all the prompts, or a list of one each (a
-    list of another length refused, as vLLM does), taken where they ask for nothing: no
-    adapter (None), and priority 0."""
+    list of another length refused, as vLLM does); lora_request taken where it asks for
+    nothing (None: no adapter). Returns each prompt's priority (None: 0; LLM._add checks them)."""
     if lora_request is not None and not (isinstance(lora_request, (list, tuple))
                                          and all(r is None for r in lora_request)):
         raise ValueError(f"lora_request={lora_request!r}: nanopaged has no LoRA adapters (it takes None)")
-    if priority is not None and any(p != 0 for p in (priority if isinstance(priority, (list, tuple)) else [priority])):
-        raise ValueError(f"priority={priority!r}: nanopaged's scheduler is first-come-first-served, "
-                         f"with no priorities (it takes None, or 0: one for all, or one for each prompt)")
     for name, value in (("lora_request", lora_request), ("priority", priority)):
         if isinstance(value, (list, tuple)) and len(value) != num_prompts:
             raise ValueError(f"{name} has {len(value)} entries for {num_prompts} prompts")
+    if isinstance(priority, (list, tuple)):
+        return list(priority)
+    return [0 if priority is None else priority] * num_prompts
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ is tight.
   Sequence        one request's state (a request with n > 1 samples becomes n sequences,
                   a beam search one per beam)
   hash_block      the prefix hash of a full block
-  Scheduler       FCFS continuous batching under a token budget, chunked prefill,
+  Scheduler       FCFS continuous batching under a token budget (or by priority, then
+                  arrival), chunked prefill,
                   preemption by recomputing or by swapping to CPU memory, prefix caching,
                   forks for parallel sampling and beam search; schedule() returns a
                   SchedulerOutput, one step's work
@@ -402,13 +403,14 @@ class Status(Enum):
 
 class Sequence:
     def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival: int, block_table, sample_index: int = 0):
+                 arrival: int, block_table, sample_index: int = 0, priority: int = 0):
         self.request_id = request_id
         self.sample_index = sample_index        # which of the request's n samples this is
         self.token_ids = list(prompt_token_ids)  # prompt, then generated tokens
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.arrival = arrival                  # arrival order: the FCFS key (forks share it)
+        self.priority = priority                # lower goes first, before arrival (vLLM's; 0 for all: FCFS)
         self.status = Status.WAITING
         self.finish_reason: str | None = None   # "stop", "length", "repetition", "abort", "error", or "dropped":
                                                 # a beam that fell out of its beam search
@@ -455,8 +457,16 @@ class Sequence:
         return self.status is Status.RUNNING and self.num_computed_tokens == self.num_tokens
 
     @property
+    def rank(self) -> tuple[int, int]:
+        """Who goes first, request by request: the lower priority, then the earlier arrival.
+        Every queue below is kept in this order, the running sequences included, so the last
+        running is the preemption victim and the head of the waiting queue is admitted next.
+        With every priority 0 (vLLM's FCFS policy) this is first come, first served."""
+        return (self.priority, self.arrival)
+
+    @property
     def order(self):
-        return (self.arrival, self.sample_index)
+        return (*self.rank, self.sample_index)
 
     def __repr__(self):
         return f"seq {self.request_id}.{self.sample_index}" if self.params.n > 1 else f"seq {self.request_id}"
@@ -521,6 +531,8 @@ class Scheduler:
         # Every layer's sliding window, if every layer has one: a sequence's blocks that slid
         # out of it are freed before each of its steps (_slide). None: blocks are kept to the end.
         self.sliding_window = sliding_window
+        # Every queue is kept in arrival order, or under priorities in Sequence.rank's (priority,
+        # then arrival): "older" and "newer" below mean ahead of and behind in that order.
         self.waiting: deque[Sequence] = deque()  # in arrival order (preempted ones go back in their place)
         self.swapped: deque[Sequence] = deque()  # swapped out, in arrival order
         # From schedule() to update() or rollback(): the full blocks that this step's sequences
@@ -540,8 +552,10 @@ class Scheduler:
         self.prefix_query_tokens = 0
 
     # --- requests in and out ---
-    def add(self, request_id, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request. Refuses, with a clear error, one that could never run."""
+    def add(self, request_id, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> Sequence:
+        """Queue a request, in its place by priority (lower first) and then arrival: ahead of
+        waiting requests of a higher priority value. Refuses, with a clear error, one that
+        could never run."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.max_tokens is None:
@@ -559,9 +573,10 @@ class Scheduler:
         if blocks > self.pool.num_blocks:
             raise ValueError(f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks, but the "
                              f"whole pool has {self.pool.num_blocks}")
-        seq = Sequence(request_id, prompt_token_ids, params, self.next_arrival, self.pool.new_table())
+        seq = Sequence(request_id, prompt_token_ids, params, self.next_arrival, self.pool.new_table(),
+                       priority=priority)
         self.next_arrival += 1
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=lambda s: s.order)   # (the tail, but for a lower priority value)
         self.requests[request_id] = [seq]
         self.next_sample_index[request_id] = 1
         return seq
@@ -658,7 +673,7 @@ class Scheduler:
         while (self.waiting or self.swapped) and budget > 0 and not out.preempted:
             swapped = bool(self.swapped) and (not self.waiting or self.swapped[0].order < self.waiting[0].order)
             seq = self.swapped[0] if swapped else self.waiting[0]
-            while older < len(self.running) and self.running[older].arrival < seq.arrival:
+            while older < len(self.running) and self.running[older].rank < seq.rank:
                 room += self._room_to_grow(self.running[older])
                 older += 1
             if swapped:   # (its computed tokens are in the swap space, or still here: hits)
@@ -1063,7 +1078,7 @@ class Scheduler:
         self.next_sample_index[seq.request_id] += k
         for j in range(k):
             child = Sequence(seq.request_id, [], seq.params, seq.arrival, seq.block_table.fork(),
-                             sample_index=first + j)
+                             sample_index=first + j, priority=seq.priority)
             child.token_ids, child.num_prompt_tokens = list(seq.token_ids), seq.num_prompt_tokens
             child.num_computed_tokens = seq.num_computed_tokens
             child.num_cached_tokens = seq.num_cached_tokens

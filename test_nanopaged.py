@@ -3662,12 +3662,12 @@ def run_step(sched, check=True, token=fake_token, kv=None, fail=None):
         tables = [s.block_table for s in (*sched.running, *sched.waiting)]
         check_pool_invariants(sched.pool, tables)
         assert all(s.status is Status.WAITING for s in sched.waiting)
-        assert [s.arrival for s in sched.waiting] == sorted(s.arrival for s in sched.waiting)
+        assert [s.order for s in sched.waiting] == sorted(s.order for s in sched.waiting)
         assert [s.order for s in sched.running] == sorted(s.order for s in sched.running)
         if sched.swap_pool is not None:
             check_pool_invariants(sched.swap_pool, [s.block_table for s in sched.swapped])
             assert all(s.status is Status.SWAPPED for s in sched.swapped)
-            assert [s.arrival for s in sched.swapped] == sorted(s.arrival for s in sched.swapped)
+            assert [s.order for s in sched.swapped] == sorted(s.order for s in sched.swapped)
     if kv is not None:
         kv.check()
     return out
@@ -3692,9 +3692,12 @@ def finished_outputs(seqs):
     return {(s.request_id, s.sample_index): (s.output_token_ids, s.finish_reason) for s in seqs}
 
 
-# no swapping; a swap space often full; a roomy one; sliding windows (blocks freed as they slide out)
-@pytest.mark.parametrize("swap_blocks, window", [(0, None), (10, None), (1000, None), (0, 6), (10, 9)])
-def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks, window):
+# no swapping; a swap space often full; a roomy one; sliding windows (blocks freed as they slide out);
+# requests of random priorities (Sequence.rank), with and without a window
+@pytest.mark.parametrize("swap_blocks, window, priorities", [(0, None, False), (10, None, False), (1000, None, False),
+                                                             (0, 6, False), (10, 9, False), (10, None, True),
+                                                             (0, 9, True)])
+def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks, window, priorities):
     for seed in range(3):
         rng = random.Random(seed)
         sched = make_sched(num_blocks=20, block_size=4, max_num_seqs=6 if window is None else 16,
@@ -3712,7 +3715,7 @@ def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks, window
                     prompt *= -(-120 // len(prompt))
                 if rng.random() < 0.3:                 # a shared prefix for the prefix cache
                     prompt = [5] * 12 + prompt
-                seqs.append(sched.add(next_id, prompt, p))
+                seqs.append(sched.add(next_id, prompt, p, priority=rng.choice([-2, 0, 0, 5]) if priorities else 0))
                 next_id += 1
             if sched.requests and rng.random() < 0.02:
                 sched.abort(rng.choice(list(sched.requests)))
@@ -4436,6 +4439,42 @@ def test_victim_is_latest_arrival_and_resumes_first():
     run_all(sched)
     assert b.first_token_time < c.first_token_time
     assert [s.num_output_tokens for s in (a, b, c)] == [8, 8, 2]
+
+
+def test_priority_orders_admission_and_picks_the_victim():
+    """Under priorities (Sequence.rank) every queue is kept by priority, lower first, then by
+    arrival: a request waits behind those of a lower priority value that arrived after it,
+    and the preemption victim is the running request of the highest value, however old.
+    A running request is not preempted to admit a waiting one (vLLM's priority policy does
+    not either). Catches: a request queued at the tail whatever its priority, a victim
+    picked by arrival alone."""
+    sched = make_sched(num_blocks=64, max_num_seqs=1)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    a = sched.add("a", [3, 4, 5], params)
+    run_step(sched)                                   # a takes the one seat
+    b = sched.add("b", [3, 4, 5], params)
+    c = sched.add("c", [3, 4, 5], params, priority=-1)
+    d = sched.add("d", [3, 4, 5], params, priority=-1)
+    e = sched.add("e", [3, 4, 5], params, priority=7)
+    assert list(sched.waiting) == [c, d, b, e]
+    finish_order = []
+    while sched.has_unfinished():
+        run_step(sched)
+        finish_order += [s for s in (a, b, c, d, e) if s.finish_time and s not in finish_order]
+    assert finish_order == [a, c, d, b, e]
+    # A tight pool: "high", arriving while "low" runs, is admitted into the last free blocks
+    # (no room is kept for "low" to grow: it is behind), and "low" is the victim when "high"
+    # grows, though it arrived first
+    sched = make_sched(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    low = sched.add("low", [3] * 4, SamplingParams(max_tokens=8, ignore_eos=True), priority=1)
+    run_step(sched)                                   # low: 1 block
+    high = sched.add("high", [4] * 8, SamplingParams(max_tokens=4, ignore_eos=True))
+    out = run_step(sched)                             # low takes its 2nd block, high the last 2
+    assert out.seqs == [low, high] and sched.running == [high, low] and sched.pool.num_available == 0
+    out = run_step(sched)                             # high needs a 3rd block: low goes
+    assert out.preempted == [low] and out.seqs == [high] and list(sched.waiting) == [low]
+    run_all(sched)
+    assert high.finish_time < low.finish_time and [s.num_output_tokens for s in (high, low)] == [4, 8]
 
 
 def test_chunked_prefill_spreads_a_long_prompt_while_others_decode():
@@ -8076,6 +8115,54 @@ def test_unseeded_draws_repeat_from_run_to_run_with_the_engines_seed(tmp_path):
             LLM(model_dir, load_format="dummy", num_blocks=64, seed=bad)
 
 
+def test_priority_scheduling_through_the_engine(tmp_path):
+    """LLM(scheduling_policy="priority"): the priority of generate, chat, beam_search and
+    add_request (vLLM's: lower first) orders the requests, and the tokens are FCFS's, in a
+    pool that preempts or not. Under "fcfs" a priority other than 0 is refused, as vLLM does;
+    a priority that is no integer and an unknown policy are refused by name, leaving nothing
+    queued. Catches: priorities that never reach the scheduler, or reach another prompt."""
+    # (peaked logits: a batch of another size rounds them differently, which must not swap two
+    # tokens' ranks)
+    prompts, params = ["abc", "defgh", "ij", "klmno"], SamplingParams(max_tokens=12, ignore_eos=True)
+    fcfs = peaked_tiny_llm(tmp_path, num_blocks=64)
+    expected = [o.outputs[0].token_ids for o in fcfs.generate(prompts, params)]
+    one_seat = peaked_tiny_llm(tmp_path, num_blocks=64, max_num_seqs=1, scheduling_policy="priority")
+    outs = one_seat.generate(prompts, params, priority=[3, 0, 2, -1])
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sorted(range(4), key=lambda i: outs[i].ttft) == [3, 1, 2, 0]   # one at a time, by priority
+    tight = peaked_tiny_llm(tmp_path, num_blocks=9, block_size=4, scheduling_policy="priority")
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params, priority=[3, 0, 2, -1])] == expected
+    assert tight.stats.preemptions > 0
+    chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    chats = one_seat.chat([[{"role": "user", "content": p}] for p in prompts[:2]], params, priority=[1, 0],
+                          chat_template=chat_template)
+    assert [c.outputs[0].token_ids for c in chats] == expected[:2] and chats[1].ttft < chats[0].ttft
+    added, add = [], tight.scheduler.add   # (a beam search's outputs have no times: its priorities are watched)
+    tight.scheduler.add = lambda *args, **kw: added.append(args[3]) or add(*args, **kw)
+    beams = tight.beam_search(prompts[:2], BeamSearchParams(2, 3), priority=[5, -5], concurrency_limit=1)
+    assert [b.sequences[0].tokens for b in beams] == [b.sequences[0].tokens for b in
+                                                      fcfs.beam_search(prompts[:2], BeamSearchParams(2, 3))]
+    assert added == [5, -5]
+    # add_request: the lower priority runs first, whenever it came
+    ids = [one_seat.add_request(p, params, priority=q) for p, q in zip(prompts, (0, 0, -1, 0))]
+    assert [r.request_id for r in one_seat.step()] == [ids[2]]
+    while one_seat.has_unfinished_requests():
+        one_seat.step()
+    for bad, message in ((1.5, "priority must be an integer \\(lower runs first\\), got 1.5"),
+                         (True, "got True"), ("high", "got 'high'")):
+        with pytest.raises(ValueError, match=message):
+            one_seat.add_request("ab", params, priority=bad)
+        with pytest.raises(ValueError, match="prompt 1: priority must be an integer"):
+            one_seat.generate(["ab", "cd"], params, priority=[0, bad])
+    assert not one_seat.has_unfinished_requests()
+    with pytest.raises(ValueError, match="priority=2, but the scheduler is first-come-first-served: "
+                                         "LLM\\(scheduling_policy='priority'\\) runs requests by priority"):
+        fcfs.add_request("ab", params, priority=2)
+    assert not fcfs.has_unfinished_requests()
+    with pytest.raises(ValueError, match="unknown scheduling_policy 'lifo': use fcfs"):
+        LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=8, scheduling_policy="lifo")
+
+
 def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_name(tmp_path):
     """vLLM's LLM options (VLLM_ONLY_OPTIONS) at the values that ask for nothing nanopaged
     lacks run a vLLM script unchanged; other values are refused naming what is missing; a
@@ -8128,7 +8215,8 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
     with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
         llm.generate(["ab", "cd"], params, priority=[0])
     for kw, message in ((dict(lora_request="adapter"), "lora_request='adapter': nanopaged has no LoRA adapters"),
-                        (dict(priority=[0, 1]), "priority=\\[0, 1\\]: nanopaged's scheduler is first-come-first-served")):
+                        (dict(priority=[0, 1]), "prompt 1: priority=1, but the scheduler is first-come-first-served: "
+                                                "LLM\\(scheduling_policy='priority'\\) runs requests by priority")):
         with pytest.raises(ValueError, match=message):
             llm.generate(["ab", "cd"], params, **kw)
     chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -8184,7 +8272,7 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
                  lambda: llm.beam_search(["ab"], BeamSearchParams(2, 2), [None, None])):
         with pytest.raises(ValueError, match="lora_request has [23] entries for 1 prompts"):
             call()
-    with pytest.raises(ValueError, match="priority=1: nanopaged's scheduler is first-come-first-served"):
+    with pytest.raises(ValueError, match="prompt 0: priority=1, but the scheduler is first-come-first-served"):
         llm.beam_search(["ab"], BeamSearchParams(2, 2), priority=1)
     # concurrency_limit: the prompts searched a few at a time, the same results in the same order
     # (the same to float rounding: a batch of another size rounds the logits differently; and
