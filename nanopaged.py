@@ -851,6 +851,7 @@ class Request:
     seqs: list                        # its Sequences: the samples (n > 1: forked as the prompt ends), or beams
     stop_scans: dict = field(default_factory=dict)   # sample index -> its StopStringScan
     logprobs: dict = field(default_factory=dict)     # sample index -> one {token id: Logprob} per output token
+    cumulative: dict = field(default_factory=dict)   # sample index -> the sum of its tokens' logprobs so far
     prompt_logprobs: list | None = None              # one entry per prompt position, filled as the prompt runs
     prompt_token_id_logprobs: torch.Tensor | None = None   # (scored rows, ids) float32 on the CPU, the
                                                      # same (NaN: a row not computed yet)
@@ -1501,8 +1502,13 @@ class LLM:
             self._requests[child.request_id].seqs.append(child)
         self._record_beams(beam_plan, forked)
         for seq in appended:   # sample j of a fork's tokens went to the sequence sample_index + j
+            req = self._requests[seq.request_id]
             for j, entry in enumerate(token_logprobs.get(seq, ())):
-                self._requests[seq.request_id].logprobs.setdefault(seq.sample_index + j, []).append(entry)
+                i = seq.sample_index + j
+                req.logprobs.setdefault(i, []).append(entry)
+                # summed as they come (re-summed for each output, a long one's would cost O(L^2)); an
+                # entry holds the token drawn first
+                req.cumulative[i] = req.cumulative.get(i, 0.0) + next(iter(entry.values())).logprob
         for seq, first, entries, at, scores in prompt_logprobs:   # by position: a recompute overwrites its own
             req = self._requests[seq.request_id]
             if entries is not None:
@@ -1898,7 +1904,7 @@ class LLM:
             out = CompletionOutput(q.sample_index, text, ids, q.finish_reason, stop_reason)
         if p.num_logprobs is not None:
             out.logprobs = list(req.logprobs.get(q.sample_index, []))
-            out.cumulative_logprob = sum(d[t].logprob for d, t in zip(out.logprobs, out.token_ids))
+            out.cumulative_logprob = req.cumulative.get(q.sample_index, 0.0)
         if out.finished() and p.output_kind is not RequestOutputKind.FINAL_ONLY:
             req.finals[q.sample_index] = replace(out)   # (a full decode: once)
         return out

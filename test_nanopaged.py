@@ -8420,6 +8420,9 @@ def check_outputs_add_up(steps: list, rid, final: RequestOutput, kind: RequestOu
                 w = whole[c.index]
                 assert w.text.startswith(c.text) and w.token_ids[:len(c.token_ids)] == c.token_ids
                 assert c.logprobs == (None if w.logprobs is None else w.logprobs[:len(c.token_ids)])
+                if c.logprobs is not None:   # (the sum so far: of the tokens this output holds)
+                    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs,
+                                                                                                  c.token_ids)))
                 assert c.finish_reason in (None, w.finish_reason)
             assert o.prompt_logprobs == final.prompt_logprobs
         assert mine[-1].outputs == final.outputs
