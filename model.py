@@ -1197,6 +1197,7 @@ class Tokenizer:
 
     # vLLM truncates a prompt on the left (its start), keeping the tokens nearest the output
     truncation_side = "left"
+    is_fast = True   # (vLLM's protocol asks; its own tokenizers that are not HF's answer True)
 
     def num_special_tokens_to_add(self) -> int:   # (the post-processor's: a BOS, say)
         return len(self.prefix_ids) + len(self.suffix_ids)
@@ -1226,6 +1227,19 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         return self.convert_tokens_to_ids(self.template_tokens.get("pad_token", ""))
+
+    # HF's strings of those three (a script's stop=[tok.eos_token]); None where there is none
+    @property
+    def eos_token(self) -> str | None:
+        return self._token_string(self.eos_token_id)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._token_string(self.bos_token_id)
+
+    @property
+    def pad_token(self) -> str | None:
+        return self._token_string(self.pad_token_id)
 
     def _token_string(self, i: int) -> str | None:
         if not _is_id(i) or (self.dropped_from is not None and i >= self.dropped_from):

@@ -2048,7 +2048,7 @@ class LLM:
         parsed = []
         for i, conversation in enumerate(messages if batch else [messages]):
             try:
-                text, ids = render_chat(self.tokenizer, vllm_tool_calls(conversation),
+                text, ids = render_chat(self.tokenizer, vllm_messages(conversation),
                                         add_special_tokens=tokenization.add_special_tokens, **options)
                 parsed.append((text, tokenization.truncate(ids)))
             except ValueError as e:
@@ -2601,16 +2601,21 @@ def render_chat(tokenizer, conversation, /, add_special_tokens: bool = False, **
     return text, ids
 
 
-def vllm_tool_calls(conversation):
-    """A conversation as vLLM's chat hands it to the template: each assistant tool call's
-    arguments, a JSON string in OpenAI's API, become the dict tool-use templates read (JSON
-    that is invalid or no object: {}), and an empty tool_calls list is dropped, which keeps a
-    template on its plain assistant path. (transformers' apply_chat_template passes them on
-    as they are.) The caller's messages are not changed."""
+def vllm_messages(conversation):
+    """A conversation as vLLM's chat hands it to the template: a content that is None or
+    left out becomes no parts ([], which a template that reads content as a string gets as
+    ""): OpenAI's API sends content=None in an assistant turn that only calls tools; each
+    assistant tool call's arguments, a JSON string in OpenAI's API, become the dict tool-use
+    templates read (JSON that is invalid or no object: {}), and an empty tool_calls list is
+    dropped, which keeps a template on its plain assistant path. (transformers'
+    apply_chat_template passes them on as they are; nanopaged's refuses a message without
+    content unless it calls tools.) The caller's messages are not changed."""
     if not isinstance(conversation, (list, tuple)):
         return conversation   # (one user turn, or what render_chat refuses)
     messages = []
     for m in conversation:
+        if isinstance(m, dict) and m.get("content") is None:
+            m = m | {"content": []}
         calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
         if isinstance(calls, list):
             m = {key: value for key, value in m.items() if key != "tool_calls"}

@@ -870,12 +870,16 @@ def test_token_strings_as_the_vocab_file_writes_them(name, smollm2_dir):
     both = tok(texts, add_special_tokens=False, truncation=True, max_length=3)   # (vLLM's side: the start goes)
     assert both["input_ids"] == [ids[-3:], tok.encode("x", add_special_tokens=False)]
     assert [len(m) for m in both["attention_mask"]] == [3, len(both["input_ids"][1])]
-    assert tok.truncation_side == "left"
+    assert tok.truncation_side == "left" and tok.is_fast
     config = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
-    for key in ("bos_token", "pad_token"):
+    for key in ("bos_token", "pad_token", "eos_token"):   # (and HF's strings of them)
         value = config.get(key)
         value = value.get("content") if isinstance(value, dict) else value
-        assert getattr(tok, f"{key}_id") == (None if value is None else want[value])
+        if key != "eos_token":   # (its id comes from the model's config, which may name another)
+            assert getattr(tok, f"{key}_id") == (None if value is None else want[value])
+        token_id = getattr(tok, f"{key}_id")
+        assert getattr(tok, key) == (None if token_id is None else tok.convert_ids_to_tokens(token_id))
+    assert tok.eos_token is not None and tok.convert_tokens_to_ids(tok.eos_token) == tok.eos_token_id
     if name == "smollm2":   # the chat template's end of turn, by name
         assert tok.convert_tokens_to_ids("<|im_end|>") == 2 and strings[1] == "Ġworld"
     if name == "llama2_tokenizer":   # SentencePiece: "▁" for a space, the newline a byte token
@@ -8253,6 +8257,15 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
             {"role": "assistant", "content": "c", "tool_calls": []}]
     assert llm.chat(said, params, chat_template=calls)[0].prompt == '[user][assistant]f{"x": 5}g{}![assistant]'
     assert said[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 5}' and said[2]["tool_calls"] == []
+    # and a content that is None or left out, an empty one: "" where the template reads a
+    # string, no parts where it loops over them (vLLM's); the caller's messages unchanged
+    empty = [{"role": "user", "content": "ab"}, said[1], {"role": "user"}]
+    as_text = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
+    as_parts = ("{% for m in messages %}[{{ m.role }}:{% if m.content is string %}{{ m.content }}{% else %}"
+                "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}]{% endfor %}")
+    for template in (as_text, as_parts):
+        assert llm.chat(empty, params, chat_template=template)[0].prompt == "[user:ab][assistant:][user:]"
+    assert said[1]["content"] is None and "content" not in empty[2]
     # chat takes vLLM's arguments in vLLM's order: priority fifth, then chat_template...
     two = [[{"role": "user", "content": "ab"}], [{"role": "user", "content": "cd"}]]
     assert len(llm.chat(two, params, False, [None, None], 0, chat_template, "auto")) == 2
