@@ -1380,7 +1380,7 @@ class LLM:
                                  f"allows more; -1: the whole vocabulary)")
             if k == -1:   # vLLM's: the whole vocabulary, as many as the model's logits (in the request's copy)
                 setattr(params, name, V)
-        if params.bad_words is not None:
+        if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         # (stop_token_ids too, as vLLM 0.30 on: one past the vocabulary could never be drawn)
         id_rows = params.prompt_logprob_token_ids or []

@@ -219,7 +219,9 @@ class SamplingParams:
         self.presence_penalty, self.frequency_penalty = float(self.presence_penalty), float(self.frequency_penalty)
         self.repetition_penalty, self.min_tokens = float(self.repetition_penalty), int(self.min_tokens)
         self.seed = None if self.seed is None else int(self.seed)
-        self.stop_token_ids = None if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
+        # (as vLLM: None becomes [], so that a script may append to stop, stop_token_ids, bad_words)
+        self.stop = [] if self.stop is None else list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
         self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
         if isinstance(self.repetition_detection, dict):   # (as an OpenAI request's JSON gives it)
@@ -236,8 +238,7 @@ class SamplingParams:
             self.logit_bias = {int(t): float(min(max(b, -100), 100)) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
-        if self.bad_words is not None:
-            self.bad_words = list(self.bad_words)
+        self.bad_words = [] if self.bad_words is None else list(self.bad_words)
 
     @property
     def num_logprobs(self) -> int | None:

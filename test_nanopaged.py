@@ -5548,8 +5548,8 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     other = [{"role": "user", "content": "Name a colour."}]
     batch = llm.chat([conversation, other], (greedy(8), greedy(6)))   # (a tuple of params too)
     assert [r.outputs[0].token_ids for r in batch] == [want, llm.chat(other, greedy(6))[0].outputs[0].token_ids]
-    with pytest.raises(ValueError, match="conversation 1: message 0 must be a dict"):
-        llm.chat([conversation, [{"role": "user"}]], greedy(8))
+    with pytest.raises(ValueError, match="conversation 1: message 0 must be a dict"):   # (no role)
+        llm.chat([conversation, [{"content": "Hi"}]], greedy(8))
     with pytest.raises(ValueError, match="add_generation_prompt must be True or False"):
         llm.chat(conversation, greedy(8), add_generation_prompt="no")
     # an answer begun for the model, which goes on with it; template variables; a template of the call's
@@ -5713,6 +5713,21 @@ def test_sampling_params_clone_is_deep():
     copy_.logit_bias[4] = 2.0
     copy_.bad_words.clear()
     assert (params.stop, params.logit_bias, params.bad_words) == (["x"], {3: 1.0}, ["no"])
+
+
+def test_stop_lists_left_out_are_empty_lists_a_script_may_append_to(tmp_path):
+    """vLLM's SamplingParams makes stop, stop_token_ids and bad_words [] where they are left
+    out (and a stop string a list): a script's params.stop_token_ids.append(t) then works,
+    and is obeyed. Catches: None kept (an AttributeError in the script)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert (params.stop, params.stop_token_ids, params.bad_words) == ([], [], [])
+    given = SamplingParams(stop="x", bad_words=("no",))
+    assert (given.stop, given.bad_words) == (["x"], ["no"])
+    llm = peaked_tiny_llm(tmp_path, num_blocks=32)
+    tokens = llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
+    params.stop_token_ids.append(tokens[2])
+    out = llm.generate([[1, 2, 3]], params)[0].outputs[0]
+    assert out.token_ids == tokens[:3] and (out.finish_reason, out.stop_reason) == ("stop", tokens[2])
 
 
 def test_generation_config_gives_the_default_sampling_params(tmp_path):
