@@ -1049,9 +1049,10 @@ def _build_cpu() -> CpuKernels:
         except OSError as e:   # a cache directory it cannot write, a compiler it cannot run
             raise KernelsUnavailable(f"building kernels_cpu.c into {out} failed: {e}") from None
     global _torch_openmp
+    importlib.import_module("torch")   # (mapping its runtime first: whatever the kernel adds is the kernel's)
+    before = openmp_runtimes()
     if _torch_openmp is None:   # once, before any kernel of this process loads its own
-        importlib.import_module("torch")   # (mapping its runtime: whatever the kernel adds is the kernel's)
-        _torch_openmp = openmp_runtimes()
+        _torch_openmp = before
     try:
         kernels = CpuKernels(ctypes.CDLL(str(lib)))
     except (OSError, AttributeError) as e:   # (AttributeError: a library without paged_decode)
@@ -1061,7 +1062,10 @@ def _build_cpu() -> CpuKernels:
     # clang's is libomp. Two runtimes keep two thread pools, each spinning on the cores
     # after its work (libomp for 200 ms) while the other waits for them: with clang the
     # engine ran 1.5x slower than with gcc, and slower than the torch path (measured).
-    second = sorted(openmp_runtimes() - _torch_openmp)
+    # What this load mapped, not all that came since torch: a library imported in between
+    # may bring a runtime of its own (sentencepiece's wheel bundles a libgomp), which is not
+    # the kernel's (blamed on it, a kernel loaded again was refused, and a test failed by turns).
+    second = sorted(openmp_runtimes() - before)
     if _torch_openmp and second:
         raise KernelsUnavailable(f"{Path(cc).name} built kernels_cpu.c on {', '.join(second)}, an OpenMP runtime "
                                  f"beside torch's ({', '.join(sorted(_torch_openmp))}): two thread pools would "

@@ -7865,7 +7865,8 @@ def test_a_damaged_cached_cpu_kernel_is_built_again(monkeypatch, tmp_path):
     lib.parent.mkdir(parents=True)
     lib.write_bytes(whole[:len(whole) // 2])
     assert build_ext.library_is_whole(good) and not build_ext.library_is_whole(lib)
-    assert build_ext.load_cpu_kernels() is not None and build_ext.library_is_whole(lib)
+    assert build_ext.load_cpu_kernels() is not None, build_ext.cpu_unavailable_reason()
+    assert build_ext.library_is_whole(lib)
     assert lib.stat().st_mode & 0o777 == 0o755 & ~build_ext.current_umask()   # (was mkstemp's 0600, plus x)
     monkeypatch.setattr(build_ext, "_loaded", {})
     monkeypatch.setenv("CC", shutil.which("true") or "/bin/true")
@@ -7935,6 +7936,14 @@ def test_cpu_kernel_on_an_openmp_runtime_beside_torchs_is_refused(monkeypatch):
     monkeypatch.setattr(build_ext, "_torch_openmp", None)
     monkeypatch.setattr(build_ext, "_loaded", {})
     assert build_ext.load_cpu_kernels() is not None
+    # a runtime that another library mapped after the first kernel loaded (sentencepiece's wheel
+    # bundles a libgomp) is not the kernel's: the kernel loaded again is not refused for it
+    other_rt = "/venv/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0"
+    mapped = iter([{torch_rt}, {torch_rt}, {torch_rt, other_rt}, {torch_rt, other_rt}])   # (before, after) x 2
+    monkeypatch.setattr(build_ext, "_torch_openmp", None)
+    for _ in range(2):
+        monkeypatch.setattr(build_ext, "_loaded", {})
+        assert build_ext.load_cpu_kernels() is not None, build_ext.cpu_unavailable_reason()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
