@@ -13,6 +13,8 @@ README quotes them with the command that produced them.
   python bench.py parallel    n = 4 parallel sampling: KV blocks with copy-on-write vs without sharing
   python bench.py preempt     a pool too small for the workload: preemption by recomputing vs by swapping
                               to CPU memory, against a pool that holds it all
+  python bench.py priority    urgent requests behind a queue: their time to first token first come, first
+                              served vs under scheduling_policy="priority"
   python bench.py beam        beam search (width 4): forked beams sharing blocks vs vLLM's way, each step
                               a request per beam that finds the earlier ones' blocks in the prefix cache
   python bench.py sampling    what logprobs, prompt logprobs, penalties and constraints cost, against plain greedy
@@ -468,6 +470,36 @@ def bench_preempt(args):
               f"{computed[name]:16d}  {tokens[name] == tokens[first]}")
 
 
+def bench_priority(args):
+    """24 requests of 100 random prompt tokens + 64 greedy output tokens arriving together,
+    at most 4 running at once (max_num_seqs=4: the others queue), the last 4 urgent. First
+    come, first served, those wait for the 20 before them; under scheduling_policy="priority",
+    given priority -1, they go first. The mean time to first token of each group, and the
+    batch's time: medians of args.repeats, the two engines timed in turns."""
+    rng = random.Random(0)
+    engines = {policy: new_engine(args, max_num_seqs=4, enable_prefix_caching=False, scheduling_policy=policy)
+               for policy in ("fcfs", "priority")}   # (no prefix cache: each repeat computes it all)
+    vocab = engines["fcfs"].config.vocab_size
+    prompts = [[rng.randrange(17, vocab) for _ in range(100)] for _ in range(24)]
+    params, urgent = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), range(20, 24)
+    ttfts, tokens = {policy: [] for policy in engines}, {}
+
+    def run(policy):
+        priority = [-1 if i in urgent else 0 for i in range(24)] if policy == "priority" else None
+        outs = engines[policy].generate(prompts, params, priority=priority)
+        tokens[policy] = [o.outputs[0].token_ids for o in outs]
+        ttfts[policy].append((statistics.mean(outs[i].ttft for i in urgent),
+                              statistics.mean(o.ttft for i, o in enumerate(outs) if i not in urgent)))
+    times = median_times([lambda policy=policy: run(policy) for policy in engines], repeats=args.repeats)
+    print(f"24 requests x (100 prompt + 64 output tokens) arriving together, greedy, max_num_seqs 4, the last 4 "
+          f"urgent, {torch.get_num_threads()} CPU threads; medians of {args.repeats}, timed in turns:")
+    print(f"  {'':30s} {'urgent TTFT':>12s} {'others TTFT':>12s} {'batch time':>11s}  same tokens")
+    for (policy, t), label in zip(zip(engines, times), ("fcfs (first come, first served)", "priority (urgent: -1)")):
+        timed = ttfts[policy][1:]   # (the first run was median_times' warm-up)
+        mine, others = (statistics.median(row[k] for row in timed) for k in (0, 1))
+        print(f"  {label:30s} {mine:10.2f} s {others:10.2f} s {t:9.2f} s  {tokens[policy] == tokens['fcfs']}")
+
+
 def beam_search_by_requests(llm, prompt: list[int], width: int, max_tokens: int):
     """Beam search as vLLM's LLM.beam_search does it (ignoring EOS, as the bench does):
     each step, one request of one token per beam, whose 2 * width logprobs are the
@@ -826,7 +858,8 @@ def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
 # -----------------------------------------------------------------------------
 
 BENCHES = {"load": bench_load, "attention": bench_attention, "scheduler": bench_scheduler, "engine": bench_engine,
-           "prefix": bench_prefix, "parallel": bench_parallel, "preempt": bench_preempt, "beam": bench_beam, "sampling": bench_sampling, "dtype": bench_dtype,
+           "prefix": bench_prefix, "parallel": bench_parallel, "preempt": bench_preempt, "priority": bench_priority,
+           "beam": bench_beam, "sampling": bench_sampling, "dtype": bench_dtype,
            "backends": bench_backends, "kernel": bench_kernel}
 
 
