@@ -1197,7 +1197,7 @@ class Tokenizer:
 
     # vLLM truncates a prompt on the left (its start), keeping the tokens nearest the output
     truncation_side = "left"
-    is_fast = True   # (vLLM's protocol asks; its own tokenizers that are not HF's answer True)
+    is_fast = True   # (vLLM's protocol asks; vLLM's Mistral tokenizer, not HF's either, answers True)
 
     def num_special_tokens_to_add(self) -> int:   # (the post-processor's: a BOS, say)
         return len(self.prefix_ids) + len(self.suffix_ids)
