@@ -990,13 +990,18 @@ class Tokenizer:
         self.named_templates = named_templates or {}   # name -> template, where the model has several
         self.template_tokens = template_tokens or {}
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, *, truncation: bool | None = None,
+               max_length: int | None = None) -> list[int]:
         """Token ids of `text`; added tokens written in the text (<|im_start|>) count. With
         add_special_tokens, the post-processor's tokens go around them (Llama 3's BOS first),
         but a text that already starts with the BOS gets no second one. A rendered chat
-        template is encoded without (HF and vLLM do so): the template wrote what it wants."""
+        template is encoded without (HF and vLLM do so): the template wrote what it wants.
+        With truncation (HF's, and vLLM's tokenizer protocol's), at most max_length ids: the
+        last ones (truncation_side)."""
         if not isinstance(text, str):
             raise ValueError(f"encode() takes a string, got {type(text).__name__}")
+        if truncation and not (_is_id(max_length) and max_length >= 1):
+            raise ValueError(f"truncation needs max_length, an integer >= 1, got {max_length!r}")
         if not text.isascii():
             try:
                 text.encode("utf-8")
@@ -1015,7 +1020,7 @@ class Tokenizer:
             if ids[:len(self.prefix_ids)] != self.prefix_ids:
                 ids = self.prefix_ids + ids
             ids += self.suffix_ids
-        return ids
+        return ids[-max_length:] if truncation and len(ids) > max_length else ids
 
     def _split_added(self, text: str, search: tuple, encode_gap, at_start: bool) -> list[int]:
         """The added tokens that search (from _added_search) finds in text, and encode_gap of
@@ -1209,14 +1214,11 @@ class Tokenizer:
         max_length tokens, those at the end (truncation_side)."""
         if text_pair is not None:
             raise ValueError("text_pair: a causal LM's tokenizer here encodes one text, not pairs")
-        if truncation and not (_is_id(max_length) and max_length >= 1):
-            raise ValueError(f"truncation needs max_length, an integer >= 1, got {max_length!r}")
         if not (isinstance(text, str) or isinstance(text, list) and all(isinstance(t, str) for t in text)):
             raise ValueError(f"tokenizer() takes a text or a list of texts, got {reprlib.repr(text)}")
-        def ids_of(t):
-            ids = self.encode(t, add_special_tokens)
-            return ids[-max_length:] if truncation and len(ids) > max_length else ids
-        ids = ids_of(text) if isinstance(text, str) else [ids_of(t) for t in text]
+        options = dict(truncation=truncation, max_length=max_length)
+        ids = self.encode(text, add_special_tokens, **options) if isinstance(text, str) else [
+            self.encode(t, add_special_tokens, **options) for t in text]
         ones = [1] * len(ids) if isinstance(text, str) else [[1] * len(row) for row in ids]
         return {"input_ids": ids, "attention_mask": ones}
 

@@ -870,6 +870,10 @@ def test_token_strings_as_the_vocab_file_writes_them(name, smollm2_dir):
     both = tok(texts, add_special_tokens=False, truncation=True, max_length=3)   # (vLLM's side: the start goes)
     assert both["input_ids"] == [ids[-3:], tok.encode("x", add_special_tokens=False)]
     assert [len(m) for m in both["attention_mask"]] == [3, len(both["input_ids"][1])]
+    assert tok.encode(texts[0], add_special_tokens=False, truncation=True, max_length=3) == ids[-3:]   # (encode's too)
+    for call in (lambda: tok.encode("x", truncation=True), lambda: tok(["x"], truncation=True, max_length=0)):
+        with pytest.raises(ValueError, match="truncation needs max_length, an integer >= 1, got (None|0)"):
+            call()
     assert tok.truncation_side == "left" and tok.is_fast
     config = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
     for key in ("bos_token", "pad_token", "eos_token"):   # (and HF's strings of them)
