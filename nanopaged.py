@@ -1302,6 +1302,8 @@ class LLM:
                              f"got {type(params).__name__}")
         if params.truncate_prompt_tokens is not None:   # (vLLM's field before 0.20: -1 leaves room for max_tokens)
             keep = params.truncate_prompt_tokens
+            if keep > self.max_model_len:   # (as vLLM refuses it, however short the prompt)
+                raise ValueError(f"truncate_prompt_tokens = {keep} exceeds max_model_len = {self.max_model_len}")
             ids = truncated(ids, max(self.max_model_len - (params.max_tokens or 1), 1) if keep == -1 else keep)
         beams = params.n if params.beam else 1
         if len(ids) >= self.max_model_len:   # (vLLM's rule: a prompt leaves room for one output token)

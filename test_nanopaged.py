@@ -5614,6 +5614,9 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     for k in (0, -2, 1.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens must be None, -1"):
             SamplingParams(truncate_prompt_tokens=k)
+    with pytest.raises(ValueError, match=f"truncate_prompt_tokens = {llm.max_model_len + 1} exceeds max_model_len"):
+        llm.generate(long, greedy(4, truncate_prompt_tokens=llm.max_model_len + 1))   # (vLLM's too, for any prompt)
+    assert llm.generate(long, greedy(4, truncate_prompt_tokens=llm.max_model_len))[0].prompt_token_ids == long
     # use_tqdm (vLLM's name): a progress line on stderr
     capsys.readouterr()
     llm.generate([text, text], greedy(3), use_tqdm=True)
