@@ -708,6 +708,12 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+def own_copy(out: CompletionOutput) -> CompletionOutput:
+    """A copy of out whose lists are its own: a caller may change (append to) the output it
+    got without changing the next one, which the engine makes from the same kept final."""
+    return replace(out, token_ids=list(out.token_ids), logprobs=None if out.logprobs is None else list(out.logprobs))
+
+
 @dataclass
 class RequestOutput:
     request_id: object
@@ -1879,7 +1885,7 @@ class LLM:
         """One sample's CompletionOutput: once it finished, its final one (kept in req.finals,
         for the outputs its request gives until all its samples end); before, its settled text."""
         if q.sample_index in req.finals:
-            return replace(req.finals[q.sample_index])   # (a copy: a caller may change the one it got)
+            return own_copy(req.finals[q.sample_index])   # (a caller may change the one it got)
         ids, p = q.output_token_ids, q.params
         if q.finish_reason is None:
             if p.detokenize and q.sample_index not in req.texts:
@@ -1908,7 +1914,7 @@ class LLM:
             out.logprobs = list(req.logprobs.get(q.sample_index, []))
             out.cumulative_logprob = req.cumulative.get(q.sample_index, 0.0)
         if out.finished() and p.output_kind is not RequestOutputKind.FINAL_ONLY:
-            req.finals[q.sample_index] = replace(out)   # (a full decode: once)
+            req.finals[q.sample_index] = own_copy(out)   # (a full decode: once)
         return out
 
     def _hand_back(self, outputs: list[RequestOutput]):

@@ -8544,6 +8544,7 @@ def test_step_returns_each_request_as_its_output_kind_asks(llm):
     early = [o.outputs[0] for outs in cumulative_steps for o in outs if o.request_id == cumulative_ids[1]
              and o.outputs[0].finished()]
     assert len(early) > 1 and len(set(map(id, early))) == len(early)
+    assert len({id(c.token_ids) for c in early}) == len({id(c.logprobs) for c in early}) == len(early)   # their lists too
     # without a stop string, each output shows the text of every token it has (the last one's too)
     for o in (o for outs in runs[RequestOutputKind.CUMULATIVE][1] for o in outs
               if o.request_id == runs[RequestOutputKind.CUMULATIVE][0][4]):
