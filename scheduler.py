@@ -38,7 +38,7 @@ import re
 import reprlib
 import time
 from array import array
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -534,15 +534,15 @@ class Scheduler:
         self.sliding_window = sliding_window
         # Every queue is kept in arrival order, or under priorities in Sequence.rank's (priority,
         # then arrival): "older" and "newer" below mean ahead of and behind in that order.
-        self.waiting: deque[Sequence] = deque()  # in arrival order (preempted ones go back in their place)
-        self.swapped: deque[Sequence] = deque()  # swapped out, in arrival order
+        self.waiting: deque[Sequence] = deque()  # in order (preempted ones go back in their place)
+        self.swapped: deque[Sequence] = deque()  # swapped out, in order
         # From schedule() to update() or rollback(): the full blocks that this step's sequences
         # will have computed by the time attention reads them, prefix hash -> (block, token ids),
         # shared with sequences admitted later in the same step (see _place)
         self.in_flight: dict[int, tuple[int, tuple]] = {}
         # The step schedule() planned, until update() records it or rollback() undoes it
         self.scheduled: SchedulerOutput | None = None
-        self.running: list[Sequence] = []        # in arrival order (the preemption victim is the last)
+        self.running: list[Sequence] = []        # in order (the preemption victim is the last)
         self.requests: dict[object, list[Sequence]] = {}  # request id -> its unfinished sequences
         self.next_sample_index: dict[object, int] = {}     # request id -> the index its next fork gets
         self.next_arrival = 0
@@ -642,6 +642,9 @@ class Scheduler:
         #    first: a preemption below then never evicts a sequence for blocks nobody reads.
         for seq in self.running:
             self._slide(seq)
+        #    Under priorities, a request that is next to run but does not fit takes the blocks
+        #    of running requests of a worse priority (_preempt_outranked).
+        self._preempt_outranked()
         # 1. Running sequences first, oldest first: a decode token, or the next prefill chunk.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -655,7 +658,7 @@ class Scheduler:
             self._place(seq, n, out)
             budget -= n
             i += 1
-        # 2. Then the sequences not running, in arrival order, as long as they fit (no
+        # 2. Then the sequences not running, in order, as long as they fit (no
         #    overtaking): waiting ones are admitted (prefilled, or recomputed), swapped-out
         #    ones come back (their blocks the prefix cache no longer holds copied back from
         #    CPU memory, nothing recomputed).
@@ -668,42 +671,16 @@ class Scheduler:
         seats = dict(self._seats(s) for s in self.running)
         taken = sum(seats.values())
         # The room to grow that the running sequences of older requests need (_room_to_grow),
-        # summed as the candidates advance in arrival order: self.running is in that order too,
+        # summed as the candidates advance in order: self.running is in that order too,
         # so its first `older` entries are the ones older than the candidate, each summed once.
         older = room = 0
         while (self.waiting or self.swapped) and budget > 0 and not out.preempted:
-            swapped = bool(self.swapped) and (not self.waiting or self.swapped[0].order < self.waiting[0].order)
-            seq = self.swapped[0] if swapped else self.waiting[0]
+            swapped, seq = self._next_to_admit()
             while older < len(self.running) and self.running[older].rank < seq.rank:
                 room += self._room_to_grow(self.running[older])
                 older += 1
-            if swapped:   # (its computed tokens are in the swap space, or still here: hits)
-                # (Nothing of it slid out of its window while it was away: step 0 slid it just
-                # before step 1 swapped it out, and it has computed nothing since.)
-                hits, skip = self._still_cached(seq), 0
-                done = seq.num_computed_tokens
-            else:   # (under a sliding window, the blocks before its window are not taken)
-                hits, done_blocks, skip = self._cached_prefix(seq)
-                done = done_blocks * self.block_size
-            n = min(seq.num_tokens - done, budget)
-            kept = seq.block_table.num_dropped + skip + len(hits)   # (dropped, skipped: before the window)
-            # A prompt is admitted only when all of it fits, not just this step's chunk:
-            # admitted on its first chunk, a long prompt is the newest running sequence,
-            # the first preempted when the others grow, and recomputing it throws its
-            # chunks away, again and again. (4 prompts of 2k-8k tokens in 600 blocks
-            # of 16, no prefix cache: 66,522 tokens computed where 20,256 suffice, as
-            # now. vLLM's v0 checked the whole prompt too; its v1 checks the chunk.)
-            # Not under a sliding window: there a prompt holds its window and a chunk
-            # at most, and that bound (blocks_at_most: a whole budget's chunk, any
-            # alignment) is loose enough to keep waiting requests that would have run
-            # side by side: 4 prompts of 200 tokens, window 16, 34 blocks of 4 took
-            # 106 steps instead of 62, none preempted either way.
-            end = seq.num_tokens if not swapped and self.sliding_window is None else done + n
-            need = cdiv(end, self.block_size) - kept
-            revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
-            # (and, while older requests run, room for them to grow and for seq's own first block,
-            # or n of them for n samples: see _room_to_grow; room is 0 only when no older request runs)
-            fits = need + (room + seq.pending_samples if room else 0) <= self.pool.num_available - revived
+            hits, done, skip, n, short = self._admission(seq, swapped, budget, room)
+            fits = short <= 0
             holder, wanted = self._seats(seq)
             if holder in seats:   # (a beam of a search that runs: its seat is held already)
                 wanted = 0
@@ -725,7 +702,7 @@ class Scheduler:
                 self._swap_in(seq, hits, out)
             else:
                 self.waiting.popleft()
-                self._adopt_cached_prefix(seq, hits, done_blocks, skip)
+                self._adopt_cached_prefix(seq, hits, done // self.block_size, skip)
                 seq.status = Status.RUNNING
                 bisect.insort(self.running, seq, key=lambda s: s.order)
             self._place(seq, n, out)
@@ -736,6 +713,84 @@ class Scheduler:
         self.pool.pending_copies = []
         self.scheduled = out
         return out
+
+    def _next_to_admit(self) -> tuple[bool, Sequence]:
+        """(swapped?, the sequence): the first in order of the waiting and swapped-out ones."""
+        swapped = bool(self.swapped) and (not self.waiting or self.swapped[0].order < self.waiting[0].order)
+        return swapped, self.swapped[0] if swapped else self.waiting[0]
+
+    def _admission(self, seq: Sequence, swapped: bool, budget: int, room: int) -> tuple:
+        """What admitting seq, the next sequence not running, would take: (hits: the blocks
+        that hold its first tokens' K/V already, done: those tokens, skip: the blocks before
+        its window, never taken, n: the tokens it computes this step, short: the blocks it
+        lacks; it fits where short <= 0). room: the room to grow that the running sequences of
+        older requests need (_room_to_grow), kept free for them."""
+        if swapped:   # (its computed tokens are in the swap space, or still here: hits)
+            # (Nothing of it slid out of its window while it was away: step 0 slid it just
+            # before step 1 swapped it out, and it has computed nothing since.)
+            hits, skip = self._still_cached(seq), 0
+            done = seq.num_computed_tokens
+        else:   # (under a sliding window, the blocks before its window are not taken)
+            hits, done_blocks, skip = self._cached_prefix(seq)
+            done = done_blocks * self.block_size
+        n = min(seq.num_tokens - done, budget)
+        kept = seq.block_table.num_dropped + skip + len(hits)   # (dropped, skipped: before the window)
+        # A prompt is admitted only when all of it fits, not just this step's chunk:
+        # admitted on its first chunk, a long prompt is the newest running sequence,
+        # the first preempted when the others grow, and recomputing it throws its
+        # chunks away, again and again. (4 prompts of 2k-8k tokens in 600 blocks
+        # of 16, no prefix cache: 66,522 tokens computed where 20,256 suffice, as
+        # now. vLLM's v0 checked the whole prompt too; its v1 checks the chunk.)
+        # Not under a sliding window: there a prompt holds its window and a chunk
+        # at most, and that bound (blocks_at_most: a whole budget's chunk, any
+        # alignment) is loose enough to keep waiting requests that would have run
+        # side by side: 4 prompts of 200 tokens, window 16, 34 blocks of 4 took
+        # 106 steps instead of 62, none preempted either way.
+        end = seq.num_tokens if not swapped and self.sliding_window is None else done + n
+        need = cdiv(end, self.block_size) - kept
+        revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
+        # (and, while older requests run, room for them to grow and for seq's own first block,
+        # or n of them for n samples: see _room_to_grow; room is 0 only when no older request runs)
+        short = need + (room + seq.pending_samples if room else 0) - (self.pool.num_available - revived)
+        return hits, done, skip, n, short
+
+    def _preempt_outranked(self):
+        """Under priorities: while the next sequence to admit does not fit, preempt the newest
+        running sequence of a worse priority (a higher value), where preempting all of those
+        would make it fit, and it would have a seat then (else they run on: nothing would be
+        gained). Without this, a request
+        of a better priority, admitted only when all of its prompt fits (_admission), would
+        wait for the running requests of a worse one to finish, however long they generate.
+        (vLLM's v0 preempted for a waiting request so; its v1 admits by chunks and preempts by
+        priority when a running request cannot grow.) They are recomputed, never swapped: a
+        swap-out would keep this step from admitting anyone (no step swaps both ways). Not
+        for a seat of max_num_seqs: the request waits for one, as in vLLM. No cycle: a
+        sequence is only ever preempted for one of a strictly better priority."""
+        while self.running and (self.waiting or self.swapped):
+            swapped, seq = self._next_to_admit()
+            if self.running[-1].priority <= seq.priority:   # (running is in order: the last is the worst)
+                return
+            seats = dict(self._seats(q) for q in self.running if q.priority <= seq.priority)
+            holder, wanted = self._seats(seq)
+            if sum(seats.values()) + (0 if holder in seats else wanted) > self.max_num_seqs:
+                return   # (it waits for a seat that its betters hold)
+            room = sum(self._room_to_grow(q) for q in self.running if q.rank < seq.rank)
+            hits, *_, short = self._admission(seq, swapped, self.max_num_batched_tokens, room)
+            outranked = [q for q in self.running if q.priority > seq.priority]
+            if short <= 0 or self._blocks_freed_by(outranked, hits) < short:
+                return
+            victim = self.running[-1]
+            self.pool.say(f"{seq} (priority {seq.priority}) lacks {short} blocks: {victim} (priority "
+                          f"{victim.priority}) makes room")
+            self._preempt(victim)
+
+    def _blocks_freed_by(self, seqs: list[Sequence], hits: list[int]) -> int:
+        """The blocks that preempting all of seqs would free (or leave in the prefix cache,
+        evictable): those no other sequence holds; not hits, which the sequence admitted for
+        them takes back."""
+        held = Counter(b for q in seqs for b in q.block_table.block_ids[q.block_table.num_dropped:])
+        hit = set(hits)
+        return sum(1 for b, k in held.items() if k == self.pool.ref_count[b] and b not in hit)
 
     def _place(self, seq: Sequence, n: int, out: SchedulerOutput):
         out.seqs.append(seq)
@@ -787,7 +842,8 @@ class Scheduler:
         tokens in 300-800 blocks of 16: see the README's "Room to grow".) Only older requests
         count, and they are all running (the candidate is the oldest sequence not running), so
         they make progress; once they have finished, it is admitted as it would have been
-        without this room: nothing waits for good. Newer sequences give way to it, not it to
+        without this room: nothing waits for good (under priorities, as long as requests of
+        lower values keep coming, as in vLLM). Newer sequences give way to it, not it to
         them."""
         return q.block_table.blocks_needed(self.block_size) + q.pending_samples - 1
 
@@ -850,7 +906,7 @@ class Scheduler:
 
     def _swap_out(self, seq: Sequence, out: SchedulerOutput):
         """Preemption by swapping: copy seq's blocks to CPU memory and free them here. It keeps
-        everything it computed, and comes back (_swap_in) in its turn, by arrival. Blocks it
+        everything it computed, and comes back (_swap_in) in its turn. Blocks it
         shared (forks) are copied for it alone: it comes back to share only those full blocks
         the prefix cache still holds."""
         self.running.remove(seq)
@@ -859,7 +915,7 @@ class Scheduler:
         out.swapped_out.append(seq)
         self.pool.say(f"swap out {seq}: blocks {[a for a, _ in pairs]} -> CPU blocks {[b for _, b in pairs]}")
         seq.status = Status.SWAPPED
-        bisect.insort(self.swapped, seq, key=lambda s: s.order)   # (the queue stays in arrival order)
+        bisect.insort(self.swapped, seq, key=lambda s: s.order)   # (the queue stays in order)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.num_swapped_out += 1
@@ -888,7 +944,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence):
         """Recompute preemption: drop all of seq's blocks at once and send it back to the
-        waiting queue, in its place by arrival (mostly the head). Its prompt and the tokens it
+        waiting queue, in its place (mostly the head). Its prompt and the tokens it
         generated so far become its new prompt to prefill; with prefix caching on, its full
         blocks may still be found there."""
         if seq.status is Status.SWAPPED:   # (undoing a swap-out whose copy may not have run)
@@ -900,8 +956,9 @@ class Scheduler:
             seq.block_table.release()
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
-        # back in arrival order: usually the head, being older than every waiting sequence; but
-        # a rollback or a parked beam's preemption may send back one newer than some
+        # back in order: usually the head, being older than every waiting sequence; but a
+        # rollback, a parked beam's preemption or _preempt_outranked may send back one newer
+        # than some
         bisect.insort(self.waiting, seq, key=lambda s: s.order)
         seq.num_preemptions += 1
         self.num_preemptions += 1

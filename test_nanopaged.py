@@ -3706,6 +3706,7 @@ def finished_outputs(seqs):
                                                              (0, 6, False), (10, 9, False), (10, None, True),
                                                              (0, 9, True)])
 def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks, window, priorities):
+    hits = 0
     for seed in range(3):
         rng = random.Random(seed)
         sched = make_sched(num_blocks=20, block_size=4, max_num_seqs=6 if window is None else 16,
@@ -3731,13 +3732,16 @@ def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks, window
                 run_step(sched, kv=kv, fail=rng.choice(["before", "after"]) if rng.random() < 0.05 else None)
             steps += 1
             assert steps < 20_000
-        assert sched.num_preemptions > 0 and sched.prefix_hit_tokens > 0   # the workload bit
+        assert sched.num_preemptions > 0   # the workload bit
+        hits += sched.prefix_hit_tokens
         assert any("slid out of the window" in line for line in said) == (window is not None)
+        assert any("lacks" in line and "makes room" in line for line in said) == priorities   # _preempt_outranked
         assert (sched.num_swapped_out > 0) == bool(swap_blocks)
         if swap_blocks == 10:
             assert sched.num_swapped_out < sched.num_preemptions   # some recomputed: no swap space left
         assert sched.pool.num_used == 0 and sched.pool.pending_copies == []
         assert not sched.requests and (sched.swap_pool is None or sched.swap_pool.num_used == 0)
+    assert hits > 0
 
 
 def test_preemption_recomputes_or_swaps_to_the_same_tokens():
@@ -4453,9 +4457,9 @@ def test_priority_orders_admission_and_picks_the_victim():
     """Under priorities (Sequence.rank) every queue is kept by priority, lower first, then by
     arrival: a request waits behind those of a lower priority value that arrived after it,
     and the preemption victim is the running request of the highest value, however old.
-    A running request is not preempted to admit a waiting one (vLLM's priority policy does
-    not either). Catches: a request queued at the tail whatever its priority, a victim
-    picked by arrival alone."""
+    A running request is not preempted for a seat of max_num_seqs (vLLM's is not either).
+    Catches: a request queued at the tail whatever its priority, a victim picked by arrival
+    alone."""
     sched = make_sched(num_blocks=64, max_num_seqs=1)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     a = sched.add("a", [3, 4, 5], params)
@@ -4483,6 +4487,71 @@ def test_priority_orders_admission_and_picks_the_victim():
     assert out.preempted == [low] and out.seqs == [high] and list(sched.waiting) == [low]
     run_all(sched)
     assert high.finish_time < low.finish_time and [s.num_output_tokens for s in (high, low)] == [4, 8]
+
+
+def test_a_better_priority_that_does_not_fit_preempts_worse_ones():
+    """A waiting request that does not fit takes the blocks of running requests of a worse
+    priority (Scheduler._preempt_outranked), newest first and only as many as it lacks;
+    none where preempting them all would not make it fit, nor ones of its own priority.
+    Without it, an urgent prompt waits for a long low-priority generation to end. Catches:
+    no preemption, a better or equal priority preempted, preemptions that gain nothing."""
+    def tight(*running, max_num_seqs=256):   # 20 blocks of 4; running: (id, prompt length, max_tokens, priority, n)
+        sched = make_sched(num_blocks=20, block_size=4, max_num_batched_tokens=16, max_num_seqs=max_num_seqs)
+        kv, said = SimulatedKV(sched), []
+        sched.pool.trace = said.append
+        seqs = [sched.add(rid, [3 + i] * length, SamplingParams(max_tokens=m, ignore_eos=True, n=n), priority=p)
+                for i, (rid, length, m, p, n) in enumerate(r + (1,) * (5 - len(r)) for r in running)]
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
+            run_step(sched, kv=kv)
+        return sched, kv, said, seqs
+    # "low" holds 11 of 20 blocks and grows; "urgent" needs 11: one low goes, the newest
+    sched, kv, said, (old, low) = tight(("old", 4, 36, 1), ("low", 40, 36, 1))
+    urgent = sched.add("urgent", [9] * 44, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+    out = run_step(sched, kv=kv)
+    assert low.status is Status.WAITING and low.num_preemptions == 1 and old.status is Status.RUNNING
+    assert urgent in out.seqs and any("(priority -1) lacks" in line for line in said)
+    steps = 1
+    while urgent.status is not Status.FINISHED:
+        run_step(sched, kv=kv)
+        steps += 1
+    assert steps == 3 and old.num_preemptions == 0   # (44 tokens, 16 a step; low waited)
+    run_all(sched, kv=kv)
+    assert [s.num_output_tokens for s in (old, low, urgent)] == [36, 36, 1] and sched.pool.num_used == 0
+    # one of the same priority, though newer, is not preempted: urgent waits for room
+    sched, kv, said, (low,) = tight(("low", 40, 36, -1))
+    urgent = sched.add("urgent", [9] * 44, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+    run_all(sched, kv=kv)
+    assert low.num_preemptions == 0 and urgent.first_token_time > low.finish_time
+    # nor where preempting every worse one would not make room: "mid" (priority -2) holds most
+    sched, kv, said, (mid, low) = tight(("mid", 48, 8, -2), ("low", 4, 30, 1))
+    urgent = sched.add("urgent", [9] * 36, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+    run_step(sched, kv=kv)
+    assert urgent.status is Status.WAITING and low.num_preemptions == 0
+    run_all(sched, kv=kv)
+    assert low.num_preemptions == 0 and urgent.first_token_time > mid.finish_time and sched.pool.num_used == 0
+    # (blocks low shares with mid, its prompt's prefix, stay: preempting low would free 2)
+    sched, kv, said, (mid,) = tight(("mid", 48, 4, -2))
+    low = sched.add("low", [3] * 48 + [4] * 4, SamplingParams(max_tokens=4, ignore_eos=True), priority=1)
+    run_step(sched, kv=kv)
+    assert low.block_table.block_ids[:12] == mid.block_table.block_ids[:12] and low.block_table.num_held == 13
+    urgent = sched.add("urgent", [9] * 36, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+    while mid.status is not Status.FINISHED:
+        run_step(sched, kv=kv)
+        assert low.num_preemptions == 0 and urgent.status is Status.WAITING
+    run_all(sched, kv=kv)
+    assert sched.pool.num_used == 0
+    # (nor blocks urgent would take back: low's prompt is urgent's first 10 blocks, 2 of 6 lacking)
+    sched, kv, said, (mid, low) = tight(("mid", 20, 6, -2), ("low", 40, 6, 1))
+    urgent = sched.add("urgent", [4] * 40 + [9] * 24, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+    while mid.status is not Status.FINISHED:
+        run_step(sched, kv=kv)
+        assert low.num_preemptions == 0 and urgent.status is Status.WAITING
+    run_all(sched, kv=kv)
+    # nor where it would still lack a seat of max_num_seqs: mid's 2 samples and its 2 take 4 of 3
+    sched, kv, said, (mid, low) = tight(("mid", 20, 8, -2, 2), ("low", 36, 4, 1), max_num_seqs=3)
+    urgent = sched.add("urgent", [9] * 36, SamplingParams(max_tokens=1, ignore_eos=True, n=2), priority=-1)
+    run_all(sched, kv=kv)
+    assert low.num_preemptions == 0 and urgent.first_token_time > low.finish_time and sched.pool.num_used == 0
 
 
 def test_chunked_prefill_spreads_a_long_prompt_while_others_decode():
