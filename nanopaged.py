@@ -44,8 +44,8 @@ import build_ext
 from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
 from model import (GEMMAS, ModelConfig, ModelError, device_memory, load_model, load_tokenizer,
                    override_sampling_defaults, read_generation_config, resolve_model_dir, tanh_softcap)
-from scheduler import (BeamSearchParams, RequestOutputKind, SamplingParams, Scheduler, Status, cdiv, first_visible,
-                       hash_block, is_integer, stop_token_set, truncate_prompt_tokens_check)
+from scheduler import (BeamSearchParams, RequestOutputKind, SamplingParams, Scheduler, Status, cdiv, check_priority,
+                       first_visible, hash_block, is_integer, stop_token_set, truncate_prompt_tokens_check)
 
 # -----------------------------------------------------------------------------
 # 1. The paged KV cache
@@ -1286,8 +1286,7 @@ class LLM:
              request_id=None, final_only: bool = False, priority: int = 0):
         """add_request's; final_only: the request's copy of its params gets output_kind FINAL_ONLY
         (generate() and stream(): no output before the end, as vLLM's LLM sets for its own)."""
-        if not is_integer(priority):
-            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+        check_priority(priority)
         if priority != 0 and self.scheduling_policy != "priority":   # (vLLM refuses it too)
             raise ValueError(f"priority={priority!r}, but the scheduler is first-come-first-served: "
                              f"LLM(scheduling_policy='priority') runs requests by priority")

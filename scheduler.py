@@ -261,6 +261,12 @@ def is_integer(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def check_priority(priority):
+    """A request's priority (LLM(scheduling_policy="priority")): any integer, lower first."""
+    if not is_integer(priority):
+        raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+
+
 def _token_id_rows(rows) -> list[list[int]] | None:
     """prompt_logprob_token_ids as rows of equal length, padded with -1 (a list of lists, or a
     2-D integer array such as numpy's); None if it is not one."""
@@ -557,6 +563,7 @@ class Scheduler:
         """Queue a request, in its place by priority (lower first) and then arrival: ahead of
         waiting requests of a higher priority value. Refuses, with a clear error, one that
         could never run."""
+        check_priority(priority)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.max_tokens is None:

@@ -4726,6 +4726,10 @@ def test_scheduler_bad_input_is_refused_and_nothing_leaks():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="unknown request id 'nope'"):
         sched.abort("nope")
+    for bad in (None, 1.5, "high"):   # (checked first: nothing counted, nothing queued)
+        with pytest.raises(ValueError, match=f"priority must be an integer \\(lower runs first\\), got {bad!r}"):
+            sched.add(5, [3], SamplingParams(), priority=bad)
+    assert sched.next_arrival == 0 and not sched.waiting
     ok = sched.add(4, [3, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     with pytest.raises(ValueError, match="already in use"):
         sched.add(4, [3], SamplingParams())
