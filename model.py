@@ -930,6 +930,24 @@ MAX_WHITESPACE_RUN = 500_000   # characters; see Tokenizer.encode
 WORD_CHAR = regex.compile(r"\w")   # what a single_word added token must not touch
 
 
+def truncated(ids: list[int], keep: int, side: str = "left", specials: tuple[int, int] = (0, 0)) -> list[int]:
+    """An encoding cut to `keep` ids as HF's tokenizers cut it: the special tokens the
+    tokenizer put around the text (specials: how many at the head and the tail,
+    Tokenizer.specials_around) stay, and the text's own ids are cut to the rest: its last ones
+    (side "left": the end of a prompt matters most) or its first. Token ids given as a prompt
+    have no specials: their last (first) `keep` are kept, as vLLM keeps them."""
+    head, tail = specials
+    room = keep - head - tail
+    if room < 0:
+        raise ValueError(f"truncating to {keep} tokens leaves no room for the {head + tail} special tokens "
+                         f"the tokenizer puts around a text")
+    text = ids[head:len(ids) - tail]
+    if len(text) <= room:
+        return ids
+    text = text[len(text) - room:] if side == "left" else text[:room]
+    return ids[:head] + text + ids[len(ids) - tail:]
+
+
 class Tokenizer:
     """Text <-> token ids: a tiktoken Encoding (or a SentencePieceBPE) plus what the engine
     needs around it."""
@@ -990,17 +1008,22 @@ class Tokenizer:
         self.named_templates = named_templates or {}   # name -> template, where the model has several
         self.template_tokens = template_tokens or {}
 
-    def encode(self, text: str, add_special_tokens: bool = True, *, truncation: bool | None = None,
+    def encode(self, text: str, add_special_tokens: bool = True, *, truncation: bool | str | None = None,
                max_length: int | None = None) -> list[int]:
         """Token ids of `text`; added tokens written in the text (<|im_start|>) count. With
         add_special_tokens, the post-processor's tokens go around them (Llama 3's BOS first),
         but a text that already starts with the BOS gets no second one. A rendered chat
         template is encoded without (HF and vLLM do so): the template wrote what it wants.
-        With truncation (HF's, and vLLM's tokenizer protocol's), at most max_length ids: the
-        last ones (truncation_side)."""
+        Truncation is HF's (and vLLM's tokenizer protocol's): at most max_length ids, the
+        special tokens kept and the text's cut to the rest, its last ones (truncation_side);
+        a max_length given alone truncates too (truncation None), as HF's does."""
         if not isinstance(text, str):
             raise ValueError(f"encode() takes a string, got {type(text).__name__}")
-        if truncation and not (_is_id(max_length) and max_length >= 1):
+        if truncation not in (None, True, False, "longest_first", "do_not_truncate"):
+            raise ValueError(f"truncation must be True, False, None, 'longest_first' or 'do_not_truncate', "
+                             f"got {truncation!r}")
+        truncate = truncation in (True, "longest_first") or truncation is None and max_length is not None
+        if truncate and not (_is_id(max_length) and max_length >= 1):
             raise ValueError(f"truncation needs max_length, an integer >= 1, got {max_length!r}")
         if not text.isascii():
             try:
@@ -1020,7 +1043,16 @@ class Tokenizer:
             if ids[:len(self.prefix_ids)] != self.prefix_ids:
                 ids = self.prefix_ids + ids
             ids += self.suffix_ids
-        return ids[-max_length:] if truncation and len(ids) > max_length else ids
+        if not truncate:
+            return ids
+        return truncated(ids, max_length, self.truncation_side, self.specials_around(ids) if add_special_tokens else (0, 0))
+
+    def specials_around(self, ids: list[int]) -> tuple[int, int]:
+        """(head, tail): how many of ids' first and last are the special tokens that encode()
+        with add_special_tokens puts around a text (what truncation keeps)."""
+        head, tail = len(self.prefix_ids), len(self.suffix_ids)
+        return (head if ids[:head] == self.prefix_ids else 0,
+                tail if tail and len(ids) - head >= tail and ids[-tail:] == self.suffix_ids else 0)
 
     def _split_added(self, text: str, search: tuple, encode_gap, at_start: bool) -> list[int]:
         """The added tokens that search (from _added_search) finds in text, and encode_gap of
@@ -1207,11 +1239,11 @@ class Tokenizer:
     def num_special_tokens_to_add(self) -> int:   # (the post-processor's: a BOS, say)
         return len(self.prefix_ids) + len(self.suffix_ids)
 
-    def __call__(self, text, text_pair=None, add_special_tokens: bool = True, truncation: bool = False,
+    def __call__(self, text, text_pair=None, add_special_tokens: bool = True, truncation: bool | str | None = None,
                  max_length: int | None = None) -> dict:
         """HF's (and vLLM's tokenizer protocol's) tokenizer(text): {"input_ids": ids,
         "attention_mask": ones}, of one text or of each in a list; with truncation, at most
-        max_length tokens, those at the end (truncation_side)."""
+        max_length tokens, as encode() truncates."""
         if text_pair is not None:
             raise ValueError("text_pair: a causal LM's tokenizer here encodes one text, not pairs")
         if not (isinstance(text, str) or isinstance(text, list) and all(isinstance(t, str) for t in text)):

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import build_ext
 from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
 from model import (GEMMAS, ModelConfig, ModelError, device_memory, load_model, load_tokenizer,
-                   override_sampling_defaults, read_generation_config, resolve_model_dir, tanh_softcap)
+                   override_sampling_defaults, read_generation_config, resolve_model_dir, tanh_softcap, truncated)
 from scheduler import (BeamSearchParams, RequestOutputKind, SamplingParams, Scheduler, Status, cdiv, check_priority,
                        first_visible, hash_block, is_integer, stop_token_set, truncate_prompt_tokens_check)
 
@@ -1252,12 +1252,13 @@ class LLM:
         if isinstance(request_id, (SamplingParams, BeamSearchParams)):
             raise ValueError("add_request takes (prompt, params, request_id=None), nanopaged's order: vLLM's "
                              "LLMEngine.add_request takes the request id first")
-        text, ids = self._parse_prompt(prompt)
-        return self._add(text, ids, params, request_id, priority=priority)
+        text, ids, specials = self._parse_prompt(prompt)
+        return self._add(text, ids, params, request_id, priority=priority, specials=specials)
 
-    def _parse_prompt(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        """A prompt's text (None if given as ids alone) and token ids (a text's encoded with
-        the tokenizer's special tokens, a BOS..., where add_special_tokens)."""
+    def _parse_prompt(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int], tuple]:
+        """A prompt's text (None if given as ids alone), token ids (a text's encoded with the
+        tokenizer's special tokens, a BOS..., where add_special_tokens) and how many of those
+        there are at the head and the tail (Tokenizer.specials_around: what truncation keeps)."""
         text = None
         if isinstance(prompt, dict):   # vLLM's TextPrompt and TokensPrompt
             # (vLLM's other keys, at None, ask for nothing; at a value, for what nanopaged lacks)
@@ -1277,15 +1278,17 @@ class LLM:
             # (a TokensPrompt's ids run; its text, if any, is not tokenized)
             text, prompt = asked.get("prompt"), asked.get("prompt_token_ids", asked.get("prompt"))
         if isinstance(prompt, str):   # ("" is a prompt where the tokenizer adds a BOS: unconditional
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens)   # text, as vLLM takes it)
+            ids = self.tokenizer.encode(prompt, add_special_tokens)   # text, as vLLM takes it)
+            return prompt, ids, self.tokenizer.specials_around(ids) if add_special_tokens else (0, 0)
         if _is_token_ids(prompt):
-            return text, [int(t) for t in prompt]   # numpy and torch integers become ints
+            return text, [int(t) for t in prompt], (0, 0)   # numpy and torch integers become ints
         raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
 
     def _add(self, text: str | None, ids: list[int], params: SamplingParams | BeamSearchParams | None,
-             request_id=None, final_only: bool = False, priority: int = 0):
+             request_id=None, final_only: bool = False, priority: int = 0, specials: tuple = (0, 0)):
         """add_request's; final_only: the request's copy of its params gets output_kind FINAL_ONLY
-        (generate() and stream(): no output before the end, as vLLM's LLM sets for its own)."""
+        (generate() and stream(): no output before the end, as vLLM's LLM sets for its own).
+        specials: _parse_prompt's, kept by truncate_prompt_tokens."""
         check_priority(priority)
         if priority != 0 and self.scheduling_policy != "priority":   # (vLLM refuses it too)
             raise ValueError(f"priority={priority!r}, but the scheduler is first-come-first-served: "
@@ -1309,7 +1312,8 @@ class LLM:
             keep = params.truncate_prompt_tokens
             if keep > self.max_model_len:   # (as vLLM refuses it, however short the prompt)
                 raise ValueError(f"truncate_prompt_tokens = {keep} exceeds max_model_len = {self.max_model_len}")
-            ids = truncated(ids, max(self.max_model_len - (params.max_tokens or 1), 1) if keep == -1 else keep)
+            ids = truncated(ids, max(self.max_model_len - (params.max_tokens or 1), 1) if keep == -1 else keep,
+                            specials=specials)
         beams = params.n if params.beam else 1
         if len(ids) >= self.max_model_len:   # (vLLM's rule: a prompt leaves room for one output token)
             raise ValueError(f"prompt ({len(ids)} tokens) leaves no room for an output token in the "
@@ -1967,8 +1971,8 @@ class LLM:
         mm_processor_kwargs: vLLM's, None (no multimodal inputs)."""
         tokenization = Tokenization.of(tokenization_kwargs, mm_processor_kwargs, self.max_model_len,
                                        add_special_tokens=True)
-        prompts = [(text, tokenization.truncate(ids))
-                   for text, ids in self._parse_prompts(prompts, tokenization.add_special_tokens)]
+        prompts = [(text, tokenization.truncate(ids, specials), specials)
+                   for text, ids, specials in self._parse_prompts(prompts, tokenization.add_special_tokens)]
         priorities = _check_per_prompt(len(prompts), lora_request, priority)
         return self._generate(prompts, sampling_params, use_tqdm, priorities=priorities)
 
@@ -2004,8 +2008,8 @@ class LLM:
                 outputs.append(BeamSearchOutput(sequences))
         return outputs
 
-    def _parse_prompts(self, prompts, add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
-        """One prompt, or a list of them, as (text, token ids) each."""
+    def _parse_prompts(self, prompts, add_special_tokens: bool = True) -> list[tuple[str | None, list[int], tuple]]:
+        """One prompt, or a list of them, as _parse_prompt's (text, token ids, specials) each."""
         if isinstance(prompts, (str, dict)) or (_is_token_ids(prompts) and len(prompts) > 0):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -2057,15 +2061,16 @@ class LLM:
             try:
                 text, ids = render_chat(self.tokenizer, vllm_messages(conversation),
                                         add_special_tokens=tokenization.add_special_tokens, **options)
-                parsed.append((text, tokenization.truncate(ids)))
+                specials = self.tokenizer.specials_around(ids) if tokenization.add_special_tokens else (0, 0)
+                parsed.append((text, tokenization.truncate(ids, specials), specials))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if batch else str(e)) from None
         priorities = _check_per_prompt(len(parsed), lora_request, priority)
         return self._generate(parsed, sampling_params, use_tqdm, "chat()", priorities)
 
-    def _generate(self, prompts: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool,
+    def _generate(self, prompts: list[tuple[str | None, list[int], tuple]], sampling_params, use_tqdm: bool,
                   caller: str = "generate()", priorities: list | None = None):
-        """Run prompts (text, token ids) to the end, alone in the engine; outputs in their order.
+        """Run prompts (_parse_prompt's text, token ids, specials) to the end, alone in the engine; outputs in their order.
         (caller: the public method, for its errors; priorities: one per prompt, None: all 0.)"""
         one_each = isinstance(sampling_params, (list, tuple))
         params = list(sampling_params) if one_each else [sampling_params] * len(prompts)
@@ -2078,10 +2083,10 @@ class LLM:
         ids, first_id, bar = [], self._next_id, None
         try:
             self._generating = self._cleanup_due = True   # (before its requests exist: a step elsewhere would run them)
-            for i, ((text, token_ids), p) in enumerate(zip(prompts, params)):
+            for i, ((text, token_ids, specials), p) in enumerate(zip(prompts, params)):
                 try:
                     ids.append(self._add(text, token_ids, p, final_only=True,
-                                         priority=priorities[i] if priorities else 0))
+                                         priority=priorities[i] if priorities else 0, specials=specials))
                 except ValueError as e:
                     self._next_id = first_id   # (the ids of the prompts before it: never seen by the caller)
                     raise ValueError(f"prompt {i}: {e}") from None
@@ -2173,7 +2178,8 @@ class LLM:
     def _stream(self, prompt, params):
         try:
             self._cleanup_due = True   # (stream() checked the engine was free: add, unchecked)
-            rid = self._add(*self._parse_prompt(prompt), params, final_only=True)
+            text, ids, specials = self._parse_prompt(prompt)
+            rid = self._add(text, ids, params, final_only=True, specials=specials)
             req = self._requests[rid]
             seq, self._open_stream = req.seqs[0], rid
             # the text shown so far: what is settled (its own copy of the params: the caller's
@@ -2683,7 +2689,8 @@ class Tokenization:
     """vLLM's tokenization_kwargs for generate and chat: how a prompt becomes token ids.
     add_special_tokens: encode a text with the tokenizer's special tokens (a BOS...).
     keep: truncate a prompt to that many ids (None: no truncation), its last ones
-    (side "left", vLLM's for generation: the end of a prompt matters most) or its first."""
+    (side "left", vLLM's for generation: the end of a prompt matters most) or its first; the
+    special tokens put around a text stay (HF's truncation, which vLLM's tokenizer does)."""
     add_special_tokens: bool
     keep: int | None = None
     side: str = "left"
@@ -2731,13 +2738,9 @@ class Tokenization:
             raise ValueError(f"tokenization_kwargs: truncating to {keep} tokens exceeds max_model_len = {max_model_len}")
         return cls(add, None if keep is None else int(keep), side)
 
-    def truncate(self, ids: list[int]) -> list[int]:
-        return ids if self.keep is None else truncated(ids, self.keep, self.side)
-
-
-def truncated(ids: list[int], keep: int, side: str = "left") -> list[int]:
-    """A prompt's last `keep` ids (side "left": the end of a prompt matters most) or its first."""
-    return ids[-keep:] if side == "left" else ids[:keep]
+    def truncate(self, ids: list[int], specials: tuple = (0, 0)) -> list[int]:
+        """(specials: the special tokens around a text's ids, which stay, as HF's truncation keeps them)"""
+        return ids if self.keep is None else truncated(ids, self.keep, self.side, specials)
 
 
 def _check_request_id(request_id):

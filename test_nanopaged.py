@@ -48,7 +48,7 @@ import model as model_module
 import nanopaged as nanopaged_module
 import scheduler as scheduler_module
 from model import (GPT2_PATTERN, ModelConfig, ModelError, bpe_tokenizer, gpt2_tokenizer, load_model,
-                   load_tokenizer, resolve_model_dir)
+                   load_tokenizer, resolve_model_dir, truncated)
 from nanopaged import (LLM, BlockPool, BlockTable, GenerationError, IncrementalDetokenizer, Logprob, OutOfBlocks,
                        PagedAttention, RequestOutput, RunningMean, Shown, StopStringScan, TextPrompt, TokensPrompt,
                        bad_words_token_ids, copy_blocks, copy_waves,
@@ -874,6 +874,18 @@ def test_token_strings_as_the_vocab_file_writes_them(name, smollm2_dir):
     for call in (lambda: tok.encode("x", truncation=True), lambda: tok(["x"], truncation=True, max_length=0)):
         with pytest.raises(ValueError, match="truncation needs max_length, an integer >= 1, got (None|0)"):
             call()
+    # HF's truncation keeps the special tokens around the text and cuts the text's ids; a
+    # max_length alone truncates too (checked against transformers 5.25 on these tokenizers)
+    n = tok.num_special_tokens_to_add()
+    cut = tok.prefix_ids + ids[len(ids) - (3 - n):] + tok.suffix_ids
+    assert tok.encode(texts[0], truncation=True, max_length=3) == cut == tok.encode(texts[0], max_length=3)
+    assert tok(texts[0], max_length=3)["input_ids"] == cut
+    for no in (False, "do_not_truncate"):
+        assert tok.encode(texts[0], truncation=no, max_length=3) == tok.encode(texts[0])
+    if n:
+        assert tok.encode(texts[0], truncation=True, max_length=n) == tok.prefix_ids + tok.suffix_ids
+    with pytest.raises(ValueError, match="truncation must be True, False, None, 'longest_first' or "):
+        tok.encode("x", truncation="only_second", max_length=3)
     assert tok.truncation_side == "left" and tok.is_fast
     config = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
     for key in ("bos_token", "pad_token", "eos_token"):   # (and HF's strings of them)
@@ -1964,8 +1976,10 @@ def test_a_tokenizer_built_by_hand_on_sentencepiece_needs_no_added_tokens():
 def test_tokenization_kwargs_of_generate_and_chat(tmp_path):
     """vLLM's tokenization_kwargs: add_special_tokens (generate's default True, chat's False),
     truncate_prompt_tokens from the left (vLLM's side for generation) or the right, -1 one
-    short of the context, and HF's truncation/max_length spelling; on text and token prompts.
-    What nanopaged does not read is refused by name, not ignored. (Llama 2's tokenizer: a BOS.)"""
+    short of the context, and HF's truncation/max_length spelling; on text and token prompts:
+    a text's BOS stays, as the HF truncation of vLLM's tokenizer keeps it, token ids are cut
+    as given. What nanopaged does not read is refused by name, not ignored. (Llama 2's
+    tokenizer: a BOS.)"""
     model_dir = tmp_path / "llama2"
     shutil.copytree(TESTDATA / "llama2_tokenizer", model_dir)
     llm = LLM(model_dir, load_format="dummy", num_blocks=32)   # (max_model_len 128)
@@ -1983,8 +1997,16 @@ def test_tokenization_kwargs_of_generate_and_chat(tmp_path):
     assert prompt_ids("") == [tok.bos_token_id]   # (text from the BOS alone, as vLLM takes "")
     with pytest.raises(ValueError, match="the prompt is empty"):
         prompt_ids("", add_special_tokens=False)
-    assert prompt_ids(truncate_prompt_tokens=3) == full[-3:] == prompt_ids(truncation=True, max_length=3)
+    assert prompt_ids(truncate_prompt_tokens=3) == full[:1] + plain[-2:] == prompt_ids(truncation=True, max_length=3)
     assert prompt_ids(truncate_prompt_tokens=3, truncation_side="right") == full[:3]
+    # (so does SamplingParams' truncate_prompt_tokens, vLLM's field before 0.20: add_request and generate)
+    assert llm.generate(text, SamplingParams(max_tokens=1, truncate_prompt_tokens=3))[0].prompt_token_ids == (
+        full[:1] + plain[-2:])
+    (rid,), steps = outputs_by_step(llm, [(text, SamplingParams(max_tokens=1, truncate_prompt_tokens=4))])
+    assert [o.prompt_token_ids for outs in steps for o in outs] == [full[:1] + plain[-3:]]
+    with pytest.raises(ValueError, match="truncating to 1 tokens leaves no room for the 2 special tokens"):
+        truncated([1, 5, 6, 2], 1, specials=(1, 1))   # (a BOS and an EOS: the text gets none)
+    assert truncated([1, 5, 6, 2], 3, specials=(1, 1)) == [1, 6, 2] and truncated([1, 5, 6, 2], 3, "right", (1, 1)) == [1, 5, 2]
     assert prompt_ids(truncate_prompt_tokens=3, truncation="do_not_truncate") == full   # (HF's: truncation wins)
     assert prompt_ids(full, truncate_prompt_tokens=2) == full[-2:]
     assert prompt_ids(full, add_special_tokens=False) == full   # (token ids are not encoded)
@@ -1997,6 +2019,7 @@ def test_tokenization_kwargs_of_generate_and_chat(tmp_path):
         return llm.chat(conversation, two, chat_template=bare, tokenization_kwargs=kwargs)[0].prompt_token_ids
     assert chat_ids() == plain and chat_ids(add_special_tokens=True) == full
     assert chat_ids(truncate_prompt_tokens=4) == plain[-4:]
+    assert chat_ids(add_special_tokens=True, truncate_prompt_tokens=4) == full[:1] + plain[-3:]
     for kwargs, message in (({"padding": True}, "nanopaged takes add_special_tokens, .*; not 'padding'"),
                             ({"add_special_tokens": 1}, "add_special_tokens must be True or False, got 1"),
                             ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be None, -1"),
