@@ -1331,12 +1331,13 @@ class Tokenizer:
                 raise ValueError(f"{name} must be a list of dicts (JSON objects), got {reprlib.repr(value)}")
         if "messages" in template_vars:
             raise ValueError("template variable messages is set by apply_chat_template itself")
-        if any(isinstance(m.get("content"), list) for m in messages):
-            # content parts, as vLLM hands them over: kept for a template that loops over them,
-            # else joined into one text; and joined for a tool's result, which templates print
-            # as a string, loops or not
-            loops = _loops_over_content(template)
-            messages = [m if loops and m["role"] != "tool" else _join_parts(m) for m in messages]
+        loops = _loops_over_content(template)
+        if loops or any(isinstance(m.get("content"), list) for m in messages):
+            # content as vLLM hands it over: as parts to a template that loops over them (a
+            # string made one text part: looped over, its characters would be the parts), else
+            # joined into one text; and joined for a tool's result, which templates print as a
+            # string, loops or not
+            messages = [_as_parts(m) if loops and m["role"] != "tool" else _join_parts(m) for m in messages]
         if continue_final_message:
             content = messages[-1].get("content")
             # (parts: the last one goes on, as in HF)
@@ -1450,6 +1451,13 @@ def _join_parts(message: dict) -> dict:
     if not isinstance(message.get("content"), list):
         return message
     return message | {"content": "\n".join(part["text"] for part in message["content"])}
+
+
+def _as_parts(message: dict) -> dict:
+    """The message with a string content made one text part (as vLLM's "openai" content
+    format hands it to a template that loops over content)."""
+    content = message.get("content")
+    return message | {"content": [{"type": "text", "text": content}]} if isinstance(content, str) else message
 
 
 @functools.lru_cache(maxsize=8)   # parsed once per template text

@@ -2509,6 +2509,10 @@ def test_chat_content_as_a_list_of_text_parts(tmp_path):
                           "<end_of_turn>\n<start_of_turn>model\n")
     filtered = "{% for p in messages[-1].content | list %}[{{ p.text }}]{% endfor %}"
     assert tok.apply_chat_template(two, chat_template=filtered) == "[Hi ][there][]"   # (found through a filter)
+    # to a template that loops over content, a string is one text part (vLLM's "openai" format), not its characters
+    looping = "{% for m in messages %}<{{ m.role }}>{% for p in m.content %}{{ p.text }}{% endfor %}|{% endfor %}"
+    assert tok.apply_chat_template(hi, chat_template=looping) == "<user>Hi|" and hi[0]["content"] == "Hi"
+    assert tok.apply_chat_template(two, chat_template=looping) == "<system>Be brief.|<user>Hi there|"
     # a tool's result is joined for any template, as vLLM joins it; an answer begun in parts goes on
     called = [{"role": "tool", "content": [{"type": "text", "text": "sunny"}, "warm"]}]
     assert tok.apply_chat_template(called, chat_template="{% for m in messages %}{% for p in m.content %}"
@@ -8390,7 +8394,8 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
     as_text = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
     as_parts = ("{% for m in messages %}[{{ m.role }}:{% if m.content is string %}{{ m.content }}{% else %}"
                 "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}]{% endfor %}")
-    for template in (as_text, as_parts):
+    only_parts = "{% for m in messages %}[{{ m.role }}:{% for p in m.content %}{{ p.text }}{% endfor %}]{% endfor %}"
+    for template in (as_text, as_parts, only_parts):
         assert llm.chat(empty, params, chat_template=template)[0].prompt == "[user:ab][assistant:][user:]"
     assert said[1]["content"] is None and "content" not in empty[2]
     # chat takes vLLM's arguments in vLLM's order: priority fifth, then chat_template...
