@@ -498,6 +498,44 @@ def bench_priority(args):
         timed = ttfts[policy][1:]   # (the first run was median_times' warm-up)
         mine, others = (statistics.median(row[k] for row in timed) for k in (0, 1))
         print(f"  {label:30s} {mine:10.2f} s {others:10.2f} s {t:9.2f} s  {tokens[policy] == tokens['fcfs']}")
+    bench_priority_in_a_full_pool(args, rng, vocab)
+
+
+def bench_priority_in_a_full_pool(args, rng, vocab):
+    """An urgent request of 900 prompt tokens arriving while 4 requests (100 + 200 tokens)
+    decode in a pool of 80 blocks of 16, which holds them to their end but not it beside
+    them. First come, first served, it waits for room; under priorities it preempts the newest
+    of them (Scheduler._preempt_outranked), which is recomputed later. Its time to first
+    token, the 4 others' mean latency and the whole run's time, medians of args.repeats."""
+    engines = {policy: new_engine(args, num_blocks=80, block_size=16, enable_prefix_caching=False,
+                                  scheduling_policy=policy) for policy in ("fcfs", "priority")}
+    lows = [[rng.randrange(17, vocab) for _ in range(100)] for _ in range(4)]
+    urgent = [rng.randrange(17, vocab) for _ in range(900)]
+    results = {policy: [] for policy in engines}
+
+    def run(policy):
+        llm, outs = engines[policy], {}
+        llm.reset_stats()   # (add_request and step keep counting: this run's preemptions alone)
+        for prompt in lows:
+            llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        for _ in range(10):   # (prefilled, and decoding)
+            llm.step()
+        rid = llm.add_request(urgent, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                              priority=-1 if policy == "priority" else 0)
+        while llm.has_unfinished_requests():
+            outs |= {o.request_id: o for o in llm.step() if o.finished}
+        others = [o for r, o in outs.items() if r != rid]
+        results[policy].append((outs[rid].ttft, statistics.mean(o.latency for o in others),
+                                llm.stats.preemptions, [o.outputs[0].token_ids for _, o in sorted(outs.items())]))
+    times = median_times([lambda policy=policy: run(policy) for policy in engines], repeats=args.repeats)
+    print(f"an urgent request (900 prompt + 16 tokens) arriving while 4 requests (100 + 200 tokens) decode "
+          f"in 80 blocks of 16, greedy; medians of {args.repeats}, timed in turns:")
+    print(f"  {'':30s} {'urgent TTFT':>12s} {'others latency':>15s} {'run time':>9s} {'preemptions':>12s}  same tokens")
+    for (policy, t), label in zip(zip(engines, times), ("fcfs (first come, first served)", "priority (urgent: -1)")):
+        timed = results[policy][1:]   # (the first run was median_times' warm-up)
+        ttft, latency = (statistics.median(row[k] for row in timed) for k in (0, 1))
+        same = all(row[3] == results["fcfs"][0][3] for row in timed)
+        print(f"  {label:30s} {ttft:10.2f} s {latency:13.2f} s {t:7.2f} s {timed[-1][2]:12d}  {same}")
 
 
 def beam_search_by_requests(llm, prompt: list[int], width: int, max_tokens: int):

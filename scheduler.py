@@ -764,15 +764,14 @@ class Scheduler:
     def _preempt_outranked(self):
         """Under priorities: while the next sequence to admit does not fit, preempt the newest
         running sequence of a worse priority (a higher value), where preempting all of those
-        would make it fit, and it would have a seat then (else they run on: nothing would be
-        gained). Without this, a request
-        of a better priority, admitted only when all of its prompt fits (_admission), would
-        wait for the running requests of a worse one to finish, however long they generate.
-        (vLLM's v0 preempted for a waiting request so; its v1 admits by chunks and preempts by
+        would make it fit and it would have a seat of max_num_seqs then (else they run on:
+        nothing would be gained; a seat it waits for, as in vLLM). Without this, a request of
+        a better priority, admitted only when all of its prompt fits (_admission), would wait
+        for the running requests of a worse one to finish, however long they generate. (vLLM's
+        v0 preempted for a waiting request so; its v1 admits by chunks and preempts by
         priority when a running request cannot grow.) They are recomputed, never swapped: a
-        swap-out would keep this step from admitting anyone (no step swaps both ways). Not
-        for a seat of max_num_seqs: the request waits for one, as in vLLM. No cycle: a
-        sequence is only ever preempted for one of a strictly better priority."""
+        swap-out would keep this step from admitting anyone (no step swaps both ways). No
+        cycle: a sequence is only ever preempted for one of a strictly better priority."""
         while self.running and (self.waiting or self.swapped):
             swapped, seq = self._next_to_admit()
             if self.running[-1].priority <= seq.priority:   # (running is in order: the last is the worst)

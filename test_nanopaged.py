@@ -6197,8 +6197,18 @@ def test_a_failed_step_is_rolled_back_and_the_engine_serves_on(llm, monkeypatch)
     assert_nothing_leaked(llm)
 
 
+@pytest.fixture
+def real_ctrl_c():
+    """Python's own SIGINT handler, which raises KeyboardInterrupt: a test run in the
+    background (`pytest &` in a script) inherits SIGINT ignored, and a Ctrl-C raised
+    there would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def ctrl_c_on_call(n, fn):
-    """fn, but a real Ctrl-C (SIGINT) arrives during its n-th call."""
+    """fn, but a real Ctrl-C (SIGINT) arrives during its n-th call (with real_ctrl_c)."""
     calls = []
 
     def wrapper(*args, **kw):
@@ -6209,7 +6219,7 @@ def ctrl_c_on_call(n, fn):
     return wrapper
 
 
-def test_ctrl_c_in_the_bookkeeping_waits_for_its_end(llm, monkeypatch):
+def test_ctrl_c_in_the_bookkeeping_waits_for_its_end(llm, monkeypatch, real_ctrl_c):
     """A Ctrl-C while the scheduler moves blocks between owners (here: as the first request
     to finish releases its blocks, and as a request is queued) is held until that is done:
     no block is lost, and what finished is reported by the next step()."""
@@ -8657,7 +8667,7 @@ def test_step_returns_each_request_as_its_output_kind_asks(llm):
     assert len(cumulative[k].text) <= len(first.text) < len(text(g.token_ids[:k + 1]))
 
 
-def test_delta_outputs_add_up_through_preemption_abort_and_ctrl_c(smollm2_dir, monkeypatch):
+def test_delta_outputs_add_up_through_preemption_abort_and_ctrl_c(smollm2_dir, monkeypatch, real_ctrl_c):
     """Under DELTA, the outputs add up to the whole: when the pool is too small for the
     batch (recompute preemption), when a Ctrl-C lands while they are handed back (they come
     with the next step's), and when the request is aborted (abort() returns the rest).
