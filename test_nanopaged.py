@@ -5830,6 +5830,8 @@ def test_stop_lists_left_out_are_empty_lists_a_script_may_append_to(tmp_path):
     assert (params.stop, params.stop_token_ids, params.bad_words) == ([], [], [])
     given = SamplingParams(stop="x", bad_words=("no",))
     assert (given.stop, given.bad_words) == (["x"], ["no"])
+    mine = ["x"]   # (a list of the params' own: the caller's, changed later, changes nothing)
+    assert SamplingParams(stop=("x",)).stop == ["x"] and SamplingParams(stop=mine).stop is not mine
     llm = peaked_tiny_llm(tmp_path, num_blocks=32)
     tokens = llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
     params.stop_token_ids.append(tokens[2])
@@ -8408,6 +8410,9 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
     for template in (as_text, as_parts, only_parts):
         assert llm.chat(empty, params, chat_template=template)[0].prompt == "[user:ab][assistant:][user:]"
     assert said[1]["content"] is None and "content" not in empty[2]
+    per_part = "{% for m in messages %}{% for p in m.content %}<{{ p.text }}>{% endfor %}{% endfor %}"
+    none = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": None}]   # (no tool call either)
+    assert llm.chat(none, params, chat_template=per_part)[0].prompt == "<ab>"   # (no parts, not one empty part)
     # chat takes vLLM's arguments in vLLM's order: priority fifth, then chat_template...
     two = [[{"role": "user", "content": "ab"}], [{"role": "user", "content": "cd"}]]
     assert len(llm.chat(two, params, False, [None, None], 0, chat_template, "auto")) == 2
@@ -8536,6 +8541,32 @@ def test_a_stream_yields_each_tokens_text_as_it_arrives(llm):
     assert len(before) > 2 and held[-1] == before[-2:] + per_token[-1]
     assert_nothing_leaked(llm)
 
+
+
+def test_text_before_the_end_waits_only_where_a_stop_string_could_begin(tmp_path):
+    """Before a request ends, its text shows only what no stop string can take back: all but
+    its last len(longest stop) - 1 characters (nothing while it is shorter); with
+    include_stop_str_in_output nothing waits. stream() yields the same, no empty piece; and a
+    request aborted before its first token has empty samples, scored 0, its ttft its latency.
+    Catches: the held characters shown (a stop string's start), text held for nothing,
+    empty pieces, a sample never forked given no cumulative_logprob."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=32)
+    stop = "z" * 12   # (never generated here: the texts run to max_tokens)
+
+    def texts(**kw):
+        _, steps = outputs_by_step(llm, [("hello", SamplingParams(max_tokens=24, ignore_eos=True, seed=0, stop=[stop],
+                                                                  output_kind=RequestOutputKind.CUMULATIVE, **kw))])
+        return [o.outputs[0].text for outs in steps for o in outs]
+    whole, held = texts(include_stop_str_in_output=True), texts()
+    assert any(0 < len(t) <= 11 for t in whole[:-1]) and any(len(t) > 12 for t in whole[:-1])   # (both cases)
+    assert all(whole[-1].startswith(t) for t in whole)
+    assert held[:-1] == [t[:max(len(t) - 11, 0)] for t in whole[:-1]] and held[-1] == whole[-1]
+    pieces = list(llm.stream("hello", SamplingParams(max_tokens=24, ignore_eos=True, seed=0, stop=[stop])))
+    assert "".join(pieces) == whole[-1] and "" not in pieces
+    rid = llm.add_request("hello", SamplingParams(n=2, seed=0, max_tokens=4, logprobs=1))
+    out = llm.abort(rid)
+    assert [(c.token_ids, c.logprobs, c.cumulative_logprob) for c in out.outputs] == [([], [], 0.0)] * 2
+    assert out.ttft == out.latency > 0
 
 
 def outputs_by_step(llm, requests: list) -> tuple[list, list]:
