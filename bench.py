@@ -13,8 +13,8 @@ README quotes them with the command that produced them.
   python bench.py parallel    n = 4 parallel sampling: KV blocks with copy-on-write vs without sharing
   python bench.py preempt     a pool too small for the workload: preemption by recomputing vs by swapping
                               to CPU memory, against a pool that holds it all
-  python bench.py priority    urgent requests behind a queue: their time to first token first come, first
-                              served vs under scheduling_policy="priority"
+  python bench.py priority    urgent requests behind a queue, and one arriving in a full KV pool: their time
+                              to first token first come, first served vs under scheduling_policy="priority"
   python bench.py beam        beam search (width 4): forked beams sharing blocks vs vLLM's way, each step
                               a request per beam that finds the earlier ones' blocks in the prefix cache
   python bench.py sampling    what logprobs, prompt logprobs, penalties and constraints cost, against plain greedy

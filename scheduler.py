@@ -491,6 +491,13 @@ class Sequence:
 ROOT_HASH = 0
 
 
+def in_order(queue, seq: Sequence):
+    """Put seq in its place in one of the scheduler's queues (waiting, running, swapped),
+    each kept by Sequence.order: a queue's head goes first, and the running queue's tail is
+    the preemption victim."""
+    bisect.insort(queue, seq, key=lambda s: s.order)
+
+
 def hash_block(parent_hash: int, token_ids) -> int:
     """A block's prefix hash: sha256 of (its parent's hash, its token ids), cut to 64 bits."""
     data = parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes()
@@ -584,7 +591,7 @@ class Scheduler:
         seq = Sequence(request_id, prompt_token_ids, params, self.next_arrival, self.pool.new_table(),
                        priority=priority)
         self.next_arrival += 1
-        bisect.insort(self.waiting, seq, key=lambda s: s.order)   # (the tail, but for a lower priority value)
+        in_order(self.waiting, seq)   # (the tail, but for a lower priority value)
         self.requests[request_id] = [seq]
         self.next_sample_index[request_id] = 1
         return seq
@@ -711,7 +718,7 @@ class Scheduler:
                 self.waiting.popleft()
                 self._adopt_cached_prefix(seq, hits, done // self.block_size, skip)
                 seq.status = Status.RUNNING
-                bisect.insort(self.running, seq, key=lambda s: s.order)
+                in_order(self.running, seq)
             self._place(seq, n, out)
             budget -= n
             seats.setdefault(holder, wanted)
@@ -921,7 +928,7 @@ class Scheduler:
         out.swapped_out.append(seq)
         self.pool.say(f"swap out {seq}: blocks {[a for a, _ in pairs]} -> CPU blocks {[b for _, b in pairs]}")
         seq.status = Status.SWAPPED
-        bisect.insort(self.swapped, seq, key=lambda s: s.order)   # (the queue stays in order)
+        in_order(self.swapped, seq)   # (the queue stays in order)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.num_swapped_out += 1
@@ -946,7 +953,7 @@ class Scheduler:
             first = seq.block_table.num_dropped + len(hits)
             self._offer_in_flight(seq, first, seq.num_computed_tokens // self.block_size)
         seq.status = Status.RUNNING
-        bisect.insort(self.running, seq, key=lambda s: s.order)
+        in_order(self.running, seq)
 
     def _preempt(self, seq: Sequence):
         """Recompute preemption: drop all of seq's blocks at once and send it back to the
@@ -965,7 +972,7 @@ class Scheduler:
         # back in order: usually the head, being older than every waiting sequence; but a
         # rollback, a parked beam's preemption or _preempt_outranked may send back one newer
         # than some
-        bisect.insort(self.waiting, seq, key=lambda s: s.order)
+        in_order(self.waiting, seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.pool.say(f"preempt {seq}: all its blocks freed, it will be recomputed "
@@ -1149,7 +1156,7 @@ class Scheduler:
             child.block_hashes = list(seq.block_hashes)
             child.arrival_time, child.status = seq.arrival_time, Status.RUNNING
             child.first_token_time = seq.first_token_time   # (its tokens so far are its parent's)
-            bisect.insort(self.running, child, key=lambda s: s.order)
+            in_order(self.running, child)
             self.requests[seq.request_id].append(child)
             children.append(child)
         table = seq.block_table
