@@ -769,33 +769,47 @@ class Scheduler:
         return hits, done, skip, n, short
 
     def _preempt_outranked(self):
-        """Under priorities: while the next sequence to admit does not fit, preempt the newest
-        running sequence of a worse priority (a higher value), where preempting all of those
-        would make it fit and it would have a seat of max_num_seqs then (else they run on:
-        nothing would be gained; a seat it waits for, as in vLLM). Without this, a request of
-        a better priority, admitted only when all of its prompt fits (_admission), would wait
-        for the running requests of a worse one to finish, however long they generate. (vLLM's
-        v0 preempted for a waiting request so; its v1 admits by chunks and preempts by
-        priority when a running request cannot grow.) They are recomputed, never swapped: a
-        swap-out would keep this step from admitting anyone (no step swaps both ways). No
-        cycle: a sequence is only ever preempted for one of a strictly better priority."""
+        """Under priorities: while the next sequence to admit would not be admitted this step,
+        preempt the newest running sequence of a worse priority (a higher value), where
+        preempting all of those would let it in (else they run on: nothing would be gained).
+        Without this, a request of a better priority, admitted only when all of its prompt
+        fits (_admission), would wait for the running requests of a worse one to finish,
+        however long they generate. Memory, a seat of max_num_seqs and the step's token
+        budget all count, as in vLLM's v0, which preempted for a waiting request so (its v1
+        admits by chunks, and preempts by priority when a running request cannot grow).
+        They are recomputed, never swapped: a swap-out would keep this step from admitting
+        anyone (no step swaps both ways). No cycle: a sequence is only ever preempted for one
+        of a strictly better priority."""
         while self.running and (self.waiting or self.swapped):
             swapped, seq = self._next_to_admit()
             if self.running[-1].priority <= seq.priority:   # (running is in order: the last is the worst)
                 return
-            seats = dict(self._seats(q) for q in self.running if q.priority <= seq.priority)
-            holder, wanted = self._seats(seq)
-            if sum(seats.values()) + (0 if holder in seats else wanted) > self.max_num_seqs:
-                return   # (it waits for a seat that its betters hold)
-            room = sum(self._room_to_grow(q) for q in self.running if q.rank < seq.rank)
-            hits, *_, short = self._admission(seq, swapped, self.max_num_batched_tokens, room)
-            outranked = [q for q in self.running if q.priority > seq.priority]
-            if short <= 0 or self._blocks_freed_by(outranked, hits) < short:
+            betters = [q for q in self.running if q.priority <= seq.priority]
+            if self._admissible(seq, swapped, self.running) or not self._admissible(seq, swapped, betters):
                 return
             victim = self.running[-1]
-            self.pool.say(f"{seq} (priority {seq.priority}) lacks {short} blocks: {victim} (priority "
+            self.pool.say(f"{seq} (priority {seq.priority}) cannot be admitted: {victim} (priority "
                           f"{victim.priority}) makes room")
             self._preempt(victim)
+
+    def _admissible(self, seq: Sequence, swapped: bool, keep: list[Sequence]) -> bool:
+        """Whether schedule() would admit seq (the next not running) this step, were only `keep`
+        (the running sequences, or the first of them) running, the rest preempted: once step 1
+        has placed each of them (their tokens out of the budget, their new blocks), seq fits
+        in the blocks left (with room for the older ones to grow), the budget left and a seat."""
+        tokens = blocks = 0
+        for q in keep:
+            n = 0 if q.parked else min(q.num_tokens - q.num_computed_tokens, self.max_num_batched_tokens - tokens)
+            tokens, blocks = tokens + n, blocks + q.block_table.blocks_needed(n)
+        if tokens >= self.max_num_batched_tokens:
+            return False
+        room = sum(self._room_to_grow(q) for q in keep if q.rank < seq.rank)
+        hits, *_, short = self._admission(seq, swapped, self.max_num_batched_tokens - tokens, room)
+        gone = self.running[len(keep):]
+        seats = dict(self._seats(q) for q in keep)
+        holder, wanted = self._seats(seq)
+        return (short + blocks - self._blocks_freed_by(gone, hits) <= 0
+                and sum(seats.values()) + (0 if holder in seats else wanted) <= self.max_num_seqs)
 
     def _blocks_freed_by(self, seqs: list[Sequence], hits: list[int]) -> int:
         """The blocks that preempting all of seqs would free (or leave in the prefix cache,

@@ -3762,7 +3762,7 @@ def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks, window
         assert sched.num_preemptions > 0   # the workload bit
         hits += sched.prefix_hit_tokens
         assert any("slid out of the window" in line for line in said) == (window is not None)
-        assert any("lacks" in line and "makes room" in line for line in said) == priorities   # _preempt_outranked
+        assert any("cannot be admitted" in line for line in said) == priorities   # _preempt_outranked
         assert (sched.num_swapped_out > 0) == bool(swap_blocks)
         if swap_blocks == 10:
             assert sched.num_swapped_out < sched.num_preemptions   # some recomputed: no swap space left
@@ -4483,14 +4483,13 @@ def test_victim_is_latest_arrival_and_resumes_first():
 def test_priority_orders_admission_and_picks_the_victim():
     """Under priorities (Sequence.rank) every queue is kept by priority, lower first, then by
     arrival: a request waits behind those of a lower priority value that arrived after it,
-    and the preemption victim is the running request of the highest value, however old.
-    A running request is not preempted for a seat of max_num_seqs (vLLM's is not either).
-    Catches: a request queued at the tail whatever its priority, a victim picked by arrival
-    alone."""
+    and the preemption victim is the running request of the highest value, however old
+    (preempted for a seat of max_num_seqs too, or for blocks). Catches: a request queued at
+    the tail whatever its priority, a victim picked by arrival alone."""
     sched = make_sched(num_blocks=64, max_num_seqs=1)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     a = sched.add("a", [3, 4, 5], params)
-    run_step(sched)                                   # a takes the one seat
+    run_step(sched)                                   # a takes the one seat, until c comes
     b = sched.add("b", [3, 4, 5], params)
     c = sched.add("c", [3, 4, 5], params, priority=-1)
     d = sched.add("d", [3, 4, 5], params, priority=-1)
@@ -4500,7 +4499,7 @@ def test_priority_orders_admission_and_picks_the_victim():
     while sched.has_unfinished():
         run_step(sched)
         finish_order += [s for s in (a, b, c, d, e) if s.finish_time and s not in finish_order]
-    assert finish_order == [a, c, d, b, e]
+    assert finish_order == [c, d, a, b, e] and a.num_preemptions == 1
     # A tight pool: "high", arriving while "low" runs, is admitted into the last free blocks
     # (no room is kept for "low" to grow: it is behind), and "low" is the victim when "high"
     # grows, though it arrived first
@@ -4517,13 +4516,14 @@ def test_priority_orders_admission_and_picks_the_victim():
 
 
 def test_a_better_priority_that_does_not_fit_preempts_worse_ones():
-    """A waiting request that does not fit takes the blocks of running requests of a worse
-    priority (Scheduler._preempt_outranked), newest first and only as many as it lacks;
-    none where preempting them all would not make it fit, nor ones of its own priority.
-    Without it, an urgent prompt waits for a long low-priority generation to end. Catches:
-    no preemption, a better or equal priority preempted, preemptions that gain nothing."""
-    def tight(*running, max_num_seqs=256):   # 20 blocks of 4; running: (id, prompt length, max_tokens, priority, n)
-        sched = make_sched(num_blocks=20, block_size=4, max_num_batched_tokens=16, max_num_seqs=max_num_seqs)
+    """A waiting request that would not be admitted this step takes the blocks or seats of
+    running requests of a worse priority (Scheduler._preempt_outranked), newest first and
+    only as many as it lacks; none where preempting them all would not let it in (its
+    betters' blocks, seats or budget), nor ones of its own priority. Without it, an urgent
+    prompt waits for a long low-priority generation to end. Catches: no preemption, a better
+    or equal priority preempted, preemptions that gain nothing (the request still left out)."""
+    def tight(*running, max_num_seqs=256, num_blocks=20, budget=16):   # running: (id, prompt length, max_tokens, priority, n)
+        sched = make_sched(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
         kv, said = SimulatedKV(sched), []
         sched.pool.trace = said.append
         seqs = [sched.add(rid, [3 + i] * length, SamplingParams(max_tokens=m, ignore_eos=True, n=n), priority=p)
@@ -4536,7 +4536,7 @@ def test_a_better_priority_that_does_not_fit_preempts_worse_ones():
     urgent = sched.add("urgent", [9] * 44, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
     out = run_step(sched, kv=kv)
     assert low.status is Status.WAITING and low.num_preemptions == 1 and old.status is Status.RUNNING
-    assert urgent in out.seqs and any("(priority -1) lacks" in line for line in said)
+    assert urgent in out.seqs and any("(priority -1) cannot be admitted" in line for line in said)
     steps = 1
     while urgent.status is not Status.FINISHED:
         run_step(sched, kv=kv)
@@ -4549,6 +4549,11 @@ def test_a_better_priority_that_does_not_fit_preempts_worse_ones():
     urgent = sched.add("urgent", [9] * 44, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
     run_all(sched, kv=kv)
     assert low.num_preemptions == 0 and urgent.first_token_time > low.finish_time
+    # (nor are they counted among those whose blocks it could take: low's one block is not enough)
+    sched, kv, said, (same, low) = tight(("same", 40, 8, -1), ("low", 4, 8, 1))
+    urgent = sched.add("urgent", [9] * 44, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+    run_all(sched, kv=kv)
+    assert low.num_preemptions == 0 and urgent.first_token_time > same.finish_time
     # nor where preempting every worse one would not make room: "mid" (priority -2) holds most
     sched, kv, said, (mid, low) = tight(("mid", 48, 8, -2), ("low", 4, 30, 1))
     urgent = sched.add("urgent", [9] * 36, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
@@ -4574,6 +4579,26 @@ def test_a_better_priority_that_does_not_fit_preempts_worse_ones():
         run_step(sched, kv=kv)
         assert low.num_preemptions == 0 and urgent.status is Status.WAITING
     run_all(sched, kv=kv)
+    # a seat too: low2 goes, and urgent runs at once
+    sched, kv, said, (low1, low2) = tight(("low1", 4, 30, 1), ("low2", 4, 30, 1), max_num_seqs=2)
+    urgent = sched.add("urgent", [9] * 4, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+    assert urgent in run_step(sched, kv=kv).seqs and [low1.num_preemptions, low2.num_preemptions] == [0, 1]
+    run_all(sched, kv=kv)
+    # not while a better one's prompt takes the step's budget and the blocks: urgent would
+    # still be left out (mid prefills 64 tokens, 16 a step, into 24 blocks)
+    sched, kv, said, (low,) = tight(("low", 24, 8, 1), num_blocks=24)
+    mid = sched.add("mid", [5] * 64, SamplingParams(max_tokens=2, ignore_eos=True), priority=-2)
+    run_step(sched, kv=kv)
+    urgent = sched.add("urgent", [9] * 52, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+    run_all(sched, kv=kv)
+    assert low.num_preemptions == 0 and sched.pool.num_used == 0
+    # (or its blocks: mid's prompt, still prefilling, takes those that preempting low would free)
+    sched, kv, said, (low,) = tight(("low", 8, 12, 1), budget=32)
+    mid = sched.add("mid", [5] * 48, SamplingParams(max_tokens=2, ignore_eos=True), priority=-2)
+    run_step(sched, kv=kv)
+    urgent = sched.add("urgent", [9] * 32, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+    run_all(sched, kv=kv)
+    assert low.num_preemptions == 0 and urgent.first_token_time < low.finish_time
     # nor where it would still lack a seat of max_num_seqs: mid's 2 samples and its 2 take 4 of 3
     sched, kv, said, (mid, low) = tight(("mid", 20, 8, -2, 2), ("low", 36, 4, 1), max_num_seqs=3)
     urgent = sched.add("urgent", [9] * 36, SamplingParams(max_tokens=1, ignore_eos=True, n=2), priority=-1)
