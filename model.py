@@ -1045,11 +1045,14 @@ class Tokenizer:
             ids += self.suffix_ids
         if not truncate:
             return ids
-        return truncated(ids, max_length, self.truncation_side, self.specials_around(ids) if add_special_tokens else (0, 0))
+        return truncated(ids, max_length, self.truncation_side, self.specials_around(ids, add_special_tokens))
 
-    def specials_around(self, ids: list[int]) -> tuple[int, int]:
+    def specials_around(self, ids: list[int], added: bool = True) -> tuple[int, int]:
         """(head, tail): how many of ids' first and last are the special tokens that encode()
-        with add_special_tokens puts around a text (what truncation keeps)."""
+        with add_special_tokens puts around a text (what truncation keeps); (0, 0) where the
+        ids were encoded without (added False)."""
+        if not added:
+            return 0, 0
         head, tail = len(self.prefix_ids), len(self.suffix_ids)
         return (head if ids[:head] == self.prefix_ids else 0,
                 tail if tail and len(ids) - head >= tail and ids[-tail:] == self.suffix_ids else 0)

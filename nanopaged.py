@@ -1279,7 +1279,7 @@ class LLM:
             text, prompt = asked.get("prompt"), asked.get("prompt_token_ids", asked.get("prompt"))
         if isinstance(prompt, str):   # ("" is a prompt where the tokenizer adds a BOS: unconditional
             ids = self.tokenizer.encode(prompt, add_special_tokens)   # text, as vLLM takes it)
-            return prompt, ids, self.tokenizer.specials_around(ids) if add_special_tokens else (0, 0)
+            return prompt, ids, self.tokenizer.specials_around(ids, add_special_tokens)
         if _is_token_ids(prompt):
             return text, [int(t) for t in prompt], (0, 0)   # numpy and torch integers become ints
         raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
@@ -2061,7 +2061,7 @@ class LLM:
             try:
                 text, ids = render_chat(self.tokenizer, vllm_messages(conversation),
                                         add_special_tokens=tokenization.add_special_tokens, **options)
-                specials = self.tokenizer.specials_around(ids) if tokenization.add_special_tokens else (0, 0)
+                specials = self.tokenizer.specials_around(ids, tokenization.add_special_tokens)
                 parsed.append((text, tokenization.truncate(ids, specials), specials))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if batch else str(e)) from None
@@ -2070,8 +2070,9 @@ class LLM:
 
     def _generate(self, prompts: list[tuple[str | None, list[int], tuple]], sampling_params, use_tqdm: bool,
                   caller: str = "generate()", priorities: list | None = None):
-        """Run prompts (_parse_prompt's text, token ids, specials) to the end, alone in the engine; outputs in their order.
-        (caller: the public method, for its errors; priorities: one per prompt, None: all 0.)"""
+        """Run prompts (_parse_prompt's text, token ids, specials) to the end, alone in the
+        engine; outputs in their order. (caller: the public method, for its errors; priorities:
+        one per prompt, None: all 0.)"""
         one_each = isinstance(sampling_params, (list, tuple))
         params = list(sampling_params) if one_each else [sampling_params] * len(prompts)
         if len(params) != len(prompts):

@@ -2006,7 +2006,8 @@ def test_tokenization_kwargs_of_generate_and_chat(tmp_path):
     assert [o.prompt_token_ids for outs in steps for o in outs] == [full[:1] + plain[-3:]]
     with pytest.raises(ValueError, match="truncating to 1 tokens leaves no room for the 2 special tokens"):
         truncated([1, 5, 6, 2], 1, specials=(1, 1))   # (a BOS and an EOS: the text gets none)
-    assert truncated([1, 5, 6, 2], 3, specials=(1, 1)) == [1, 6, 2] and truncated([1, 5, 6, 2], 3, "right", (1, 1)) == [1, 5, 2]
+    assert truncated([1, 5, 6, 2], 3, specials=(1, 1)) == [1, 6, 2]
+    assert truncated([1, 5, 6, 2], 3, "right", (1, 1)) == [1, 5, 2]
     assert prompt_ids(truncate_prompt_tokens=3, truncation="do_not_truncate") == full   # (HF's: truncation wins)
     assert prompt_ids(full, truncate_prompt_tokens=2) == full[-2:]
     assert prompt_ids(full, add_special_tokens=False) == full   # (token ids are not encoded)
@@ -4522,8 +4523,10 @@ def test_a_better_priority_that_does_not_fit_preempts_worse_ones():
     betters' blocks, seats or budget), nor ones of its own priority. Without it, an urgent
     prompt waits for a long low-priority generation to end. Catches: no preemption, a better
     or equal priority preempted, preemptions that gain nothing (the request still left out)."""
-    def tight(*running, max_num_seqs=256, num_blocks=20, budget=16):   # running: (id, prompt length, max_tokens, priority, n)
-        sched = make_sched(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+    def tight(*running, max_num_seqs=256, num_blocks=20, budget=16):
+        """A scheduler with `running` prefilled: (id, prompt length, max_tokens, priority, n = 1) each."""
+        sched = make_sched(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
+                           max_num_seqs=max_num_seqs)
         kv, said = SimulatedKV(sched), []
         sched.pool.trace = said.append
         seqs = [sched.add(rid, [3 + i] * length, SamplingParams(max_tokens=m, ignore_eos=True, n=n), priority=p)
@@ -8711,7 +8714,7 @@ def test_step_returns_each_request_as_its_output_kind_asks(llm):
     early = [o.outputs[0] for outs in cumulative_steps for o in outs if o.request_id == cumulative_ids[1]
              and o.outputs[0].finished()]
     assert len(early) > 1 and len(set(map(id, early))) == len(early)
-    assert len({id(c.token_ids) for c in early}) == len({id(c.logprobs) for c in early}) == len(early)   # their lists too
+    assert len({id(c.token_ids) for c in early}) == len({id(c.logprobs) for c in early}) == len(early)   # lists too
     # without a stop string, each output shows the text of every token it has (the last one's too)
     for o in (o for outs in runs[RequestOutputKind.CUMULATIVE][1] for o in outs
               if o.request_id == runs[RequestOutputKind.CUMULATIVE][0][4]):
