@@ -858,9 +858,9 @@ class Scheduler:
         its last block is partial and shared (a fork's: copy-on-write gives it its own), and
         one more for each further sample of the n it is about to fork into (they share the
         prompt's blocks, but copy-on-write gives each its own last block). Nothing for the
-        rest of its prompt: step 2, the only caller, runs only when step 1 placed every
-        running sequence whole (budget left over, nothing preempted), so q's slots reach its
-        last token. A waiting prompt, or a swapped-out sequence coming back, is admitted only
+        rest of its prompt: step 2 runs only when step 1 placed every running sequence whole
+        (budget left over, nothing preempted), so q's slots reach its last token (and
+        _admissible, which asks before step 1, adds step 1's blocks apart). A waiting prompt, or a swapped-out sequence coming back, is admitted only
         with this room left free for every running sequence of an older request, and a block
         of its own (schedule, step 2). Admitted into the last free blocks, it would be the
         newest running sequence when the older ones cross their next block boundary a few
