@@ -2691,10 +2691,13 @@ class Tokenization:
     add_special_tokens: encode a text with the tokenizer's special tokens (a BOS...).
     keep: truncate a prompt to that many ids (None: no truncation), its last ones
     (side "left", vLLM's for generation: the end of a prompt matters most) or its first; the
-    special tokens put around a text stay (HF's truncation, which vLLM's tokenizer does)."""
+    special tokens put around a text stay (HF's truncation, which vLLM's tokenizer does).
+    limit: max_length, given: the most ids a prompt may have once truncated (vLLM's renderer
+    takes it as the input limit and refuses a longer prompt; None: max_model_len decides)."""
     add_special_tokens: bool
     keep: int | None = None
     side: str = "left"
+    limit: int | None = None
 
     # the keys read, as vLLM's renderer reads them (0.21+; HF's encode names its last two)
     KEYS = ("add_special_tokens", "truncate_prompt_tokens", "truncation_side", "truncation", "max_length")
@@ -2718,9 +2721,10 @@ class Tokenization:
         ok, why = truncate_prompt_tokens_check(keep)
         if not ok:
             raise ValueError(f"tokenization_kwargs: {why}")
-        max_length = kwargs.get("max_length", max_model_len)
-        if not (is_integer(max_length) and max_length >= 1):
-            raise ValueError(f"tokenization_kwargs: max_length must be an integer >= 1, got {max_length!r}")
+        limit = kwargs.get("max_length")
+        if limit is not None and not (is_integer(limit) and limit >= 1):
+            raise ValueError(f"tokenization_kwargs: max_length must be an integer >= 1, got {limit!r}")
+        max_length = max_model_len if limit is None else limit
         truncation = kwargs.get("truncation")   # (HF's spelling: truncate to max_length, or not at all)
         if truncation in (True, "longest_first"):
             keep = max_length
@@ -2733,15 +2737,20 @@ class Tokenization:
         side = "left" if side is None else side   # (vLLM's tokenizer side for generation)
         if side not in ("left", "right"):
             raise ValueError(f"tokenization_kwargs: truncation_side must be 'left' or 'right', got {side!r}")
-        if keep == -1:   # (vLLM 0.34: one short of the context, for one output token)
-            keep = max_model_len - 1
-        if keep is not None and keep > max_model_len:   # (as vLLM refuses it)
-            raise ValueError(f"tokenization_kwargs: truncating to {keep} tokens exceeds max_model_len = {max_model_len}")
-        return cls(add, None if keep is None else int(keep), side)
+        if keep == -1:   # (vLLM 0.34: max_length, else one short of the context, for one output token)
+            keep = max_model_len - 1 if limit is None else limit
+        for bound, name in ((max_model_len, "max_model_len"), (limit, "max_length")):
+            if keep is not None and bound is not None and keep > bound:   # (as vLLM refuses it)
+                raise ValueError(f"tokenization_kwargs: truncating to {keep} tokens exceeds {name} = {bound}")
+        return cls(add, None if keep is None else int(keep), side, None if limit is None else int(limit))
 
     def truncate(self, ids: list[int], specials: tuple = (0, 0)) -> list[int]:
         """(specials: the special tokens around a text's ids, which stay, as HF's truncation keeps them)"""
-        return ids if self.keep is None else truncated(ids, self.keep, self.side, specials)
+        ids = ids if self.keep is None else truncated(ids, self.keep, self.side, specials)
+        if self.limit is not None and len(ids) > self.limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) is longer than tokenization_kwargs max_length = "
+                             f"{self.limit} (truncation=True cuts it to fit)")
+        return ids
 
 
 def _check_request_id(request_id):

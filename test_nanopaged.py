@@ -2013,6 +2013,18 @@ def test_tokenization_kwargs_of_generate_and_chat(tmp_path):
     assert prompt_ids(full, add_special_tokens=False) == full   # (token ids are not encoded)
     cut = llm.generate(list(range(3, 203)), two, tokenization_kwargs={"truncate_prompt_tokens": -1})[0]
     assert cut.prompt_token_ids == list(range(76, 203)) and cut.outputs[0].finish_reason == "length"
+    # max_length alone is the longest prompt taken (vLLM's renderer): a longer one is refused, text
+    # or token ids, the whole call; with truncation it is where the prompt is cut, and -1 means it
+    n = len(full)
+    assert prompt_ids(max_length=n) == full and prompt_ids(full, max_length=n) == full
+    assert prompt_ids(max_length=3, truncate_prompt_tokens=-1) == full[:1] + plain[-2:]
+    assert prompt_ids(max_length=3, truncate_prompt_tokens=2) == full[:1] + plain[-1:]
+    for prompt in (text, full):
+        with pytest.raises(ValueError, match=f"prompt \\({n} tokens\\) is longer than tokenization_kwargs "
+                                             f"max_length = {n - 1} \\(truncation=True cuts it to fit\\)"):
+            llm.generate(["short", prompt], two, tokenization_kwargs={"max_length": n - 1})
+    with pytest.raises(ValueError, match="longer than tokenization_kwargs max_length = 3"):
+        prompt_ids(max_length=3, truncation=False)
     # chat: the template writes what it wants (this one, no BOS); add_special_tokens=True adds it
     conversation, bare = [{"role": "user", "content": text}], "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -2027,6 +2039,8 @@ def test_tokenization_kwargs_of_generate_and_chat(tmp_path):
                             ({"truncate_prompt_tokens": 129}, "truncating to 129 tokens exceeds max_model_len = 128"),
                             ({"truncation": "only_first"}, "truncation must be True, False"),
                             ({"truncation": True, "max_length": 0}, "max_length must be an integer >= 1, got 0"),
+                            ({"max_length": 3, "truncate_prompt_tokens": 4}, "truncating to 4 tokens exceeds "
+                                                                              "max_length = 3"),
                             ({"truncation_side": "middle"}, "truncation_side must be 'left' or 'right'"),
                             ("add_special_tokens", "tokenization_kwargs must be a dict or None, got str")):
         for run in (lambda: llm.generate(text, two, tokenization_kwargs=kwargs),
