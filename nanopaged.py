@@ -36,16 +36,23 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import NamedTuple, TypedDict
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+try:   # (torch takes a second to import: a Ctrl-C then ends the command line as quietly as later)
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
 
-import build_ext
-from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
-from model import (GEMMAS, ModelConfig, ModelError, device_memory, load_model, load_tokenizer,
-                   override_sampling_defaults, read_generation_config, resolve_model_dir, tanh_softcap, truncated)
-from scheduler import (BeamSearchParams, RequestOutputKind, SamplingParams, Scheduler, Status, cdiv, check_priority,
-                       first_visible, hash_block, is_integer, stop_token_set, truncate_prompt_tokens_check)
+    import build_ext
+    from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
+    from model import (GEMMAS, ModelConfig, ModelError, device_memory, load_model, load_tokenizer,
+                       override_sampling_defaults, read_generation_config, resolve_model_dir, tanh_softcap, truncated)
+    from scheduler import (BeamSearchParams, RequestOutputKind, SamplingParams, Scheduler, Status, cdiv,
+                           check_priority, first_visible, hash_block, is_integer, stop_token_set,
+                           truncate_prompt_tokens_check)
+except KeyboardInterrupt:
+    if __name__ != "__main__":   # (imported: the importer's Ctrl-C)
+        raise
+    print("nanopaged: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 # -----------------------------------------------------------------------------
 # 1. The paged KV cache

@@ -6416,6 +6416,20 @@ def test_cli_output_into_a_closed_pipe_is_quiet(smollm2_dir):
     assert len(run.stdout) == 5 and "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr
 
 
+def test_cli_ctrl_c_while_torch_imports_is_one_line(tmp_path):
+    """A Ctrl-C in the command line's first second, while torch imports (here raised by a
+    stand-in numpy, the first of them), ends as one later does: one line, status 130, no
+    traceback. Imported as a module, nanopaged lets the importer's Ctrl-C through."""
+    (tmp_path / "numpy.py").write_text("raise KeyboardInterrupt   # (as a Ctrl-C would, numpy importing)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    run = subprocess.run([sys.executable, str(HERE / "nanopaged.py"), "--prompt", "Hi"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert (run.returncode, run.stderr) == (130, "nanopaged: interrupted\n")
+    run = subprocess.run([sys.executable, "-c", "import nanopaged"], cwd=HERE, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert run.returncode == -signal.SIGINT and run.stderr.endswith("KeyboardInterrupt\n"), run.stderr   # (Python's own way)
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_cli_output_that_cannot_be_written_is_one_line(smollm2_dir):
     """Where the answer cannot be written (stdout on a full disk, or closed from the start:
