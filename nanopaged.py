@@ -3002,8 +3002,8 @@ _CLI_OPTION = re.compile(rf"(^)?\b({'|'.join(CLI_OPTIONS)})\b( = |=)?")
 
 
 def in_flags(message: str) -> str:
-    """An error of the Python API in the command line's words: "n = 3 samples exceed
-    max_num_seqs = 2" -> "--n 3 samples exceed --max-num-seqs 2". An option is renamed where
+    """An error of the Python API in the command line's words: "beam_width = 3 exceeds
+    max_num_seqs = 2" -> "--beam-width 3 exceeds --max-num-seqs 2". An option is renamed where
     it has a value, starts the message, or has a name no English word has (an underscore)."""
     def flag(m):
         first, name, equals = m.groups()

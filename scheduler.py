@@ -578,9 +578,8 @@ class Scheduler:
         n_prompt, total = len(prompt_token_ids), len(prompt_token_ids) + params.max_tokens
         if n_prompt == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if params.n > self.max_num_seqs:   # (a beam search's beams are its n seats)
-            raise ValueError(f"beam_width = {params.n} exceeds max_num_seqs = {self.max_num_seqs}" if params.beam
-                             else f"n = {params.n} samples exceed max_num_seqs = {self.max_num_seqs}")
+        if params.beam and params.n > self.max_num_seqs:   # (its beams run together: n seats; samples wait, _defer)
+            raise ValueError(f"beam_width = {params.n} exceeds max_num_seqs = {self.max_num_seqs}")
         if total > self.max_model_len:
             raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the context served, max_model_len = {self.max_model_len} tokens")
@@ -765,7 +764,7 @@ class Scheduler:
         revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
         # (and, while older requests run, room for them to grow and for seq's own first block,
         # or n of them for n samples: see _room_to_grow; room is 0 only when no older request runs)
-        short = need + (room + seq.pending_samples if room else 0) - (self.pool.num_available - revived)
+        short = need + (room + self._samples_seated(seq) if room else 0) - (self.pool.num_available - revived)
         return hits, done, skip, n, short
 
     def _preempt_outranked(self):
@@ -872,19 +871,23 @@ class Scheduler:
         without this room: nothing waits for good (under priorities, as long as requests of
         lower values keep coming, as in vLLM). Newer sequences give way to it, not it to
         them."""
-        return q.block_table.blocks_needed(self.block_size) + q.pending_samples - 1
+        return q.block_table.blocks_needed(self.block_size) + self._samples_seated(q) - 1
 
-    @staticmethod
-    def _seats(seq: Sequence) -> tuple:
-        """(who holds seq's seats of max_num_seqs, how many): seq itself, one seat, or n for a
-        request's first sequence until it forks into n samples; or, for a beam, its search
+    def _samples_seated(self, seq: Sequence) -> int:
+        """How many of seq's samples run once it samples: n for a request's first sequence
+        until it forks (at most max_num_seqs: the others wait, see _defer), else 1."""
+        return min(seq.pending_samples, self.max_num_seqs)
+
+    def _seats(self, seq: Sequence) -> tuple:
+        """(who holds seq's seats of max_num_seqs, how many): seq itself, one seat, or n (at
+        most max_num_seqs) for a request's first sequence until it forks into n samples; or, for a beam, its search
         (the request id), beam_width seats while any of its beams runs. A search runs fewer
         beams where fewer candidates were left (allowed_token_ids, EOS ids among the best) and
         grows back to beam_width as it finds more, asking for no seat: holding only its running
         beams' seats, it let a later request take the others, then ran past max_num_seqs."""
         if seq.params.beam is not None:
             return seq.request_id, seq.params.n
-        return seq, seq.pending_samples
+        return seq, self._samples_seated(seq)
 
     def _parked_beam_newer_than(self, seq: Sequence) -> Sequence | None:
         """The newest running beam that is parked (computed to its end, waiting for its
@@ -974,6 +977,26 @@ class Scheduler:
         waiting queue, in its place (mostly the head). Its prompt and the tokens it
         generated so far become its new prompt to prefill; with prefix caching on, its full
         blocks may still be found there."""
+        self._send_back(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.pool.say(f"preempt {seq}: all its blocks freed, it will be recomputed "
+                      f"({self.pool.num_available} blocks available)")
+
+    def _defer(self, samples: list[Sequence]):
+        """A request's samples just forked, more than the max_num_seqs seats it was admitted
+        with: the first max_num_seqs that run on keep them, the others wait for a seat, each
+        with its first token (drawn with its siblings' from the prompt's one row), sent back
+        as a preempted sequence is, to be recomputed (with prefix caching on, from its prompt's
+        cached blocks). vLLM V1 makes n requests of one sample, each with its prompt. Not
+        counted as a preemption: nothing ran that is lost."""
+        for seq in [q for q in samples if q.status is Status.RUNNING][self.max_num_seqs:]:
+            self._send_back(seq)
+            self.pool.say(f"{seq} waits for a seat of max_num_seqs = {self.max_num_seqs}: "
+                          f"it will be recomputed")
+
+    def _send_back(self, seq: Sequence):
+        """seq's blocks released, back to the waiting queue to be recomputed (_preempt, _defer)."""
         if seq.status is Status.SWAPPED:   # (undoing a swap-out whose copy may not have run)
             self.swapped.remove(seq)
             seq.block_table.release()
@@ -987,10 +1010,6 @@ class Scheduler:
         # rollback, a parked beam's preemption or _preempt_outranked may send back one newer
         # than some
         in_order(self.waiting, seq)
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.pool.say(f"preempt {seq}: all its blocks freed, it will be recomputed "
-                      f"({self.pool.num_available} blocks available)")
 
     # --- prefix caching ---
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], int, int]:
@@ -1152,6 +1171,8 @@ class Scheduler:
                 for child, t in zip(forked[seq], tokens[1:]):
                     self._append(child, t)
             self._append(seq, tokens[0])
+            if seq in forked and not seq.params.beam:
+                self._defer([seq, *forked[seq]])
         self.scheduled = None   # recorded, all of it: nothing to roll back
         return forked
 

@@ -3759,7 +3759,7 @@ def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks, window
         seqs, next_id, steps = [], 0, 0
         while next_id < 60 or sched.has_unfinished():
             if next_id < 60 and rng.random() < 0.3:
-                n = rng.choice([1, 1, 1, 2, 3])
+                n = rng.choice([1, 1, 1, 2, 3, 8])   # (8: more samples than max_num_seqs seats, _defer)
                 p = SamplingParams(n=n, max_tokens=rng.randint(1, 25), ignore_eos=rng.random() < 0.5)
                 prompt = [rng.randint(2, 50) for _ in range(rng.randint(1, 40))]
                 if window is not None and rng.random() < 0.15:   # longer than the pool holds
@@ -3778,6 +3778,7 @@ def test_scheduler_randomized_workloads_keep_every_invariant(swap_blocks, window
         hits += sched.prefix_hit_tokens
         assert any("slid out of the window" in line for line in said) == (window is not None)
         assert any("cannot be admitted" in line for line in said) == priorities   # _preempt_outranked
+        assert any("waits for a seat" in line for line in said) == (window is None)   # _defer
         assert (sched.num_swapped_out > 0) == bool(swap_blocks)
         if swap_blocks == 10:
             assert sched.num_swapped_out < sched.num_preemptions   # some recomputed: no swap space left
@@ -4056,6 +4057,42 @@ def test_a_request_with_n_samples_holds_n_seats_while_its_prompt_is_prefilled_in
     while sched.has_unfinished():
         run_step(sched)
         assert len(sched.running) <= 3
+
+
+def test_more_samples_than_max_num_seqs_wait_for_their_seats(tmp_path):
+    """n = 5 seeded samples with max_num_seqs = 2 (vLLM V1 takes any n): the prompt is
+    prefilled once and the 5 first tokens drawn from its row; 2 samples run on, the other 3
+    wait, each with its first token and no block, to be recomputed (from the prefix cache, where
+    it is on) as seats free: no step runs more than 2, none counts as preempted, and the
+    samples are a roomy engine's, logprobs too. Aborted while samples wait, nothing leaks.
+    Catches: _defer not called (5 run), _seats not capped at max_num_seqs (never admitted)."""
+    model_dir = tiny_llama_dir(tmp_path)
+    p = SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompts = [list(range(5, 45)), [3, 4]]   # (40 tokens: two full blocks of 16 to find cached)
+
+    def run(max_num_seqs, **kw):
+        llm = LLM(model_dir, load_format="dummy", max_num_seqs=max_num_seqs, num_blocks=64, **kw)
+        running, schedule = [], llm.scheduler.schedule
+        llm.scheduler.schedule = lambda: (schedule(), running.append(len(llm.scheduler.running)))[0]
+        outs = llm.generate(prompts, p)
+        assert_nothing_leaked(llm)
+        return [[c.token_ids for c in o.outputs] for o in outs], [[c.cumulative_logprob for c in o.outputs]
+                                                                  for o in outs], running, llm
+    roomy, roomy_scores, _, _ = run(16)
+    assert len({tuple(ids) for ids in roomy[0]}) == 5   # (the samples differ: each is its own)
+    for caching in (True, False):
+        tight, scores, running, llm = run(2, enable_prefix_caching=caching)
+        assert tight == roomy and scores == [pytest.approx(s, abs=1e-4) for s in roomy_scores]
+        assert max(running) == 2 and llm.scheduler.num_preemptions == 0
+        assert (llm.scheduler.prefix_hit_tokens >= 3 * 32) == caching   # the 3 waiting ones' 2 blocks each
+    rid = llm.add_request(prompts[0], p)
+    llm.step()
+    seqs = sorted(llm._requests[rid].seqs, key=lambda q: q.sample_index)
+    assert [q.status for q in seqs] == [Status.RUNNING] * 2 + [Status.WAITING] * 3
+    assert all(q.num_output_tokens == 1 and not q.block_table.block_ids for q in seqs[2:])
+    assert [llm.pool.ref_count[b] for b in seqs[0].block_table.block_ids] == [2, 2, 2]
+    llm.abort(rid)
+    assert_nothing_leaked(llm)
 
 
 def test_a_beam_search_holds_beam_width_seats_while_it_runs_fewer_beams(tmp_path):
@@ -6719,7 +6756,6 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--block-size", "0", "--seed", "3"], "--block-size"),   # (and no greedy note first)
     (["--prompt", "hi", "--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
     (["--prompt", "hi", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
-    (["--prompt", "hi", "--n", "3", "--temperature", "1", "--max-num-seqs", "2"], "--n 3 samples exceed --max-num-seqs 2"),
     (["--prompt", "hi", "--beam-width", "3", "--max-num-seqs", "2"], "--beam-width 3 exceeds --max-num-seqs 2"),
     (["--prompt", "hi", "--max-model-len", "1"], "in the context served, --max-model-len 1 tokens"),
     (["--prompt", "hi", "--block-size", "99999999"], "use a smaller --block-size or give more memory"),
