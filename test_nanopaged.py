@@ -2052,6 +2052,37 @@ def test_tokenization_kwargs_of_generate_and_chat(tmp_path):
     assert_nothing_leaked(llm)
 
 
+def test_truncation_keeps_only_the_special_tokens_the_tokenizer_added(tmp_path, monkeypatch):
+    """HF's truncation keeps the special tokens encode put around a text (Llama 2's BOS), not
+    one the text wrote itself ("<s>" in it, encoded without special tokens: cut like any
+    token), nor a chat template's BOS (chat encodes the rendered text without special tokens,
+    and vLLM cuts it as token ids); "longest_first" is True's other name. generate, chat and
+    stream truncate alike. Catches: specials_around not told add_special_tokens, or assuming
+    the BOS is there; generate, chat or stream dropping the specials; "longest_first" ignored."""
+    model_dir = tmp_path / "llama2"
+    shutil.copytree(TESTDATA / "llama2_tokenizer", model_dir)
+    llm = LLM(model_dir, load_format="dummy", num_blocks=32)
+    tok, text = llm.get_tokenizer(), "one two three four five six"
+    full, own = tok.encode(text), tok.encode("<s>" + text, add_special_tokens=False)
+    assert own[0] == tok.bos_token_id and own[1:] == full[1:]
+    for kind in (True, "longest_first"):
+        assert tok.encode(text, truncation=kind, max_length=3) == full[:1] + full[-2:]
+        assert tok(text, truncation=kind, max_length=3)["input_ids"] == full[:1] + full[-2:]
+    assert tok.encode("<s>" + text, add_special_tokens=False, truncation=True, max_length=3) == own[-3:]
+    assert tok.specials_around(own, False) == (0, 0) and tok.specials_around(full[1:]) == (0, 0)
+    cut3 = SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=3)
+    out = llm.generate("<s>" + text, cut3, tokenization_kwargs={"add_special_tokens": False})[0]
+    assert out.prompt_token_ids == own[-3:]
+    out = llm.chat([{"role": "user", "content": text}], cut3,
+                   chat_template="{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}")[0]
+    assert out.prompt_token_ids == own[-3:]
+    seen, add = [], llm.scheduler.add
+    monkeypatch.setattr(llm.scheduler, "add", lambda rid, ids, *a, **k: (seen.append(list(ids)), add(rid, ids, *a, **k))[1])
+    "".join(llm.stream(text, cut3))
+    assert seen == [full[:1] + full[-2:]]
+    assert_nothing_leaked(llm)
+
+
 def test_tokenizer_details_that_transformers_settles(tmp_path, own_cache):
     """Small rules, each checked against transformers 5 / tokenizers 0.23 by hand, with what
     breaks if it is lost:
@@ -4574,10 +4605,10 @@ def test_a_better_priority_that_does_not_fit_preempts_worse_ones():
     betters' blocks, seats or budget), nor ones of its own priority. Without it, an urgent
     prompt waits for a long low-priority generation to end. Catches: no preemption, a better
     or equal priority preempted, preemptions that gain nothing (the request still left out)."""
-    def tight(*running, max_num_seqs=256, num_blocks=20, budget=16):
+    def tight(*running, max_num_seqs=256, num_blocks=20, budget=16, window=None):
         """A scheduler with `running` prefilled: (id, prompt length, max_tokens, priority, n = 1) each."""
         sched = make_sched(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
-                           max_num_seqs=max_num_seqs)
+                           max_num_seqs=max_num_seqs, sliding_window=window)
         kv, said = SimulatedKV(sched), []
         sched.pool.trace = said.append
         seqs = [sched.add(rid, [3 + i] * length, SamplingParams(max_tokens=m, ignore_eos=True, n=n), priority=p)
@@ -4658,6 +4689,21 @@ def test_a_better_priority_that_does_not_fit_preempts_worse_ones():
     urgent = sched.add("urgent", [9] * 36, SamplingParams(max_tokens=1, ignore_eos=True, n=2), priority=-1)
     run_all(sched, kv=kv)
     assert low.num_preemptions == 0 and urgent.first_token_time > low.finish_time and sched.pool.num_used == 0
+    # every block of a victim counts (urgent's 15 fit once all 4 of low's are freed), and several
+    # go in one step where it takes them all (its 16: both lows' 5 and 5)
+    for running, prompt, victims in (((("mid", 8, 30, -2), ("low", 16, 30, 1)), 60, [0, 1]),
+                                     ((("low1", 20, 30, 1), ("low2", 20, 30, 1)), 64, [1, 1])):
+        sched, kv, said, seqs = tight(*running)
+        urgent = sched.add("urgent", [9] * prompt, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+        assert urgent in run_step(sched, kv=kv).seqs and [s.num_preemptions for s in seqs] == victims
+        run_all(sched, kv=kv)
+    # none where the step admits it anyway: under a window a prompt is admitted by its chunk, and
+    # step 1's two decodes leave 7 of the budget of 9 for urgent's first
+    sched, kv, said, (low1, low2) = tight(("low1", 4, 30, 1), ("low2", 4, 30, 1), num_blocks=6, budget=9, window=4)
+    urgent = sched.add("urgent", [9] * 10, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+    assert urgent in run_step(sched, kv=kv).seqs and low1.num_preemptions == low2.num_preemptions == 0
+    run_all(sched, kv=kv)
+    assert sched.pool.num_used == 0
 
 
 def test_chunked_prefill_spreads_a_long_prompt_while_others_decode():
@@ -8788,6 +8834,27 @@ def test_step_returns_each_request_as_its_output_kind_asks(llm):
                   if o.request_id == runs[RequestOutputKind.CUMULATIVE][0][0]]
     assert len(cumulative[k].token_ids) == k + 1 and not cumulative[k].finished()
     assert len(cumulative[k].text) <= len(first.text) < len(text(g.token_ids[:k + 1]))
+
+
+def test_a_finished_sample_s_output_is_the_caller_s_own(tmp_path):
+    """Under CUMULATIVE, a sample that finished while its sibling runs on is in each later
+    output: appending to the output in which it finished leaves those as they were.
+    Catches: the final kept as the output handed back (own_copy only when it is given again)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64)
+    p = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=12, stop_token_ids=list(range(200, 256)),
+                       output_kind=RequestOutputKind.CUMULATIVE)
+    llm.add_request([5, 6, 7], p)
+    tampered, later = {}, []
+    while llm.has_unfinished_requests():
+        for r in llm.step():
+            for o in r.outputs:
+                if o.finished() and o.index not in tampered:
+                    tampered[o.index] = list(o.token_ids)
+                    o.token_ids.append(-1)
+                elif o.index in tampered:
+                    later.append((o.index, list(o.token_ids)))
+    assert later, "the seed must finish one sample before the other"
+    assert all(ids == tampered[i] for i, ids in later)
 
 
 def test_delta_outputs_add_up_through_preemption_abort_and_ctrl_c(smollm2_dir, monkeypatch, real_ctrl_c):
