@@ -1804,7 +1804,7 @@ class LLM:
             # A stop string that the first min_tokens tokens complete does not count (the text is
             # scanned all the same): as vLLM, which looks once the output is longer.
             if scan.find(seq.output_token_ids, armed=seq.num_output_tokens > seq.params.min_tokens) is not None:
-                if seq.status is Status.RUNNING:
+                if seq.status is not Status.FINISHED:   # (running; or waiting for a seat: Scheduler._defer)
                     self.scheduler.finish(seq, "stop")
                 else:
                     seq.finish_reason = "stop"   # finished this step, by length or repetition

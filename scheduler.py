@@ -63,7 +63,8 @@ class RequestOutputKind(Enum):
 @dataclass(kw_only=True)   # (vLLM's fields come in another order: a positional argument would land elsewhere)
 class SamplingParams:
     """How to pick a request's tokens (vLLM's names). temperature 0 is greedy."""
-    n: int = 1                          # parallel samples of one prompt (prefilled once, then forked)
+    n: int = 1                          # parallel samples of one prompt (prefilled once, then forked;
+                                        # past max_num_seqs, the rest wait: Scheduler._defer)
     temperature: float = 1.0
     top_k: int = 0                      # 0 (or -1): all tokens
     top_p: float = 1.0
@@ -680,7 +681,8 @@ class Scheduler:
         #    preempted below, to make room, is recomputed, never swapped.)
         # The seats of max_num_seqs the running sequences hold, by holder (_seats): a request
         # with n samples that has not forked yet will soon be n sequences, so it is admitted only
-        # with room for all n; a beam search holds beam_width while any of its beams runs.
+        # with room for all n (max_num_seqs at most: the rest wait, _defer); a beam search holds
+        # beam_width while any of its beams runs.
         seats = dict(self._seats(s) for s in self.running)
         taken = sum(seats.values())
         # The room to grow that the running sequences of older requests need (_room_to_grow),
@@ -763,7 +765,7 @@ class Scheduler:
         need = cdiv(end, self.block_size) - kept
         revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
         # (and, while older requests run, room for them to grow and for seq's own first block,
-        # or n of them for n samples: see _room_to_grow; room is 0 only when no older request runs)
+        # or one per sample that will run: see _room_to_grow; room is 0 only when no older request runs)
         short = need + (room + self._samples_seated(seq) if room else 0) - (self.pool.num_available - revived)
         return hits, done, skip, n, short
 
@@ -855,8 +857,8 @@ class Scheduler:
     def _room_to_grow(self, q: Sequence) -> int:
         """The blocks a running sequence q needs to grow by one block more: one, or two where
         its last block is partial and shared (a fork's: copy-on-write gives it its own), and
-        one more for each further sample of the n it is about to fork into (they share the
-        prompt's blocks, but copy-on-write gives each its own last block). Nothing for the
+        one more for each further sample of the n it is about to fork into that runs on (they share
+        the prompt's blocks, but copy-on-write gives each its own last block). Nothing for the
         rest of its prompt: step 2 runs only when step 1 placed every running sequence whole
         (budget left over, nothing preempted), so q's slots reach its last token (and
         _admissible, which asks before step 1, adds step 1's blocks apart). A waiting prompt, or a swapped-out sequence coming back, is admitted only
@@ -880,11 +882,12 @@ class Scheduler:
 
     def _seats(self, seq: Sequence) -> tuple:
         """(who holds seq's seats of max_num_seqs, how many): seq itself, one seat, or n (at
-        most max_num_seqs) for a request's first sequence until it forks into n samples; or, for a beam, its search
-        (the request id), beam_width seats while any of its beams runs. A search runs fewer
-        beams where fewer candidates were left (allowed_token_ids, EOS ids among the best) and
-        grows back to beam_width as it finds more, asking for no seat: holding only its running
-        beams' seats, it let a later request take the others, then ran past max_num_seqs."""
+        most max_num_seqs) for a request's first sequence until it forks into n samples; or,
+        for a beam, its search (the request id), beam_width seats while any of its beams runs.
+        A search runs fewer beams where fewer candidates were left (allowed_token_ids, EOS ids
+        among the best) and grows back to beam_width as it finds more, asking for no seat:
+        holding only its running beams' seats, it let a later request take the others, then
+        ran past max_num_seqs."""
         if seq.params.beam is not None:
             return seq.request_id, seq.params.n
         return seq, self._samples_seated(seq)
@@ -988,8 +991,8 @@ class Scheduler:
         with: the first max_num_seqs that run on keep them, the others wait for a seat, each
         with its first token (drawn with its siblings' from the prompt's one row), sent back
         as a preempted sequence is, to be recomputed (with prefix caching on, from its prompt's
-        cached blocks). vLLM V1 makes n requests of one sample, each with its prompt. Not
-        counted as a preemption: nothing ran that is lost."""
+        cached blocks; off, its whole prompt again). vLLM V1 makes n requests of one sample,
+        each with its prompt. Not counted as a preemption: it never ran on its own."""
         for seq in [q for q in samples if q.status is Status.RUNNING][self.max_num_seqs:]:
             self._send_back(seq)
             self.pool.say(f"{seq} waits for a seat of max_num_seqs = {self.max_num_seqs}: "
@@ -1086,9 +1089,10 @@ class Scheduler:
         for block in hits:
             seq.block_table.append_cached(block)
         seq.num_computed_tokens = done * self.block_size
-        # The hit rate is about prompts: a preempted sequence finding its own blocks again
-        # on its way back (a recompute made cheaper) is not counted.
-        if self.enable_prefix_caching and seq.num_preemptions == 0:
+        # The hit rate is about prompts: a preempted sequence finding its own blocks again on
+        # its way back, or a sample that waited for a seat (_defer) finding its request's, is
+        # a recompute made cheaper: not counted.
+        if self.enable_prefix_caching and seq.num_preemptions == 0 and seq.num_output_tokens == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += seq.num_cached_tokens

@@ -4090,32 +4090,60 @@ def test_a_request_with_n_samples_holds_n_seats_while_its_prompt_is_prefilled_in
         assert len(sched.running) <= 3
 
 
+def test_more_samples_than_seats_wait_for_every_seat_then_run_max_num_seqs_at_a_time():
+    """A request of n = 20 samples, max_num_seqs = 3, is admitted with all 3 seats (as one of
+    n = 3 is: its samples fork from one prefill), so it waits for the older request to end;
+    then 3 samples run, 17 wait with their first tokens, and each seat freed takes the next.
+    Catches: seats not capped at max_num_seqs (never admitted), _defer not called."""
+    sched = make_sched(num_blocks=12, block_size=4, max_num_seqs=3)
+    old = sched.add("old", [2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
+    run_step(sched)
+    r = sched.add("r", [5, 6, 7, 8, 9], SamplingParams(n=20, max_tokens=3, ignore_eos=True))
+    while old.status is not Status.FINISHED:
+        assert run_step(sched).seqs == [old]
+    assert run_step(sched).seqs == [r] and len(sched.running) == 3 and len(sched.waiting) == 17
+    run_all(sched)   # (run_step checks max_num_seqs at every step)
+    assert sched.pool.num_used == 0 and not sched.requests
+
+
 def test_more_samples_than_max_num_seqs_wait_for_their_seats(tmp_path):
     """n = 5 seeded samples with max_num_seqs = 2 (vLLM V1 takes any n): the prompt is
     prefilled once and the 5 first tokens drawn from its row; 2 samples run on, the other 3
     wait, each with its first token and no block, to be recomputed (from the prefix cache, where
     it is on) as seats free: no step runs more than 2, none counts as preempted, and the
-    samples are a roomy engine's, logprobs too. Aborted while samples wait, nothing leaks.
-    Catches: _defer not called (5 run), _seats not capped at max_num_seqs (never admitted)."""
+    samples are a roomy engine's, logprobs too, and the prompt's cache hit rate (a waiting
+    sample finding its request's blocks is a recompute). A stop string that a waiting sample's
+    first token completes ends it there. Aborted while samples wait, nothing leaks.
+    Catches: _defer not called (5 run), _seats not capped at max_num_seqs (never admitted),
+    the stop string scanned only in running samples (a waiting one ran to max_tokens)."""
     model_dir = tiny_llama_dir(tmp_path)
     p = SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logprobs=2)
     prompts = [list(range(5, 45)), [3, 4]]   # (40 tokens: two full blocks of 16 to find cached)
 
-    def run(max_num_seqs, **kw):
+    def run(max_num_seqs, params=p, **kw):
         llm = LLM(model_dir, load_format="dummy", max_num_seqs=max_num_seqs, num_blocks=64, **kw)
-        running, schedule = [], llm.scheduler.schedule
+        running, schedule, said = [], llm.scheduler.schedule, []
         llm.scheduler.schedule = lambda: (schedule(), running.append(len(llm.scheduler.running)))[0]
-        outs = llm.generate(prompts, p)
+        llm.pool.trace = said.append
+        outs = llm.generate(prompts, params)
         assert_nothing_leaked(llm)
-        return [[c.token_ids for c in o.outputs] for o in outs], [[c.cumulative_logprob for c in o.outputs]
-                                                                  for o in outs], running, llm
-    roomy, roomy_scores, _, _ = run(16)
-    assert len({tuple(ids) for ids in roomy[0]}) == 5   # (the samples differ: each is its own)
+        hits = sum("prefix-cache hit for seq 0." in line for line in said)
+        return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], [
+            [c.cumulative_logprob for c in o.outputs] for o in outs], running, llm, hits
+    roomy, roomy_scores, _, roomy_llm, _ = run(16)
+    assert len({tuple(ids) for ids, _ in roomy[0]}) == 5   # (the samples differ: each is its own)
     for caching in (True, False):
-        tight, scores, running, llm = run(2, enable_prefix_caching=caching)
+        tight, scores, running, llm, hits = run(2, enable_prefix_caching=caching)
         assert tight == roomy and scores == [pytest.approx(s, abs=1e-4) for s in roomy_scores]
         assert max(running) == 2 and llm.scheduler.num_preemptions == 0
-        assert (llm.scheduler.prefix_hit_tokens >= 3 * 32) == caching   # the 3 waiting ones' 2 blocks each
+        assert hits == (3 if caching else 0)   # the 3 waiting ones found the prompt's 2 blocks each
+        assert llm.stats.prefix_query_tokens == roomy_llm.stats.prefix_query_tokens * caching
+    # a stop string: the first token of one of the samples that wait (an ASCII character)
+    i = next(i for i in (2, 3, 4) if 32 <= roomy[0][i][0][0] < 127)
+    stopped = SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logprobs=2,
+                             stop=[chr(roomy[0][i][0][0])])
+    tight = run(2, stopped)[0]
+    assert tight == run(16, stopped)[0] and tight[0][i] == (roomy[0][i][0][:1], "stop")
     rid = llm.add_request(prompts[0], p)
     llm.step()
     seqs = sorted(llm._requests[rid].seqs, key=lambda q: q.sample_index)
