@@ -1010,8 +1010,8 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         # back in order: usually the head, being older than every waiting sequence; but a
-        # rollback, a parked beam's preemption or _preempt_outranked may send back one newer
-        # than some
+        # rollback, a parked beam's preemption, _preempt_outranked or _defer may send back one
+        # newer than some
         in_order(self.waiting, seq)
 
     # --- prefix caching ---
