@@ -3220,7 +3220,8 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
     with _in_file(gguf_path), _gguf_keys_named(meta, arch):
         c = ModelConfig.from_dict(config)
     if gemma:
-        config |= _gguf_gemma(meta, arch, c, config["head_dim"])
+        with _in_file(gguf_path):
+            config |= _gguf_gemma(meta, arch, c, config["head_dim"])
     config |= _gguf_rope(gguf_path, reader, meta, arch, c)
     with _in_file(gguf_path), _gguf_keys_named(meta, arch):
         c = ModelConfig.from_dict(config)

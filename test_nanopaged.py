@@ -3088,6 +3088,7 @@ def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, al
      r"a mixture-of-experts model \(llama.expert_count 4\) is not supported"),
     # llama.cpp converts OLMo 3 as an OLMo 2 with a window (and a pattern of windowed layers)
     ({"arch": "olmo2", "window": 4}, r"an OLMo 3 GGUF \(olmo2.attention.sliding_window\) is not supported"),
+    ({"arch": "gemma2", "window": 0}, "gemma2.attention.sliding_window is 0, but a Gemma 2 windows every other layer"),
     # (llama.cpp's converters wrote no pre-tokenizer before 2024: was "pre-tokenizer 'default' is not supported";
     # a SentencePiece GGUF has none, and loads)
     ({"pre": None}, "GGUF metadata has no 'tokenizer.ggml.pre', the byte-level BPE's pre-tokenizer: an older "
