@@ -2083,6 +2083,33 @@ def test_truncation_keeps_only_the_special_tokens_the_tokenizer_added(tmp_path, 
     assert_nothing_leaked(llm)
 
 
+def test_sentencepiece_tokenizer_details(tmp_path):
+    """Llama 2's tokenizer (SentencePiece BPE), each rule with what breaks without it (the
+    decodings as Hugging Face's tokenizers gives them, checked by hand):
+    - an added token with a vocab token's string ("\u2581the") under another id leaves the
+      vocab token decoding as itself (its bytes not taken from vocab | added);
+    - a long whitespace run is encoded (the refusal is tiktoken's regex's, not SentencePiece's);
+    - a Strip decoder step with start 0 takes no space from the text's start."""
+    def edited(name, edit):
+        d = tmp_path / name
+        shutil.copytree(TESTDATA / "llama2_tokenizer", d)
+        tj = json.loads((d / "tokenizer.json").read_text())
+        edit(tj)
+        (d / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+        return load_tokenizer(d, ModelConfig.from_json(d / "config.json"))
+    tok = load_tokenizer(TESTDATA / "llama2_tokenizer")
+    the = tok.convert_tokens_to_ids("\u2581the")
+    added = edited("added", lambda tj: tj["added_tokens"].append({
+        "id": 1500, "content": "\u2581the", "single_word": False, "lstrip": False, "rstrip": False,
+        "normalized": False, "special": False}))
+    assert added.decode([the]) == "the"
+    text = " " * model_module.MAX_WHITESPACE_RUN + "x"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    kept = edited("strip", lambda tj: tj["decoder"]["decoders"][-1].update(start=0, stop=0))
+    for text in ("Hello world", " two  spaces"):
+        assert kept.decode(kept.encode(text, add_special_tokens=False)) == " " + text
+
+
 def test_tokenizer_details_that_transformers_settles(tmp_path, own_cache):
     """Small rules, each checked against transformers 5 / tokenizers 0.23 by hand, with what
     breaks if it is lost:
@@ -2393,6 +2420,39 @@ LLAMA3_STYLE_TEMPLATE = """{{- bos_token }}
     {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
 {%- endif %}
 """
+
+
+def test_chat_template_rendering_details(monkeypatch):
+    """The template's sandbox and its reading of content, each rule with what breaks without it:
+    - a loop over a slice of content, or over a test of it, is a loop over content (as vLLM finds
+      it): a string content comes as one text part;
+    - a trace function already set (a debugger's, coverage's) stays in charge: the render is
+      not timed rather than taking it over;
+    - RENDER_CHARS is the longest text allowed: that many pass, one more does not."""
+    def render(template, content="hello"):
+        ranks = {bytes([b]): b for b in range(256)}
+        tok = bpe_tokenizer("t", GPT2_PATTERN, ranks, {}, chat_template=template)
+        return tok.apply_chat_template(content, add_generation_prompt=False)
+    assert render("{% for m in messages %}{% for p in m['content'][:2] %}{{ p['text'] }}|{% endfor %}"
+                  "{% endfor %}") == "hello|"
+    assert render("{% if false %}{% for p in messages[0].content is defined %}{% endfor %}{% endif %}"
+                  "{{ messages[0].content is string }}") == "False"
+    previous = sys.gettrace()
+
+    def tracer(frame, event, arg):
+        return None
+    sys.settrace(tracer)
+    try:
+        rendered = model_module._render_bounded(model_module._compile_chat_template("{{ 1 + 1 }}"), {})
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(previous)
+    assert rendered == "2"
+    monkeypatch.setattr(model_module, "RENDER_CHARS", 10)
+    template = model_module._compile_chat_template("{{ text }}")
+    assert model_module._render_bounded(template, {"text": "0123456789"}) == "0123456789"
+    with pytest.raises(ValueError, match="longer than 10 characters"):
+        model_module._render_bounded(template, {"text": "0123456789a"})
 
 
 def test_chat_templates_render_as_transformers_renders_them(tmp_path):
@@ -2709,7 +2769,7 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     (`extra` maps a name to a shape, filled at random, or to the array itself);
     `dtypes` maps a tensor's name to another numpy dtype to store it in; `pre`, the byte-level
     BPE's pre-tokenizer (None: no tokenizer.ggml.pre key); `meta`, more
-    (key, array, integer or string) metadata; `block_count`, another layer count than the L layers it holds.
+    (key, array, bool, integer, float or string) metadata; `block_count`, another layer count than the L layers it holds.
     sentencepiece: the SentencePiece tokenizer of testdata/llama2_tokenizer instead, with its
     scores and no merges, as llama.cpp writes a Llama 2. arch: another architecture's keys;
     weights: these HF-named tensors instead of random ones (and `extra`'s); window: a sliding window;
@@ -2749,7 +2809,8 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
     for key, value in meta:
-        {int: writer.add_uint32, str: writer.add_string, float: writer.add_float32}.get(type(value), writer.add_array)(
+        {bool: writer.add_bool, int: writer.add_uint32, str: writer.add_string,
+         float: writer.add_float32}.get(type(value), writer.add_array)(
             key, value)
     D = C // max(H, 1)  # any D when H is 0
     shapes = {"token_embd.weight": (len(tokens), C), "output_norm.weight": (C,)}
@@ -3101,6 +3162,21 @@ def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, al
     ({"meta": [("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0),
                ("llama.rope.scaling.yarn_ext_factor", 0.5)]}, "rope scaling 'yarn' with yarn_ext_factor is not"),
     ({"meta": [("llama.rope.scaling.type", "linear"), ("llama.rope.scaling.factor", "x")]}, "'factor' is 'x'"),
+    # llama.cpp's yarn_log_multiplier (DeepSeek's mscale) changes YaRN's attention factor: refused, as attn_factor is
+    ({"meta": [("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0),
+               ("llama.rope.scaling.yarn_log_multiplier", 0.1)]},
+     "rope scaling 'yarn' with yarn_log_multiplier is not supported"),
+    # rope_freqs with one LongRoPE tensor: which to take is not known
+    ({"extra": [("rope_freqs.weight", np.ones(2)), ("rope_factors_short.weight", np.ones(2))]},
+     "holds both rope_freqs and LongRoPE's rope_factors"),
+    # (the metadata's types, which a damaged or hand-made file may get wrong: a string id was a TypeError,
+    # NaN scores silently wrong merges, an unknown token past the vocab an IndexError)
+    ({"meta": [("tokenizer.ggml.add_bos_token", "no")]}, "'tokenizer.ggml.add_bos_token' is 'no', not true or false"),
+    ({"meta": [("tokenizer.ggml.eos_token_id", "1")]}, "'tokenizer.ggml.eos_token_id' is '1', not a token id"),
+    ({"meta": [("tokenizer.ggml.tokens", list(range(256)))]}, "'tokenizer.ggml.tokens' is .*, not a list of strings"),
+    ({"sentencepiece": True, "bos": 1, "eos": 2, "meta": [("tokenizer.ggml.scores", [float("nan")] * 1500)]},
+     "'tokenizer.ggml.scores' is .*, not a list of finite numbers"),
+    ({"meta": [("tokenizer.ggml.unknown_token_id", 256)]}, "tokenizer.ggml.unknown_token_id 256 is past the vocab"),
 ])
 def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, capsys, kwargs, message):
     path = write_gguf(tmp_path / "bad.gguf", **kwargs)
@@ -3109,6 +3185,72 @@ def test_bad_gguf_names_the_gguf_file(tmp_path, own_cache, capsys, kwargs, messa
     assert str(e.value).startswith(f"{path}: ")
     assert capsys.readouterr().err == ""   # no "converting ..." notice for a file that is refused
     assert not list(own_cache.iterdir())  # nothing converted, no temporary directory left
+
+
+def test_gguf_conversion_details(tmp_path, own_cache, capsys, monkeypatch):
+    """Small rules of the GGUF conversion, each with what breaks without it:
+    - converted once (no second "converting" notice: the cache is looked up first), and again
+      when the file is rewritten with the same size (its mtime is in the cache key);
+    - an error names a config key only where it names it whole ('original_max_position_embeddings'
+      gets no "(max_position_embeddings from llama.context_length)");
+    - a float32 rope factor of 1.1 is config.json's 1.1, not 1.100000023841858;
+    - add_eos_token puts the EOS last; a pair's second text has type id 1 in the converted
+      tokenizer.json (for HF's tokenizers; nanopaged's refuses pairs);
+    - a USER_DEFINED token (type 4) is added but not special (skip_special_tokens keeps it),
+      a CONTROL one (3) special;
+    - a phi3 SentencePiece GGUF is a Phi-3 whatever general.name says: </s> drops the
+      whitespace after it;
+    - add_space_prefix false (Gemma's): no "\u2581" put before the text, none taken off in decoding;
+    - SentencePiece's merges make normal pieces only: the text "<0x41>" is not byte 0x41, even
+      where normal tokens merge into that string;
+    - merges from scores break ties by vocab order (as transformers' generate_merges does)."""
+    path = write_gguf(tmp_path / "m.gguf", extra=[("output_norm.weight", np.full(16, 1.0))])
+    first = load_model(path)
+    load_model(path)
+    load_tokenizer(path)
+    assert capsys.readouterr().err.count("converting m.gguf") == 1 and len(list(own_cache.iterdir())) == 1
+    st = path.stat()
+    write_gguf(path, extra=[("output_norm.weight", np.full(16, 2.0))])
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # (a coarse clock: surely another mtime)
+    assert path.stat().st_size == st.st_size and float(load_model(path).norm.weight[0]) == 2.0
+    assert float(first.norm.weight[0]) == 1.0
+    path = write_gguf(tmp_path / "yarn.gguf", meta=[("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0),
+                                                    ("llama.rope.scaling.original_context_length", 0)])
+    with pytest.raises(ModelError, match=r"yarn.gguf: 'original_max_position_embeddings' is 0, expected a positive "
+                                         r"integer below 2\*\*63$"):
+        load_model(path)
+    out = resolve_model_dir(write_gguf(tmp_path / "linear.gguf", meta=[
+        ("llama.rope.scaling.type", "linear"), ("llama.rope.scaling.factor", 1.1)]))
+    assert json.loads((out / "config.json").read_text())["rope_scaling"] == {"rope_type": "linear", "factor": 1.1}
+    path = write_gguf(tmp_path / "eos.gguf", meta=[("tokenizer.ggml.add_eos_token", True)], pre="llama-bpe", bos=5)
+    tok = load_tokenizer(path)
+    assert tok.encode("ab") == [5, 97, 98, 1] and (tok.prefix_ids, tok.suffix_ids) == ([5], [1])
+    pair = json.loads((resolve_model_dir(path) / "tokenizer.json").read_text())["post_processor"]["pair"]
+    assert [next(iter(piece.values()))["type_id"] for piece in pair] == [0, 0, 0, 1, 1, 1]   # (BOS A EOS BOS B EOS)
+    types = [1] * 256
+    types[97], types[98] = 4, 3
+    tok = load_tokenizer(write_gguf(tmp_path / "types.gguf", token_types=types))
+    assert tok.decode([97, 98, 99], skip_special_tokens=True) == "ac" and tok.decode([97, 98, 99]) == "abc"
+    c = LLAMA_FAMILY_VARIANTS["phi3"] | {"vocab_size": 1500, "max_position_embeddings": 64}
+    tok = load_tokenizer(write_gguf(tmp_path / "phi3.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3",
+                                    weights=llama_tensors(c), sentencepiece=True, bos=1, eos=2))
+    assert tok.encode("Hi</s>\n x", add_special_tokens=False) == tok.encode("Hi</s>x", add_special_tokens=False)
+    tok = load_tokenizer(write_gguf(tmp_path / "gemma_like.gguf", meta=[("tokenizer.ggml.add_space_prefix", False)],
+                                    sentencepiece=True, bos=1, eos=2))
+    assert tok.decode(tok.encode(" hi there", add_special_tokens=False)) == " hi there"
+    assert tok.decode(tok.encode("hi", add_special_tokens=False)) == "hi"
+    vocab = llama2_gguf_vocab()
+
+    def more_vocab():   # "<0", "x4", "<0x4", "1>": normal tokens, scored to merge first
+        tokens, types, scores = vocab
+        return tokens + ["<0", "x4", "<0x4", "1>"], types + [1] * 4, scores + [10.0, 9.0, 8.0, 7.0]
+    monkeypatch.setattr(sys.modules[__name__], "llama2_gguf_vocab", more_vocab)
+    tok = load_tokenizer(write_gguf(tmp_path / "bytes.gguf", bos=1, eos=2, sentencepiece=True))
+    ids = tok.encode("<0x41>", add_special_tokens=False)
+    assert tok.convert_tokens_to_ids("<0x41>") not in ids and tok.decode(ids) == "<0x41>"
+    tokens = ["a", "b", "c", "ab", "bc", "abc", "ca"]
+    merges = model_module._merges_from_scores({t: i for i, t in enumerate(tokens)}, [0, 0, 0, -1, -1, -2, -1])
+    assert [tuple(m) for m in merges][:2] == [("a", "b"), ("b", "c")]   # (generate_merges' order, checked by hand)
 
 
 def test_a_whole_dense_gguf_loads_whatever_its_split_and_expert_counts_say(tmp_path, own_cache):
