@@ -2037,7 +2037,8 @@ class LLM:
              tokenization_kwargs: dict | None = None, mm_processor_kwargs=None) -> list[RequestOutput]:
         """vLLM's chat (its arguments, in its order): one conversation (a list of messages such
         as {"role": "user", "content": ...}) or a list of conversations, each rendered with the
-        model's chat template, or `chat_template` (else LLM's), (render_chat) and generated for; one
+        model's chat template, or `chat_template` (a template, a file's path or the name of one
+        of the model's named templates; else LLM's), (render_chat) and generated for; one
         RequestOutput per conversation, whose prompt is the rendered text.
         continue_final_message, tools and chat_template_kwargs (the template's own variables)
         go to apply_chat_template. lora_request and priority: as generate takes them;
@@ -2055,6 +2056,11 @@ class LLM:
         if "tokenize" in (chat_template_kwargs or {}):   # (vLLM refuses it too)
             raise ValueError("chat_template_kwargs cannot set tokenize: chat() encodes the rendered text itself")
         # as vLLM merges them: chat_template_kwargs may also set the named options
+        # (a name of the model's named templates, or as LLM(chat_template=...) takes one: a
+        # template or a file's path, never the path itself rendered as the prompt's text)
+        if chat_template is not None and not (isinstance(chat_template, str)
+                                              and chat_template in self.tokenizer.named_templates):
+            chat_template = load_chat_template(chat_template)
         options = dict(chat_template=self.chat_template if chat_template is None else chat_template,
                        add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, tools=tools) | (chat_template_kwargs or {})

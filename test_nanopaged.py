@@ -8685,10 +8685,19 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
         rendered = "ab!" if given == chat_template + "!" else "<ab>"
         assert own.chat([{"role": "user", "content": "ab"}], params)[0].prompt == rendered
         assert own.chat([{"role": "user", "content": "ab"}], params, chat_template=chat_template)[0].prompt == "ab"
+    # chat()'s takes a file too (was: its path rendered as the prompt's text), and refuses as LLM's
+    for given in (tmp_path / "t.jinja", str(tmp_path / "t.jinja")):
+        assert llm.chat([{"role": "user", "content": "ab"}], params, chat_template=given)[0].prompt == "<ab>"
     for given, message in ((tmp_path / "none.jinja", "is no Jinja template .* no file's path that can be read"),
                            (tmp_path, "no file's path that can be read"), (7, "got int 7")):
         with pytest.raises(ValueError, match=f"chat_template.*{message}"):
             LLM(model_dir, load_format="dummy", num_blocks=16, chat_template=given)
+        with pytest.raises(ValueError, match=f"chat_template.*{message}"):
+            llm.chat([{"role": "user", "content": "ab"}], params, chat_template=given)
+    llm.tokenizer.named_templates = {"rag": "RAG {{ messages[0]['content'] }}"}   # (a name is no path)
+    assert llm.chat([{"role": "user", "content": "ab"}], params, chat_template="rag")[0].prompt == "RAG ab"
+    llm.tokenizer.named_templates = {}
+    assert_nothing_leaked(llm)
     # vLLM's LLMEngine.add_request order (the id first) is named, not taken for bad params
     with pytest.raises(ValueError, match="add_request takes \\(prompt, params, request_id=None\\), nanopaged's "
                                          "order: vLLM's LLMEngine.add_request takes the request id first"):
