@@ -1192,8 +1192,13 @@ class Tokenizer:
     # stop_token_ids=[tok.convert_tokens_to_ids("<|eot_id|>")].
 
     def convert_ids_to_tokens(self, ids):
-        """The string of one id, or of each id in a list; None for an id that is no token."""
-        return self._token_string(ids) if _is_id(ids) else [self._token_string(i) for i in ids]
+        """The string of one id, or of each id in a list (a numpy array, a tensor); None for an
+        id that is no token (-1, say, or one past the vocabulary)."""
+        if hasattr(ids, "tolist"):   # a numpy array or a tensor (of one id: an int)
+            ids = ids.tolist()
+        if isinstance(ids, (list, tuple)):
+            return [self._token_string(i.item() if hasattr(i, "item") else i) for i in ids]   # (numpy's ints)
+        return self._token_string(ids)
 
     def convert_tokens_to_ids(self, tokens):
         """The id of one token string, or of each in a list; None for a string that is no token."""

@@ -853,6 +853,10 @@ def test_token_strings_as_the_vocab_file_writes_them(name, smollm2_dir):
     assert [want[s] for s in strings] == ids and tok.convert_tokens_to_ids(strings) == ids
     assert tok.convert_ids_to_tokens(ids[1]) == strings[1] and tok.convert_tokens_to_ids(strings[1]) == ids[1]
     assert tok.convert_tokens_to_ids("no such token") is None and tok.convert_ids_to_tokens(10**6) is None
+    assert tok.convert_ids_to_tokens(-1) is None and tok.convert_ids_to_tokens([-1, ids[1]]) == [None, strings[1]]
+    for given in (np.array(ids), torch.tensor(ids), [np.int64(i) for i in ids]):
+        assert tok.convert_ids_to_tokens(given) == strings
+    assert tok.convert_ids_to_tokens(np.int64(ids[1])) == strings[1]
     assert tok.decode(ids[1]) == tok.decode([ids[1]])
     assert tok.all_special_ids == sorted(t["id"] for t in spec["added_tokens"] if t["special"])
     # the rest of vLLM's tokenizer protocol (vllm/tokenizers/protocol.py, 0.34)
