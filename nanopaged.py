@@ -904,7 +904,7 @@ class Stats:
     prompt_tokens: int = 0
     output_tokens: int = 0
     elapsed: float = 0.0       # seconds spent in steps
-    ttft: RunningMean = field(default_factory=RunningMean)   # seconds, of each request reported
+    ttft: RunningMean = field(default_factory=RunningMean)   # seconds, of each request reported with a token
     tpot: RunningMean = field(default_factory=RunningMean)   # seconds, of each sample of 2+ tokens
     peak_blocks_used: int = 0
     peak_running: int = 0      # (not in the summary: bench.py's memory comparison reads it)
@@ -1949,7 +1949,8 @@ class LLM:
                         continue
                     forgotten[output.request_id] = req = self._requests.pop(output.request_id)
                     self._to_report.pop(output.request_id, None)
-                    s.ttft.add(output.ttft)
+                    if any(q.first_token_time for q in req.seqs):   # (one aborted or failed before
+                        s.ttft.add(output.ttft)                      # its first token has no TTFT)
                     for q in req.seqs:
                         if q.first_token_time and q.num_output_tokens > 1 and q.finish_reason != "dropped":
                             # (time from the first token to the last, per token after it; of a beam

@@ -6930,6 +6930,11 @@ def test_stats_of_requests_stepped_by_hand(llm):
     llm.reset_stats()
     llm.generate(["Water boils at", "Ice melts at"], greedy(1))
     assert "time per output token       n/a\n" in llm.stats.summary(llm.pool.num_blocks)
+    # a request aborted before its first token has no time to first token to count (its
+    # output's ttft is its latency; was: counted in the mean)
+    llm.reset_stats()
+    llm.abort(llm.add_request("Water boils at", greedy(4)))
+    assert llm.stats.ttft.count == 0 and "time to first token         n/a\n" in llm.stats.summary(llm.pool.num_blocks)
 
 
 def test_stats_and_kv_waste(llm):
