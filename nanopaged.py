@@ -2507,7 +2507,8 @@ def token_texts(tokenizer, context: list[int]):
     fallback, byte-level BPE), it belongs to the token that holds its last byte: "" for a
     token that only begins one, "世" for one holding "世" and the first bytes of the next, and
     U+FFFD for bytes that make no character, as in the text; so the chosen tokens' texts add
-    up to the text, which vLLM's do only where a token ends a character. (4 tokens are enough:
+    up to the text, which vLLM's do only where a token ends a character (but for a character
+    the end cuts short: a token cannot know it is the last, the text's U+FFFD). (4 tokens are enough:
     the character the token may complete began at most 3 bytes, so 3 tokens, before it.)"""
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     utf8.decode(tokenizer.decode_bytes(context))   # (keeps the bytes of a character the context leaves cut)
