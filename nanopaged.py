@@ -1196,6 +1196,10 @@ class LLM:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    enable_prefix_caching, eos_token_ids, self.swap_pool,
                                    sliding_window=cfg.window_everywhere)
+        if self.scheduler.max_num_batched_tokens < max_num_batched_tokens:
+            print(f"nanopaged: note: max_num_batched_tokens {max_num_batched_tokens} -> "
+                  f"{self.scheduler.max_num_batched_tokens}, so that a step's chunk and the sliding window of "
+                  f"{cfg.window_everywhere} tokens fit the pool of {self.pool.num_blocks} blocks", file=sys.stderr)
         self.attn = PagedAttention(self.pool, cfg.attn_scale, _pick_kernels(attn_backend, device, cfg, block_size, dtype),
                                    softcap=cfg.attn_logit_softcapping,
                                    decode_kernel=_pick_cpu_kernel(attn_backend, device, cfg, block_size, dtype))

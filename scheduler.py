@@ -546,6 +546,14 @@ class Scheduler:
         # Every layer's sliding window, if every layer has one: a sequence's blocks that slid
         # out of it are freed before each of its steps (_slide). None: blocks are kept to the end.
         self.sliding_window = sliding_window
+        # Under the window a sequence holds the window and a step's chunk at most (blocks_at_most).
+        # Where the pool cannot hold that for a whole budget's chunk, the budget shrinks to the
+        # longest chunk it can (that bound solved for B): a request longer than the pool is then
+        # served in smaller steps, not refused. (Window 8, 8 blocks of 4, budget 1024: a 10-token
+        # prompt with max_tokens 40 was refused as "needs 13 blocks"; it holds 5 at once.)
+        if sliding_window is not None:
+            fits = (pool.num_blocks - 2) * self.block_size + 2 - sliding_window
+            self.max_num_batched_tokens = max(1, min(max_num_batched_tokens, fits))
         # Every queue is kept in arrival order, or under priorities in Sequence.rank's (priority,
         # then arrival): "older" and "newer" below mean ahead of and behind in that order.
         self.waiting: deque[Sequence] = deque()  # in order (preempted ones go back in their place)
@@ -604,7 +612,8 @@ class Scheduler:
         one more for a copy-on-write. (That one is a safe margin, not needed: the oldest
         sequence, the one the pool must hold, never needs a copy-on-write to fit, since the
         only partial block it shares is a fork's, and its sharers, newer, are preempted
-        first, see _make_room.) A request must fit the whole pool in this sense (add)."""
+        first, see _make_room.) A request must fit the whole pool in this sense (add); B is
+        lowered where the pool is too small for a whole one (__init__)."""
         blocks = cdiv(num_tokens, self.block_size)
         if self.sliding_window is not None:
             blocks = min(blocks, (self.sliding_window + self.max_num_batched_tokens - 3) // self.block_size + 3)

@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import math
 import os
@@ -649,7 +650,7 @@ def test_llama_family_in_the_engine(tmp_path, variant, window):
     assert_nothing_leaked(llm)
 
 
-def test_blocks_that_slide_out_of_the_window_are_freed(tmp_path):
+def test_blocks_that_slide_out_of_the_window_are_freed(tmp_path, capsys):
     """Every layer windowed (a Mistral): a long request holds about (window + its step's
     chunk) / block_size blocks, not its whole context, and gives the dense reference's greedy tokens. Forks, a
     beam search, prefix hits, constraints and logprobs (engine_tokens) come out as when every
@@ -670,6 +671,16 @@ def test_blocks_that_slide_out_of_the_window_are_freed(tmp_path):
         == out.outputs[0].token_ids
     assert len(small.generate(prompt, SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0].token_ids) == 100
     assert_nothing_leaked(small)
+    # a pool too small for the window and a whole budget's chunk (3 blocks: 12 + 1024 tokens
+    # would need 66): the budget is lowered to the longest chunk that fits, 6 tokens, said so
+    # (was: the request refused as "needs 20 KV blocks")
+    tiny = LLM(model_dir, dtype="float32", load_format="dummy", num_blocks=3)
+    assert capsys.readouterr().err == ("nanopaged: note: max_num_batched_tokens 1024 -> 6, so that a step's chunk "
+                                       "and the sliding window of 12 tokens fit the pool of 3 blocks\n")
+    assert tiny.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].token_ids \
+        == out.outputs[0].token_ids
+    assert tiny.stats.peak_blocks_used <= 3 and tiny.stats.steps >= 300 // 6
+    assert_nothing_leaked(tiny)
     dropping = engine_tokens(llm, (5, 40, 300, 17), max_tokens=12)
     llm.scheduler.sliding_window = None   # every block kept to the end
     assert engine_tokens(llm, (5, 40, 300, 17), max_tokens=12) == dropping
@@ -4174,20 +4185,34 @@ def test_a_rolled_back_swap_out_counts_as_one_recompute():
 
 def test_add_refuses_a_windowed_request_whose_peak_exceeds_the_pool():
     """blocks_at_most under a window: with W=6, a budget of 9 and blocks of 4, a long request
-    holds 5 blocks at once at its peak. A 4-block pool must refuse it (else the oldest
-    sequence preempts itself for good); a pool of blocks_at_most (6: a block to spare) serves it.
-    Catches: blocks_at_most `... // block_size + 3` -> `+ 1` (too small a bound)."""
+    holds 5 blocks at once at its peak; a pool of blocks_at_most (6: a block to spare) serves it.
+    A smaller pool lowers the budget to the longest chunk whose window it holds (4 blocks: 4
+    tokens), and one too small for a chunk of 1 (3 blocks) refuses it (else the oldest sequence
+    would preempt itself for good). Catches: blocks_at_most `... // block_size + 3` -> `+ 1`
+    (too small a bound); the lowered budget one token too long or short, or not lowered (the
+    request refused, as it was)."""
     kw = dict(block_size=4, max_num_batched_tokens=9, sliding_window=6)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
-    with pytest.raises(ValueError, match="whole pool has 4"):
-        make_sched(num_blocks=4, **kw).add("a", list(range(2, 47)), params)
-    sched = make_sched(num_blocks=6, **kw)
-    a = sched.add("a", list(range(2, 47)), params)
-    kv, peak = SimulatedKV(sched), 0
-    while sched.has_unfinished():
-        run_step(sched, kv=kv)
-        peak = max(peak, sched.pool.num_used)
-    assert peak == 5 and a.finish_reason == "length" and sched.pool.num_used == 0
+    with pytest.raises(ValueError, match="whole pool has 3"):
+        make_sched(num_blocks=3, **kw).add("a", list(range(2, 47)), params)
+    for num_blocks, budget, want_peak in ((6, 9, 5), (4, 4, 3)):
+        sched = make_sched(num_blocks=num_blocks, **kw)
+        assert sched.max_num_batched_tokens == budget
+        a = sched.add("a", list(range(2, 47)), params)
+        kv, peak = SimulatedKV(sched), 0
+        while sched.has_unfinished():
+            run_step(sched, kv=kv)
+            peak = max(peak, sched.pool.num_used)
+        assert peak == want_peak and a.finish_reason == "length" and sched.pool.num_used == 0
+    # the budget is the longest chunk that blocks_at_most fits in the pool, for any window and block size
+    for window, block_size, num_blocks in itertools.product((1, 5, 8, 16, 33), (1, 4, 16), (3, 5, 9, 40)):
+        sched = make_sched(num_blocks=num_blocks, block_size=block_size, sliding_window=window,
+                           max_num_batched_tokens=1000)
+        fits = sched.blocks_at_most(10**6) <= num_blocks
+        assert fits or sched.max_num_batched_tokens == 1   # (a pool too small for any chunk: refused)
+        if fits and sched.max_num_batched_tokens < 1000:
+            sched.max_num_batched_tokens += 1
+            assert sched.blocks_at_most(10**6) > num_blocks
 
 
 def test_a_step_neither_recorded_nor_rolled_back_is_undone_by_the_next_schedule():
