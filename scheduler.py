@@ -183,9 +183,9 @@ class SamplingParams:
                f"{name} must be None, -1 (the whole vocabulary) or an integer >= 0, got {k!r}")
               for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
             (self.logprob_token_ids is None or (isinstance(self.logprob_token_ids, (list, tuple))
-                                                and len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS
+                                                and 0 < len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS
                                                 and all(is_integer(t) for t in self.logprob_token_ids)),
-             f"logprob_token_ids must be a list of at most {MAX_LOGPROB_TOKEN_IDS} token ids, "
+             f"logprob_token_ids must be a non-empty list of at most {MAX_LOGPROB_TOKEN_IDS} token ids, "
              f"got {reprlib.repr(self.logprob_token_ids)}"),
             (self.logprob_token_ids is None or self.logprobs is None or self.logprobs == len(self.logprob_token_ids),
              f"logprobs = {self.logprobs!r} with {len(self.logprob_token_ids or ())} logprob_token_ids: where both "
@@ -236,7 +236,10 @@ class SamplingParams:
             self.truncate_prompt_tokens = int(self.truncate_prompt_tokens)
         if self.logit_bias is not None:   # (string ids, as in an OpenAI request's JSON; clamped as OpenAI does,
             # which also keeps an infinite bias from making the softmax NaN)
-            self.logit_bias = {int(t): float(min(max(b, -100), 100)) for t, b in self.logit_bias.items()}
+            bias = {int(t): float(min(max(b, -100), 100)) for t, b in self.logit_bias.items()}
+            if len(bias) < len(self.logit_bias):   # ("5" and 5: which bias would win?)
+                raise ValueError(f"logit_bias gives a token id twice (as a number and a string), got {self.logit_bias!r}")
+            self.logit_bias = bias
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
         self.bad_words = [] if self.bad_words is None else list(self.bad_words)

@@ -5759,6 +5759,7 @@ def test_scoring_given_token_ids_and_from_prompt_logprob_start(smollm2_dir, llm,
     assert same.prompt_logprobs is None and same.prompt_token_id_logprobs[:, 0] == pytest.approx(scores[:, 0], abs=2e-4)
     for bad, msg in ((dict(logprob_token_ids=labels, logprobs=2), "logprobs = 2 with 3 logprob_token_ids"),
                      (dict(logprob_token_ids=list(range(129))), "at most 128"),
+                     (dict(logprob_token_ids=[]), "logprob_token_ids must be a non-empty list"),   # (was: no logprobs)
                      (dict(prompt_logprob_token_ids=[[1], []]), "prompt_logprob_token_ids must be"),
                      (dict(prompt_logprob_token_ids=[[1, -2]]), "prompt_logprob_token_ids must be"),
                      (dict(prompt_logprob_token_ids=np.ones((2, 2))), "prompt_logprob_token_ids must be"),
@@ -5945,6 +5946,8 @@ def test_min_p_logit_bias_allowed_token_ids_and_bad_words(llm):
         with pytest.raises(ValueError, match="logit_bias must be a dict of token id"):
             SamplingParams(logit_bias={key: 1.0})
     assert SamplingParams(logit_bias={3: float("-inf"), 4: 10**400}).logit_bias == {3: -100.0, 4: 100.0}
+    with pytest.raises(ValueError, match="logit_bias gives a token id twice"):   # (was: the last one taken)
+        SamplingParams(logit_bias={"5": 2.0, 5: 1.0})
 
     class Mute:   # a tokenizer that spells a word with no token
         def encode(self, text, add_special_tokens=True):
