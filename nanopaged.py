@@ -1565,12 +1565,16 @@ class LLM:
                     prompt_indices += range(qsl[-2] + first - start, qsl[-2] + end - start)
                     prompt_rows.append((seq, first + 1, end - first))
         max_blocks = max(len(s.block_table.block_ids) for s in out.seqs)
-        # padded entries (past a sequence's blocks) and DROPPED ones (before its window) are never read
-        tables = [s.block_table.block_ids + [0] * (max_blocks - len(s.block_table.block_ids)) for s in out.seqs]
+        # padded entries (past a sequence's blocks) and DROPPED ones (before its window) are never read.
+        # Filled a row at a time into a numpy array: torch.tensor of a list of lists converts its
+        # ints one by one (3 ms a step for 256 sequences of 3k tokens, where this takes 0.9 ms)
+        tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)        # (S, max_blocks)
+        for row, s in zip(tables, out.seqs):
+            row[:len(s.block_table.block_ids)] = s.block_table.block_ids
         dev = self.device
         self.attn.begin_step(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             max_query_len=max(out.num_tokens), max_seq_len=max(seq_lens))
@@ -2788,7 +2792,8 @@ def _is_token_ids(x) -> bool:
     """A list or tuple of integer token ids (a 1-D numpy array or tensor too; no bools)."""
     if getattr(x, "ndim", None) == 1 and hasattr(x, "tolist"):
         x = x.tolist()
-    return isinstance(x, (list, tuple)) and all(is_integer(t) for t in x)
+    # (type(t) is int first: is_integer's ABC check takes 0.6 us a token, 0.5 s for 800k prompt tokens)
+    return isinstance(x, (list, tuple)) and all(type(t) is int or is_integer(t) for t in x)
 
 
 def _describe(x) -> str:
