@@ -55,7 +55,8 @@ from nanopaged import (LLM, BlockPool, BlockTable, GenerationError, IncrementalD
                        bad_words_token_ids, copy_blocks, copy_waves,
                        logprob_dicts, main, paged_attention, paged_attention_ref, render_chat, sampling_probs,
                        write_kv)
-from scheduler import RepetitionDetectionParams, RequestOutputKind, BeamSearchParams, SamplingParams, Scheduler, Status
+from scheduler import (RepetitionDetectionParams, RequestOutputKind, BeamSearchParams, SamplingParams, Scheduler,
+                       SchedulerOutput, Status)
 
 HERE = Path(__file__).resolve().parent
 TESTDATA = HERE / "testdata"
@@ -10268,3 +10269,194 @@ def test_beam_candidates_cover_a_vocabulary_smaller_than_twice_the_width(tmp_pat
     llm = LLM(tiny_llama_dir(tmp_path, vocab_size=10), load_format="dummy", num_blocks=32)
     out = llm.beam_search([[1, 2, 3]], BeamSearchParams(5, 1, ignore_eos=True))[0]
     assert all(len(s.logprobs[0]) == 10 for s in out.sequences)
+
+
+# --- From a mutation pass (2026-12-06, 88 slips, 9 equivalent) over the n-past-max_num_seqs
+# scheduling (_defer, _send_back, _samples_seated, _seats, _admission, _room_to_grow, _preempt),
+# _check_stop_strings and Tokenization: each test names the slip it catches ---
+
+
+def test_a_prompt_with_n_samples_leaves_room_for_each_samples_first_block():
+    """b (n = 3, a 20-token prompt: 5 full blocks) arrives with a: its prompt fits the 8 blocks
+    a leaves with room for a's next block, but not with a first block for each of its 3 samples
+    (each needs its own once they fork). So b waits for a, and nothing is preempted.
+    Catches: `room + self._samples_seated(seq)` -> `room + 1` in _admission."""
+    sched = make_sched(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    a = sched.add("a", [3] * 8, SamplingParams(max_tokens=8, ignore_eos=True))
+    sched.add("b", list(range(10, 30)), SamplingParams(n=3, max_tokens=2, ignore_eos=True, temperature=1.0))
+    kv = SimulatedKV(sched)
+    out = run_step(sched, kv=kv)
+    assert out.seqs == [a]
+    computed = sum(out.num_tokens)
+    while sched.has_unfinished():
+        computed += sum(run_step(sched, kv=kv).num_tokens)
+    assert sched.num_preemptions == 0 and computed == 8 + 7 + 20 + 3 * 1   # every token once
+
+
+def test_a_long_windowed_sequence_swapped_out_comes_back_though_longer_than_the_pool():
+    """Window 8, 8 blocks of 4: b's 60-token prompt is longer than the pool, which it can run in
+    since it holds its window and a chunk at most. a's growth swaps b out, after
+    blocks of b's slid out of its window (dropped, nothing to copy back). b comes back needing
+    only the blocks from its window on, and finishes.
+    Catches: _admission's `kept` leaving out block_table.num_dropped (b, swapped out, then asks
+    for every block it ever had: more than the pool, and waits for good)."""
+    sched = make_sched(num_blocks=8, block_size=4, max_num_batched_tokens=16, swap_pool=tiny_pool(100, 4),
+                       sliding_window=8)
+    a = sched.add("a", [3, 4, 5, 6], SamplingParams(max_tokens=40, ignore_eos=True))
+    b = sched.add("b", [7 + i % 50 for i in range(60)], SamplingParams(max_tokens=10, ignore_eos=True))
+    kv, dropped = SimulatedKV(sched), 0
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        out = run_step(sched, kv=kv)
+        if b in out.swapped_out:
+            dropped = b.block_table.num_dropped
+    assert not sched.has_unfinished(), "b never came back"
+    assert dropped > 0 and sched.num_swapped_out == 1
+    roomy = make_sched(num_blocks=200, block_size=4)
+    same = [roomy.add(s.request_id, s.prompt_token_ids, s.params) for s in (a, b)]
+    run_all(roomy)
+    assert finished_outputs([a, b]) == finished_outputs(same)
+
+
+def test_a_sequence_swapped_out_mid_prompt_comes_back_for_its_chunk_alone():
+    """b (a 20-token prompt) was admitted with room for all of it; swapped out (as the pool
+    running dry would) with 4 tokens computed while a runs, it comes back as soon as the rest of
+    this step's chunk fits, with room for a to grow: its whole prompt need not fit again (a
+    swapped-out sequence keeps what it computed; only a waiting prompt is charged whole).
+    Catches: _admission's `end = seq.num_tokens if not swapped and ...` -> without `not swapped`
+    (b would wait in the swap space until a finished)."""
+    sched = make_sched(num_blocks=9, block_size=4, max_num_batched_tokens=2, swap_pool=tiny_pool(20, 4))
+    a = sched.add("a", [3, 4, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
+    b = sched.add("b", list(range(10, 30)), SamplingParams(max_tokens=2, ignore_eos=True))
+    kv = SimulatedKV(sched)
+    while b.num_computed_tokens < 4:
+        run_step(sched, kv=kv)
+    assert b.num_computed_tokens == 4 and b.status is Status.RUNNING
+    out = SchedulerOutput()
+    sched._swap_out(b, out)
+    kv.run(out)
+    out = run_step(sched, kv=kv)
+    assert out.swapped_in == [b] and out.seqs == [a, b] and b.num_computed_tokens == 5
+    run_all(sched, kv=kv)
+    roomy = make_sched(num_blocks=100, block_size=4)
+    same = [roomy.add(s.request_id, s.prompt_token_ids, s.params) for s in (a, b)]
+    run_all(roomy)
+    assert finished_outputs([a, b]) == finished_outputs(same)
+
+
+def test_a_sample_that_ends_on_its_first_token_leaves_its_seat_to_a_sibling():
+    """n = 5, max_num_seqs = 2: sample 0's first token is an EOS, so it ends as the request
+    forks. The seats go to the samples that run on: 1 and 2 run at once, 3 and 4 wait.
+    Catches: _defer counting the max_num_seqs samples that keep their seats among all samples,
+    finished ones included (`samples[max_num_seqs:]`), and update() calling _defer before the
+    parent's own first token is appended (it still looks running): either way only sample 1
+    runs, and a seat stays empty."""
+    sched = make_sched(num_blocks=32, block_size=4, max_num_seqs=2)
+    r = sched.add("r", [5, 6, 7], SamplingParams(n=5, max_tokens=4))
+    out = sched.schedule()
+    assert out.seqs == [r]
+    kids = sched.update(out, {r: [EOS, 11, 12, 13, 14]})[r]
+    assert r.finish_reason == "stop"
+    assert [s.status for s in kids] == [Status.RUNNING] * 2 + [Status.WAITING] * 2
+    assert run_step(sched).seqs == kids[:2]
+    run_all(sched)
+    assert [s.output_token_ids[0] for s in kids] == [11, 12, 13, 14]
+    assert sched.num_preemptions == 0 and sched.pool.num_used == 0 and not sched.requests
+
+
+def test_preempting_a_parked_sample_for_a_seat_frees_its_own_seat_while_its_sibling_runs():
+    """As test_preempting_a_parked_beam_for_a_seat_frees_its_seat, with the parked sequences two
+    samples of one request (b, n = 2, forked): a sample holds its own seat, so preempting the
+    newest, b1, frees one seat though its sibling b still runs: a is admitted and b keeps
+    running.
+    Catches: the refund after preempting a parked victim asking only whether none of the
+    victim's request runs (`holder is victim or` dropped): b1's seat stays counted and b is
+    preempted too."""
+    sched = make_sched(num_blocks=32, block_size=4, max_num_seqs=3)
+    a = sched.add("a", [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    b = sched.add("b", [6, 7, 8], SamplingParams(n=2, max_tokens=4, ignore_eos=True))
+    out = sched.schedule()
+    b1 = sched.update(out, {a: [fake_token(a)], b: [fake_token(b), 9]})[b][0]
+    out = sched.schedule()
+    assert out.seqs == [a, b, b1]
+    sched.update(out, {a: [fake_token(a)]})            # b and b1: parked
+    assert b.parked and b1.parked
+    sched.max_num_seqs = 2                             # (seats now short by one)
+    sched._preempt(a)                                  # (as the pool running dry would)
+    out = sched.schedule()
+    assert out.seqs == [a] and b.status is Status.RUNNING and b1.status is Status.WAITING
+
+
+def test_tokenization_kwargs_max_length_1_is_taken(tmp_path):
+    """max_length = 1, the least an integer >= 1 allows: a one-token prompt passes, a longer
+    one is refused, and truncation (or truncate_prompt_tokens = -1) keeps its last token.
+    Catches: the max_length check `limit >= 1` -> `limit > 1`."""
+    model_dir = tmp_path / "llama2"
+    shutil.copytree(TESTDATA / "llama2_tokenizer", model_dir)
+    llm = LLM(model_dir, load_format="dummy", num_blocks=32)
+    two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    ids = [5, 6, 7]
+
+    def prompt_ids(prompt, **kwargs):
+        return llm.generate(TokensPrompt(prompt_token_ids=prompt), two, tokenization_kwargs=kwargs)[0].prompt_token_ids
+    assert prompt_ids([9], max_length=1) == [9]
+    assert prompt_ids(ids, max_length=1, truncation=True) == [7]
+    assert prompt_ids(ids, max_length=1, truncate_prompt_tokens=-1) == [7]
+    with pytest.raises(ValueError, match="longer than tokenization_kwargs max_length = 1"):
+        prompt_ids(ids, max_length=1)
+
+
+def test_tokenization_kwargs_truncation_longest_first_and_without_max_length(tmp_path):
+    """HF's truncation="longest_first" is truncation=True (one sequence); without max_length,
+    truncation cuts a prompt to max_model_len (here 128, which leaves no room for an output
+    token: refused as such, not as a prompt of 200 tokens).
+    Catches: `truncation in (True, "longest_first")` -> `truncation is True` ("longest_first"
+    refused), and truncation=True taking max_length as given (`keep = limit`: None, no cut)."""
+    model_dir = tmp_path / "llama2"
+    shutil.copytree(TESTDATA / "llama2_tokenizer", model_dir)
+    llm = LLM(model_dir, load_format="dummy", num_blocks=32)   # (max_model_len 128)
+    two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    ids = list(range(3, 203))
+
+    def prompt_ids(prompt, **kwargs):
+        return llm.generate(TokensPrompt(prompt_token_ids=prompt), two, tokenization_kwargs=kwargs)[0].prompt_token_ids
+    assert prompt_ids(ids, truncation="longest_first", max_length=3) == ids[-3:]
+    assert prompt_ids(ids, truncation="longest_first", max_length=3, truncation_side="right") == ids[:3]
+    with pytest.raises(ValueError, match=r"prompt \(128 tokens\) leaves no room for an output token"):
+        prompt_ids(ids, truncation=True)
+
+
+def test_a_prompt_leaves_room_for_every_older_request_to_grow():
+    """As test_a_prompt_leaves_room_for_the_older_requests_to_grow, with two older requests:
+    b's 24-token prompt fits the 8 blocks a1 and a2 leave with room for one of them to grow,
+    not both. So b waits until they are done, and nothing is preempted.
+    Catches: schedule() keeping the room of the last older request alone (`room =` for `room +=`)."""
+    sched = make_sched(num_blocks=12, block_size=4, enable_prefix_caching=False)
+    a1, a2 = (sched.add(r, [3] * 8, SamplingParams(max_tokens=8, ignore_eos=True)) for r in ("a1", "a2"))
+    sched.add("b", list(range(10, 34)), SamplingParams(max_tokens=2, ignore_eos=True))
+    kv = SimulatedKV(sched)
+    out = run_step(sched, kv=kv)
+    assert out.seqs == [a1, a2]
+    computed = sum(out.num_tokens)
+    while sched.has_unfinished():
+        computed += sum(run_step(sched, kv=kv).num_tokens)
+    assert sched.num_preemptions == 0 and computed == 2 * (8 + 7) + 24 + 1   # every token once
+
+
+def test_tokenization_kwargs_max_length_is_an_integer_and_bounds_minus_one(tmp_path):
+    """max_length must be an integer (not a float, not a bool); truncate_prompt_tokens = -1
+    with max_length means max_length itself, so one past max_model_len is refused (vLLM's
+    check), not quietly cut to the context.
+    Catches: the max_length check without is_integer, and -1 taken as
+    min(max_length, max_model_len - 1)."""
+    model_dir = tmp_path / "llama2"
+    shutil.copytree(TESTDATA / "llama2_tokenizer", model_dir)
+    llm = LLM(model_dir, load_format="dummy", num_blocks=32)   # (max_model_len 128)
+    two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    ids = TokensPrompt(prompt_token_ids=list(range(3, 203)))
+    for bad in (2.5, 3.0, True):
+        with pytest.raises(ValueError, match=f"max_length must be an integer >= 1, got {bad!r}"):
+            llm.generate(ids, two, tokenization_kwargs={"max_length": bad, "truncation": True})
+    with pytest.raises(ValueError, match="truncating to 129 tokens exceeds max_model_len = 128"):
+        llm.generate(ids, two, tokenization_kwargs={"max_length": 129, "truncate_prompt_tokens": -1})
