@@ -1567,7 +1567,7 @@ class LLM:
         max_blocks = max(len(s.block_table.block_ids) for s in out.seqs)
         # padded entries (past a sequence's blocks) and DROPPED ones (before its window) are never read.
         # Filled a row at a time into a numpy array: torch.tensor of a list of lists converts its
-        # ints one by one (3 ms a step for 256 sequences of 3k tokens, where this takes 0.9 ms)
+        # ints one by one (3.1 ms a step for 256 sequences of 200 blocks, where this takes 0.7 ms)
         tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)        # (S, max_blocks)
         for row, s in zip(tables, out.seqs):
             row[:len(s.block_table.block_ids)] = s.block_table.block_ids

@@ -238,7 +238,8 @@ class SamplingParams:
             # which also keeps an infinite bias from making the softmax NaN)
             bias = {int(t): float(min(max(b, -100), 100)) for t, b in self.logit_bias.items()}
             if len(bias) < len(self.logit_bias):   # ("5" and 5: which bias would win?)
-                raise ValueError(f"logit_bias gives a token id twice (as a number and a string), got {self.logit_bias!r}")
+                raise ValueError(f"logit_bias gives a token id twice (as a number and a string), "
+                                 f"got {self.logit_bias!r}")
             self.logit_bias = bias
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
@@ -553,7 +554,7 @@ class Scheduler:
         # Where the pool cannot hold that for a whole budget's chunk, the budget shrinks to the
         # longest chunk it can (that bound solved for B): a request longer than the pool is then
         # served in smaller steps, not refused. (Window 8, 8 blocks of 4, budget 1024: a 10-token
-        # prompt with max_tokens 40 was refused as "needs 13 blocks"; it holds 5 at once.)
+        # prompt with max_tokens 40 was refused as "needs 13 blocks", more than it ever holds.)
         if sliding_window is not None:
             fits = (pool.num_blocks - 2) * self.block_size + 2 - sliding_window
             self.max_num_batched_tokens = max(1, min(max_num_batched_tokens, fits))
