@@ -120,6 +120,16 @@ def _as_list(x) -> list:
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+def _plain_ids(ids):
+    """Token ids as Python has them: a numpy array or a tensor as a list (of one id: an int), a
+    tuple as a list, numpy's or torch's integers in it as ints; anything else as it is."""
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if isinstance(ids, (list, tuple)):
+        ids = [i.item() if hasattr(i, "item") else i for i in ids]
+    return ids
+
+
 def _is_id(x) -> bool:
     """A token id: an int in [0, 2^31) (bool is an int to Python, but JSON's true is no id;
     tiktoken and the embedding's index tensors hold ids in 32 bits)."""
@@ -1163,12 +1173,9 @@ class Tokenizer:
     def _token_ids(self, ids, skip_special_tokens: bool) -> list[int]:
         """ids (a list, numpy array or tensor) as a list of ints, checked; without the
         special tokens if asked."""
-        if hasattr(ids, "tolist"):   # a numpy array or a tensor
-            ids = ids.tolist()
+        ids = _plain_ids(ids)
         if _is_id(ids):   # (one id, as HF's decode takes it)
             ids = [ids]
-        if isinstance(ids, (list, tuple)):
-            ids = [i.item() if hasattr(i, "item") else i for i in ids]   # numpy or torch integers
         if not (isinstance(ids, list) and all(_is_id(i) for i in ids)):
             raise ValueError(f"decode() takes a list of token ids (ints in [0, 2^31)), got {reprlib.repr(ids)}")
         if skip_special_tokens and self.special_ids:
@@ -1194,11 +1201,8 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids):
         """The string of one id, or of each id in a list (a numpy array, a tensor); None for an
         id that is no token (-1, say, or one past the vocabulary)."""
-        if hasattr(ids, "tolist"):   # a numpy array or a tensor (of one id: an int)
-            ids = ids.tolist()
-        if isinstance(ids, (list, tuple)):
-            return [self._token_string(i.item() if hasattr(i, "item") else i) for i in ids]   # (numpy's ints)
-        return self._token_string(ids)
+        ids = _plain_ids(ids)
+        return [self._token_string(i) for i in ids] if isinstance(ids, list) else self._token_string(ids)
 
     def convert_tokens_to_ids(self, tokens):
         """The id of one token string, or of each in a list; None for a string that is no token."""
