@@ -555,9 +555,12 @@ class Scheduler:
         # longest chunk it can (that bound solved for B): a request longer than the pool is then
         # served in smaller steps, not refused. (Window 8, 8 blocks of 4, budget 1024: a 10-token
         # prompt with max_tokens 40 was refused as "needs 13 blocks", more than it ever holds.)
+        # A pool that cannot hold even a one-token chunk's window keeps the budget: only requests
+        # that fit it whole are served there, and a smaller budget would only slow them.
         if sliding_window is not None:
             fits = (pool.num_blocks - 2) * self.block_size + 2 - sliding_window
-            self.max_num_batched_tokens = max(1, min(max_num_batched_tokens, fits))
+            if fits >= 1:
+                self.max_num_batched_tokens = min(max_num_batched_tokens, fits)
         # Every queue is kept in arrival order, or under priorities in Sequence.rank's (priority,
         # then arrival): "older" and "newer" below mean ahead of and behind in that order.
         self.waiting: deque[Sequence] = deque()  # in order (preempted ones go back in their place)

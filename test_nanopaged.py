@@ -866,6 +866,7 @@ def test_token_strings_as_the_vocab_file_writes_them(name, smollm2_dir):
     assert tok.convert_ids_to_tokens(ids[1]) == strings[1] and tok.convert_tokens_to_ids(strings[1]) == ids[1]
     assert tok.convert_tokens_to_ids("no such token") is None and tok.convert_ids_to_tokens(10**6) is None
     assert tok.convert_ids_to_tokens(-1) is None and tok.convert_ids_to_tokens([-1, ids[1]]) == [None, strings[1]]
+    assert tok.convert_ids_to_tokens(tuple(ids)) == strings
     for given in (np.array(ids), torch.tensor(ids), [np.int64(i) for i in ids]):
         assert tok.convert_ids_to_tokens(given) == strings
     assert tok.convert_ids_to_tokens(np.int64(ids[1])) == strings[1]
@@ -4189,13 +4190,16 @@ def test_add_refuses_a_windowed_request_whose_peak_exceeds_the_pool():
     holds 5 blocks at once at its peak; a pool of blocks_at_most (6: a block to spare) serves it.
     A smaller pool lowers the budget to the longest chunk whose window it holds (4 blocks: 4
     tokens), and one too small for a chunk of 1 (3 blocks) refuses it (else the oldest sequence
-    would preempt itself for good). Catches: blocks_at_most `... // block_size + 3` -> `+ 1`
+    would preempt itself for good) and keeps its budget (a budget of 1 would only slow the
+    requests that fit it whole). Catches: blocks_at_most `... // block_size + 3` -> `+ 1`
     (too small a bound); the lowered budget one token too long or short, or not lowered (the
-    request refused, as it was)."""
+    request refused, as it was), or lowered to 1 where nothing can be gained."""
     kw = dict(block_size=4, max_num_batched_tokens=9, sliding_window=6)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
+    small = make_sched(num_blocks=3, **kw)
     with pytest.raises(ValueError, match="whole pool has 3"):
-        make_sched(num_blocks=3, **kw).add("a", list(range(2, 47)), params)
+        small.add("a", list(range(2, 47)), params)
+    assert small.max_num_batched_tokens == 9
     for num_blocks, budget, want_peak in ((6, 9, 5), (4, 4, 3)):
         sched = make_sched(num_blocks=num_blocks, **kw)
         assert sched.max_num_batched_tokens == budget
@@ -4210,7 +4214,10 @@ def test_add_refuses_a_windowed_request_whose_peak_exceeds_the_pool():
         sched = make_sched(num_blocks=num_blocks, block_size=block_size, sliding_window=window,
                            max_num_batched_tokens=1000)
         fits = sched.blocks_at_most(10**6) <= num_blocks
-        assert fits or sched.max_num_batched_tokens == 1   # (a pool too small for any chunk: refused)
+        if not fits:   # (a pool too small for even a one-token chunk's window: the budget kept)
+            assert sched.max_num_batched_tokens == 1000
+            sched.max_num_batched_tokens = 1
+            assert sched.blocks_at_most(10**6) > num_blocks
         if fits and sched.max_num_batched_tokens < 1000:
             sched.max_num_batched_tokens += 1
             assert sched.blocks_at_most(10**6) > num_blocks
