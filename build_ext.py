@@ -727,8 +727,8 @@ def _build(emulate: bool, archs: tuple[str, ...] | None = None, out: Path | None
     else:
         # Compile for this GPU only. An arch flag of our own makes torch add none of its own,
         # whatever TORCH_CUDA_ARCH_LIST the machine sets (a list of five archs builds five
-        # times; one this nvcc dropped fails); but older torch (2.5) adds them all the same
-        # (_arch_list_for_old_torch).
+        # times; one this nvcc dropped fails); but older torch (2.5) adds its own all the same:
+        # the machine's list, or, where it sets none, ours (_arch_list_for_old_torch).
         archs = archs or ("".join(map(str, torch.cuda.get_device_capability())),)
         kernels = KERNELS
         options = dict(name="nanopaged_kernels", extra_include_paths=[str(HERE)], extra_cflags=["-O3"],
@@ -1064,7 +1064,7 @@ def _build_cpu() -> CpuKernels:
     # engine ran 1.5x slower than with gcc, and slower than the torch path (measured).
     # What this load mapped, not all that came since torch: a library imported in between
     # may bring a runtime of its own (sentencepiece's wheel bundles a libgomp), which is not
-    # the kernel's (blamed on it, a kernel loaded again was refused, and a test failed by turns).
+    # the kernel's: blamed on it, it would refuse a kernel that shares torch's runtime.
     second = sorted(openmp_runtimes() - before)
     if _torch_openmp and second:
         raise KernelsUnavailable(f"{Path(cc).name} built kernels_cpu.c on {', '.join(second)}, an OpenMP runtime "

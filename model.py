@@ -237,10 +237,11 @@ class ModelConfig:
     # (Gemma's "sandwich")
     pre_norms: bool = True
     post_norms: bool = False
-    # Gemma (2, 3): its RMSNorms scale by (1 + weight), in float32; norms after attention and
-    # the MLP as well as before ("sandwich"); embeddings scaled by sqrt(C); a GELU-gated MLP;
-    # the attention scaled by query_pre_attn_scalar^-1/2; Gemma 2 softcaps the scores and the
-    # logits, Gemma 3's windowed layers turn by a RoPE base of their own
+    # Gemma (2, 3): its RMSNorms scale by (1 + weight), in float32, and its embeddings by
+    # sqrt(C): what this flag switches. Its other differences have fields of their own: norms
+    # after attention and the MLP as well as before (pre_norms, post_norms), a GELU-gated MLP
+    # (hidden_act), query_pre_attn_scalar, Gemma 2's softcaps of the scores and the logits,
+    # Gemma 3's windowed layers' RoPE base (rope_local_base_freq)
     gemma: bool = False
     hidden_act: str = "silu"          # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma)
     query_pre_attn_scalar: float | None = None  # attention scores times its -1/2 power (None: D^-1/2)
@@ -510,12 +511,14 @@ def _granite_fields(d: dict) -> dict:
 
 
 def _moe_fields(d: dict, model_type: str) -> dict:
-    """ModelConfig's mixture-of-experts fields, as transformers' MixtralConfig (num_local_experts
-    of intermediate_size, top-k weights always renormalized), Qwen3MoeConfig (num_experts of
-    moe_intermediate_size, renormalized where norm_topk_prob: its released models say true,
-    its class's default false) and OlmoeConfig (num_experts of intermediate_size; its
-    released models do not renormalize) read them. Refused: Qwen 3 MoE configs whose layers are not
-    all MoE (decoder_sparse_step, mlp_only_layers: no released one)."""
+    """ModelConfig's mixture-of-experts fields, as transformers' config classes read them:
+      MixtralConfig   num_local_experts of intermediate_size; top-k weights always renormalized
+      Qwen3MoeConfig  num_experts of moe_intermediate_size; renormalized where norm_topk_prob
+                      (false by default; its released models set it true)
+      OlmoeConfig     num_experts of intermediate_size; renormalized where norm_topk_prob
+                      (its released models leave it false)
+    Refused: Qwen 3 MoE configs whose layers are not all MoE (decoder_sparse_step,
+    mlp_only_layers: no released one)."""
     experts = _positive(d, "num_local_experts" if model_type == "mixtral" else "num_experts")
     k = _positive(d, "num_experts_per_tok")
     if k > experts:
@@ -537,7 +540,8 @@ def _two_ropes(d: dict, model_type: str) -> tuple[dict, dict]:
     one rope_theta, never scaled. Returns ModelConfig's rope_local_base_freq (left out where
     both RoPEs are one: OLMo 3 unscaled) and d with its RoPE written as _rope_config reads a
     Llama's. (transformers 5.25's Olmo3Config gives the windowed layers its default base,
-    500,000, whatever rope_theta says; vLLM, as here, the same one: a real OLMo 3's is 500,000.)"""
+    500,000, whatever rope_theta says; vLLM, as nanopaged, gives them rope_theta. The released
+    OLMo 3 models set rope_theta to 500,000: there the two agree.)"""
     nested, name = d.get("rope_parameters"), "OLMo 3" if model_type == "olmo3" else "Gemma 3"
     if nested is not None and not (isinstance(nested, dict) and set(nested) <= {"full_attention", "sliding_attention"}
                                    and all(isinstance(v, dict | None) for v in nested.values())):
@@ -598,7 +602,8 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     layers = _positive(d, "num_hidden_layers")
     if model_type in ("phi3", "mixtral") or model_type in MISTRALS and d.get("layer_types") is None:
         windowed = range(layers)
-    elif model_type in (*GEMMAS, "olmo3") and d.get("layer_types") is None:   # (Gemma 2: every other layer; 3: 5 of 6)
+    elif model_type in (*GEMMAS, "olmo3") and d.get("layer_types") is None:
+        # (windowed: Gemma 2's every other layer, Gemma 3's 5 of 6, OLMo 3's 3 of 4)
         pattern = {"gemma2": 2, "olmo3": 4}.get(model_type) or _positive(d, "sliding_window_pattern", default=6)
         windowed = LayersBut(layers, range(pattern - 1, layers, pattern))
     elif (not _flag(d, "use_sliding_window") and model_type not in (*GEMMAS, *MISTRALS, "olmo3")
@@ -2211,7 +2216,8 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)   # the router
         self.experts = nn.ModuleList(LlamaMLP(config) for _ in range(config.num_experts))
         # (transformers weighs Mixtral's experts in float32, Qwen's and OLMoE's in the model's
-        # dtype: the same in float32; in bfloat16, its bits)
+        # dtype. Done as it does, a bfloat16 model's outputs have transformers' bits; in a
+        # float32 model the two ways are one)
         self.weights_in_float32 = config.model_type == "mixtral"
 
     def forward(self, x):
@@ -2371,7 +2377,7 @@ class Llama(nn.Module):
                 state[f"layers.{i}.{name}.down_proj.weight"] = hf.pop(down)
             if config.num_experts:
                 state[f"layers.{i}.mlp.gate.weight"] = hf.pop(_router_name(config, p))   # (E, C)
-        # the rest keep their names: norms, o_proj, (Phi-3's) down_proj, embeddings, lm_head
+        # the rest keep their names: norms, o_proj, embeddings, lm_head (and all of Phi-3's layers)
         return state | {name.removeprefix("model."): hf.pop(name) for name in list(hf)}
 
 

@@ -704,7 +704,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "repetition" (SamplingParams.repetition_detection),
                                # "abort", "error" (non-finite logits, or no token left to draw): vLLM's words
-    stop_reason: int | str | None = None   # the stop string or stop token id that ended it (EOS: None)
+    stop_reason: int | str | None = None   # the stop string or stop token id that ended it (EOS: None;
+                                           # finish_reason "repetition": "repetition_detected")
     # with SamplingParams.logprobs = k: one {token id: Logprob} per token id, the token's first,
     # then the k most likely (k + 1 entries, or k when it is among them); and their sum
     logprobs: list[dict[int, Logprob]] | None = None
@@ -866,8 +867,8 @@ class Request:
     logprobs: dict = field(default_factory=dict)     # sample index -> one {token id: Logprob} per output token
     cumulative: dict = field(default_factory=dict)   # sample index -> the sum of its tokens' logprobs so far
     prompt_logprobs: list | None = None              # one entry per prompt position, filled as the prompt runs
-    prompt_token_id_logprobs: torch.Tensor | None = None   # (scored rows, ids) float32 on the CPU, the
-                                                     # same (NaN: a row not computed yet)
+    prompt_token_id_logprobs: torch.Tensor | None = None   # (scored rows, ids) float32 on the CPU,
+                                                     # filled as the prompt runs (NaN: a row not computed yet)
     # A beam search's (see _beam_step):
     # live beam -> (cumulative logprob, its history: its candidates at each step, as a linked
     # list (the steps before, this step's) that the beams it forks into share; see beam_history)
@@ -1288,8 +1289,9 @@ class LLM:
                                      f"got {_describe(value)}")
             # (a TokensPrompt's ids run; its text, if any, is not tokenized)
             text, prompt = asked.get("prompt"), asked.get("prompt_token_ids", asked.get("prompt"))
-        if isinstance(prompt, str):   # ("" is a prompt where the tokenizer adds a BOS: unconditional
-            ids = self.tokenizer.encode(prompt, add_special_tokens)   # text, as vLLM takes it)
+        if isinstance(prompt, str):
+            # ("" too, where the tokenizer adds a BOS: unconditional text, as vLLM takes it)
+            ids = self.tokenizer.encode(prompt, add_special_tokens)
             return prompt, ids, self.tokenizer.specials_around(ids, add_special_tokens)
         if _is_token_ids(prompt):
             return text, [int(t) for t in prompt], (0, 0)   # numpy and torch integers become ints
@@ -1447,7 +1449,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs of the requests that finished in it (or in
         an earlier step that raised after finishing them), and of those that sampled in it
-        under output_kind CUMULATIVE or DELTA (see _request_output). None when idle."""
+        under output_kind CUMULATIVE or DELTA (see _request_output). [] when idle."""
         self._check_free("step()")
         return self._step()
 
@@ -1545,7 +1547,8 @@ class LLM:
         """The flat batch of this step (the inputs listed in section 2): token ids, positions
         and slots of every scheduled token, back to back; per sequence its query range,
         context length and block table; which rows' logits to sample; and, after those, the
-        rows that score prompt tokens for prompt_logprobs: (seq, first position scored, count)."""
+        rows that score prompt tokens (prompt_logprobs, prompt_logprob_token_ids): (seq, first
+        position scored, count)."""
         input_ids, positions, slot_mapping, seq_lens, qsl, logits_indices = [], [], [], [], [0], []
         prompt_indices, prompt_rows = [], []
         for i, (seq, n, slots) in enumerate(zip(out.seqs, out.num_tokens, out.slots)):
@@ -1664,9 +1667,12 @@ class LLM:
         for seq, first, count in scored:
             p = seq.params
             dicts = [next(entries) for _ in range(count)] if p.prompt_logprobs is not None else None
-            at, scores = first - 1 - (p.prompt_logprob_start or 0), None   # (position first - 1: the ids' row at)
+            # at: the row of prompt_logprob_token_ids that scores prompt token `first` (row i
+            # scores token prompt_logprob_start + i + 1)
+            at, scores = first - 1 - (p.prompt_logprob_start or 0), None
             if p.prompt_logprob_token_ids is not None:
                 ids = torch.tensor(p.prompt_logprob_token_ids[at:at + count], device=lp.device)   # (count, ids)
+                # (count, ids): each row's ids' logprobs, -inf where -1 pads a row
                 scores = lp[i:i + count].gather(1, ids.clamp(min=0)).masked_fill(ids < 0, -math.inf).cpu()
                 i += count
             prompt_logprobs.append((seq, first, dicts, at, scores))
@@ -2443,7 +2449,7 @@ def sampling_probs(logits, p: SamplingParams):
         # is often a few hundred tokens: look among the likeliest NUCLEUS_LOOK first (a topk,
         # 0.1 ms of a 49k vocabulary on a CPU core), and sort the whole vocabulary only where
         # their mass falls short of top_p (a flat distribution: high temperatures, odd text)
-        top, order = probs.topk(min(NUCLEUS_LOOK, probs.numel()))   # likeliest first
+        top, order = probs.topk(min(NUCLEUS_LOOK, probs.numel()))   # (min(NUCLEUS_LOOK, V),) each, likeliest first
         mass = top.cumsum(-1)
         if mass[-1] < p.top_p and top.numel() < probs.numel():
             top, order = sort_descending(probs)
@@ -2482,7 +2488,7 @@ def logprob_dicts(lp, targets: list[int], picks: list, tokenizer,
     as the target is, where vLLM numbers them 1 to n). These are the model's own
     probabilities (a log_softmax of its logits, in float32), before the penalties, the
     constraints, temperature, top-k, min-p and top-p (vLLM's default). contexts: per row, the
-    sequence's last few tokens before its position, for decoded_token; None where no text is
+    sequence's last few tokens before its position, for token_texts; None where no text is
     wanted (detokenize=False: decoded_token None)."""
     target_lp = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])   # (M, 1)
     ranks = (lp >= target_lp).sum(dim=-1).tolist()                       # (M,) ties count against it
@@ -2507,17 +2513,20 @@ def logprob_dicts(lp, targets: list[int], picks: list, tokenizer,
 
 
 def token_texts(tokenizer, context: list[int]):
-    """Logprob entries' texts at one position: a function of a token, giving what it adds to
-    the text after `context`, up to 4 of the sequence's tokens before it (decoded once for
-    all of the position's candidates). Where a token holds whole characters, that is the token
-    decoded alone, a SentencePiece token's leading space kept (a real one, as in an output's
-    text): vLLM's (0.14 and 0.26 on). Where a UTF-8 character is cut between tokens (byte
-    fallback, byte-level BPE), it belongs to the token that holds its last byte: "" for a
-    token that only begins one, "世" for one holding "世" and the first bytes of the next, and
-    U+FFFD for bytes that make no character, as in the text; so the chosen tokens' texts add
-    up to the text, which vLLM's do only where a token ends a character (but for a character
-    the end cuts short: a token cannot know it is the last, the text's U+FFFD). (4 tokens are enough:
-    the character the token may complete began at most 3 bytes, so 3 tokens, before it.)"""
+    """Logprob entries' texts at one position: a function that gives, for a token, the text it
+    adds after `context`, up to 4 of the sequence's tokens before it (decoded once for all of
+    the position's candidates).
+
+    A token that holds whole characters gives the token decoded alone, a SentencePiece token's
+    leading space kept (a real one, as in an output's text): vLLM's texts (0.14 and 0.26 on).
+    A UTF-8 character cut between tokens (byte fallback, byte-level BPE) belongs to the token
+    that holds its last byte: a token that only begins one gives "", one that holds "世" and
+    the first bytes of the next gives "世", and bytes that make no character give U+FFFD, as
+    in the text. So the chosen tokens' texts add up to the output's text (vLLM's do only where
+    every token ends a character), but for one case: an output cut short inside a character
+    ends in U+FFFD, which its last token's entry, not knowing it is the last, does not show.
+    Four tokens are enough: the character a token may complete began at most 3 bytes, so at
+    most 3 tokens, before it."""
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     utf8.decode(tokenizer.decode_bytes(context))   # (keeps the bytes of a character the context leaves cut)
     after_context = utf8.getstate()

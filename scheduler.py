@@ -98,7 +98,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0      # > 0: less of a token, the more the output has it
     repetition_penalty: float = 1.0     # > 1: less of any token of the prompt or output
     min_tokens: int = 0                 # no EOS, stop token or stop string before this many tokens
-    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (-1: all that fit)
+    truncate_prompt_tokens: int | None = None   # keep only k tokens of the prompt: its last, but for the
+                                        # special tokens the tokenizer put around a text (a BOS), which
+                                        # stay (-1: all that fit)
     repetition_detection: RepetitionDetectionParams | None = None   # end an output that loops (or a
                                         # dict of its fields): finish_reason "repetition"
     # Constraints, also before temperature (so greedy decoding obeys them too):
@@ -275,8 +277,9 @@ def check_priority(priority):
 def _token_id_rows(rows) -> list[list[int]] | None:
     """prompt_logprob_token_ids as rows of equal length, padded with -1 (a list of lists, or a
     2-D integer array such as numpy's); None if it is not one."""
-    rows = rows.tolist() if getattr(rows, "ndim", None) == 2 else rows   # (an array's ints were checked by
-    if not isinstance(rows, (list, tuple)) or not rows:                  # its dtype: tolist's are Python's)
+    # (a 2-D array, numpy's or torch's: its tolist() gives Python numbers, checked below as a list's are)
+    rows = rows.tolist() if getattr(rows, "ndim", None) == 2 else rows
+    if not isinstance(rows, (list, tuple)) or not rows:
         return None
     if not all(isinstance(r, (list, tuple)) and r and all(is_integer(t) and t >= -1 for t in r) for r in rows):
         return None
@@ -521,7 +524,8 @@ class SchedulerOutput:
     slots: list[list[int]] = field(default_factory=list)  # their cache slots (the slot_mapping)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)   # step 1's victims (recomputed or swapped
-    # out): memory is short, so the step admits nobody (a parked beam preempted later is not listed)
+    # out): memory is short, so the step admits nobody (not listed: a parked beam preempted in step 2,
+    # and _preempt_outranked's victims, who make room for the admission that follows)
     # swapping, to run before the copies: (GPU block, CPU block) pairs to save, then (CPU
     # block, GPU block) pairs to bring back; and the sequences that moved either way
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -553,8 +557,9 @@ class Scheduler:
         # Under the window a sequence holds the window and a step's chunk at most (blocks_at_most).
         # Where the pool cannot hold that for a whole budget's chunk, the budget shrinks to the
         # longest chunk it can (that bound solved for B): a request longer than the pool is then
-        # served in smaller steps, not refused. (Window 8, 8 blocks of 4, budget 1024: a 10-token
-        # prompt with max_tokens 40 was refused as "needs 13 blocks", more than it ever holds.)
+        # served in smaller steps, not refused. (Window 8, 8 blocks of 4, budget 1024: for a
+        # 10-token prompt with max_tokens 40 the bound is 13 blocks, more than the pool, though it
+        # never holds more than 8; with the budget lowered to 18, the bound is 8, and it runs.)
         # A pool that cannot hold even a one-token chunk's window keeps the budget: only requests
         # that fit it whole are served there, and a smaller budget would only slow them.
         if sliding_window is not None:
@@ -770,8 +775,9 @@ class Scheduler:
         # admitted on its first chunk, a long prompt is the newest running sequence,
         # the first preempted when the others grow, and recomputing it throws its
         # chunks away, again and again. (4 prompts of 2k-8k tokens in 600 blocks
-        # of 16, no prefix cache: 66,522 tokens computed where 20,256 suffice, as
-        # now. vLLM's v0 checked the whole prompt too; its v1 checks the chunk.)
+        # of 16, no prefix cache: admitted by the chunk, 66,522 tokens computed;
+        # admitted whole, the 20,256 that suffice. vLLM's v0 checked the whole
+        # prompt too; its v1 checks the chunk.)
         # Not under a sliding window: there a prompt holds its window and a chunk
         # at most, and that bound (blocks_at_most: a whole budget's chunk, any
         # alignment) is loose enough to keep waiting requests that would have run
@@ -872,23 +878,23 @@ class Scheduler:
 
     def _room_to_grow(self, q: Sequence) -> int:
         """The blocks a running sequence q needs to grow by one block more: one, or two where
-        its last block is partial and shared (a fork's: copy-on-write gives it its own), and
-        one more for each further sample of the n it is about to fork into that runs on (they share
+        its last block is partial and shared (a fork's: copy-on-write gives it its own), and one
+        more for each further sample of the n it is about to fork into that runs on (they share
         the prompt's blocks, but copy-on-write gives each its own last block). Nothing for the
         rest of its prompt: step 2 runs only when step 1 placed every running sequence whole
         (budget left over, nothing preempted), so q's slots reach its last token (and
-        _admissible, which asks before step 1, adds step 1's blocks apart). A waiting prompt, or a swapped-out sequence coming back, is admitted only
-        with this room left free for every running sequence of an older request, and a block
-        of its own (schedule, step 2). Admitted into the last free blocks, it would be the
-        newest running sequence when the older ones cross their next block boundary a few
-        steps later: preempted, recomputed from zero, and admitted again into the same
-        squeeze. (Scheduler-only runs of the engine's workload, 64 requests of 16-512 + 32-256
-        tokens in 300-800 blocks of 16: see the README's "Room to grow".) Only older requests
-        count, and they are all running (the candidate is the oldest sequence not running), so
-        they make progress; once they have finished, it is admitted as it would have been
-        without this room: nothing waits for good (under priorities, as long as requests of
-        lower values keep coming, as in vLLM). Newer sequences give way to it, not it to
-        them."""
+        _admissible, which asks before step 1, adds step 1's blocks apart). A waiting prompt, or
+        a swapped-out sequence coming back, is admitted only with this room left free for every
+        running sequence of an older request, and a block of its own (schedule, step 2).
+        Admitted into the last free blocks, it would be the newest running sequence when the
+        older ones cross their next block boundary a few steps later: preempted, recomputed from
+        zero, and admitted again into the same squeeze. (Scheduler-only runs of the engine's
+        workload, 64 requests of 16-512 + 32-256 tokens in 300-800 blocks of 16: see the
+        README's "Room to grow".) Only older requests count, and they are all running (the
+        candidate is the oldest sequence not running), so they make progress; once they have
+        finished, it is admitted as it would have been without this room: nothing waits for good
+        (but under priorities, a request waits as long as requests of lower values keep coming,
+        as in vLLM). Newer sequences give way to it, not it to them."""
         return q.block_table.blocks_needed(self.block_size) + self._samples_seated(q) - 1
 
     def _samples_seated(self, seq: Sequence) -> int:
@@ -902,8 +908,8 @@ class Scheduler:
         for a beam, its search (the request id), beam_width seats while any of its beams runs.
         A search runs fewer beams where fewer candidates were left (allowed_token_ids, EOS ids
         among the best) and grows back to beam_width as it finds more, asking for no seat:
-        holding only its running beams' seats, it let a later request take the others, then
-        ran past max_num_seqs."""
+        were it to hold only its running beams' seats, a later request could take the others,
+        and the search, growing back, would run past max_num_seqs."""
         if seq.params.beam is not None:
             return seq.request_id, seq.params.n
         return seq, self._samples_seated(seq)
