@@ -7,6 +7,8 @@ README quotes them with the command that produced them.
                               the decode rows on kernels_cpu.c
   python bench.py scheduler   the scheduler's own time per step, no model: 256 running sequences; and one
                               decoding under a window of 4,096 while a 32k-token request waits
+  python bench.py seats       n parallel samples, the scheduler alone: seated one per free seat (prefix
+                              cache on) vs a seat for each sample (off): steps, tokens, seats used, waits
   python bench.py engine      the 64-request offline workload (+ transformers side by side), memory report
   python bench.py backends    the same workload on attn_backend "torch" and "cpu" (kernels_cpu.c), in turns
   python bench.py prefix      a ~1,000-token shared system prompt: TTFT with prefix caching on vs off
@@ -234,6 +236,64 @@ def median_step(sched, steps):
         out = sched_step(sched)
         times.append(time.perf_counter() - t)
     return statistics.median(times), out
+
+
+def bench_seats(args):
+    """Seats for samples, the scheduler alone: 64 requests of the offline workload's lengths, a
+    share of them with n parallel samples (n uniform in 2..max_num_seqs), through Scheduler with
+    a fake token. With the prefix cache on, a request is seated one sample per free seat
+    (Scheduler._grant), its samples without a seat waiting at the fork to be recomputed from the
+    cache; off, it waits for a seat for each: side by side on the same requests."""
+    print("| max_num_seqs, share with n > 1, arrivals | rule | steps | tokens over the fewest "
+          "| seats used | mean wait, steps |")
+    print("|---|---|---|---|---|---|")
+    for seats, share, gap in ((8, 0.25, None), (8, 0.25, 30), (16, 0.25, None), (16, 0.5, None)):
+        rows = {caching: [] for caching in (False, True)}
+        for seed in range(4):
+            rng, t, requests = random.Random(seed), 0.0, []
+            for _ in range(64):
+                n = rng.randint(2, seats) if rng.random() < share else 1
+                prompt = [rng.randint(3, 30_000) for _ in range(rng.randint(16, 512))]
+                requests.append((int(t), prompt, n, rng.randint(32, 256)))
+                t += rng.expovariate(1 / gap) if gap else 0
+            # the fewest tokens: each prompt once, and each sample's tokens but its last
+            fewest = sum(len(p) + n * (m - 1) for _, p, n, m in requests)
+            for caching in rows:
+                rows[caching].append(seats_run(requests, seats, caching) + (fewest,))
+        for caching, runs in rows.items():
+            steps = sum(r[0] for r in runs) / len(runs)
+            over = statistics.mean(r[1] / r[4] - 1 for r in runs)
+            used = statistics.mean(r[2] / r[0] / seats for r in runs)
+            wait = statistics.mean(r[3] for r in runs)
+            rule = "one per free seat (cache on)" if caching else "a seat for each (cache off)"
+            print(f"| {seats}, {share:.0%}, {f'gaps of {gap}' if gap else 'together'} | {rule} | {steps:,.0f} "
+                  f"| {over:+.1%} | {used:.2f} | {wait:,.0f} |")
+
+
+def seats_run(requests, seats, caching):
+    """One run of bench_seats' requests ((arrival step, prompt, n, max_tokens) each) in a roomy
+    pool of 4,000 blocks of 16: (steps, tokens computed, sequences scheduled over all steps,
+    mean steps from a request's arrival to its first scheduled token)."""
+    pool = BlockPool(num_blocks=4000, block_size=16, num_layers=1, num_kv_heads=1, head_dim=1)
+    sched = Scheduler(pool, max_num_seqs=seats, max_num_batched_tokens=1024, max_model_len=4096,
+                      enable_prefix_caching=caching)
+    pending, arrived, first = sorted(requests, key=lambda r: r[0]), {}, {}
+    step = tokens = scheduled = 0
+    while pending or sched.has_unfinished():
+        while pending and pending[0][0] <= step:
+            at, prompt, n, max_tokens = pending.pop(0)
+            arrived[len(arrived)] = at
+            sched.add(len(arrived) - 1, prompt, SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True))
+        step += 1
+        if not sched.has_unfinished():
+            continue   # (idle until the next arrival)
+        out = sched.schedule()
+        tokens, scheduled = tokens + sum(out.num_tokens), scheduled + len(out.seqs)
+        for seq in out.seqs:
+            first.setdefault(seq.request_id, step - 1)
+        # token 7 for every sequence that samples (one for each sample where it forks)
+        sched.update(out, {seq: [7] * seq.pending_samples for i, seq in enumerate(out.seqs) if out.do_sample[i]})
+    return step, tokens, scheduled, statistics.mean(first[i] - arrived[i] for i in arrived)
 
 
 # -----------------------------------------------------------------------------
@@ -895,9 +955,9 @@ def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
 
 # -----------------------------------------------------------------------------
 
-BENCHES = {"load": bench_load, "attention": bench_attention, "scheduler": bench_scheduler, "engine": bench_engine,
-           "prefix": bench_prefix, "parallel": bench_parallel, "preempt": bench_preempt, "priority": bench_priority,
-           "beam": bench_beam, "sampling": bench_sampling, "dtype": bench_dtype,
+BENCHES = {"load": bench_load, "attention": bench_attention, "scheduler": bench_scheduler, "seats": bench_seats,
+           "engine": bench_engine, "prefix": bench_prefix, "parallel": bench_parallel, "preempt": bench_preempt,
+           "priority": bench_priority, "beam": bench_beam, "sampling": bench_sampling, "dtype": bench_dtype,
            "backends": bench_backends, "kernel": bench_kernel}
 
 
@@ -923,7 +983,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     # These measure a workload of their own (the default model's loading, no model at all, or,
     # dtype, each of the three dtypes; backends, both backends): a flag given them would go unmeasured.
-    own = {"load", "attention", "scheduler", "kernel"}
+    own = {"load", "attention", "scheduler", "seats", "kernel"}
     for flag, given, ignored_by in (("--model", args.model is not None, own),
                                     ("--dtype", args.dtype != "float32", own | {"dtype"}),
                                     ("--attn-backend", args.attn_backend != "auto", own | {"backends"}),

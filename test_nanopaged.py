@@ -4270,19 +4270,49 @@ def test_a_request_with_n_samples_holds_n_seats_while_its_prompt_is_prefilled_in
         assert len(sched.running) <= 3
 
 
-def test_more_samples_than_seats_wait_for_every_seat_then_run_max_num_seqs_at_a_time():
-    """A request of n = 20 samples, max_num_seqs = 3, is admitted with all 3 seats (as one of
-    n = 3 is: its samples fork from one prefill), so it waits for the older request to end;
-    then 3 samples run, 17 wait with their first tokens, and each seat freed takes the next.
-    Catches: seats not capped at max_num_seqs (never admitted), _defer not called."""
-    sched = make_sched(num_blocks=12, block_size=4, max_num_seqs=3)
+def test_more_samples_than_seats_take_the_free_seats_and_wait_for_the_others():
+    """A request of n = 20 samples, max_num_seqs = 3, one seat held by an older request: it is
+    admitted at once with the 2 seats free (Scheduler._grant), not after the older request
+    ends; then 2 samples run beside it, 18 wait with their first tokens, and each seat freed
+    takes the next (the older request's first).
+    Catches: seats not capped at max_num_seqs (never admitted), _defer not called, a request
+    of n samples admitted only with seats for all of them (the rule before _grant)."""
+    sched = make_sched(num_blocks=24, block_size=4, max_num_seqs=3)
     old = sched.add("old", [2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
     run_step(sched)
-    r = sched.add("r", [5, 6, 7, 8, 9], SamplingParams(n=20, max_tokens=3, ignore_eos=True))
+    r = sched.add("r", [5, 6, 7, 8, 9], SamplingParams(n=20, max_tokens=8, ignore_eos=True))
+    assert run_step(sched).seqs == [old, r] and len(sched.running) == 3 and len(sched.waiting) == 18
+    while old.status is not Status.FINISHED:
+        assert len(run_step(sched).seqs) == 3 and sched.num_preemptions == 0
+    r2 = next(q for q in sched.requests["r"] if q.sample_index == 2)
+    assert run_step(sched).seqs == [r, sched.requests["r"][1], r2]   # (sample 2 took old's seat)
+    run_all(sched)   # (run_step checks max_num_seqs at every step)
+    assert sched.pool.num_used == 0 and not sched.requests
+    # Without the prefix cache a sample that waited would prefill its whole prompt again: the
+    # request waits for all 3 seats, then 3 samples run, 17 wait. Catches: _grant's rule there too.
+    sched = make_sched(num_blocks=24, block_size=4, max_num_seqs=3, enable_prefix_caching=False)
+    old = sched.add("old", [2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
+    run_step(sched)
+    r = sched.add("r", [5, 6, 7, 8, 9], SamplingParams(n=20, max_tokens=8, ignore_eos=True))
     while old.status is not Status.FINISHED:
         assert run_step(sched).seqs == [old]
     assert run_step(sched).seqs == [r] and len(sched.running) == 3 and len(sched.waiting) == 17
-    run_all(sched)   # (run_step checks max_num_seqs at every step)
+    run_all(sched)
+    assert sched.pool.num_used == 0 and not sched.requests
+
+
+def test_a_sample_keeps_a_seat_freed_in_the_step_it_forks():
+    """max_num_seqs = 2: a request of n = 2 is admitted with the one seat free beside a request
+    that ends in that very step; as it forks, that seat is free too, so both samples run on and
+    neither waits to be recomputed (Scheduler._defer counts the seats free then, not only those
+    granted). Catches: _defer keeping only `num_seats` samples."""
+    sched = make_sched(num_blocks=16, block_size=4, max_num_seqs=2)
+    old = sched.add("old", [2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_step(sched)
+    r = sched.add("r", [5, 6, 7, 8, 9], SamplingParams(n=2, max_tokens=3, ignore_eos=True))
+    assert run_step(sched).seqs == [old, r] and r.num_seats == 1   # (old samples its last token)
+    assert old.status is Status.FINISHED and len(sched.running) == 2 and not sched.waiting
+    run_all(sched)
     assert sched.pool.num_used == 0 and not sched.requests
 
 
@@ -4892,11 +4922,28 @@ def test_a_better_priority_that_does_not_fit_preempts_worse_ones():
     urgent = sched.add("urgent", [9] * 32, SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
     run_all(sched, kv=kv)
     assert low.num_preemptions == 0 and urgent.first_token_time < low.finish_time
-    # nor where it would still lack a seat of max_num_seqs: mid's 2 samples and its 2 take 4 of 3
+    # nor where it would still lack a seat of max_num_seqs: mid's 2 samples and the 2 beams of
+    # urgent's search (which run together) take 4 of 3
+    sched, kv, said, (mid, low) = tight(("mid", 20, 8, -2, 2), ("low", 36, 4, 1), max_num_seqs=3)
+    params = SamplingParams(n=2, max_tokens=2, ignore_eos=True)
+    params.beam = BeamSearchParams(2, 2, ignore_eos=True)   # (what LLM._add makes of a beam search)
+    urgent = sched.add("urgent", [9] * 36, params, priority=-1)
+    run_all(sched, kv=kv)
+    assert low.num_preemptions == 0 and urgent.first_token_time > low.finish_time and sched.pool.num_used == 0
+    # but samples need only one seat (Scheduler._grant): low goes, urgent's first sample runs
+    # in its seat, and its second waits for one of mid's
     sched, kv, said, (mid, low) = tight(("mid", 20, 8, -2, 2), ("low", 36, 4, 1), max_num_seqs=3)
     urgent = sched.add("urgent", [9] * 36, SamplingParams(max_tokens=1, ignore_eos=True, n=2), priority=-1)
     run_all(sched, kv=kv)
-    assert low.num_preemptions == 0 and urgent.first_token_time > low.finish_time and sched.pool.num_used == 0
+    assert low.num_preemptions == 1 and urgent.first_token_time < low.finish_time and sched.pool.num_used == 0
+    # and as many as the worse ones free, in one step: all 3 lows go for urgent's 3 samples,
+    # none of which waits to be recomputed
+    sched, kv, said, lows = tight(*[(f"low{i}", 4, 30, 1) for i in range(3)], max_num_seqs=3)
+    urgent = sched.add("urgent", [9] * 8, SamplingParams(max_tokens=2, ignore_eos=True, n=3), priority=-1)
+    run_step(sched, kv=kv)
+    assert [s.num_preemptions for s in lows] == [1, 1, 1] and urgent.num_seats == 3
+    assert len(sched.running) == 3 and not any("waits for a seat" in line for line in said)
+    run_all(sched, kv=kv)
     # every block of a victim counts (urgent's 15 fit once all 4 of low's are freed), and several
     # go in one step where it takes them all (its 16: both lows' 5 and 5)
     for running, prompt, victims in (((("mid", 8, 30, -2), ("low", 16, 30, 1)), 60, [0, 1]),
@@ -7286,7 +7333,8 @@ def test_bench_refuses_bad_arguments_in_one_line(tmp_path, capsys):
     for argv, flag in ((["load", "--model", str(tmp_path)], "--model"), (["attention", "--dtype", "bfloat16"], "--dtype"),
                        (["dtype", "--dtype", "float16"], "--dtype"), (["backends", "--attn-backend", "torch"],
                                                                       "--attn-backend"),
-                       (["scheduler", "--max-num-batched-tokens", "512"], "--max-num-batched-tokens")):
+                       (["scheduler", "--max-num-batched-tokens", "512"], "--max-num-batched-tokens"),
+                       (["seats", "--model", str(tmp_path)], "--model")):
         with pytest.raises(SystemExit) as exit_:
             bench.main(argv)
         assert exit_.value.code == 2
