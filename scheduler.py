@@ -925,13 +925,13 @@ class Scheduler:
         free, from the prefix cache. (Waiting for seats for all n, max_num_seqs at most, kept
         the head of the queue, and everything behind it, waiting until nearly every running
         request had finished, with seats empty meanwhile: see the README's "Seats for
-        samples".) Without the prefix cache, a sample that waits prefills its whole prompt
-        again (34-91% more tokens in those workloads): there the request still waits for all
-        its seats. A beam search's first beam: all beam_width beams, which run together (its
+        samples".) Without the prefix cache (or where the request does not read it,
+        skip_reading_prefix_cache), a sample that waits prefills its whole prompt again (34-91%
+        more tokens in those workloads): there the request still waits for all its seats. A beam search's first beam: all beam_width beams, which run together (its
         search waits for beam_width seats, _seats); any other sequence, 1."""
         if seq.params.beam is not None:
             return seq.pending_samples
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.skip_reading_prefix_cache:
             return min(seq.pending_samples, self.max_num_seqs)
         return max(1, min(seq.pending_samples, self.max_num_seqs - taken))
 

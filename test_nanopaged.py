@@ -4288,17 +4288,20 @@ def test_more_samples_than_seats_take_the_free_seats_and_wait_for_the_others():
     assert run_step(sched).seqs == [r, sched.requests["r"][1], r2]   # (sample 2 took old's seat)
     run_all(sched)   # (run_step checks max_num_seqs at every step)
     assert sched.pool.num_used == 0 and not sched.requests
-    # Without the prefix cache a sample that waited would prefill its whole prompt again: the
-    # request waits for all 3 seats, then 3 samples run, 17 wait. Catches: _grant's rule there too.
-    sched = make_sched(num_blocks=24, block_size=4, max_num_seqs=3, enable_prefix_caching=False)
-    old = sched.add("old", [2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
-    run_step(sched)
-    r = sched.add("r", [5, 6, 7, 8, 9], SamplingParams(n=20, max_tokens=8, ignore_eos=True))
-    while old.status is not Status.FINISHED:
-        assert run_step(sched).seqs == [old]
-    assert run_step(sched).seqs == [r] and len(sched.running) == 3 and len(sched.waiting) == 17
-    run_all(sched)
-    assert sched.pool.num_used == 0 and not sched.requests
+    # Without the prefix cache, or for a request that does not read it, a sample that waited
+    # would prefill its whole prompt again: the request waits for all 3 seats, then 3 samples
+    # run, 17 wait. Catches: _grant's rule there too.
+    for caching, skip in ((False, None), (True, True)):
+        sched = make_sched(num_blocks=24, block_size=4, max_num_seqs=3, enable_prefix_caching=caching)
+        old = sched.add("old", [2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
+        run_step(sched)
+        r = sched.add("r", [5, 6, 7, 8, 9], SamplingParams(n=20, max_tokens=8, ignore_eos=True,
+                                                           skip_reading_prefix_cache=skip))
+        while old.status is not Status.FINISHED:
+            assert run_step(sched).seqs == [old]
+        assert run_step(sched).seqs == [r] and len(sched.running) == 3 and len(sched.waiting) == 17
+        run_all(sched)
+        assert sched.pool.num_used == 0 and not sched.requests
 
 
 def test_a_sample_keeps_a_seat_freed_in_the_step_it_forks():
