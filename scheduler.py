@@ -918,17 +918,18 @@ class Scheduler:
 
     def _grant(self, seq: Sequence, taken: int) -> int:
         """How many of seq's samples would run once it samples, were it admitted now, `taken`
-        seats of max_num_seqs being held. A request's first sequence until it forks into n
-        samples: one per free seat, n at most, and at least one. It is admitted as soon as a
-        seat is free, as vLLM V1 admits the n requests of one sample it makes of it one by one;
-        the samples left without a seat wait at the fork (_defer) and are recomputed as seats
-        free, from the prefix cache. (Waiting for seats for all n, max_num_seqs at most, kept
-        the head of the queue, and everything behind it, waiting until nearly every running
-        request had finished, with seats empty meanwhile: see the README's "Seats for
+        seats of max_num_seqs being held. For a request's first sequence until it forks into n
+        samples: one per free seat, n at most, and at least one. So it is admitted as soon as a
+        seat is free, as vLLM V1 admits one by one the n requests of one sample it makes of it;
+        the samples left without a seat wait at the fork (_defer), to be recomputed from the
+        prefix cache as seats free. (Waiting for a seat for each sample instead, a request
+        holds the head of the queue, and everything behind it, until nearly every running
+        request has finished, with seats empty meanwhile: see the README's "Seats for
         samples".) Without the prefix cache (or where the request does not read it,
         skip_reading_prefix_cache), a sample that waits prefills its whole prompt again (34-91%
-        more tokens in those workloads): there the request still waits for all its seats. A beam search's first beam: all beam_width beams, which run together (its
-        search waits for beam_width seats, _seats); any other sequence, 1."""
+        more tokens in those workloads): there the request waits for a seat for each sample,
+        max_num_seqs at most. A beam search's first beam: all beam_width beams, which run
+        together (its search waits for beam_width seats, _seats). Any other sequence: 1."""
         if seq.params.beam is not None:
             return seq.pending_samples
         if not self.enable_prefix_caching or seq.params.skip_reading_prefix_cache:
@@ -1043,15 +1044,15 @@ class Scheduler:
                       f"({self.pool.num_available} blocks available)")
 
     def _defer(self, samples: list[Sequence]):
-        """A request's samples just forked, more than the seats it was admitted with: the
-        first ones that run on keep the seats of max_num_seqs free now (those it was granted,
-        _grant, and any that others gave back since, this very step's finished requests
-        included), the others wait for a seat, each
-        with its first token (drawn with its siblings' from the prompt's one row), sent back
-        as a preempted sequence is, to be recomputed (with prefix caching on, from its prompt's
-        cached blocks; off, its whole prompt again). vLLM V1 makes n requests of one sample,
-        each with its prompt. Not counted as a preemption: it never ran on its own."""
-        # (Keeping only the seats granted sent back samples that a seat freed since would take
+        """A request's samples just forked, more than the seats it was admitted with. The first
+        ones run on in the seats of max_num_seqs free now: those it was granted (_grant), and
+        any that others gave back since, this very step's finished requests included. The
+        others wait for a seat, each with its first token (drawn with its siblings' from the
+        prompt's one row), sent back as a preempted sequence is, to be recomputed (with prefix
+        caching on, from its prompt's cached blocks; off, its whole prompt again). vLLM V1
+        makes n requests of one sample, each with its prompt. Not counted as a preemption: it
+        never ran on its own."""
+        # (Keeping only the seats granted would send back samples that a seat freed since takes
         # in the next step, at a recompute: 0.3-1.5% more tokens computed, the same steps, in
         # the README's "Seats for samples" workloads.) The seats held by every other request
         # leave its granted ones free at least: admissions since counted them.
