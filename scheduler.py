@@ -926,7 +926,7 @@ class Scheduler:
         holds the head of the queue, and everything behind it, until nearly every running
         request has finished, with seats empty meanwhile: see the README's "Seats for
         samples".) Without the prefix cache (or where the request does not read it,
-        skip_reading_prefix_cache), a sample that waits prefills its whole prompt again (34-91%
+        skip_reading_prefix_cache), a sample that waits prefills its whole prompt again (32-87%
         more tokens in those workloads): there the request waits for a seat for each sample,
         max_num_seqs at most. A beam search's first beam: all beam_width beams, which run
         together (its search waits for beam_width seats, _seats). Any other sequence: 1."""
@@ -1053,7 +1053,7 @@ class Scheduler:
         makes n requests of one sample, each with its prompt. Not counted as a preemption: it
         never ran on its own."""
         # (Keeping only the seats granted would send back samples that a seat freed since takes
-        # in the next step, at a recompute: 0.3-1.5% more tokens computed, the same steps, in
+        # in the next step, at a recompute: 0.0-0.1% more tokens computed, the same steps, in
         # the README's "Seats for samples" workloads.) The seats held by every other request
         # leave its granted ones free at least: admissions since counted them.
         mine = set(samples)

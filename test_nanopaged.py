@@ -4319,6 +4319,58 @@ def test_a_sample_keeps_a_seat_freed_in_the_step_it_forks():
     assert sched.pool.num_used == 0 and not sched.requests
 
 
+def test_a_request_still_prefilling_holds_only_the_seats_it_was_granted():
+    """max_num_seqs = 3: r (n = 3) is admitted beside old with the 2 seats free, and prefills
+    its prompt over two steps; old ends meanwhile. In r's second step it holds its 2 granted
+    seats, not 3 (Sequence.num_seats, read by _samples_seated), so s takes the third and r's
+    third sample waits at the fork. Catches: _samples_seated giving n, or min(n, max_num_seqs),
+    for a request that has not forked (the old rule's count)."""
+    sched = make_sched(num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=8)
+    old = sched.add("old", [2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_step(sched)
+    r = sched.add("r", list(range(5, 15)), SamplingParams(n=3, max_tokens=3, ignore_eos=True))
+    s = sched.add("s", [20, 21, 22], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert run_step(sched).seqs == [old, r] and r.num_seats == 2 and old.status is Status.FINISHED
+    assert run_step(sched).seqs == [r, s]   # (r's last 3 prompt tokens, then s in the seat r left)
+    assert len(sched.running) == 3 and [q.sample_index for q in sched.waiting] == [2]
+    run_all(sched)
+    assert sched.pool.num_used == 0 and not sched.requests
+
+
+def test_a_request_granted_fewer_seats_than_samples_keeps_room_for_those_alone():
+    """A request of n = 3 admitted with the one seat free (max_num_seqs = 3, two older requests
+    running) keeps room to grow for the one sample that runs on, not 3 (Scheduler._admission's
+    `seated`): in 8 blocks, where the older two hold 3 and keep 2 free to grow, its prompt's 2
+    and that sample's 1 fit, and it is admitted at once (in 7 it waits). Catches: the
+    candidate's own room counted as min(n, max_num_seqs), the old rule's (2 blocks more)."""
+    for num_blocks, runs in ((7, False), (8, True)):
+        sched = make_sched(num_blocks=num_blocks, block_size=4, max_num_seqs=3)
+        for name in ("a", "b"):
+            sched.add(name, [2, 3, 4, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
+        run_step(sched)
+        r = sched.add("r", list(range(30, 38)), SamplingParams(n=3, max_tokens=2, ignore_eos=True))
+        assert (r in run_step(sched).seqs) is runs and r.num_seats == 1
+        run_all(sched)
+        assert sched.pool.num_used == 0 and not sched.requests
+
+
+def test_a_beam_search_keeps_room_for_every_beam_before_it_forks():
+    """A beam search's first beam, prefilling, keeps room to grow for all beam_width beams it
+    forks into (copy-on-write gives each its own last block), as it holds beam_width seats:
+    a newer request that would take that room waits. Catches: _grant giving a beam search one
+    sample's room (num_seats 1) where it holds beam_width seats."""
+    sched = make_sched(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+    params = SamplingParams(n=3, max_tokens=2, ignore_eos=True)
+    params.beam = BeamSearchParams(3, 2, ignore_eos=True)   # (what LLM._add makes of a beam search)
+    b = sched.add("b", list(range(10, 18)), params)
+    assert run_step(sched).seqs == [b] and b.num_seats == 3
+    c = sched.add("c", [30, 31, 32, 33], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert sched._room_to_grow(b) == 3
+    assert run_step(sched).seqs == [b]   # (b's last 2 prompt tokens; c waits: room for 3 beams)
+    run_all(sched)
+    assert c.status is Status.FINISHED and sched.pool.num_used == 0 and not sched.requests
+
+
 def test_more_samples_than_max_num_seqs_wait_for_their_seats(tmp_path):
     """n = 5 seeded samples with max_num_seqs = 2 (vLLM V1 takes any n): the prompt is
     prefilled once and the 5 first tokens drawn from its row; 2 samples run on, the other 3
