@@ -243,10 +243,12 @@ def bench_seats(args):
     share of them with n parallel samples (n uniform in 2..max_num_seqs), through Scheduler with
     a fake token. With the prefix cache on, a request is seated one sample per free seat
     (Scheduler._grant), its samples without a seat waiting at the fork to be recomputed from the
-    cache; off, it waits for a seat for each: side by side on the same requests."""
+    cache; off, it waits for a seat for each: side by side on the same requests. The wait is a
+    request's, to its first scheduled token; the latency, to its last sample's last token (it
+    counts what samples sent back at the fork wait)."""
     print("| max_num_seqs, share with n > 1, arrivals | rule | steps | tokens over the fewest "
-          "| seats used | mean wait, steps |")
-    print("|---|---|---|---|---|---|")
+          "| seats used | mean wait, steps | mean latency, steps |")
+    print("|---|---|---|---|---|---|---|")
     for seats, share, gap in ((8, 0.25, None), (8, 0.25, 30), (16, 0.25, None), (16, 0.5, None)):
         rows = {caching: [] for caching in (False, True)}
         for seed in range(4):
@@ -262,22 +264,22 @@ def bench_seats(args):
                 rows[caching].append(seats_run(requests, seats, caching) + (fewest,))
         for caching, runs in rows.items():
             steps = sum(r[0] for r in runs) / len(runs)
-            over = statistics.mean(r[1] / r[4] - 1 for r in runs)
+            over = statistics.mean(r[1] / r[5] - 1 for r in runs)
             used = statistics.mean(r[2] / r[0] / seats for r in runs)
-            wait = statistics.mean(r[3] for r in runs)
+            wait, latency = statistics.mean(r[3] for r in runs), statistics.mean(r[4] for r in runs)
             rule = "one per free seat (cache on)" if caching else "a seat for each (cache off)"
             print(f"| {seats}, {share:.0%}, {f'gaps of {gap}' if gap else 'together'} | {rule} | {steps:,.0f} "
-                  f"| {over:+.1%} | {used:.2f} | {wait:,.0f} |")
+                  f"| {over:+.1%} | {used:.2f} | {wait:,.0f} | {latency:,.0f} |")
 
 
 def seats_run(requests, seats, caching):
     """One run of bench_seats' requests ((arrival step, prompt, n, max_tokens) each) in a roomy
     pool of 4,000 blocks of 16: (steps, tokens computed, sequences scheduled over all steps,
-    mean steps from a request's arrival to its first scheduled token)."""
+    mean steps from a request's arrival to its first scheduled token, and to its end)."""
     pool = BlockPool(num_blocks=4000, block_size=16, num_layers=1, num_kv_heads=1, head_dim=1)
     sched = Scheduler(pool, max_num_seqs=seats, max_num_batched_tokens=1024, max_model_len=4096,
                       enable_prefix_caching=caching)
-    pending, arrived, first = sorted(requests, key=lambda r: r[0]), {}, {}
+    pending, arrived, first, end = sorted(requests, key=lambda r: r[0]), {}, {}, {}
     step = tokens = scheduled = 0
     while pending or sched.has_unfinished():
         while pending and pending[0][0] <= step:
@@ -293,7 +295,11 @@ def seats_run(requests, seats, caching):
             first.setdefault(seq.request_id, step - 1)
         # token 7 for every sequence that samples (one for each sample where it forks)
         sched.update(out, {seq: [7] * seq.pending_samples for i, seq in enumerate(out.seqs) if out.do_sample[i]})
-    return step, tokens, scheduled, statistics.mean(first[i] - arrived[i] for i in arrived)
+        for seq in out.seqs:   # (a request ends in a step that ran its last sample)
+            if seq.request_id not in sched.requests:
+                end.setdefault(seq.request_id, step)
+    return (step, tokens, scheduled, statistics.mean(first[i] - arrived[i] for i in arrived),
+            statistics.mean(end[i] - arrived[i] for i in arrived))
 
 
 # -----------------------------------------------------------------------------

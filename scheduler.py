@@ -829,7 +829,7 @@ class Scheduler:
 
     def _admissible(self, seq: Sequence, swapped: bool, keep: list[Sequence], seated: int) -> bool:
         """Whether schedule() would admit seq (the next not running) this step with `seated` of
-        its samples seated (_grant), or more, were only `keep` (the running sequences, or the
+        its samples seated (_grant), were only `keep` (the running sequences, or the
         first of them) running, the rest preempted: once step 1 has placed each of them (their
         tokens out of the budget, their new blocks), seq fits in the blocks left (with room for
         the older ones to grow), the budget left and `seated` seats."""
