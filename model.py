@@ -1312,7 +1312,7 @@ class Tokenizer:
         return self._ids_of_strings
 
     def apply_chat_template(self, conversation, /, add_generation_prompt: bool = True, *,
-                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            continue_final_message: bool | str = False, tools: list[dict] | None = None,
                             documents: list[dict] | None = None, chat_template: str | None = None,
                             tokenize: bool = False, **template_vars) -> str | list[int]:
         """The prompt an instruct model expects: its chat template rendered with the
@@ -1320,7 +1320,8 @@ class Tokenizer:
         turn (a string) or, as in HF, a list of messages such as {"role": "system", "content":
         "..."}, for a system prompt or earlier turns. A string comes back unchanged from a
         model without a chat template. The rest as in HF: `continue_final_message` leaves the
-        last message open for the model to go on with (an answer begun for it); `tools` (JSON
+        last message open for the model to go on with (an answer begun for it; or, named, another
+        of its fields, such as "reasoning_content": a thought begun for it); `tools` (JSON
         schemas) and `documents` are shown to the template; `chat_template` replaces the
         model's (a template, or the name of one of the model's named templates); `tokenize`
         returns the text's token ids (encode_chat) in its place; other keyword arguments are
@@ -1328,6 +1329,14 @@ class Tokenizer:
         template that fails, raises ValueError."""
         if not isinstance(tokenize, bool):
             raise ValueError(f"tokenize must be True or False, got {tokenize!r}")
+        # HF's options for the tokenizer call after the render never reach its template: taken as
+        # template variables they would do nothing, silently (a prompt still as long, a control
+        # token in a user's text still one)
+        if asked := [f"{key}={value!r}" for key, value in template_vars.items()
+                     if key in HF_TOKENIZATION_OPTIONS and value not in (None, False, {})]:
+            raise ValueError(f"apply_chat_template takes none of transformers' options for the tokenization that "
+                             f"follows the render ({', '.join(asked)}): tokenize=True returns the list of ids")
+        template_vars = {key: value for key, value in template_vars.items() if key not in HF_TOKENIZATION_OPTIONS}
         template = self._pick_template(chat_template, tools)
         if isinstance(conversation, str):
             if template is None:   # (no template wrote a BOS: the ids a plain prompt has)
@@ -1336,10 +1345,11 @@ class Tokenizer:
         messages = _check_messages(conversation)
         if template is None:
             raise ValueError("this model has no chat template to render messages with: give it a plain prompt")
-        for name, value in (("add_generation_prompt", add_generation_prompt),
-                            ("continue_final_message", continue_final_message)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if not isinstance(add_generation_prompt, bool):
+            raise ValueError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
+        if not isinstance(continue_final_message, bool | str):
+            raise ValueError(f"continue_final_message must be True, False or the name of a message's field, "
+                             f"got {continue_final_message!r}")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the first "
                              "opens a new assistant turn, the second goes on with the last message")
@@ -1356,16 +1366,23 @@ class Tokenizer:
             # string, loops or not
             messages = [_as_parts(m) if loops and m["role"] != "tool" else _join_parts(m) for m in messages]
         if continue_final_message:
-            content = messages[-1].get("content")
+            field = "content" if continue_final_message is True else continue_final_message
+            content = messages[-1].get(field)
             # (parts: the last one goes on, as in HF)
             final = content[-1]["text"] if isinstance(content, list) and content else content
             if not isinstance(final, str):
-                raise ValueError("continue_final_message needs a last message with text to go on with")
+                raise ValueError(f"continue_final_message needs a last message with text to go on with "
+                                 f"(in its {field!r})")
+            # a reasoning's every name is marked: the template reads one of them
+            fields = [key for key in REASONING_FIELDS if messages[-1].get(key) == final] \
+                if field in REASONING_FIELDS else [field]
+            if not any(key in template for key in fields):
+                raise ValueError(f"continue_final_message: the chat template never reads a message's {field!r}")
             # HF's way: mark where the last message ends, render, and cut the text there (the
             # template's own end-of-turn token, and all after it, fall away).
             marked = final + CONTINUE_MARK
-            messages[-1] = messages[-1] | {"content": content[:-1] + [{"type": "text", "text": marked}]
-                                           if isinstance(content, list) else marked}
+            messages[-1] = messages[-1] | {key: content[:-1] + [{"type": "text", "text": marked}]
+                                           if isinstance(content, list) else marked for key in fields}
         try:
             text = _render_bounded(_compile_chat_template(template),   # (one dict: a variable may be named "self")
                                    self.template_tokens | template_vars | dict(
@@ -1405,7 +1422,7 @@ class Tokenizer:
             return self.named_templates["tool_use"]
         if self.chat_template is None and self.named_templates:   # (transformers refuses it too)
             names = ", ".join(map(repr, sorted(self.named_templates)))
-            raise ValueError(f"tokenizer_config.json lists chat templates {names}, none named 'default': "
+            raise ValueError(f"the model's chat templates are all named ({names}), none 'default': "
                              f"name the one to use (chat_template=...)")
         return self.chat_template
 
@@ -1415,15 +1432,19 @@ class Tokenizer:
 
 CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "   # HF's own mark, so that a template treats it alike
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")   # one field, three names
+# transformers' apply_chat_template options for its tokenizer call (HF's defaults: ask for nothing)
+HF_TOKENIZATION_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
+                           "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens")
 
 
 def _check_messages(conversation) -> list[dict]:
     """A conversation as chat templates read it, as transformers hands it over: a list of
     dicts, each with a string role (and content, unless an assistant's message calls tools),
     less the keys whose value is None (OpenAI's API sends content=None, tool_calls=None,
-    which templates test for with `is defined` or `in`), and an assistant's reasoning under
-    all three names templates read it by. Content may be a list of text parts, as in OpenAI's
-    API (apply_chat_template joins them for a template that reads content as a string)."""
+    which templates test for with `is defined` or `in`), and a message's reasoning (under any
+    of its three names) also as reasoning_content and thinking, the names templates read.
+    Content may be a list of text parts, as in OpenAI's API (apply_chat_template joins them
+    for a template that reads content as a string)."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"a conversation is a user turn (a string) or a non-empty list of messages, "
                          f"got {reprlib.repr(conversation)}")
@@ -1438,8 +1459,8 @@ def _check_messages(conversation) -> list[dict]:
         if isinstance(content, (list, tuple)):
             m["content"] = [_text_part(i, j, part) for j, part in enumerate(content)]
         reasoning = next((m[key] for key in REASONING_FIELDS if key in m), None)
-        if reasoning is not None:
-            m = {"thinking": reasoning, "reasoning": reasoning, **m, "reasoning_content": reasoning}
+        if reasoning is not None:   # (as transformers: "reasoning" only where the caller wrote it)
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         messages.append(m)
     return messages
 
@@ -1967,25 +1988,40 @@ def _post_processor_ids(pp: dict | None, path: Path) -> tuple[list[int], list[in
     return before, after
 
 
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 def _chat_template(model_dir: Path) -> tuple[str | None, dict, dict]:
     """The chat template, from chat_template.jinja (newer transformers) or
-    tokenizer_config.json; the named ones, where the latter lists several; and the
-    special-token strings a template may use (bos_token...)."""
+    tokenizer_config.json; the named ones, where additional_chat_templates/*.jinja or
+    tokenizer_config.json holds several; and the special-token strings a template may use
+    (bos_token...), all read as transformers reads them."""
     path = model_dir / "tokenizer_config.json"
     tokenizer_config = _read_json(path) if path.exists() else {}
+    # the seven named ones, and (transformers 5) a model's own: any other *_token key, and
+    # extra_special_tokens given as a dict (Gemma 3's boi_token...)
+    named_tokens = {key: value for key, value in tokenizer_config.items() if key.endswith("_token")}
+    if isinstance(tokenizer_config.get("extra_special_tokens"), dict):
+        named_tokens |= tokenizer_config["extra_special_tokens"]
+    legacy = model_dir / "special_tokens_map.json"
+    if "added_tokens_decoder" not in tokenizer_config and legacy.exists():
+        # an older save: there transformers lets special_tokens_map.json's names win
+        named_tokens |= {key: value for key, value in _read_json(legacy).items() if key in SPECIAL_TOKEN_NAMES}
     tokens = {}
-    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        value = tokenizer_config.get(key)
+    for key, value in named_tokens.items():
         value = value.get("content") if isinstance(value, dict) else value  # AddedToken form
-        if isinstance(value, str):
+        if isinstance(key, str) and isinstance(value, str):
             tokens[key] = value
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.exists():
-        _check_regular(jinja)
-        try:
-            return jinja.read_text(encoding="utf-8"), {}, tokens
-        except (OSError, UnicodeDecodeError) as e:
-            raise ModelError(f"{jinja}: cannot be read as UTF-8 text ({e})") from None
+    # transformers' save_pretrained writes a tokenizer's templates as files: the default one
+    # as chat_template.jinja, named ones as additional_chat_templates/NAME.jinja; files win
+    # over the templates tokenizer_config.json lists
+    default, more = model_dir / "chat_template.jinja", model_dir / "additional_chat_templates"
+    files = {"default": default} if default.exists() else {}
+    if more.is_dir():
+        files |= {f.name.removesuffix(".jinja"): f for f in sorted(more.glob("*.jinja"))}
+    if files:
+        named = {name: _read_text(f) for name, f in files.items()}
+        return named.get("default"), named if set(named) != {"default"} else {}, tokens
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # several named templates: "default", "tool_use"...
         if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
@@ -1996,6 +2032,14 @@ def _chat_template(model_dir: Path) -> tuple[str | None, dict, dict]:
     if not isinstance(template, str | None):
         raise ModelError(f"{path}: 'chat_template' is neither a string nor a list of templates")
     return template, {}, tokens
+
+
+def _read_text(path: Path) -> str:
+    _check_regular(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path}: cannot be read as UTF-8 text ({e})") from None
 
 
 def load_tokenizer(model=None, config: ModelConfig | None = None) -> Tokenizer:

@@ -2134,7 +2134,8 @@ def test_tokenizer_details_that_transformers_settles(tmp_path, own_cache):
       <|eot_id|>, 761), else config.json's first (757) (catches: looking it up in the vocab
       alone; no fallback: None, and a model whose config lists no EOS would not stop);
     - tools=[] still picks the "tool_use" template (catches: `if tools`);
-    - a reasoning message reaches the template under all three names (catches: one dropped);
+    - a message's reasoning reaches the template as reasoning_content and thinking, and as
+      reasoning only where the caller wrote it so (catches: a name dropped, or one added);
     - a Metaspace decoder without prepend_scheme drops the first space ("always");
     - Digits(individual_digits=false) + ByteLevel is refused, not read as SmolLM2's split;
     - a SentencePiece GGUF's merges, from scores, tie-break as transformers' generate_merges;
@@ -2153,8 +2154,11 @@ def test_tokenizer_details_that_transformers_settles(tmp_path, own_cache):
     tok = load_tokenizer(qwen)
     assert tok.apply_chat_template(hi, tools=[]) == "TOOLS=[] Hi" and tok.apply_chat_template(hi) == "Hi"
     thought = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A", "reasoning_content": "R"}]
-    assert tok.apply_chat_template(thought, False, chat_template="{% for m in messages %}[{{ m.thinking }}|"
-                                   "{{ m.reasoning_content }}|{{ m.reasoning }}]{% endfor %}") == "[||][R|R|R]"
+    names = "{% for m in messages %}[{{ m.thinking }}|{{ m.reasoning_content }}|{{ m.reasoning }}]{% endfor %}"
+    assert tok.apply_chat_template(thought, False, chat_template=names) == "[||][R|R|]"
+    for name in ("thinking", "reasoning"):
+        said = [thought[0], {"role": "assistant", "content": "A", name: "R"}]
+        assert tok.apply_chat_template(said, False, chat_template=names) == "[||][R|R|" + "R" * (name == "reasoning") + "]"
     metaspace = tmp_path / "metaspace"
     shutil.copytree(TESTDATA / "llama2_metaspace_tokenizer", metaspace)
     tj = json.loads((metaspace / "tokenizer.json").read_text())
@@ -2560,7 +2564,7 @@ def test_chat_template_options_render_as_transformers_renders_them(tmp_path):
         "[user] Weather in Paris?</s>[assistant] It is")
     for kwargs, message in [
             (dict(continue_final_message=True), "add_generation_prompt and continue_final_message cannot both"),
-            (dict(add_generation_prompt=False, continue_final_message=1), "continue_final_message must be True or False"),
+            (dict(add_generation_prompt=False, continue_final_message=1), "continue_final_message must be True, False or"),
             (dict(tools={"name": "weather"}), "tools must be a list of dicts"),
             (dict(documents="some text"), "documents must be a list of dicts"),
             (dict(messages=[]), "template variable messages is set by apply_chat_template itself"),
@@ -2570,6 +2574,25 @@ def test_chat_template_options_render_as_transformers_renders_them(tmp_path):
     for changes in ("{{ messages[0].content }}", "{{ messages[-1].content | upper }}"):   # drops, changes it
         with pytest.raises(ValueError, match="cannot go on with it"):
             tok.apply_chat_template(begun, False, continue_final_message=True, chat_template=changes)
+    # continue_final_message names the field to go on with (transformers 5): a thought begun for
+    # the model, whichever of reasoning's names the template reads
+    thinks = ("{% for m in messages %}<{{ m.role }}>{% if m.thinking %}<think>{{ m.thinking }}</think>{% endif %}"
+              "{{ m.content }}{% endfor %}")
+    musing = user + [{"role": "assistant", "content": "", "reasoning_content": "Let me see"}]
+    assert tok.apply_chat_template(musing, False, continue_final_message="reasoning_content", chat_template=thinks) == (
+        "<user>Weather in Paris?<assistant><think>Let me see")
+    with pytest.raises(ValueError, match=r"^continue_final_message: the chat template never reads a message's 'answer'$"):
+        tok.apply_chat_template(user + [{"role": "assistant", "answer": "x", "content": ""}], False,
+                                continue_final_message="answer", chat_template=thinks)
+    with pytest.raises(ValueError, match=r"needs a last message with text to go on with \(in its 'thinking'\)$"):
+        tok.apply_chat_template(begun, False, continue_final_message="thinking", chat_template=thinks)
+    # transformers' options for its tokenizer call after the render are refused, not taken as
+    # template variables that would silently do nothing; at their defaults they ask for nothing
+    with pytest.raises(ValueError, match=r"^apply_chat_template takes none of transformers' options for the "
+                                         r"tokenization that follows the render \(truncation=True, max_length=4, "
+                                         r"sanitize_control_tokens=True\): tokenize=True returns the list of ids$"):
+        render(user, tokenize=True, truncation=True, max_length=4, sanitize_control_tokens=True)
+    assert render(user, tokenize=True, return_dict=False, padding=False, return_tensors=None) == render(user, tokenize=True)
     # keys set to None are dropped, as transformers drops them (OpenAI's API sends tool_calls=None);
     # an assistant's reasoning is under all of its names; documents reach the template
     listing = ("{% for m in messages %}[{{ m.role }}]{% if 'tool_calls' in m %}calls {{ m.tool_calls | length }}"
@@ -2601,9 +2624,35 @@ def test_chat_template_options_render_as_transformers_renders_them(tmp_path):
     assert named.apply_chat_template(hi, chat_template="rag") == "RAG Hi"
     assert named.apply_chat_template(hi, tools=tool) == "TOOLS Hi"
     for conversation in (hi, "Hi"):
-        with pytest.raises(ValueError, match=r"^tokenizer_config.json lists chat templates 'rag', 'tool_use', none "
-                                             r"named 'default': name the one to use \(chat_template=\.\.\.\)$"):
+        with pytest.raises(ValueError, match=r"^the model's chat templates are all named \('rag', 'tool_use'\), none "
+                                             r"'default': name the one to use \(chat_template=\.\.\.\)$"):
             named.apply_chat_template(conversation)
+    # the same as transformers' save_pretrained writes them, as files: these win over the list
+    (tmp_path / "chat_template.jinja").write_text("FILE {% for m in messages %}{{ m.content }}{% endfor %}")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("FILE TOOLS {{ tools | length }}")
+    named = load_tokenizer(tmp_path)
+    assert named.apply_chat_template(hi) == "FILE Hi" and named.apply_chat_template(hi, chat_template="default") == "FILE Hi"
+    assert named.apply_chat_template(hi, tools=tool) == "FILE TOOLS 1"
+    assert named.apply_chat_template(hi, chat_template="tool_use", tools=tool) == "FILE TOOLS 1"
+    assert named.apply_chat_template(hi, chat_template="rag") == "rag"   # (the list's are gone: a template of its own)
+    (tmp_path / "chat_template.jinja").unlink()
+    with pytest.raises(ValueError, match=r"^the model's chat templates are all named \('tool_use'\)"):
+        load_tokenizer(tmp_path).apply_chat_template(hi)
+    shutil.rmtree(tmp_path / "additional_chat_templates")
+    # the special tokens a template may print: transformers' seven named ones, a model's own
+    # (any other *_token, extra_special_tokens as a dict), and in an older save (no
+    # added_tokens_decoder) special_tokens_map.json's, which win
+    shows = "".join("{{ %s }}." % name for name in ("bos_token", "eos_token", "sep_token", "cls_token", "mask_token",
+                                                   "boi_token", "image_token"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": shows, "bos_token": {"content": "<s>"}, "eos_token": "</s>", "sep_token": "<sep>",
+        "cls_token": "<cls>", "mask_token": "<mask>", "boi_token": "<boi>", "extra_special_tokens": {"image_token": "<img>"}}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<end>"}, "boi_token": "x"}))
+    assert load_tokenizer(tmp_path).apply_chat_template(hi) == "<s>.<end>.<sep>.<cls>.<mask>.<boi>.<img>."
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text()) | {"added_tokens_decoder": {}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(tmp_path).apply_chat_template(hi) == "<s>.</s>.<sep>.<cls>.<mask>.<boi>.<img>."
 
 
 # Gemma 3's way with content: a string, or a list of parts it loops over
