@@ -680,13 +680,23 @@ class PagedAttention:
 
 # vLLM's prompt dicts, to write them as vLLM's scripts do (TokensPrompt(prompt_token_ids=ids)):
 # at run time they are plain dicts, which _parse_prompt reads
-class TextPrompt(TypedDict):
+class TextPrompt(TypedDict, total=False):   # (prompt required)
     prompt: str
+    cache_salt: str            # its blocks shared in the prefix cache only with prompts of the same salt
 
 
 class TokensPrompt(TypedDict, total=False):   # (prompt_token_ids required: _parse_prompt says so)
     prompt_token_ids: list[int]
     prompt: str                # its text, if given: not tokenized, the output's prompt
+    cache_salt: str
+
+
+class Prompt(NamedTuple):
+    """A prompt as _parse_prompt reads it."""
+    text: str | None           # None if given as token ids alone
+    ids: list[int]
+    specials: tuple = (0, 0)   # special tokens at its head and tail (Tokenizer.specials_around: kept by truncation)
+    cache_salt: str | None = None   # (TextPrompt's)
 
 
 @dataclass
@@ -1264,44 +1274,44 @@ class LLM:
         if isinstance(request_id, (SamplingParams, BeamSearchParams)):
             raise ValueError("add_request takes (prompt, params, request_id=None), nanopaged's order: vLLM's "
                              "LLMEngine.add_request takes the request id first")
-        text, ids, specials = self._parse_prompt(prompt)
-        return self._add(text, ids, params, request_id, priority=priority, specials=specials)
+        return self._add(self._parse_prompt(prompt), params, request_id, priority=priority)
 
-    def _parse_prompt(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int], tuple]:
-        """A prompt's text (None if given as ids alone), token ids (a text's encoded with the
-        tokenizer's special tokens, a BOS..., where add_special_tokens) and how many of those
-        there are at the head and the tail (Tokenizer.specials_around: what truncation keeps)."""
-        text = None
+    def _parse_prompt(self, prompt, add_special_tokens: bool = True) -> Prompt:
+        """A prompt's text, token ids (a text's encoded with the tokenizer's special tokens, a
+        BOS..., where add_special_tokens), how many of those there are at the head and the
+        tail, and its cache_salt."""
+        text, salt = None, None
         if isinstance(prompt, dict):   # vLLM's TextPrompt and TokensPrompt
             # (vLLM's other keys, at None, ask for nothing; at a value, for what nanopaged lacks)
             asked = {k: v for k, v in prompt.items() if v is not None or k in ("prompt", "prompt_token_ids")}
-            if not {"prompt", "prompt_token_ids"} & asked.keys() or asked.keys() - {"prompt", "prompt_token_ids"}:
+            if not {"prompt", "prompt_token_ids"} & asked.keys() or asked.keys() - {"prompt", "prompt_token_ids",
+                                                                                      "cache_salt"}:
                 why = {"multi_modal_data": "no multimodal inputs", "mm_processor_kwargs": "no multimodal inputs",
-                       "cache_salt": "one prefix cache shared by all requests, unsalted",
                        "prompt_embeds": "token ids or text as prompts, not embeddings"}
                 lacks = sorted({why[k] for k in asked if k in why})
                 raise ValueError('a prompt dict holds "prompt" (text), "prompt_token_ids", or both (the ids '
-                                 f"run, the text is the output's prompt), got keys {sorted(map(str, asked))}"
-                                 + (f" (nanopaged has {'; '.join(lacks)})" if lacks else ""))
+                                 f"run, the text is the output's prompt), and maybe a \"cache_salt\", got keys "
+                                 f"{sorted(map(str, asked))}" + (f" (nanopaged has {'; '.join(lacks)})" if lacks else ""))
             for key, value in asked.items():
-                if not (isinstance(value, str) if key == "prompt" else _is_token_ids(value)):
-                    raise ValueError(f"{key} must be {'a string' if key == 'prompt' else 'a list of token ids'}, "
-                                     f"got {_describe(value)}")
+                if not (_is_token_ids(value) if key == "prompt_token_ids" else isinstance(value, str)):
+                    raise ValueError(f"{key} must be {'a list of token ids' if key == 'prompt_token_ids' else 'a string'}"
+                                     f", got {_describe(value)}")
             # (a TokensPrompt's ids run; its text, if any, is not tokenized)
             text, prompt = asked.get("prompt"), asked.get("prompt_token_ids", asked.get("prompt"))
+            salt = asked.get("cache_salt") or None   # ("": none, as in vLLM)
         if isinstance(prompt, str):
             # ("" too, where the tokenizer adds a BOS: unconditional text, as vLLM takes it)
             ids = self.tokenizer.encode(prompt, add_special_tokens)
-            return prompt, ids, self.tokenizer.specials_around(ids, add_special_tokens)
+            return Prompt(prompt, ids, self.tokenizer.specials_around(ids, add_special_tokens), salt)
         if _is_token_ids(prompt):
-            return text, [int(t) for t in prompt], (0, 0)   # numpy and torch integers become ints
+            return Prompt(text, [int(t) for t in prompt], (0, 0), salt)   # numpy and torch integers become ints
         raise ValueError(f"a prompt is a string or a list of token ids (integers), got {_describe(prompt)}")
 
-    def _add(self, text: str | None, ids: list[int], params: SamplingParams | BeamSearchParams | None,
-             request_id=None, final_only: bool = False, priority: int = 0, specials: tuple = (0, 0)):
+    def _add(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None, request_id=None,
+             final_only: bool = False, priority: int = 0):
         """add_request's; final_only: the request's copy of its params gets output_kind FINAL_ONLY
-        (generate() and stream(): no output before the end, as vLLM's LLM sets for its own).
-        specials: _parse_prompt's, kept by truncate_prompt_tokens."""
+        (generate() and stream(): no output before the end, as vLLM's LLM sets for its own)."""
+        ids = prompt.ids
         check_priority(priority)
         if priority != 0 and self.scheduling_policy != "priority":   # (vLLM refuses it too)
             raise ValueError(f"priority={priority!r}, but the scheduler is first-come-first-served: "
@@ -1326,7 +1336,7 @@ class LLM:
             if keep > self.max_model_len:   # (as vLLM refuses it, however short the prompt)
                 raise ValueError(f"truncate_prompt_tokens = {keep} exceeds max_model_len = {self.max_model_len}")
             ids = truncated(ids, max(self.max_model_len - (params.max_tokens or 1), 1) if keep == -1 else keep,
-                            specials=specials)
+                            specials=prompt.specials)
         beams = params.n if params.beam else 1
         if len(ids) >= self.max_model_len:   # (vLLM's rule: a prompt leaves room for one output token)
             raise ValueError(f"prompt ({len(ids)} tokens) leaves no room for an output token in the "
@@ -1375,9 +1385,9 @@ class LLM:
         seq = None
         try:
             with defer_ctrl_c():   # queued in the scheduler means known here
-                seq = self.scheduler.add(request_id, ids, params, int(priority))
+                seq = self.scheduler.add(request_id, ids, params, int(priority), prompt.cache_salt)
                 self._requests[request_id] = Request(
-                    text, params, [seq], beams={seq: (0.0, None)} if params.beam else {},
+                    prompt.text, params, [seq], beams={seq: (0.0, None)} if params.beam else {},
                     prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids),
                     prompt_token_id_logprobs=None if params.prompt_logprob_token_ids is None else torch.full(
                         (scored_rows, len(params.prompt_logprob_token_ids[0])), math.nan))
@@ -1993,8 +2003,8 @@ class LLM:
         mm_processor_kwargs: vLLM's, None (no multimodal inputs)."""
         tokenization = Tokenization.of(tokenization_kwargs, mm_processor_kwargs, self.max_model_len,
                                        add_special_tokens=True)
-        prompts = [(text, tokenization.truncate(ids, specials), specials)
-                   for text, ids, specials in self._parse_prompts(prompts, tokenization.add_special_tokens)]
+        prompts = [p._replace(ids=tokenization.truncate(p.ids, p.specials))
+                   for p in self._parse_prompts(prompts, tokenization.add_special_tokens)]
         priorities = _check_per_prompt(len(prompts), lora_request, priority)
         return self._generate(prompts, sampling_params, use_tqdm, priorities=priorities)
 
@@ -2030,8 +2040,8 @@ class LLM:
                 outputs.append(BeamSearchOutput(sequences))
         return outputs
 
-    def _parse_prompts(self, prompts, add_special_tokens: bool = True) -> list[tuple[str | None, list[int], tuple]]:
-        """One prompt, or a list of them, as _parse_prompt's (text, token ids, specials) each."""
+    def _parse_prompts(self, prompts, add_special_tokens: bool = True) -> list[Prompt]:
+        """One prompt, or a list of them, as _parse_prompt reads each."""
         if isinstance(prompts, (str, dict)) or (_is_token_ids(prompts) and len(prompts) > 0):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -2090,15 +2100,15 @@ class LLM:
                 text, ids = render_chat(self.tokenizer, vllm_messages(conversation),
                                         add_special_tokens=tokenization.add_special_tokens, **options)
                 specials = self.tokenizer.specials_around(ids, tokenization.add_special_tokens)
-                parsed.append((text, tokenization.truncate(ids, specials), specials))
+                parsed.append(Prompt(text, tokenization.truncate(ids, specials), specials))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if batch else str(e)) from None
         priorities = _check_per_prompt(len(parsed), lora_request, priority)
         return self._generate(parsed, sampling_params, use_tqdm, "chat()", priorities)
 
-    def _generate(self, prompts: list[tuple[str | None, list[int], tuple]], sampling_params, use_tqdm: bool,
+    def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm: bool,
                   caller: str = "generate()", priorities: list | None = None):
-        """Run prompts (_parse_prompt's text, token ids, specials) to the end, alone in the
+        """Run prompts (as _parse_prompt reads them) to the end, alone in the
         engine; outputs in their order. (caller: the public method, for its errors; priorities:
         one per prompt, None: all 0.)"""
         one_each = isinstance(sampling_params, (list, tuple))
@@ -2112,10 +2122,9 @@ class LLM:
         ids, first_id, bar = [], self._next_id, None
         try:
             self._generating = self._cleanup_due = True   # (before its requests exist: a step elsewhere would run them)
-            for i, ((text, token_ids, specials), p) in enumerate(zip(prompts, params)):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 try:
-                    ids.append(self._add(text, token_ids, p, final_only=True,
-                                         priority=priorities[i] if priorities else 0, specials=specials))
+                    ids.append(self._add(prompt, p, final_only=True, priority=priorities[i] if priorities else 0))
                 except ValueError as e:
                     self._next_id = first_id   # (the ids of the prompts before it: never seen by the caller)
                     raise ValueError(f"prompt {i}: {e}") from None
@@ -2207,8 +2216,7 @@ class LLM:
     def _stream(self, prompt, params):
         try:
             self._cleanup_due = True   # (stream() checked the engine was free: add, unchecked)
-            text, ids, specials = self._parse_prompt(prompt)
-            rid = self._add(text, ids, params, final_only=True, specials=specials)
+            rid = self._add(self._parse_prompt(prompt), params, final_only=True)
             req = self._requests[rid]
             seq, self._open_stream = req.seqs[0], rid
             # the text shown so far: what is settled (its own copy of the params: the caller's

@@ -7,6 +7,7 @@ is tight.
   Sequence        one request's state (a request with n > 1 samples becomes n sequences,
                   a beam search one per beam)
   hash_block      the prefix hash of a full block
+  root_hash       the hash a sequence's chain starts from: a cache_salt's keeps tenants apart
   Scheduler       FCFS continuous batching under a token budget (or by priority, then
                   arrival), chunked prefill,
                   preemption by recomputing or by swapping to CPU memory, prefix caching,
@@ -438,6 +439,7 @@ class Sequence:
                                                 # (Scheduler._grant): with n samples pending, how many
                                                 # run on once it forks, at least (Scheduler._defer)
         self.block_table = block_table
+        self.root_hash = ROOT_HASH              # its first block's parent hash (root_hash: its cache_salt's)
         self.block_hashes: list[int] = []       # prefix hash of each full block hashed so far: a memo
                                                 # (Scheduler._prefix_hashes), true for good since the
                                                 # tokens only grow; kept through preemption
@@ -500,6 +502,16 @@ class Sequence:
 # so the same prefix gets the same hash in every run and process.
 
 ROOT_HASH = 0
+
+
+def root_hash(cache_salt: str | None) -> int:
+    """The parent hash of a sequence's first block: ROOT_HASH, or with a cache_salt (vLLM's),
+    the salt's own hash, which every block hash after it chains: only prompts of the same
+    salt share blocks in the prefix cache, so that one tenant cannot learn, by timing its
+    cache hits, what another's prompts began with."""
+    if not cache_salt:
+        return ROOT_HASH
+    return int.from_bytes(hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()[:8], "little")
 
 
 def in_order(queue, seq: Sequence):
@@ -590,10 +602,11 @@ class Scheduler:
         self.prefix_query_tokens = 0
 
     # --- requests in and out ---
-    def add(self, request_id, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> Sequence:
+    def add(self, request_id, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+            cache_salt: str | None = None) -> Sequence:
         """Queue a request, in its place by priority (lower first) and then arrival: ahead of
         waiting requests of a higher priority value. Refuses, with a clear error, one that
-        could never run."""
+        could never run. cache_salt: see root_hash."""
         check_priority(priority)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -613,6 +626,7 @@ class Scheduler:
                              f"whole pool has {self.pool.num_blocks}")
         seq = Sequence(request_id, prompt_token_ids, params, self.next_arrival, self.pool.new_table(),
                        priority=priority)
+        seq.root_hash = root_hash(cache_salt)
         self.next_arrival += 1
         in_order(self.waiting, seq)   # (the tail, but for a lower priority value)
         self.requests[request_id] = [seq]
@@ -1175,7 +1189,7 @@ class Scheduler:
         preempted."""
         hashes = seq.block_hashes
         for i in range(len(hashes), num_blocks):
-            hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, self._block_tokens(seq, i)))
+            hashes.append(hash_block(hashes[-1] if hashes else seq.root_hash, self._block_tokens(seq, i)))
         return hashes
 
     def _register_full_blocks(self, seq: Sequence, first: int):
@@ -1257,7 +1271,7 @@ class Scheduler:
             child.token_ids, child.num_prompt_tokens = list(seq.token_ids), seq.num_prompt_tokens
             child.num_computed_tokens = seq.num_computed_tokens
             child.num_cached_tokens = seq.num_cached_tokens
-            child.block_hashes = list(seq.block_hashes)
+            child.root_hash, child.block_hashes = seq.root_hash, list(seq.block_hashes)
             child.arrival_time, child.status = seq.arrival_time, Status.RUNNING
             child.first_token_time = seq.first_token_time   # (its tokens so far are its parent's)
             in_order(self.running, child)

@@ -5171,6 +5171,30 @@ def test_prefix_caching_off_registers_nothing():
     assert sched.prefix_hit_tokens == 0 and sched.pool.num_cached == 0 and sched.pool.num_free == 16
 
 
+def test_cache_salt_keeps_prompts_apart_in_the_prefix_cache(tmp_path):
+    """vLLM's cache_salt (a prompt dict's key): a prompt's blocks are found in the prefix cache
+    only by prompts of the same salt ("" or none: by those without one), its chain of hashes
+    starting from the salt's own (root_hash); samples forked before a full block inherit it.
+    The outputs are the same either way."""
+    llm = peaked_tiny_llm(tmp_path, block_size=4, num_blocks=64)
+    ids = list(range(40, 57))   # 17 tokens: 4 full blocks
+    salted = lambda salt, prompt=ids: {"prompt_token_ids": prompt, "cache_salt": salt}
+    run = lambda prompt, max_tokens=3, **kw: llm.generate(prompt, greedy(max_tokens, **kw))[0]
+    runs = [(run(prompt), hits) for prompt, hits in [
+        (salted("alice"), 0), (salted("alice"), 16), (salted("bob"), 0), (ids, 0), (salted(""), 16),
+        (salted("alice"), 16)]]
+    assert [out.num_cached_tokens for out, _ in runs] == [hits for _, hits in runs]
+    assert len({tuple(out.outputs[0].token_ids) for out, _ in runs}) == 1
+    # a prompt shorter than a block forks before its first full block: the samples' blocks are
+    # the salt's too
+    short = [60, 61, 62]
+    out = run(salted("carol", short), n=2, ignore_eos=True, max_tokens=6).outputs
+    assert out[0].token_ids == out[1].token_ids   # (greedy: both samples' blocks hash alike)
+    longer = short + out[0].token_ids[:5]          # 8 tokens: 2 full blocks, computed by the samples
+    assert run(longer).num_cached_tokens == 0 and run(salted("carol", longer)).num_cached_tokens == 4
+    assert_nothing_leaked(llm)
+
+
 def test_fork_shares_the_prompt_then_diverges_by_copy_on_write():
     sched = make_sched(num_blocks=32, block_size=4)
     parent = sched.add("r", [3] * 6, SamplingParams(n=3, max_tokens=4, ignore_eos=True))
@@ -6183,9 +6207,7 @@ def test_chat_prompt_dicts_truncation_and_use_tqdm(llm, capsys):
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
     for bad, message in (({"prompt": text, "multi_modal_data": {}}, 'prompt 1: a prompt dict holds "prompt" .*'
                                                                      r"\(nanopaged has no multimodal inputs\)"),
-                         # (vLLM's cache_salt was said to be a multimodal input)
-                         ({"prompt": text, "cache_salt": "a"}, r"\(nanopaged has one prefix cache shared by all "
-                                                               r"requests, unsalted\)$"),
+                         ({"prompt": text, "cache_salt": 5}, "prompt 1: cache_salt must be a string, got int"),
                          ({"cache_salt": None}, "got keys \\[\\]$"),
                          ({"prompt": None}, 'prompt 1: prompt must be a string, got NoneType'),
                          ({"prompt_token_ids": ids, "prompt": 5}, 'prompt 1: prompt must be a string'),
