@@ -611,8 +611,8 @@ class PagedAttention:
     (None: full attention); this writes k and v into the paged cache at the step's
     slot_mapping, then attends over each sequence's blocks (with a window, over the positions
     inside it only: the blocks wholly before it may be dropped, see BlockTable.drop_before).
-    The engine calls begin_step() with the flat batch's metadata before each forward pass.
-    The backend is chosen once: "torch" (the fast torch path above), "cpu" (the same, with
+    The engine calls begin_step() with the flat batch's metadata before each forward pass,
+    and end_step() after it. The backend is chosen once: "torch" (the fast torch path above), "cpu" (the same, with
     the decode rows on kernels_cpu.c) or "cuda" (kernels.cu).
     """
 
@@ -630,6 +630,12 @@ class PagedAttention:
         self.seq_lens, self.query_start_loc = seq_lens, query_start_loc
         self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
         self.plans = {}  # the torch path's gather plans by window, shared by all layers of the step
+
+    def end_step(self):
+        """Let go of the step's metadata and plans: a long prefill's mask, a decode batch's
+        gathered keys, can take tens of MB (a GB, at 32k tokens of a big model), which an idle
+        engine has no use for."""
+        self.begin_step(None, None, None, None, 0, 0)
 
     def __call__(self, layer_idx: int, q, k, v, window: int | None = None):
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
@@ -1487,8 +1493,11 @@ class LLM:
             swap_blocks(self.pool, self.swap_pool, out.swap_out)
             swap_blocks(self.swap_pool, self.pool, out.swap_in)
             self.attn.copy_blocks(out.copies)
-            with torch.inference_mode():
-                logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S + R, vocab)
+            try:
+                with torch.inference_mode():
+                    logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S + R, vocab)
+            finally:
+                self.attn.end_step()
             due = [seq for seq, sampled_now in zip(out.seqs, out.do_sample) if sampled_now]   # one row each
             # (S + R,): a NaN or inf anywhere in a row makes its sum not finite (no (S + R, vocab) mask)
             finite = logits.sum(dim=-1, dtype=torch.float32).isfinite().tolist()

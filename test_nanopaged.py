@@ -5195,6 +5195,27 @@ def test_cache_salt_keeps_prompts_apart_in_the_prefix_cache(tmp_path):
     assert_nothing_leaked(llm)
 
 
+def test_an_idle_engine_holds_no_step_tensors(tmp_path):
+    """The attention object lets go of the step's metadata and gather plans once the forward
+    pass ends (a long prefill's mask alone: tens of MB), also where it raised."""
+    llm = peaked_tiny_llm(tmp_path, attn_backend="torch")
+    step_tensors = lambda: (llm.attn.plans, llm.attn.slot_mapping, llm.attn.block_tables, llm.attn.seq_lens,
+                            llm.attn.query_start_loc)
+    llm.generate([[7 + i % 200 for i in range(300)]], greedy(2))
+    assert step_tensors() == ({}, None, None, None, None)
+    def fail(*_):
+        assert llm.attn.plans   # (the attention ran, its plan made)
+        raise RuntimeError("broken layer")
+    hook = llm.model.layers[-1].register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="broken layer"):
+            llm.generate([[7 + i % 200 for i in range(300)]], greedy(2))
+    finally:
+        hook.remove()
+    assert step_tensors() == ({}, None, None, None, None)
+    assert_nothing_leaked(llm)
+
+
 def test_fork_shares_the_prompt_then_diverges_by_copy_on_write():
     sched = make_sched(num_blocks=32, block_size=4)
     parent = sched.add("r", [3] * 6, SamplingParams(n=3, max_tokens=4, ignore_eos=True))
