@@ -612,8 +612,8 @@ class PagedAttention:
     slot_mapping, then attends over each sequence's blocks (with a window, over the positions
     inside it only: the blocks wholly before it may be dropped, see BlockTable.drop_before).
     The engine calls begin_step() with the flat batch's metadata before each forward pass,
-    and end_step() after it. The backend is chosen once: "torch" (the fast torch path above), "cpu" (the same, with
-    the decode rows on kernels_cpu.c) or "cuda" (kernels.cu).
+    and end_step() after it. The backend is chosen once: "torch" (the fast torch path
+    above), "cpu" (the same, with the decode rows on kernels_cpu.c) or "cuda" (kernels.cu).
     """
 
     def __init__(self, pool: BlockPool, scale: float, ops=None, softcap: float | None = None, decode_kernel=None):
@@ -1290,8 +1290,8 @@ class LLM:
         if isinstance(prompt, dict):   # vLLM's TextPrompt and TokensPrompt
             # (vLLM's other keys, at None, ask for nothing; at a value, for what nanopaged lacks)
             asked = {k: v for k, v in prompt.items() if v is not None or k in ("prompt", "prompt_token_ids")}
-            if not {"prompt", "prompt_token_ids"} & asked.keys() or asked.keys() - {"prompt", "prompt_token_ids",
-                                                                                      "cache_salt"}:
+            known = {"prompt", "prompt_token_ids", "cache_salt"}
+            if not {"prompt", "prompt_token_ids"} & asked.keys() or asked.keys() - known:
                 why = {"multi_modal_data": "no multimodal inputs", "mm_processor_kwargs": "no multimodal inputs",
                        "prompt_embeds": "token ids or text as prompts, not embeddings"}
                 lacks = sorted({why[k] for k in asked if k in why})
@@ -1299,9 +1299,10 @@ class LLM:
                                  f"run, the text is the output's prompt), and maybe a \"cache_salt\", got keys "
                                  f"{sorted(map(str, asked))}" + (f" (nanopaged has {'; '.join(lacks)})" if lacks else ""))
             for key, value in asked.items():
-                if not (_is_token_ids(value) if key == "prompt_token_ids" else isinstance(value, str)):
-                    raise ValueError(f"{key} must be {'a list of token ids' if key == 'prompt_token_ids' else 'a string'}"
-                                     f", got {_describe(value)}")
+                of_ids = key == "prompt_token_ids"
+                if not (_is_token_ids(value) if of_ids else isinstance(value, str)):
+                    raise ValueError(f"{key} must be {'a list of token ids' if of_ids else 'a string'}, "
+                                     f"got {_describe(value)}")
             # (a TokensPrompt's ids run; its text, if any, is not tokenized)
             text, prompt = asked.get("prompt"), asked.get("prompt_token_ids", asked.get("prompt"))
             salt = asked.get("cache_salt") or None   # ("": none, as in vLLM)
