@@ -99,8 +99,14 @@ class BlockPool:
             size = num_blocks * self.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
             raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks ({size / 2**30:.1f} GiB) "
                              f"on {device}: {str(e).splitlines()[0]}") from None
-        self.ref_count = [0] * num_blocks
-        self.free_list = deque(range(num_blocks))  # O(1) popleft / append
+        self.clear()
+        self.trace = None  # a callable(str) to narrate every event (the --trace option)
+
+    def clear(self):
+        """Every block free, the prefix cache empty: the pool as it was made, its KV data aside
+        (and the engine's last resort, LLM._bookkeeping, once nothing holds a block)."""
+        self.ref_count = [0] * self.num_blocks
+        self.free_list = deque(range(self.num_blocks))  # O(1) popleft / append
         # The prefix cache: full blocks indexed by the hash of their whole prefix.
         self.cached_blocks: dict[int, int] = {}      # prefix hash -> block id
         self.block_hash: dict[int, int] = {}         # block id -> prefix hash
@@ -109,7 +115,6 @@ class BlockPool:
         # (src, dst) block copies that copy-on-write recorded; the engine runs them
         # before the next forward pass, so the data moves before anyone reads it.
         self.pending_copies: list[tuple[int, int]] = []
-        self.trace = None  # a callable(str) to narrate every event (the --trace option)
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
@@ -1478,7 +1483,7 @@ class LLM:
             # The bookkeeping (queues, block tables, ref counts) must not stop halfway, so a
             # Ctrl-C waits for the end of it. The forward pass and sampling may stop anywhere:
             # then the step did not happen, and is rolled back.
-            with defer_ctrl_c():
+            with self._bookkeeping():
                 if self._trace is not None:
                     self._trace.append(f"--- step {self.stats.steps + 1} ---")
                 out = self.scheduler.schedule()
@@ -1505,7 +1510,7 @@ class LLM:
             sampled, broken = self._sample(due, logits[:len(due)], finite)   # (rows past these score prompts)
             beams, broken_beams, beam_plan = self._beam_step(due, logits[:len(due)], finite)
             token_logprobs, prompt_logprobs, broken_prompts = self._logprobs(due, logits, finite, sampled, prompt_rows)
-            with defer_ctrl_c():
+            with self._bookkeeping():
                 self._commit(out, sampled | beams, broken | broken_beams | broken_prompts, start,
                              token_logprobs, prompt_logprobs, beam_plan)
         except BaseException:
@@ -1520,6 +1525,26 @@ class LLM:
             raise
         self._flush_trace()
         return self._collect_outputs()
+
+    @contextlib.contextmanager
+    def _bookkeeping(self):
+        """A step's bookkeeping: under defer_ctrl_c, and with a last resort should it raise
+        itself (a bug, or memory running out), halfway through moving sequences between queues
+        and blocks between owners. No rollback can trust what it left, so every unfinished
+        request fails (finish_reason "error", reported by the next step), the pools are
+        cleared, and the engine serves on."""
+        with defer_ctrl_c():
+            try:
+                yield
+            except Exception as e:
+                failed = self.scheduler.fail_all(f"an internal error in the engine: {type(e).__name__}: {e}")
+                for pool in (self.pool, self.swap_pool):
+                    if pool is not None:
+                        pool.clear()
+                self._to_report |= dict.fromkeys(failed)
+                raise RuntimeError(f"internal error in the engine's bookkeeping ({type(e).__name__}: {e}): its "
+                                   f"{len(failed)} unfinished requests failed (finish_reason 'error', reported by "
+                                   f"the next step()); the engine serves on") from e
 
     def _commit(self, out, sampled: dict, broken: dict, start: float, token_logprobs: dict, prompt_logprobs: list,
                 beam_plan: dict):

@@ -675,6 +675,21 @@ class Scheduler:
         if not siblings:
             del self.requests[seq.request_id], self.next_sample_index[seq.request_id]
 
+    def fail_all(self, why: str) -> list:
+        """The last resort after the engine's bookkeeping raised halfway (LLM._bookkeeping):
+        every unfinished request ends with finish_reason "error" and is forgotten, whatever
+        queue its sequences were in (or none); the engine then clears the pools, which no
+        sequence holds any more. Returns their ids."""
+        now = time.perf_counter()
+        for seqs in self.requests.values():
+            for seq in seqs:
+                seq.status, seq.finish_reason, seq.error, seq.finish_time = Status.FINISHED, "error", why, now
+        failed = list(self.requests)
+        for queue in (self.requests, self.next_sample_index, self.waiting, self.running, self.swapped):
+            queue.clear()
+        self.scheduled, self.in_flight = None, {}
+        return failed
+
     def reset_counters(self):
         self.num_preemptions = self.num_swapped_out = self.prefix_hit_tokens = self.prefix_query_tokens = 0
 

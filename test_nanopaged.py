@@ -5216,6 +5216,49 @@ def test_an_idle_engine_holds_no_step_tensors(tmp_path):
     assert_nothing_leaked(llm)
 
 
+@pytest.mark.parametrize("where", ["schedule", "commit"])
+def test_an_error_inside_the_bookkeeping_fails_the_requests_and_the_engine_serves_on(tmp_path, monkeypatch, where):
+    """The last resort (LLM._bookkeeping): should the step's bookkeeping itself raise (a bug,
+    or memory running out) halfway through its changes (here the pool's allocate as a step's
+    second sequence takes a block, or the stop-string check after Scheduler.update), no
+    rollback can trust the queues and tables it left: every unfinished request fails, reported
+    by the next step, the pools are cleared, and later requests run as on a fresh engine. (It
+    left a sequence in no queue, whose caller's step loop spun for ever on empty steps, or
+    slots reserved that shifted a sequence's K/V by one from then on.)"""
+    prompts = [[5 + i % 50 for i in range(n)] for n in (9, 14, 6)]
+    llm = peaked_tiny_llm(tmp_path, block_size=4, num_blocks=40)
+    for p in prompts:
+        llm.add_request(p, greedy(12, n=2, ignore_eos=True))
+    llm.step(), llm.step()
+    if where == "schedule":
+        allocate, calls = llm.pool.allocate, []
+        def failing(*args):
+            calls.append(args)
+            if len(calls) == 2:   # (a step's first sequence already placed, its slots reserved)
+                raise MemoryError("no memory left")
+            return allocate(*args)
+        monkeypatch.setattr(llm.pool, "allocate", failing)
+    else:
+        def failing(seqs):
+            raise ValueError("a bug")
+        monkeypatch.setattr(llm, "_check_stop_strings", failing)
+    why = "MemoryError: no memory left" if where == "schedule" else "ValueError: a bug"
+    with pytest.raises(RuntimeError, match=rf"^internal error in the engine's bookkeeping \({why}\): its 3 "
+                                           r"unfinished requests failed \(finish_reason 'error', reported by the next "
+                                           r"step\(\)\); the engine serves on$"):
+        while True:
+            llm.step()
+    monkeypatch.undo()
+    reported = llm.step()
+    assert sorted(o.request_id for o in reported) == [0, 1, 2] and all(o.finished for o in reported)
+    assert {c.finish_reason for o in reported for c in o.outputs} == {"error"}
+    assert_nothing_leaked(llm)
+    fresh = peaked_tiny_llm(tmp_path / "fresh", block_size=4, num_blocks=40)
+    tokens = lambda engine: [c.token_ids for o in engine.generate(prompts, greedy(12, n=2)) for c in o.outputs]
+    assert tokens(llm) == tokens(fresh)
+    assert_nothing_leaked(llm)
+
+
 def test_fork_shares_the_prompt_then_diverges_by_copy_on_write():
     sched = make_sched(num_blocks=32, block_size=4)
     parent = sched.add("r", [3] * 6, SamplingParams(n=3, max_tokens=4, ignore_eos=True))
