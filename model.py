@@ -1432,7 +1432,8 @@ class Tokenizer:
 
 CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "   # HF's own mark, so that a template treats it alike
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")   # one field, three names
-# transformers' apply_chat_template options for its tokenizer call (HF's defaults: ask for nothing)
+# transformers' apply_chat_template options for its tokenizer call (taken where they ask for nothing:
+# None, False, {})
 HF_TOKENIZATION_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
                            "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens")
 
@@ -1875,8 +1876,9 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     merges = _merge_pairs(bpe.get("merges") or [], vocab, path)
 
     template, named_templates, template_tokens = _chat_template(model_dir)
-    # The tokenizer's EOS, HF's tokenizer.eos_token_id (tokenizer_config.json's eos_token), where
-    # it names a token; else the model's first. (The engine stops on all of the model's.)
+    # The tokenizer's EOS, HF's tokenizer.eos_token_id (tokenizer_config.json's eos_token, or an
+    # older save's special_tokens_map.json's), where it names a token; else the model's first.
+    # (The engine stops on all of the model's.)
     eos = template_tokens.get("eos_token")
     eos_token_id = special.get(eos, vocab.get(eos)) if eos else None
     if eos_token_id is None and config.eos_token_id:
@@ -2005,12 +2007,17 @@ def _chat_template(model_dir: Path) -> tuple[str | None, dict, dict]:
         named_tokens |= tokenizer_config["extra_special_tokens"]
     legacy = model_dir / "special_tokens_map.json"
     if "added_tokens_decoder" not in tokenizer_config and legacy.exists():
-        # an older save: there transformers lets special_tokens_map.json's names win
-        named_tokens |= {key: value for key, value in _read_json(legacy).items() if key in SPECIAL_TOKEN_NAMES}
+        # an older save: there transformers lets special_tokens_map.json's seven win, and
+        # takes a model's own from it where tokenizer_config.json lacks them
+        mapped = _read_json(legacy)
+        extra = mapped.get("extra_special_tokens")
+        mapped |= extra if isinstance(extra, dict) else {}
+        named_tokens = ({key: value for key, value in mapped.items() if key.endswith("_token")} | named_tokens
+                        | {key: value for key, value in mapped.items() if key in SPECIAL_TOKEN_NAMES})
     tokens = {}
     for key, value in named_tokens.items():
         value = value.get("content") if isinstance(value, dict) else value  # AddedToken form
-        if isinstance(key, str) and isinstance(value, str):
+        if isinstance(value, str):
             tokens[key] = value
     # transformers' save_pretrained writes a tokenizer's templates as files: the default one
     # as chat_template.jinja, named ones as additional_chat_templates/NAME.jinja; files win

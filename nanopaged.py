@@ -684,8 +684,9 @@ class PagedAttention:
 # model's forward pass, whose attention layers write K/V through slot_mapping and read them
 # through block_tables -> the logits of every sequence that reached its last token are
 # sampled (or, for a beam search, chosen by _beam_step) -> _commit records the step
-# (Scheduler.update). The bookkeeping at both ends runs under defer_ctrl_c; a step that
-# raises in between is undone by Scheduler.rollback. The block trace's lines are collected
+# (Scheduler.update). The bookkeeping at both ends runs under defer_ctrl_c (LLM._bookkeeping,
+# which has a last resort should it raise itself); a step that raises in between is undone
+# by Scheduler.rollback. The block trace's lines are collected
 # during the step and written at its end (_flush_trace).
 
 
@@ -707,7 +708,7 @@ class Prompt(NamedTuple):
     text: str | None           # None if given as token ids alone
     ids: list[int]
     specials: tuple = (0, 0)   # special tokens at its head and tail (Tokenizer.specials_around: kept by truncation)
-    cache_salt: str | None = None   # (TextPrompt's)
+    cache_salt: str | None = None   # (a prompt dict's)
 
 
 @dataclass
@@ -1310,7 +1311,7 @@ class LLM:
                                      f"got {_describe(value)}")
             # (a TokensPrompt's ids run; its text, if any, is not tokenized)
             text, prompt = asked.get("prompt"), asked.get("prompt_token_ids", asked.get("prompt"))
-            salt = asked.get("cache_salt") or None   # ("": none, as in vLLM)
+            salt = asked.get("cache_salt")
         if isinstance(prompt, str):
             # ("" too, where the tokenizer adds a BOS: unconditional text, as vLLM takes it)
             ids = self.tokenizer.encode(prompt, add_special_tokens)
@@ -1403,10 +1404,10 @@ class LLM:
                     prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids),
                     prompt_token_id_logprobs=None if params.prompt_logprob_token_ids is None else torch.full(
                         (scored_rows, len(params.prompt_logprob_token_ids[0])), math.nan))
-        except KeyboardInterrupt:   # held until the request was queued: the caller never got its id
-            if seq is not None:
+        except BaseException:   # (a Ctrl-C held until the request was queued; memory running out):
+            if seq is not None:   # the caller never got its id, so nothing of the request may stay
                 self.scheduler.abort(request_id)
-                del self._requests[request_id]
+                self._requests.pop(request_id, None)
             raise
         if not chosen:
             self._next_id += 1   # an id is never handed out twice, even once its request finished
@@ -1496,14 +1497,14 @@ class LLM:
             # swaps first: a block swapped out may be handed to a copy-on-write in this same
             # step, so its data leaves before anything else lands in it. (No step swaps both
             # ways: Scheduler.schedule swaps out in its step 1 alone, which then admits nothing.)
-            swap_blocks(self.pool, self.swap_pool, out.swap_out)
-            swap_blocks(self.swap_pool, self.pool, out.swap_in)
-            self.attn.copy_blocks(out.copies)
             try:
+                swap_blocks(self.pool, self.swap_pool, out.swap_out)
+                swap_blocks(self.swap_pool, self.pool, out.swap_in)
+                self.attn.copy_blocks(out.copies)
                 with torch.inference_mode():
                     logits = self.model(input_ids, positions, self.attn, logits_indices)  # (S + R, vocab)
             finally:
-                self.attn.end_step()
+                self.attn.end_step()   # (begin_step ran in _prepare)
             due = [seq for seq, sampled_now in zip(out.seqs, out.do_sample) if sampled_now]   # one row each
             # (S + R,): a NaN or inf anywhere in a row makes its sum not finite (no (S + R, vocab) mask)
             finite = logits.sum(dim=-1, dtype=torch.float32).isfinite().tolist()
@@ -1531,20 +1532,21 @@ class LLM:
         """A step's bookkeeping: under defer_ctrl_c, and with a last resort should it raise
         itself (a bug, or memory running out), halfway through moving sequences between queues
         and blocks between owners. No rollback can trust what it left, so every unfinished
-        request fails (finish_reason "error", reported by the next step), the pools are
-        cleared, and the engine serves on."""
+        request fails (finish_reason "error"; add_request's are reported by the next step,
+        generate() and stream() raise), the pools are cleared, and the engine serves on."""
         with defer_ctrl_c():
             try:
                 yield
             except Exception as e:
-                failed = self.scheduler.fail_all(f"an internal error in the engine: {type(e).__name__}: {e}")
+                failed = self.scheduler.fail_all()
                 for pool in (self.pool, self.swap_pool):
                     if pool is not None:
                         pool.clear()
-                self._to_report |= dict.fromkeys(failed)
+                # (a request the scheduler knew that LLM did not, half added, is only forgotten)
+                self._to_report |= dict.fromkeys(rid for rid in failed if rid in self._requests)
                 raise RuntimeError(f"internal error in the engine's bookkeeping ({type(e).__name__}: {e}): its "
-                                   f"{len(failed)} unfinished requests failed (finish_reason 'error', reported by "
-                                   f"the next step()); the engine serves on") from e
+                                   f"{len(failed)} unfinished requests failed (finish_reason 'error': add_request's "
+                                   f"are reported by the next step()); the engine serves on") from e
 
     def _commit(self, out, sampled: dict, broken: dict, start: float, token_logprobs: dict, prompt_logprobs: list,
                 beam_plan: dict):

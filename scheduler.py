@@ -505,7 +505,7 @@ ROOT_HASH = 0
 
 
 def root_hash(cache_salt: str | None) -> int:
-    """The parent hash of a sequence's first block: ROOT_HASH, or with a cache_salt (vLLM's),
+    """The parent hash of a sequence's first block: ROOT_HASH, or with a cache_salt (vLLM's; "": none),
     the salt's own hash, which every block hash after it chains: only prompts of the same
     salt share blocks in the prefix cache, so that one tenant cannot learn, by timing its
     cache hits, what another's prompts began with."""
@@ -675,7 +675,7 @@ class Scheduler:
         if not siblings:
             del self.requests[seq.request_id], self.next_sample_index[seq.request_id]
 
-    def fail_all(self, why: str) -> list:
+    def fail_all(self) -> list:
         """The last resort after the engine's bookkeeping raised halfway (LLM._bookkeeping):
         every unfinished request ends with finish_reason "error" and is forgotten, whatever
         queue its sequences were in (or none); the engine then clears the pools, which no
@@ -683,7 +683,7 @@ class Scheduler:
         now = time.perf_counter()
         for seqs in self.requests.values():
             for seq in seqs:
-                seq.status, seq.finish_reason, seq.error, seq.finish_time = Status.FINISHED, "error", why, now
+                seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, "error", now
         failed = list(self.requests)
         for queue in (self.requests, self.next_sample_index, self.waiting, self.running, self.swapped):
             queue.clear()
