@@ -1544,6 +1544,9 @@ class LLM:
                         pool.clear()
                 # (a request the scheduler knew that LLM did not, half added, is only forgotten)
                 self._to_report |= dict.fromkeys(rid for rid in failed if rid in self._requests)
+                if self._trace is not None:
+                    self._trace.append(f"  internal error ({type(e).__name__}): requests {', '.join(map(str, failed)) or 'none'} "
+                                       f"failed, every block free, the prefix cache empty")
                 raise RuntimeError(f"internal error in the engine's bookkeeping ({type(e).__name__}: {e}): its "
                                    f"{len(failed)} unfinished requests failed (finish_reason 'error': add_request's "
                                    f"are reported by the next step()); the engine serves on") from e

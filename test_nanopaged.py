@@ -2631,6 +2631,7 @@ def test_chat_template_options_render_as_transformers_renders_them(tmp_path):
     (tmp_path / "chat_template.jinja").write_text("FILE {% for m in messages %}{{ m.content }}{% endfor %}")
     (tmp_path / "additional_chat_templates").mkdir()
     (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("FILE TOOLS {{ tools | length }}")
+    (tmp_path / "additional_chat_templates" / "old.jinja").mkdir()   # (a folder: skipped, as HF does)
     named = load_tokenizer(tmp_path)
     assert named.apply_chat_template(hi) == "FILE Hi" and named.apply_chat_template(hi, chat_template="default") == "FILE Hi"
     assert named.apply_chat_template(hi, tools=tool) == "FILE TOOLS 1"
@@ -5260,16 +5261,21 @@ def test_an_error_inside_the_bookkeeping_fails_the_requests_and_the_engine_serve
 
 
 def test_bookkeeping_error_before_any_request_ran(tmp_path, monkeypatch):
-    """The last resort reports requests that never ran too, and forgets one that add_request
-    had half added (its Request not made: memory running out) without reporting it."""
+    """The last resort reports requests that never ran too (and says so in the block trace),
+    and forgets one that add_request had half added (its Request not made: memory running out)
+    without reporting it."""
     llm = peaked_tiny_llm(tmp_path, block_size=4, num_blocks=40)
     for p in ([5, 6, 7], [8, 9]):
         llm.add_request(p, greedy(4))
     def failing():
         raise ValueError("a bug")
     monkeypatch.setattr(llm.scheduler, "schedule", failing)
+    lines = []
+    llm.enable_trace(emit=lines.append)
     with pytest.raises(RuntimeError, match="its 2 unfinished requests failed"):
         llm.step()
+    assert lines[-1] == "  internal error (ValueError): requests 0, 1 failed, every block free, the prefix cache empty"
+    llm.disable_trace()
     monkeypatch.undo()
     assert sorted(o.request_id for o in llm.step()) == [0, 1]
     assert_nothing_leaked(llm)
