@@ -1595,6 +1595,8 @@ def _compile_chat_template(template: str):
         return env.from_string(template)
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template is not valid Jinja: {e}") from None
+    except (RecursionError, SyntaxError) as e:   # Jinja's parser recurses, and its Python has a nesting limit
+        raise ValueError(f"the chat template is nested too deeply to compile ({type(e).__name__}: {e})") from None
 
 
 def _render_bounded(template: jinja2.Template, variables: dict) -> str:

@@ -2727,8 +2727,8 @@ def _parsed_tool_call(call):
     if isinstance(args, str):
         try:
             args = json.loads(args) if args else {}
-        except json.JSONDecodeError:   # (as vLLM: the turn goes on, and so does the conversation)
-            args = {}
+        except (ValueError, RecursionError):   # not JSON, an int past Python's 4,300 digits, nested too
+            args = {}                           # deeply: as vLLM, the turn goes on, and so does the conversation
     return call | {"function": function | {"arguments": args if isinstance(args, dict) else {}}}
 
 

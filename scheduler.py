@@ -40,7 +40,7 @@ import reprlib
 import time
 from array import array
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 
@@ -228,8 +228,9 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
         self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
-        if isinstance(self.repetition_detection, dict):   # (as an OpenAI request's JSON gives it)
-            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
+        if self.repetition_detection is not None:   # made anew, so checked again (its fields may have
+            rd = self.repetition_detection            # changed since); a dict as an OpenAI request's JSON gives it
+            self.repetition_detection = RepetitionDetectionParams(**(rd if isinstance(rd, dict) else asdict(rd)))
         if self.logprob_token_ids is not None:
             self.logprob_token_ids = [int(t) for t in self.logprob_token_ids]
         self.prompt_logprob_token_ids = id_rows
@@ -332,12 +333,12 @@ class RepetitionDetectionParams:
     min_count: int = 0
 
     def __post_init__(self):
+        sizes = (all(is_integer(x) and x >= 0 for x in (self.max_pattern_size, self.min_pattern_size, self.min_count))
+                 and self.min_pattern_size <= self.max_pattern_size)
         _refuse_the_first_failed([
-            (all(is_integer(x) and x >= 0 for x in (self.max_pattern_size, self.min_pattern_size, self.min_count))
-             and self.min_pattern_size <= self.max_pattern_size,
-             f"repetition_detection's max_pattern_size, min_pattern_size and min_count must be integers >= 0, "
-             f"min_pattern_size <= max_pattern_size, got {self}"),
-            (self.max_pattern_size == 0 or self.min_count >= 2,
+            (sizes, f"repetition_detection's max_pattern_size, min_pattern_size and min_count must be integers >= 0, "
+                    f"min_pattern_size <= max_pattern_size, got {self}"),
+            (not sizes or self.max_pattern_size == 0 or self.min_count >= 2,   # (a str compared: TypeError)
              f"repetition_detection's min_count must be >= 2 (a pattern seen once is no repetition), got {self}"),
         ])
 

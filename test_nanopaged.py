@@ -2729,6 +2729,8 @@ def test_apply_chat_template_tokenize():
     ("{{ raise_exception('one user turn? no') }}", "chat template failed: TemplateError: one user turn\\? no"),
     ("{{ messages.__class__.__mro__ }}", "chat template failed: SecurityError"),   # the sandbox
     ("{{ 1 / 0 }}", "chat template failed: ZeroDivisionError"),
+    ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "chat template is nested too deeply to compile \\(RecursionError"),
+    ("{% if true %}" * 120 + "{% endif %}" * 120, "nested too deeply to compile \\(IndentationError"),   # (Python's limit)
 ])
 def test_chat_template_errors_are_value_errors(tmp_path, template, message):
     path = tiny_tokenizer_dir(tmp_path)
@@ -8856,6 +8858,18 @@ def test_repetition_detection_ends_an_output_that_loops(tmp_path):
             SamplingParams(repetition_detection=bad)
     with pytest.raises(ValueError, match="repetition_detection must be None or a RepetitionDetectionParams"):
         SamplingParams(repetition_detection=3)
+    # one changed after it was made is checked again when its request is added (it raised
+    # inside the step's bookkeeping, failing every request), and the request holds its own copy
+    params = SamplingParams(max_tokens=10, repetition_detection=RepetitionDetectionParams(3, 0, 2))
+    for min_count in ("2", 1):
+        params.repetition_detection.min_count = min_count
+        with pytest.raises(ValueError, match="min_count must be"):
+            llm.add_request([1, 2, 3], params)
+    params.repetition_detection.min_count = 2
+    llm.add_request([1, 2, 3], params)
+    params.repetition_detection.min_count = 1
+    assert llm._requests[max(llm._requests)].params.repetition_detection.min_count == 2
+    llm.abort(max(llm._requests))
     assert_nothing_leaked(llm)
 
 
@@ -9091,9 +9105,11 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
     said = [{"role": "user", "content": "ab"},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"type": "function", "function": {"name": "f", "arguments": '{"x": 5}'}},
-                {"type": "function", "function": {"name": "g", "arguments": "not json"}}]},
-            {"role": "assistant", "content": "c", "tool_calls": []}]
-    assert llm.chat(said, params, chat_template=calls)[0].prompt == '[user][assistant]f{"x": 5}g{}![assistant]'
+                {"type": "function", "function": {"name": "g", "arguments": "not json"}},
+                {"type": "function", "function": {"name": "h", "arguments": "[" * 100_000 + "]" * 100_000}},
+                {"type": "function", "function": {"name": "i", "arguments": '{"n": %s}' % ("9" * 5000)}}]},
+            {"role": "assistant", "content": "c", "tool_calls": []}]   # (h: RecursionError, i: past int's digits)
+    assert llm.chat(said, params, chat_template=calls)[0].prompt == '[user][assistant]f{"x": 5}g{}h{}i{}![assistant]'
     assert said[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 5}' and said[2]["tool_calls"] == []
     # and a content that is None or left out, an empty one: "" where the template reads a
     # string, no parts where it loops over them (vLLM's); the caller's messages unchanged
