@@ -48,6 +48,8 @@ from enum import Enum
 # Request parameters: SamplingParams, BeamSearchParams, and the checks they share
 
 MAX_LOGPROB_TOKEN_IDS = 128   # vLLM's bound on logprob_token_ids
+MAX_N = 4096   # samples a request: its steps move each one through the queues and outputs one by
+              # one (n = 100,000: 6 s for a step that forks and ends them all, the other requests waiting)
 
 
 class RequestOutputKind(Enum):
@@ -139,7 +141,8 @@ class SamplingParams:
         self.prompt_logprobs = 1 if self.prompt_logprobs is True else self.prompt_logprobs
         id_rows = None if self.prompt_logprob_token_ids is None else _token_id_rows(self.prompt_logprob_token_ids)
         checks = [
-            (is_integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (is_integer(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}] (a step moves "
+             f"each sample on its own: more would hold up every other request; split them), got {self.n!r}"),
             (_finite_number(self.temperature) and 0 <= self.temperature <= 2,
              f"temperature must be a number in [0, 2] (vLLM's range), got {self.temperature!r}"),
             (is_integer(self.top_k) and self.top_k >= -1,

@@ -6109,9 +6109,11 @@ def test_scoring_given_token_ids_and_from_prompt_logprob_start(smollm2_dir, llm,
                      (dict(prompt_logprob_start=-1, prompt_logprobs=0), "prompt_logprob_start must be"),
                      (dict(prompt_logprob_start=3), "it needs prompt_logprobs or prompt_logprob_token_ids"),
                      (dict(temperature=2.5), r"temperature must be a number in \[0, 2\]"),
+                     (dict(n=4097), r"n must be an integer in \[1, 4096\] \(a step moves each sample on its own"),
                      (dict(skip_reading_prefix_cache=1), "skip_reading_prefix_cache must be None, True or False")):
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**bad)
+    assert SamplingParams(n=4096).n == 4096   # (n = 10**6 took minutes in one step, every other request waiting)
     for bad, msg in ((dict(logprob_token_ids=[49152]), r"logprob_token_ids has token ids outside \[0, 49152\)"),
                      (dict(prompt_logprob_token_ids=[[1, 2]] * 3), "has 3 rows, but the prompt has 4 to score"),
                      (dict(prompt_logprob_token_ids=[[-1, 49152]] * 4), "prompt_logprob_token_ids has token ids"),
