@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import build_ext
+import nanopaged
 from nanopaged import GatherPlan, BlockPool, paged_attention, paged_attention_ref
 from scheduler import BeamSearchParams, SamplingParams, Scheduler
 
@@ -690,6 +691,26 @@ def bench_sampling(args):
           f"median of {args.repeats}, timed in turns:")
     for (label, _), t in zip(variants, times):
         print(f"  {label:80s} {t:6.2f} s  {t / times[0]:.2f}x")
+    # top-p's own cost by the width of the nucleus it finds, on the rows of the last draw: it
+    # looks among the likeliest 1,024 tokens (NUCLEUS_LOOK), then 8,192, then sorts them all
+    rows, sampling_probs = [], nanopaged.sampling_probs
+    nanopaged.sampling_probs = lambda logits, p: rows.append((logits.clone(), p)) or sampling_probs(logits, p)
+    try:
+        llm.generate(prompts, SamplingParams(**(base | variants[-1][1])))
+    finally:
+        nanopaged.sampling_probs = sampling_probs
+    bands = {}
+    for logits, p in rows:
+        probs = torch.softmax(logits.double() / p.temperature, -1).sort(descending=True).values
+        size = int((probs.cumsum(0) - probs < p.top_p).sum())   # the nucleus: the smallest set reaching top_p
+        t = time.perf_counter()
+        sampling_probs(logits, p)
+        t = time.perf_counter() - t
+        band = next(b for b in (1024, 8192, len(probs)) if size <= b)
+        bands.setdefault(band, []).append(t)
+    print(f"sampling_probs on those {len(rows)} rows ({torch.get_num_threads()} threads), by the nucleus' width:")
+    for band, ts in sorted(bands.items()):
+        print(f"  up to {band:6,d} tokens: {len(ts):4d} rows, {1000 * statistics.median(ts):.2f} ms a call (median)")
 
 
 # -----------------------------------------------------------------------------

@@ -9532,24 +9532,33 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it_exactly():
     assert (probs > 0).sum() == 2   # 0.25 + 0.25 reaches 0.5: the third is left out
 
 
-def test_top_p_over_a_big_vocabulary_is_the_sorted_vocabularys_nucleus():
-    """top_p looks among the likeliest NUCLEUS_LOOK tokens first and sorts everything only
-    where they fall short: over 50,000 tokens, a peaked distribution (a nucleus of a few
-    hundred) and a flat one (thousands), each against the set a full sort finds, written out.
-    Catches: the first look's set taken where it falls short (the rest of the nucleus lost),
-    and a full sort's set cut to the first look's tokens."""
+def test_top_p_over_a_big_vocabulary_is_the_sorted_vocabularys_nucleus(monkeypatch):
+    """top_p looks among the likeliest NUCLEUS_LOOK tokens, then 8 times as many, and sorts
+    everything only where both fall short: over 50,000 tokens, a peaked distribution (a
+    nucleus of a few hundred), an unsure one (thousands) and a flat one (tens of thousands),
+    each against the set a full sort finds, written out; the whole vocabulary is sorted for
+    the flat one alone. Catches: a look's set taken where it falls short (the rest of the
+    nucleus lost), a full sort's set cut to a look's tokens, and the second look skipped."""
     from nanopaged import NUCLEUS_LOOK, sampling_probs
+    sorts = []
+    monkeypatch.setattr(nanopaged_module, "sort_descending",
+                        lambda x, sort=nanopaged_module.sort_descending: sorts.append(x) or sort(x))
     g = torch.Generator().manual_seed(0)
-    for scale, top_p in ((4.0, 0.9), (0.3, 0.95), (0.3, 0.02)):
+    sizes = []
+    for scale, top_p in ((4.0, 0.9), (3.0, 0.95), (0.3, 0.95), (0.3, 0.02)):
         logits = torch.randn(50_000, generator=g) * scale
         full = torch.softmax(logits.double(), -1)
         sorted_p, order = full.sort(descending=True)
         size = int((sorted_p.cumsum(0) - sorted_p < top_p).sum())   # the smallest set reaching top_p
         want = torch.zeros_like(full)
         want[order[:size]] = full[order[:size]]
+        sorts.clear()
         probs = sampling_probs(logits, SamplingParams(top_p=top_p))
         assert torch.equal(probs > 0, want > 0) and torch.allclose(probs.double(), want.float().double())
-        assert (size > NUCLEUS_LOOK) == (scale == 0.3 and top_p == 0.95)   # (both ways were taken)
+        assert len(sorts) == (size > 8 * NUCLEUS_LOOK)
+        sizes.append(size)
+    # (every way was taken: within the first look, the second, and neither)
+    assert sizes[0] <= NUCLEUS_LOOK < sizes[1] <= 8 * NUCLEUS_LOOK < sizes[2]
 
 
 def test_a_draw_follows_the_probabilities_and_never_picks_a_zero(monkeypatch):
