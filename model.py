@@ -2027,7 +2027,7 @@ def _chat_template(model_dir: Path) -> tuple[str | None, dict, dict]:
     default, more = model_dir / "chat_template.jinja", model_dir / "additional_chat_templates"
     files = {"default": default} if default.exists() else {}
     if more.is_dir():
-        files |= {f.name.removesuffix(".jinja"): f for f in sorted(more.glob("*.jinja")) if not f.is_dir()}  # (as HF)
+        files |= {f.name.removesuffix(".jinja"): f for f in sorted(more.glob("*.jinja")) if f.is_file()}  # (as HF)
     if files:
         named = {name: _read_text(f) for name, f in files.items()}
         return named.get("default"), named if set(named) != {"default"} else {}, tokens

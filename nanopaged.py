@@ -1543,7 +1543,8 @@ class LLM:
                     if pool is not None:
                         pool.clear()
                 # (a request the scheduler knew that LLM did not, half added, is only forgotten)
-                self._to_report |= dict.fromkeys(rid for rid in failed if rid in self._requests)
+                failed = [rid for rid in failed if rid in self._requests]
+                self._to_report |= dict.fromkeys(failed)
                 if self._trace is not None:
                     self._trace.append(f"  internal error ({type(e).__name__}): requests {', '.join(map(str, failed)) or 'none'} "
                                        f"failed, every block free, the prefix cache empty")

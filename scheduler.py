@@ -40,7 +40,7 @@ import reprlib
 import time
 from array import array
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -231,9 +231,11 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
         self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
-        if self.repetition_detection is not None:   # made anew, so checked again (its fields may have
-            rd = self.repetition_detection            # changed since); a dict as an OpenAI request's JSON gives it
-            self.repetition_detection = RepetitionDetectionParams(**(rd if isinstance(rd, dict) else asdict(rd)))
+        rd = self.repetition_detection   # made anew, so checked again (its fields may have changed
+        if isinstance(rd, dict):          # since), as its own class; a dict as an OpenAI request's JSON gives it
+            self.repetition_detection = RepetitionDetectionParams(**rd)
+        elif rd is not None:
+            self.repetition_detection = replace(rd)
         if self.logprob_token_ids is not None:
             self.logprob_token_ids = [int(t) for t in self.logprob_token_ids]
         self.prompt_logprob_token_ids = id_rows
@@ -378,8 +380,8 @@ class BeamSearchParams:
 
     def __post_init__(self):
         checks = [
-            (is_integer(self.beam_width) and self.beam_width >= 1,
-             f"beam_width must be an integer >= 1, got {self.beam_width!r}"),
+            (is_integer(self.beam_width) and 1 <= self.beam_width <= MAX_N,
+             f"beam_width must be an integer in [1, {MAX_N}] (SamplingParams' n: see MAX_N), got {self.beam_width!r}"),
             _max_tokens_check(self.max_tokens),
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
             (isinstance(self.include_stop_str_in_output, bool),

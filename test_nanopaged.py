@@ -5795,8 +5795,9 @@ def test_a_beam_search_past_the_context_is_refused_for_the_context_not_the_pool(
 
 
 def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
-    for kwargs, message in (({"beam_width": 0}, "beam_width must be an integer >= 1"),
-                            ({"beam_width": True}, "beam_width must be an integer >= 1"),
+    for kwargs, message in (({"beam_width": 0}, r"beam_width must be an integer in \[1, 4096\]"),
+                            ({"beam_width": True}, "beam_width must be an integer in"),
+                            ({"beam_width": 4097}, r"beam_width must be an integer in \[1, 4096\] \(SamplingParams' n"),
                             ({"max_tokens": 0}, "max_tokens must be None"),
                             ({"temperature": 0.7}, "temperature must be 0"),
                             ({"length_penalty": float("nan")}, "length_penalty must be a finite number"),
@@ -8872,6 +8873,11 @@ def test_repetition_detection_ends_an_output_that_loops(tmp_path):
     params.repetition_detection.min_count = 1
     assert llm._requests[max(llm._requests)].params.repetition_detection.min_count == 2
     llm.abort(max(llm._requests))
+    @dataclass
+    class Noted(RepetitionDetectionParams):   # (a caller's own kind stays its kind)
+        note: str = ""
+    kept = SamplingParams(repetition_detection=Noted(3, 0, 2, note="mine")).repetition_detection
+    assert type(kept) is Noted and kept.note == "mine"
     assert_nothing_leaked(llm)
 
 
