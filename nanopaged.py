@@ -104,7 +104,7 @@ class BlockPool:
 
     def clear(self):
         """Every block free, the prefix cache empty: the pool as it was made, its KV data aside
-        (and the engine's last resort, LLM._bookkeeping, once nothing holds a block)."""
+        (also the engine's last resort, LLM._bookkeeping, once nothing holds a block)."""
         self.ref_count = [0] * self.num_blocks
         self.free_list = deque(range(self.num_blocks))  # O(1) popleft / append
         # The prefix cache: full blocks indexed by the hash of their whole prefix.
@@ -174,7 +174,7 @@ class BlockPool:
     def free(self, block: int):
         """One holder fewer; at zero the block is cached (if it is in the prefix cache) or free."""
         if self.ref_count[block] <= 0:
-            raise ValueError(f"free of block {block}, which is already free")
+            raise ValueError(f"free of block {block}, which is already free (no holder)")
         self.ref_count[block] -= 1
         if self.ref_count[block] == 0:
             if block in self.block_hash:
@@ -1518,7 +1518,8 @@ class LLM:
             # Out of memory, a KeyboardInterrupt...: unless Scheduler.update recorded it, the
             # step did not happen. Its slots were reserved (and maybe written): its sequences
             # are preempted and will be recomputed, so that nothing they write later lands one
-            # step off. (Should a second Ctrl-C cut this short, the next schedule() does it.)
+            # step off. (Should a second Ctrl-C come before the rollback begins, the next
+            # schedule() does it.)
             with defer_ctrl_c():
                 self.scheduler.rollback()
             self._record_counts()

@@ -371,8 +371,8 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0            # (vLLM's; nanopaged ranks by the model's own logprobs: 0 only)
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False   # generate()'s beam texts keep a final EOS, unless
-                                        # skip_special_tokens drops it (beam_search()'s keep it as
+    include_stop_str_in_output: bool = False   # True: generate()'s beam texts keep a final EOS, where
+                                        # skip_special_tokens lets them (beam_search()'s keep it as
                                         # that allows, as vLLM's; the tokens always hold it)
     skip_special_tokens: bool = True    # special tokens left out of the beams' texts (vLLM 0.30 on)
     allowed_token_ids: list[int] | None = None   # candidates only among these (vLLM 0.34's), ranked
@@ -485,7 +485,8 @@ class Sequence:
     @property
     def rank(self) -> tuple[int, int]:
         """Who goes first, request by request: the lower priority, then the earlier arrival.
-        Every queue below is kept in this order, the running sequences included, so the last
+        Every queue below is kept in this order (by `order`, which adds the sample index: a
+        request's samples share its rank), the running sequences included, so the last
         running is the preemption victim and the head of the waiting queue is admitted next.
         With every priority 0 (vLLM's FCFS policy) this is first come, first served."""
         return (self.priority, self.arrival)
@@ -503,9 +504,10 @@ class Sequence:
 #
 # A full block's hash covers the block's tokens *and* everything before it, by chaining:
 # hash(parent block's hash, this block's token ids). Two requests get the same hash for
-# block i exactly when their first (i+1) * block_size tokens agree (barring a collision,
-# which BlockPool.lookup catches by comparing token ids). hashlib, not Python's hash(),
-# so the same prefix gets the same hash in every run and process.
+# block i exactly when their first (i+1) * block_size tokens and their cache_salt (where the
+# chain starts: root_hash) agree (barring a collision, which BlockPool.lookup catches by
+# comparing token ids). hashlib, not Python's hash(), so the same prefix gets the same hash in
+# every run and process.
 
 ROOT_HASH = 0
 
@@ -704,9 +706,15 @@ class Scheduler:
 
     # --- one step ---
     def schedule(self) -> SchedulerOutput:
-        # A step that was neither recorded nor undone (its rollback was cut short: a second
-        # Ctrl-C as the first unwound) left slots reserved that hold nothing: undo it now,
-        # or every K/V its sequences write from here on would land one slot off.
+        """One step's work, within the token budget and max_num_seqs: 0. under a sliding window,
+        free what slid out; 1. the running sequences, oldest first (a decode token or the next
+        prefill chunk), preempting the last in rank (first come, first served: the newest) where
+        the pool runs short; 2. then, if none was preempted, waiting and swapped sequences, in
+        order, as long as they fit."""
+        # A step that was neither recorded nor undone (its rollback never ran: a second Ctrl-C
+        # came as the first unwound, before the engine held Ctrl-C for it) left slots reserved
+        # that hold nothing: undo it now, or every K/V its sequences write from here on would
+        # land one slot off.
         self.rollback()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -725,6 +733,7 @@ class Scheduler:
             if seq.parked:
                 i += 1
                 continue
+            # chunked prefill: a prompt longer than the budget left runs this much now, the rest next step
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, n, out):
                 break  # seq preempted itself: it was the newest, nothing after it is left
@@ -810,7 +819,7 @@ class Scheduler:
         else:   # (under a sliding window, the blocks before its window are not taken)
             hits, done_blocks, skip = self._cached_prefix(seq)
             done = done_blocks * self.block_size
-        n = min(seq.num_tokens - done, budget)
+        n = min(seq.num_tokens - done, budget)   # (chunked prefill: the first chunk, where the budget is short)
         kept = seq.block_table.num_dropped + skip + len(hits)   # (dropped, skipped: before the window)
         # A prompt is admitted only when all of it fits, not just this step's chunk:
         # admitted on its first chunk, a long prompt is the newest running sequence,
@@ -827,9 +836,9 @@ class Scheduler:
         end = seq.num_tokens if not swapped and self.sliding_window is None else done + n
         need = cdiv(end, self.block_size) - kept
         revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
-        # (and, while older requests run, room for them to grow and for seq's own first block,
-        # or one per sample that will run, `seated` (_grant): see _room_to_grow; room is 0 only
-        # when no older request runs)
+        # (and, while older requests run, room for them to grow and a block for seq to grow
+        # into, one per sample that will run, `seated` (_grant): see _room_to_grow; room is 0
+        # only when no older request runs)
         short = need + (room + seated if room else 0) - (self.pool.num_available - revived)
         return hits, done, skip, n, short
 
@@ -1117,8 +1126,9 @@ class Scheduler:
     # --- prefix caching ---
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], int, int]:
         """The cached blocks seq can start from: the largest d such that block d - 1 and every
-        block the query at position d * block_size reads are cached. Returns (those blocks, d,
-        skip). Without a window, the longest chain of cached blocks from its first (skip = 0).
+        block before block d that the query at position d * block_size reads are cached.
+        Returns (those blocks, d, skip). Without a window, the longest chain of cached blocks
+        from its first (skip = 0).
 
         Under a sliding window, only the blocks from its next query's window on (from index
         skip) must be cached, and those before may be gone (they count as cached tokens all
@@ -1257,8 +1267,9 @@ class Scheduler:
                 seq.num_computed_tokens += n
                 if self.enable_prefix_caching:
                     self._register_full_blocks(seq, first)
-        # A block computed in the step whose sequence then failed (its logits broke) was not
-        # registered above; if a sequence that adopted it holds it, its K/V are good: cache it.
+        # A block computed in the step whose sequence then failed (its logits broke) or was
+        # aborted was not registered above; if a sequence that adopted it holds it, its K/V are
+        # good: cache it.
         for h, (block, tokens) in self.in_flight.items():
             if self.pool.ref_count[block] > 0:
                 self.pool.register(block, h, tokens)   # (a no-op where registered above)
