@@ -691,26 +691,33 @@ def bench_sampling(args):
           f"median of {args.repeats}, timed in turns:")
     for (label, _), t in zip(variants, times):
         print(f"  {label:80s} {t:6.2f} s  {t / times[0]:.2f}x")
-    # top-p's own cost by the width of the nucleus it finds, on the rows of the last draw: it
-    # looks among the likeliest 1,024 tokens (NUCLEUS_LOOK), then 8,192, then sorts them all
+    # top-p's own cost by the width of the nucleus it finds, on the rows of the last draw and of
+    # the same at temperature 1.5 (flat rows): it looks among the likeliest 1,024 tokens
+    # (NUCLEUS_LOOK), then 8,192 (unless the first look holds under half of top_p), then sorts
     rows, sampling_probs = [], nanopaged.sampling_probs
     nanopaged.sampling_probs = lambda logits, p: rows.append((logits.clone(), p)) or sampling_probs(logits, p)
     try:
-        llm.generate(prompts, SamplingParams(**(base | variants[-1][1])))
+        for temperature in (0.8, 1.5):
+            llm.generate(prompts, SamplingParams(**(base | variants[-1][1] | {"temperature": temperature})))
     finally:
         nanopaged.sampling_probs = sampling_probs
     bands = {}
     for logits, p in rows:
         probs = torch.softmax(logits.double() / p.temperature, -1).sort(descending=True).values
         size = int((probs.cumsum(0) - probs < p.top_p).sum())   # the nucleus: the smallest set reaching top_p
+        first = float(probs[:1024].sum())   # the first look's mass
         t = time.perf_counter()
         sampling_probs(logits, p)
         t = time.perf_counter() - t
         band = next(b for b in (1024, 8192, len(probs)) if size <= b)
-        bands.setdefault(band, []).append(t)
-    print(f"sampling_probs on those {len(rows)} rows ({torch.get_num_threads()} threads), by the nucleus' width:")
-    for band, ts in sorted(bands.items()):
-        print(f"  up to {band:6,d} tokens: {len(ts):4d} rows, {1000 * statistics.median(ts):.2f} ms a call (median)")
+        bands.setdefault((p.temperature, band), []).append((t, first))
+    print(f"sampling_probs on those rows and at temperature 1.5 ({torch.get_num_threads()} threads), by the "
+          f"nucleus' width:")
+    for (temperature, band), ts in sorted(bands.items()):
+        firsts = [f for _, f in ts]
+        print(f"  temperature {temperature}, up to {band:6,d} tokens: {len(ts):4d} rows, "
+              f"{1000 * statistics.median(t for t, _ in ts):.2f} ms a call (median); the likeliest 1,024 tokens "
+              f"hold {min(firsts):.2f}-{max(firsts):.2f}")
 
 
 # -----------------------------------------------------------------------------

@@ -9540,31 +9540,40 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it_exactly():
 
 def test_top_p_over_a_big_vocabulary_is_the_sorted_vocabularys_nucleus(monkeypatch):
     """top_p looks among the likeliest NUCLEUS_LOOK tokens, then 8 times as many, and sorts
-    everything only where both fall short: over 50,000 tokens, a peaked distribution (a
-    nucleus of a few hundred), an unsure one (thousands) and a flat one (tens of thousands),
-    each against the set a full sort finds, written out; the whole vocabulary is sorted for
-    the flat one alone. Catches: a look's set taken where it falls short (the rest of the
-    nucleus lost), a full sort's set cut to a look's tokens, and the second look skipped."""
+    everything only where both fall short; a flat row (its first look under half of top_p)
+    skips the second look. Over 50,000 tokens: a peaked distribution (a nucleus of a few
+    hundred), an unsure one (thousands), a flat one (tens of thousands) and the same flat one
+    with a small top_p, each against the set a full sort finds, written out; which looks
+    and sorts each took. Catches: a look's set taken where it falls short (the rest of the
+    nucleus lost), a full sort's set cut to a look's tokens, the second look skipped or cut
+    short, taken for a flat row, or taken where the first sufficed; and a vocabulary that the
+    first look holds whole looked at again."""
     from nanopaged import NUCLEUS_LOOK, sampling_probs
-    sorts = []
+    calls = []
     monkeypatch.setattr(nanopaged_module, "sort_descending",
-                        lambda x, sort=nanopaged_module.sort_descending: sorts.append(x) or sort(x))
+                        lambda x, sort=nanopaged_module.sort_descending: calls.append("sort") or sort(x))
+    monkeypatch.setattr(torch.Tensor, "topk", lambda x, k, *a, topk=torch.Tensor.topk, **kw:
+                        calls.append(k) or topk(x, k, *a, **kw))
     g = torch.Generator().manual_seed(0)
-    sizes = []
-    for scale, top_p in ((4.0, 0.9), (3.0, 0.95), (0.3, 0.95), (0.3, 0.02)):
+    looks = []
+    for scale, top_p in ((4.0, 0.9), (3.0, 0.97), (0.3, 0.95), (0.3, 0.02)):
         logits = torch.randn(50_000, generator=g) * scale
         full = torch.softmax(logits.double(), -1)
         sorted_p, order = full.sort(descending=True)
         size = int((sorted_p.cumsum(0) - sorted_p < top_p).sum())   # the smallest set reaching top_p
         want = torch.zeros_like(full)
         want[order[:size]] = full[order[:size]]
-        sorts.clear()
+        calls.clear()
         probs = sampling_probs(logits, SamplingParams(top_p=top_p))
         assert torch.equal(probs > 0, want > 0) and torch.allclose(probs.double(), want.float().double())
-        assert len(sorts) == (size > 8 * NUCLEUS_LOOK)
-        sizes.append(size)
-    # (every way was taken: within the first look, the second, and neither)
-    assert sizes[0] <= NUCLEUS_LOOK < sizes[1] <= 8 * NUCLEUS_LOOK < sizes[2]
+        looks.append((size, calls.copy()))
+    assert [calls for _, calls in looks] == [[NUCLEUS_LOOK], [NUCLEUS_LOOK, 8 * NUCLEUS_LOOK], [NUCLEUS_LOOK, "sort"],
+                                              [NUCLEUS_LOOK]]
+    # (each way for its reason: within the first look, within the second but past half of it, and neither)
+    assert looks[0][0] <= NUCLEUS_LOOK < 4 * NUCLEUS_LOOK < looks[1][0] <= 8 * NUCLEUS_LOOK < looks[2][0]
+    calls.clear()   # a vocabulary the first look holds whole: nothing more, whatever its sum rounds to
+    small = sampling_probs(torch.randn(500, generator=g) * 0.3, SamplingParams(top_p=1 - 1e-12))
+    assert calls == [500] and (small > 0).sum() == 500
 
 
 def test_a_draw_follows_the_probabilities_and_never_picks_a_zero(monkeypatch):
