@@ -381,7 +381,7 @@ class BeamSearchParams:
     def __post_init__(self):
         checks = [
             (is_integer(self.beam_width) and 1 <= self.beam_width <= MAX_N,
-             f"beam_width must be an integer in [1, {MAX_N}] (SamplingParams' n: see MAX_N), got {self.beam_width!r}"),
+             f"beam_width must be an integer in [1, {MAX_N}] (as n), got {self.beam_width!r}"),
             _max_tokens_check(self.max_tokens),
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
             (isinstance(self.include_stop_str_in_output, bool),

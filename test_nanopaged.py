@@ -5797,7 +5797,7 @@ def test_a_beam_search_past_the_context_is_refused_for_the_context_not_the_pool(
 def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
     for kwargs, message in (({"beam_width": 0}, r"beam_width must be an integer in \[1, 4096\]"),
                             ({"beam_width": True}, "beam_width must be an integer in"),
-                            ({"beam_width": 4097}, r"beam_width must be an integer in \[1, 4096\] \(SamplingParams' n"),
+                            ({"beam_width": 4097}, r"beam_width must be an integer in \[1, 4096\] \(as n\), got 4097"),
                             ({"max_tokens": 0}, "max_tokens must be None"),
                             ({"temperature": 0.7}, "temperature must be 0"),
                             ({"length_penalty": float("nan")}, "length_penalty must be a finite number"),
@@ -7365,7 +7365,7 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--logprobs", "-1"], "--logprobs must be an integer in [0, 20], got -1"),
     (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be a finite number > 0"),
     (["--prompt", "hi", "--min-p", "2"], "--min-p must be a number in [0, 1], got 2.0"),
-    (["--prompt", "hi", "--beam-width", "0"], "--beam-width must be an integer >= 1, got 0"),
+    (["--prompt", "hi", "--beam-width", "0"], "--beam-width must be an integer in [1, 4096] (as n), got 0"),
     (["--prompt", "hi", "--beam-width", "2", "--n", "2", "--stop", "x"], "--n, --stop go without it"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
