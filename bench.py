@@ -203,7 +203,7 @@ def bench_scheduler(args):
                   SamplingParams(max_tokens=1000, ignore_eos=True))
     sched_step(sched)  # the prefill step
     med, out = median_step(sched, args.steps)
-    assert len(out.seqs) == 256 and all(n == 1 for n in out.num_tokens)
+    assert len(out.seqs) == 256 and all(n == 1 for n in out.num_scheduled_tokens)
     print(f"scheduler, 256 running sequences decoding (block size 16, prefix caching on): "
           f"median {1000 * med:.2f} ms per step over {args.steps} steps "
           f"({1e6 * med / 256:.1f} us per sequence)")
@@ -291,7 +291,7 @@ def seats_run(requests, seats, caching):
         if not sched.has_unfinished():
             continue   # (idle until the next arrival)
         out = sched.schedule()
-        tokens, scheduled = tokens + sum(out.num_tokens), scheduled + len(out.seqs)
+        tokens, scheduled = tokens + sum(out.num_scheduled_tokens), scheduled + len(out.seqs)
         for seq in out.seqs:
             first.setdefault(seq.request_id, step - 1)
         # token 7 for every sequence that samples (one for each sample where it forks)

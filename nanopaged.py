@@ -127,12 +127,14 @@ class BlockPool:
         return len(self.free_list)
 
     @property
-    def num_cached(self) -> int:
+    def num_evictable(self) -> int:
+        """Cached blocks no table holds (ref_count 0): free, but kept for a prefix hit until
+        allocate() needs them. (cached_blocks lists every cached block, held or not.)"""
         return len(self.evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - self.num_free - self.num_cached
+        return self.num_blocks - self.num_free - self.num_evictable
 
     @property
     def num_available(self) -> int:
@@ -1603,7 +1605,7 @@ class LLM:
         position scored, count)."""
         input_ids, positions, slot_mapping, seq_lens, qsl, logits_indices = [], [], [], [], [0], []
         prompt_indices, prompt_rows = [], []
-        for i, (seq, n, slots) in enumerate(zip(out.seqs, out.num_tokens, out.slots)):
+        for i, (seq, n, slots) in enumerate(zip(out.seqs, out.num_scheduled_tokens, out.slots)):
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
@@ -1632,7 +1634,7 @@ class LLM:
             block_tables=torch.from_numpy(tables).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            max_query_len=max(out.num_tokens), max_seq_len=max(seq_lens))
+            max_query_len=max(out.num_scheduled_tokens), max_seq_len=max(seq_lens))
         return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev),
                 torch.tensor(logits_indices + prompt_indices, dtype=torch.int64, device=dev),
@@ -2312,7 +2314,7 @@ class LLM:
         """After scheduling: what runs, and every running sequence's block table as
         logical block -> physical block [its tokens] filled/size ref_count."""
         ran = ", ".join(f"{seq} {'prefill' if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens else 'decode'} "
-                        f"{n} token{'s' * (n > 1)}" for seq, n in zip(out.seqs, out.num_tokens))
+                        f"{n} token{'s' * (n > 1)}" for seq, n in zip(out.seqs, out.num_scheduled_tokens))
         self._trace.append(f"  ran: {ran}")
         bs, pool = self.pool.block_size, self.pool
         for seq in self.scheduler.running:
@@ -2325,7 +2327,7 @@ class LLM:
                                  for t in seq.token_ids[i * bs:i * bs + filled])
                 cells.append(f"{i}->{block} [{words}] {filled}/{bs} ref={pool.ref_count[block]}")
             self._trace.append(f"  {seq}: " + "  ".join(cells))
-        self._trace.append(f"  blocks: {pool.num_free} free, {pool.num_cached} cached, {pool.num_used} used")
+        self._trace.append(f"  blocks: {pool.num_free} free, {pool.num_evictable} cached, {pool.num_used} used")
 
 
 # -----------------------------------------------------------------------------

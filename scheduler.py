@@ -42,6 +42,7 @@ from array import array
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import NamedTuple
 
 
 # -----------------------------------------------------------------------------
@@ -299,12 +300,6 @@ def _max_tokens_check(max_tokens) -> tuple[bool, str]:
             f"max_tokens must be None (up to the context) or an integer >= 1, got {max_tokens!r}")
 
 
-def first_visible(position: int, window: int | None) -> int:
-    """The first position the query at `position` sees: 0 without a sliding window, else
-    the window's `window` positions end at its own (HF's masks)."""
-    return 0 if window is None else max(position - window + 1, 0)
-
-
 def truncate_prompt_tokens_check(keep) -> tuple[bool, str]:
     """(SamplingParams' field, and tokenization_kwargs' key: what -1 keeps differs, see their users)"""
     return (keep is None or (is_integer(keep) and (keep >= 1 or keep == -1)),
@@ -402,14 +397,24 @@ class BeamSearchParams:
         self.max_tokens = None if self.max_tokens is None else int(self.max_tokens)
 
 
+def stop_token_set(p: SamplingParams, eos_token_ids) -> set[int]:
+    """The token ids whose draw ends a request: EOS (unless ignore_eos) and stop_token_ids."""
+    return set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
+
+
+# -----------------------------------------------------------------------------
+# Block and window arithmetic
+
+
 def cdiv(a: int, b: int) -> int:
     """a / b rounded up (vLLM's name): the blocks that hold a tokens, b to a block."""
     return -(-a // b)
 
 
-def stop_token_set(p: SamplingParams, eos_token_ids) -> set[int]:
-    """The token ids whose draw ends a request: EOS (unless ignore_eos) and stop_token_ids."""
-    return set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
+def first_visible(position: int, window: int | None) -> int:
+    """The first position the query at `position` sees: 0 without a sliding window, else
+    the window's `window` positions end at its own (HF's masks)."""
+    return 0 if window is None else max(position - window + 1, 0)
 
 
 # -----------------------------------------------------------------------------
@@ -499,6 +504,13 @@ class Sequence:
         return f"seq {self.request_id}.{self.sample_index}" if self.params.n > 1 else f"seq {self.request_id}"
 
 
+def in_order(queue, seq: Sequence):
+    """Put seq in its place in one of the scheduler's queues (waiting, running, swapped),
+    each kept by Sequence.order: a queue's head goes first, and the running queue's tail is
+    the preemption victim."""
+    bisect.insort(queue, seq, key=lambda s: s.order)
+
+
 # -----------------------------------------------------------------------------
 # Prefix hashing
 #
@@ -522,13 +534,6 @@ def root_hash(cache_salt: str | None) -> int:
     return int.from_bytes(hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()[:8], "little")
 
 
-def in_order(queue, seq: Sequence):
-    """Put seq in its place in one of the scheduler's queues (waiting, running, swapped),
-    each kept by Sequence.order: a queue's head goes first, and the running queue's tail is
-    the preemption victim."""
-    bisect.insort(queue, seq, key=lambda s: s.order)
-
-
 def hash_block(parent_hash: int, token_ids) -> int:
     """A block's prefix hash: sha256 of (its parent's hash, its token ids), cut to 64 bits."""
     data = parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes()
@@ -543,7 +548,7 @@ def hash_block(parent_hash: int, token_ids) -> int:
 class SchedulerOutput:
     """One step's work: which sequences run, how many tokens each, and where they go."""
     seqs: list[Sequence] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)   # tokens computed for each sequence
+    num_scheduled_tokens: list[int] = field(default_factory=list)   # tokens computed for each sequence
     slots: list[list[int]] = field(default_factory=list)  # their cache slots (the slot_mapping)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)   # step 1's victims (recomputed or swapped
@@ -558,6 +563,15 @@ class SchedulerOutput:
     # does sequence i reach its last token this step, so that its logits get sampled? (vLLM's
     # do_sample: False for a prefill chunk that ends before the prompt does)
     do_sample: list[bool] = field(default_factory=list)
+
+
+class Admission(NamedTuple):
+    """What admitting a sequence not running would take (Scheduler._admission)."""
+    hits: list[int]   # the blocks that hold its first tokens' K/V already (prefix cache, or its own, still here)
+    computed: int     # the tokens those hold (or, swapped out, that it computed): not computed again
+    skip: int         # the blocks before its window: dropped from the start, never taken
+    num_new: int      # the tokens it computes this step (a chunk of its prompt, where the budget is short)
+    short: int        # the blocks it lacks: it fits where short <= 0
 
 
 class Scheduler:
@@ -763,12 +777,11 @@ class Scheduler:
                 room += self._room_to_grow(self.running[older])
                 older += 1
             seated = self._grant(seq, taken)
-            hits, done, skip, n, short = self._admission(seq, swapped, budget, room, seated)
-            fits = short <= 0
+            admit = self._admission(seq, swapped, budget, room, seated)
             holder, wanted = self._seats(seq, seated)
             if holder in seats:   # (a beam of a search that runs: its seat is held already)
                 wanted = 0
-            if not fits or taken + wanted > self.max_num_seqs:
+            if admit.short > 0 or taken + wanted > self.max_num_seqs:
                 # A parked beam makes no progress until its siblings run: it must not hold
                 # blocks or a seat that an older sequence waits for, or the two could wait for
                 # each other for good. The newest such beam goes (recomputed later), and seq
@@ -776,22 +789,22 @@ class Scheduler:
                 victim = self._parked_beam_newer_than(seq)
                 if victim is None:
                     break
-                self._preempt(victim)
+                self._preempt_by_recompute(victim)
                 holder = self._seats(victim)[0]   # (its search holds on while another of its beams runs)
                 if holder is victim or not any(s.status is Status.RUNNING for s in self.requests[victim.request_id]):
                     taken -= seats.pop(holder)
                 continue
             if swapped:
                 self.swapped.popleft()
-                self._swap_in(seq, hits, out)
+                self._swap_in(seq, admit.hits, out)
             else:
                 self.waiting.popleft()
-                self._adopt_cached_prefix(seq, hits, done // self.block_size, skip)
+                self._adopt_cached_prefix(seq, admit.hits, admit.computed // self.block_size, admit.skip)
                 seq.status = Status.RUNNING
                 in_order(self.running, seq)
             seq.num_seats = seated
-            self._place(seq, n, out)
-            budget -= n
+            self._place(seq, admit.num_new, out)
+            budget -= admit.num_new
             seats.setdefault(holder, wanted)
             taken += wanted
         out.copies = self.pool.pending_copies
@@ -804,22 +817,21 @@ class Scheduler:
         swapped = bool(self.swapped) and (not self.waiting or self.swapped[0].order < self.waiting[0].order)
         return swapped, self.swapped[0] if swapped else self.waiting[0]
 
-    def _admission(self, seq: Sequence, swapped: bool, budget: int, room: int, seated: int) -> tuple:
-        """What admitting seq, the next sequence not running, would take: (hits: the blocks
-        that hold its first tokens' K/V already, done: those tokens, skip: the blocks before
-        its window, never taken, n: the tokens it computes this step, short: the blocks it
-        lacks; it fits where short <= 0). room: the room to grow that the running sequences of
-        older requests need (_room_to_grow), kept free for them; seated: how many of its samples
-        will run once it samples (_grant)."""
+    def _admission(self, seq: Sequence, swapped: bool, budget: int, room: int, seated: int) -> Admission:
+        """What admitting seq, the next sequence not running, would take (Admission: its hits,
+        the tokens they hold, the blocks it skips, its tokens this step, and the blocks it
+        lacks). budget: the step's tokens left; room: the room to grow that the running
+        sequences of older requests need (_room_to_grow), kept free for them; seated: how many
+        of its samples will run once it samples (_grant)."""
         if swapped:   # (its computed tokens are in the swap space, or still here: hits)
             # (Nothing of it slid out of its window while it was away: step 0 slid it just
             # before step 1 swapped it out, and it has computed nothing since.)
             hits, skip = self._still_cached(seq), 0
-            done = seq.num_computed_tokens
+            computed = seq.num_computed_tokens
         else:   # (under a sliding window, the blocks before its window are not taken)
-            hits, done_blocks, skip = self._cached_prefix(seq)
-            done = done_blocks * self.block_size
-        n = min(seq.num_tokens - done, budget)   # (chunked prefill: the first chunk, where the budget is short)
+            hits, computed_blocks, skip = self._cached_prefix(seq)
+            computed = computed_blocks * self.block_size
+        n = min(seq.num_tokens - computed, budget)   # (chunked prefill: the first chunk, where the budget is short)
         kept = seq.block_table.num_dropped + skip + len(hits)   # (dropped, skipped: before the window)
         # A prompt is admitted only when all of it fits, not just this step's chunk:
         # admitted on its first chunk, a long prompt is the newest running sequence,
@@ -833,14 +845,14 @@ class Scheduler:
         # alignment) is loose enough to keep waiting requests that would have run
         # side by side: 4 prompts of 200 tokens, window 16, 34 blocks of 4 took
         # 106 steps instead of 62, none preempted either way.
-        end = seq.num_tokens if not swapped and self.sliding_window is None else done + n
+        end = seq.num_tokens if not swapped and self.sliding_window is None else computed + n
         need = cdiv(end, self.block_size) - kept
         revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
         # (and, while older requests run, room for them to grow and a block for seq to grow
         # into, one per sample that will run, `seated` (_grant): see _room_to_grow; room is 0
         # only when no older request runs)
         short = need + (room + seated if room else 0) - (self.pool.num_available - revived)
-        return hits, done, skip, n, short
+        return Admission(hits, computed, skip, n, short)
 
     def _preempt_outranked(self):
         """Under priorities: while the next sequence to admit would not be admitted this step,
@@ -869,7 +881,7 @@ class Scheduler:
             victim = self.running[-1]
             self.pool.say(f"{seq} (priority {seq.priority}) cannot be admitted: {victim} (priority "
                           f"{victim.priority}) makes room")
-            self._preempt(victim)
+            self._preempt_by_recompute(victim)
 
     def _admissible(self, seq: Sequence, swapped: bool, keep: list[Sequence], seated: int) -> bool:
         """Whether schedule() would admit seq (the next not running) this step with `seated` of
@@ -884,11 +896,11 @@ class Scheduler:
         if tokens >= self.max_num_batched_tokens:
             return False
         room = sum(self._room_to_grow(q) for q in keep if q.rank < seq.rank)
-        hits, *_, short = self._admission(seq, swapped, self.max_num_batched_tokens - tokens, room, seated)
+        admit = self._admission(seq, swapped, self.max_num_batched_tokens - tokens, room, seated)
         gone = self.running[len(keep):]
         seats = dict(self._seats(q) for q in keep)
         holder, wanted = self._seats(seq, seated)
-        return (short + blocks - self._blocks_freed_by(gone, hits) <= 0
+        return (admit.short + blocks - self._blocks_freed_by(gone, admit.hits) <= 0
                 and sum(seats.values()) + (0 if holder in seats else wanted) <= self.max_num_seqs)
 
     def _blocks_freed_by(self, seqs: list[Sequence], hits: list[int]) -> int:
@@ -901,7 +913,7 @@ class Scheduler:
 
     def _place(self, seq: Sequence, n: int, out: SchedulerOutput):
         out.seqs.append(seq)
-        out.num_tokens.append(n)
+        out.num_scheduled_tokens.append(n)
         out.slots.append(seq.block_table.slots_for(n))
         out.do_sample.append(seq.num_computed_tokens + n == seq.num_tokens)
         if self.enable_prefix_caching:
@@ -1016,7 +1028,7 @@ class Scheduler:
                     and not victim.parked):
                 self._swap_out(victim, out)
             else:
-                self._preempt(victim)
+                self._preempt_by_recompute(victim)
             if victim is seq:
                 return False
         return True
@@ -1076,7 +1088,7 @@ class Scheduler:
         seq.status = Status.RUNNING
         in_order(self.running, seq)
 
-    def _preempt(self, seq: Sequence):
+    def _preempt_by_recompute(self, seq: Sequence):
         """Recompute preemption: drop all of seq's blocks at once and send it back to the
         waiting queue, in its place (mostly the head). Its prompt and the tokens it
         generated so far become its new prompt to prefill; with prefix caching on, its full
@@ -1102,13 +1114,14 @@ class Scheduler:
         # leave its granted ones free at least: admissions since counted them.
         mine = set(samples)
         free = self.max_num_seqs - sum(dict(self._seats(q) for q in self.running if q not in mine).values())
-        for seq in [q for q in samples if q.status is Status.RUNNING][free:]:
+        # (max: were none free, all wait; [-1:] would send back the last alone)
+        for seq in [q for q in samples if q.status is Status.RUNNING][max(free, 0):]:
             self._send_back(seq)
             self.pool.say(f"{seq} waits for a seat of max_num_seqs = {self.max_num_seqs}: "
                           f"it will be recomputed")
 
     def _send_back(self, seq: Sequence):
-        """seq's blocks released, back to the waiting queue to be recomputed (_preempt, _defer)."""
+        """seq's blocks released, back to the waiting queue to be recomputed (_preempt_by_recompute, _defer)."""
         if seq.status is Status.SWAPPED:   # (undoing a swap-out whose copy may not have run)
             self.swapped.remove(seq)
             seq.block_table.release()
@@ -1143,7 +1156,7 @@ class Scheduler:
         prompt_logprob_start until it has sampled: a cached token is never computed, so it
         would have no logits to score. One with skip_reading_prefix_cache takes none."""
         found = []               # per full block: its cached block or None
-        done, last_miss = 0, -1  # the most blocks seq can count as computed; the last block not cached
+        d, last_miss = 0, -1  # the most blocks seq can count as computed; the last block not cached
         end = seq.num_tokens - 1   # (the tokens the cache may serve)
         if seq.params.skip_reading_prefix_cache:
             end = 0
@@ -1159,9 +1172,9 @@ class Scheduler:
                     if self.sliding_window is None:
                         break   # (no later block can serve without this one)
                 elif last_miss < first_visible((i + 1) * self.block_size, self.sliding_window) // self.block_size:
-                    done = i + 1   # every block from the window of the query after block i on is here
-        skip = first_visible(done * self.block_size, self.sliding_window) // self.block_size
-        return found[skip:done], done, skip
+                    d = i + 1   # every block from the window of the query after block i on is here
+        skip = first_visible(d * self.block_size, self.sliding_window) // self.block_size
+        return found[skip:d], d, skip
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple:
         """The token ids of seq's full block i: what its prefix hash covers, with the hashes
@@ -1191,14 +1204,14 @@ class Scheduler:
                 hits.append(block)
         return hits
 
-    def _adopt_cached_prefix(self, seq: Sequence, hits: list[int], done: int, skip: int):
+    def _adopt_cached_prefix(self, seq: Sequence, hits: list[int], computed_blocks: int, skip: int):
         """seq (waiting, holding no block) takes the cached blocks that start it (hits, the
-        K/V of its blocks skip .. done - 1; from _cached_prefix). Its first `skip` blocks lie
+        K/V of its blocks skip .. computed_blocks - 1; from _cached_prefix). Its first `skip` blocks lie
         before its window: they are dropped from the start, cached or not."""
         seq.block_table.skip_dropped(skip)
         for block in hits:
             seq.block_table.append_cached(block)
-        seq.num_computed_tokens = done * self.block_size
+        seq.num_computed_tokens = computed_blocks * self.block_size
         # The hit rate is about prompts: a preempted sequence finding its own blocks again on
         # its way back, or a sample that waited for a seat (_defer) finding its request's, is
         # a recompute made cheaper: not counted.
@@ -1246,7 +1259,7 @@ class Scheduler:
                 self.num_preemptions -= 1
                 self.num_swapped_out -= 1
             if seq.status in (Status.RUNNING, Status.SWAPPED):
-                self._preempt(seq)
+                self._preempt_by_recompute(seq)
         self.in_flight = {}
 
     # --- after the step ---
@@ -1261,7 +1274,7 @@ class Scheduler:
         tokens (the prefix cache then holds only blocks that were computed), but not once it
         has forked and appended; so the engine holds Ctrl-C through it all (its counting,
         forking and appending raise nothing else)."""
-        for seq, n in zip(out.seqs, out.num_tokens):
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             if seq.status is Status.RUNNING:
                 first = seq.num_computed_tokens // self.block_size   # the block this step began in
                 seq.num_computed_tokens += n

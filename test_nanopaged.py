@@ -3662,7 +3662,7 @@ def check_pool_invariants(pool, tables):
         for b in t.block_ids[t.num_dropped:]:
             holders[b] += 1
     assert pool.ref_count == holders
-    assert pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks
+    assert pool.num_free + pool.num_used + pool.num_evictable == pool.num_blocks
     assert pool.num_used == sum(1 for r in pool.ref_count if r > 0)
     assert set(pool.free_list).isdisjoint(pool.evictable)
     assert all(pool.ref_count[b] == 0 for b in (*pool.free_list, *pool.evictable))
@@ -3837,16 +3837,16 @@ def test_prefix_cache_index_and_lru_eviction():
     pool.register(b0, 111, (1, 2))
     pool.register(b1, 222, (3, 4))
     t.release()                                   # b1 freed first, then b0: b1 is evicted first
-    assert pool.num_cached == 2 and pool.num_free == 2
+    assert pool.num_evictable == 2 and pool.num_free == 2
     assert pool.lookup(111, (1, 2)) == b0
     assert pool.lookup(111, (9, 9)) is None       # a hash collision never counts as a hit
     got = pool.allocate(2)                        # plain free blocks go first
-    assert set(got).isdisjoint({b0, b1}) and pool.num_cached == 2
+    assert set(got).isdisjoint({b0, b1}) and pool.num_evictable == 2
     (evicted,) = pool.allocate(1)                 # then the least recently used cached block
     assert evicted == b1 and pool.lookup(222, (3, 4)) is None and pool.lookup(111, (1, 2)) == b0
     revived = pool.new_table()
     revived.append_cached(b0)                     # a hit revives a cached block: used again
-    assert pool.num_cached == 0 and pool.ref_count[b0] == 1 and revived.num_tokens == 2
+    assert pool.num_evictable == 0 and pool.ref_count[b0] == 1 and revived.num_tokens == 2
     with pytest.raises(OutOfBlocks):
         pool.allocate(1)
 
@@ -3915,7 +3915,7 @@ class SimulatedKV:
                                 (self.pool, self.pool, out.copies)):
             moved = {d * bs + i: src.get(s * bs + i) for s, d in pairs for i in range(bs)}   # (all read first)
             dst.update(moved)
-        for seq, n, slots in zip(out.seqs, out.num_tokens, out.slots):
+        for seq, n, slots in zip(out.seqs, out.num_scheduled_tokens, out.slots):
             for t, slot in zip(range(seq.num_computed_tokens, seq.num_computed_tokens + n), slots):
                 self.pool[slot] = (t, seq.token_ids[t])
 
@@ -3936,10 +3936,10 @@ def run_step(sched, check=True, token=fake_token, kv=None, fail=None):
     the step's copies and writes, it fails instead, and is rolled back."""
     out = sched.schedule()
     if check:
-        assert sum(out.num_tokens) <= sched.max_num_batched_tokens
+        assert sum(out.num_scheduled_tokens) <= sched.max_num_batched_tokens
         assert len(out.seqs) <= sched.max_num_seqs and len(sched.running) <= sched.max_num_seqs
-        assert all(n >= 1 for n in out.num_tokens)
-        assert [len(s) for s in out.slots] == out.num_tokens
+        assert all(n >= 1 for n in out.num_scheduled_tokens)
+        assert [len(s) for s in out.slots] == out.num_scheduled_tokens
         if sched.sliding_window is not None:   # none of the step's holds a block wholly before its window
             for s in out.seqs:                 # (a swapped-in one included: it was slid before it went)
                 first = max(s.num_computed_tokens - sched.sliding_window + 1, 0)
@@ -4056,7 +4056,7 @@ def test_a_prompt_is_admitted_only_when_all_of_it_fits():
             sched.add(i, [2 + (7 * j + i) % 90 for j in range(n)], SamplingParams(max_tokens=10, ignore_eos=True))
         computed, kv = 0, SimulatedKV(sched)
         while sched.has_unfinished():
-            computed += sum(run_step(sched, kv=kv).num_tokens)
+            computed += sum(run_step(sched, kv=kv).num_scheduled_tokens)
         return computed, sched.num_preemptions
     need = 40 + 100 + 162 + 100 + 4 * 9          # each prompt once, then 9 decode tokens each
     assert workload(48) == (need, 0)             # 192 slots: the 162-token prompt waits its turn
@@ -4084,7 +4084,7 @@ def test_a_prompt_leaves_room_for_the_older_requests_to_grow():
         out = run_step(sched, kv=kv)
         assert out.seqs == [a]   # b's prompt fits the 8 free blocks, but not with a's growth and its own
         while sched.has_unfinished():
-            computed += sum(run_step(sched, kv=kv).num_tokens)
+            computed += sum(run_step(sched, kv=kv).num_scheduled_tokens)
         assert b.num_preemptions == 0 and computed == 7 * n + prompt + 1, n   # every token once
 
 
@@ -4182,7 +4182,7 @@ def test_a_long_windowed_request_takes_only_the_cached_blocks_its_window_reads()
         prompt = list(range(2, 46))
         a = sched.add("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
         run_all(sched, kv=kv)
-        assert sched.pool.num_cached == 11
+        assert sched.pool.num_evictable == 11
         a_blocks = [sched.pool.lookup(h, tuple(prompt[4 * i:4 * i + 4])) for i, h in enumerate(a.block_hashes)]
         if evict:   # c's 3 blocks: the free one, then a's first two (the least recently used)
             sched.add("c", list(range(100, 112)), SamplingParams(max_tokens=1, ignore_eos=True))
@@ -4217,7 +4217,7 @@ def test_each_block_is_hashed_once_however_long_it_waits_or_often_it_is_preempte
         run_step(sched, kv=kv)
         waited += 1
     assert waited >= 5
-    sched._preempt(b)   # (as the pool running dry would)
+    sched._preempt_by_recompute(b)   # (as the pool running dry would)
     run_all(sched, kv=kv, max_steps=400)
     assert b.num_preemptions == 1 and a.finish_reason == b.finish_reason == "length"
     assert len(hashed) == len(set(hashed))   # (every block of a and b holds other tokens)
@@ -4302,7 +4302,7 @@ def test_a_token_budget_smaller_than_the_running_batch_leaves_the_rest_for_later
     assert len(samples) == 3
     while sched.has_unfinished():
         out = run_step(sched)                 # (checks every n >= 1)
-        assert out.num_tokens == [1] * len(out.seqs) and len(out.seqs) <= 2
+        assert out.num_scheduled_tokens == [1] * len(out.seqs) and len(out.seqs) <= 2
     assert [s.num_output_tokens for s in samples] == [3, 3, 3]
 
 
@@ -4534,7 +4534,7 @@ def test_preempting_a_parked_beam_for_a_seat_frees_its_seat():
     sched.update(out, {a: [fake_token(a)]})            # b and c: parked
     assert b.parked and c.parked
     sched.max_num_seqs = 2                             # (seats now short by one)
-    sched._preempt(a)                                  # (as the pool running dry would)
+    sched._preempt_by_recompute(a)                                  # (as the pool running dry would)
     out = sched.schedule()
     assert a.status is Status.RUNNING and b.status is Status.RUNNING and c.status is Status.WAITING
     assert out.seqs == [a]
@@ -4571,13 +4571,13 @@ def test_a_beam_search_takes_its_seats_once_and_gives_them_back_with_its_last_be
     out = sched.schedule()
     b1 = sched.update(out, {a: [fake_token(a)], b: [fake_token(b), 9]})[b][0]   # b forks into 2 beams
     for beam in (b1, b):                                   # (as the pool running dry would)
-        sched._preempt(beam)
+        sched._preempt_by_recompute(beam)
     out = sched.schedule()
     assert out.seqs == [a, b, b1]
     sched.update(out, {a: [fake_token(a)]})                # both beams computed, not sampled: parked
     assert b.parked and b1.parked
     sched.max_num_seqs = 2
-    sched._preempt(a)
+    sched._preempt_by_recompute(a)
     out = sched.schedule()
     assert out.seqs == [a] and b.status is Status.WAITING and b1.status is Status.WAITING
 
@@ -4641,11 +4641,11 @@ def test_prompt_logprobs_skip_the_prefix_cache_until_the_first_token():
     assert (sched.prefix_query_tokens, sched.prefix_hit_tokens) == (13, 0)
     s = sched.add("s", prompt, SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=1))
     out = run_step(sched)
-    assert out.num_tokens == [13] and s.num_cached_tokens == 0
+    assert out.num_scheduled_tokens == [13] and s.num_cached_tokens == 0
     assert (sched.prefix_query_tokens, sched.prefix_hit_tokens) == (26, 0)
-    sched._preempt(s)                                             # (as the pool running dry would)
+    sched._preempt_by_recompute(s)                                             # (as the pool running dry would)
     out = run_step(sched)                                         # its 3 full blocks are cached
-    assert out.num_tokens == [2] and s.num_output_tokens == 2
+    assert out.num_scheduled_tokens == [2] and s.num_output_tokens == 2
     assert (sched.prefix_query_tokens, sched.prefix_hit_tokens) == (26, 0)   # (a recompute: not counted)
     run_all(sched)
     t = sched.add("t", prompt + [40], SamplingParams(max_tokens=1, ignore_eos=True))
@@ -4663,11 +4663,11 @@ def test_blocks_of_a_sequence_that_failed_alone_are_not_cached():
     out = sched.schedule()
     sched.finish(a, "error")                                     # as LLM._commit does
     sched.update(out, {})
-    assert sched.pool.num_cached == 0 and sched.pool.cached_blocks == {}
+    assert sched.pool.num_evictable == 0 and sched.pool.cached_blocks == {}
     kv = SimulatedKV(sched)
     d = sched.add("d", a.prompt_token_ids, SamplingParams(max_tokens=2, ignore_eos=True))
     out = run_step(sched, kv=kv)
-    assert out.num_tokens == [9] and d.num_cached_tokens == 0
+    assert out.num_scheduled_tokens == [9] and d.num_cached_tokens == 0
     run_all(sched, kv=kv)
 
 
@@ -4689,10 +4689,10 @@ def test_register_keeps_the_first_block_of_a_prefix_and_one_prefix_per_block():
     assert pool.lookup(222, (3, 4)) is None
     t1.release()
     t2.release()
-    assert pool.num_cached == 1 and pool.num_free == 3
+    assert pool.num_evictable == 1 and pool.num_free == 3
     assert len(pool.allocate(4)) == 4         # evicts b1 too
     assert pool.cached_blocks == {} and pool.block_hash == {} and pool.block_tokens == {}
-    assert pool.num_cached == 0 and pool.num_used == 4
+    assert pool.num_evictable == 0 and pool.num_used == 4
 
 
 def test_incref_of_a_free_block_is_refused():
@@ -4758,7 +4758,7 @@ def test_a_hash_collision_with_a_block_computed_in_the_same_step_is_caught(monke
     x = sched.add("x", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
     y = sched.add("y", [8, 9, 7], SamplingParams(max_tokens=2, ignore_eos=True))
     out = run_step(sched, kv=kv)
-    assert out.seqs == [x, y] and out.num_tokens == [3, 3] and y.num_cached_tokens == 0
+    assert out.seqs == [x, y] and out.num_scheduled_tokens == [3, 3] and y.num_cached_tokens == 0
     assert x.block_table.block_ids[0] != y.block_table.block_ids[0]
     run_all(sched, kv=kv)
 
@@ -4786,7 +4786,7 @@ def test_a_windowed_hit_needs_only_the_blocks_its_next_query_reads():
         sched.pool.free(block)
     b = sched.add("b", prompt + [99], SamplingParams(max_tokens=2, ignore_eos=True))
     out = run_step(sched, kv=kv)
-    assert b.num_cached_tokens == 12 and out.num_tokens == [2]
+    assert b.num_cached_tokens == 12 and out.num_scheduled_tokens == [2]
     assert b.block_table.block_ids[1:3] == cached[1:]
     run_all(sched, kv=kv)
 
@@ -4803,7 +4803,7 @@ def test_swapping_with_prefix_caching_off():
     a = sched.add("a", [5] * 8, SamplingParams(max_tokens=28, ignore_eos=True))
     b = sched.add("b", list(range(10, 22)), SamplingParams(max_tokens=12, ignore_eos=True))
     run_all(sched, kv=SimulatedKV(sched))
-    assert sched.num_swapped_out >= 1 and sched.pool.num_cached == 0 and sched.pool.cached_blocks == {}
+    assert sched.num_swapped_out >= 1 and sched.pool.num_evictable == 0 and sched.pool.cached_blocks == {}
     roomy = make_sched(num_blocks=100, block_size=4, enable_prefix_caching=False)
     same = [roomy.add(s.request_id, s.prompt_token_ids, s.params) for s in (a, b)]
     run_all(roomy)
@@ -5077,8 +5077,8 @@ def test_chunked_prefill_spreads_a_long_prompt_while_others_decode():
     while long.num_computed_tokens < long.num_prompt_tokens:
         out = run_step(sched)
         steps += 1
-        assert out.seqs[:2] == decoders and out.num_tokens[:2] == [1, 1]  # decodes keep going
-        assert out.num_tokens[2] == min(8, 40 - 8 * (steps - 1))          # the rest of the budget
+        assert out.seqs[:2] == decoders and out.num_scheduled_tokens[:2] == [1, 1]  # decodes keep going
+        assert out.num_scheduled_tokens[2] == min(8, 40 - 8 * (steps - 1))          # the rest of the budget
     assert steps == 5 and long.num_output_tokens == 1                   # 40 tokens / 8 per step
 
 
@@ -5089,18 +5089,18 @@ def test_prefix_cache_hits_and_block_ids():
     run_all(sched)
     first_blocks = sched.pool.cached_blocks.copy()
     assert sched.prefix_hit_tokens == 0 and len(first_blocks) == 3     # 14 prompt tokens: 3 full blocks
-    assert sched.pool.num_cached == 3
+    assert sched.pool.num_evictable == 3
     second = sched.add("second", shared + [40, 41, 42], SamplingParams(max_tokens=2, ignore_eos=True))
     out = run_step(sched)
     assert second.block_table.block_ids[:3] == list(first_blocks.values())
-    assert out.num_tokens == [3] and second.num_cached_tokens == 12      # only the new part computed
+    assert out.num_scheduled_tokens == [3] and second.num_cached_tokens == 12      # only the new part computed
     assert sched.prefix_hit_tokens == 12
     run_all(sched)
     # a prompt that is entirely cached still computes its last token (and so has logits):
     # its last full block is recomputed rather than reused
     again = sched.add("again", shared, SamplingParams(max_tokens=1, ignore_eos=True))
     out = run_step(sched)
-    assert out.num_tokens == [4] and again.num_cached_tokens == 8 and again.num_output_tokens == 1
+    assert out.num_scheduled_tokens == [4] and again.num_cached_tokens == 8 and again.num_output_tokens == 1
     assert sched.prefix_hit_tokens == 12 + 8
 
 
@@ -5115,15 +5115,15 @@ def test_blocks_a_step_computes_serve_sequences_admitted_after_them_in_that_step
                 sched.add("c", shared[:8] + [50, 51, 52, 53, 54], SamplingParams(max_tokens=3, ignore_eos=True))]
     plain = make_sched(num_blocks=32, enable_prefix_caching=False)
     plain_seqs = submit(plain)
-    assert run_step(plain).num_tokens == [14, 13, 13]                  # no sharing without the cache
+    assert run_step(plain).num_scheduled_tokens == [14, 13, 13]                  # no sharing without the cache
     run_all(plain)
     sched = make_sched(num_blocks=32)
     a, b, c = submit(sched)
     sched.schedule()
     sched.rollback()                 # a step that failed: nothing it computed may be found later
-    assert sched.pool.num_cached == 0 and sched.pool.num_used == 0
+    assert sched.pool.num_evictable == 0 and sched.pool.num_used == 0
     out = run_step(sched)
-    assert out.num_tokens == [14, 1, 5]                                # b and c: only their own tokens
+    assert out.num_scheduled_tokens == [14, 1, 5]                                # b and c: only their own tokens
     assert b.block_table.block_ids[:3] == a.block_table.block_ids[:3]
     assert c.block_table.block_ids[:2] == a.block_table.block_ids[:2] != c.block_table.block_ids[:3]
     assert [sched.pool.ref_count[x] for x in a.block_table.block_ids[:3]] == [3, 3, 2]
@@ -5148,7 +5148,7 @@ def test_prefix_cache_eviction_is_lru_and_collisions_are_caught(monkeypatch):
     sched.add("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=1, ignore_eos=True))
     run_all(sched)
     (head_hash, a_head), (tail_hash, a_tail) = sched.pool.cached_blocks.items()  # head first
-    assert sched.pool.num_cached == 2 and list(sched.pool.evictable) == [a_tail, a_head]
+    assert sched.pool.num_evictable == 2 and list(sched.pool.evictable) == [a_tail, a_head]
     # a new, unrelated request takes the plain free blocks first, then evicts a's tail
     b = sched.add("b", [20, 21, 22, 23, 24], SamplingParams(max_tokens=2, ignore_eos=True))
     run_step(sched)
@@ -5160,7 +5160,7 @@ def test_prefix_cache_eviction_is_lru_and_collisions_are_caught(monkeypatch):
     sched2 = make_sched(num_blocks=8, block_size=2)
     sched2.add("x", [5, 6, 7], SamplingParams(max_tokens=1, ignore_eos=True))
     run_all(sched2)
-    assert sched2.pool.num_cached == 1                     # x's full block [5, 6], "hash 42"
+    assert sched2.pool.num_evictable == 1                     # x's full block [5, 6], "hash 42"
     y = sched2.add("y", [8, 9, 7], SamplingParams(max_tokens=1, ignore_eos=True))
     run_step(sched2)
     assert sched2.prefix_hit_tokens == 0 and y.num_cached_tokens == 0
@@ -5171,7 +5171,7 @@ def test_prefix_caching_off_registers_nothing():
     for i in range(2):
         sched.add(i, list(range(2, 20)), SamplingParams(max_tokens=2, ignore_eos=True))
         run_all(sched)
-    assert sched.prefix_hit_tokens == 0 and sched.pool.num_cached == 0 and sched.pool.num_free == 16
+    assert sched.prefix_hit_tokens == 0 and sched.pool.num_evictable == 0 and sched.pool.num_free == 16
 
 
 def test_cache_salt_keeps_prompts_apart_in_the_prefix_cache(tmp_path):
@@ -5456,7 +5456,7 @@ def step_to_the_end(llm) -> dict:
 
 def assert_nothing_leaked(llm):
     pool = llm.pool
-    assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_blocks
+    assert pool.num_used == 0 and pool.num_free + pool.num_evictable == pool.num_blocks
     assert llm.swap_pool is None or llm.swap_pool.num_free == llm.swap_pool.num_blocks
     assert not llm.has_unfinished_requests() and not llm._requests
 
@@ -9205,17 +9205,17 @@ def test_reset_prefix_cache_frees_every_cached_block_but_only_while_none_is_held
     llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", block_size=4, num_blocks=64)
     prompt, params = list(range(1, 30)), SamplingParams(temperature=0, max_tokens=3)
     first = llm.generate(prompt, params)[0]
-    assert llm.pool.num_cached > 0 and llm.generate(prompt, params)[0].num_cached_tokens == 28
+    assert llm.pool.num_evictable > 0 and llm.generate(prompt, params)[0].num_cached_tokens == 28
     rid = llm.add_request(prompt, params)
     llm.step()
-    cached = llm.pool.num_cached
-    assert llm.reset_prefix_cache() is False and llm.pool.num_cached == cached
+    cached = llm.pool.num_evictable
+    assert llm.reset_prefix_cache() is False and llm.pool.num_evictable == cached
     llm.abort(rid)
     assert llm.reset_prefix_cache() is True
     with pytest.raises(ValueError, match="reset_running_requests=True: nanopaged resets its prefix cache only"):
         llm.reset_prefix_cache(reset_running_requests=True)
     assert llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False) is True
-    assert (llm.pool.num_cached, llm.pool.num_free, llm.pool.cached_blocks) == (0, 64, {})
+    assert (llm.pool.num_evictable, llm.pool.num_free, llm.pool.cached_blocks) == (0, 64, {})
     assert llm.pool.block_hash == llm.pool.block_tokens == {}   # (a block still hashed is never cached again)
     again = llm.generate(prompt, params)[0]
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -10640,8 +10640,8 @@ def test_reset_prefix_cache_refuses_while_a_request_is_swapped_out(tmp_path):
         llm.step()
     llm.abort(a)                                     # b holds CPU blocks only
     assert llm.pool.num_used == 0 and llm.swap_pool.num_used > 0
-    cached = llm.pool.num_cached
-    assert llm.reset_prefix_cache() is False and llm.pool.num_cached == cached
+    cached = llm.pool.num_evictable
+    assert llm.reset_prefix_cache() is False and llm.pool.num_evictable == cached
     assert step_to_the_end(llm)[b].outputs[0].finish_reason == "length"
     assert_nothing_leaked(llm)
 
@@ -10653,7 +10653,7 @@ def test_beam_candidates_cover_a_vocabulary_smaller_than_twice_the_width(tmp_pat
 
 
 # --- From a mutation pass (2026-12-06, 88 slips, 9 equivalent) over the n-past-max_num_seqs
-# scheduling (_defer, _send_back, _samples_seated, _seats, _admission, _room_to_grow, _preempt),
+# scheduling (_defer, _send_back, _samples_seated, _seats, _admission, _room_to_grow, _preempt_by_recompute),
 # _check_stop_strings and Tokenization: each test names the slip it catches ---
 
 
@@ -10668,9 +10668,9 @@ def test_a_prompt_with_n_samples_leaves_room_for_each_samples_first_block():
     kv = SimulatedKV(sched)
     out = run_step(sched, kv=kv)
     assert out.seqs == [a]
-    computed = sum(out.num_tokens)
+    computed = sum(out.num_scheduled_tokens)
     while sched.has_unfinished():
-        computed += sum(run_step(sched, kv=kv).num_tokens)
+        computed += sum(run_step(sched, kv=kv).num_scheduled_tokens)
     assert sched.num_preemptions == 0 and computed == 8 + 7 + 20 + 3 * 1   # every token once
 
 
@@ -10764,7 +10764,7 @@ def test_preempting_a_parked_sample_for_a_seat_frees_its_own_seat_while_its_sibl
     sched.update(out, {a: [fake_token(a)]})            # b and b1: parked
     assert b.parked and b1.parked
     sched.max_num_seqs = 2                             # (seats now short by one)
-    sched._preempt(a)                                  # (as the pool running dry would)
+    sched._preempt_by_recompute(a)                                  # (as the pool running dry would)
     out = sched.schedule()
     assert out.seqs == [a] and b.status is Status.RUNNING and b1.status is Status.WAITING
 
@@ -10819,9 +10819,9 @@ def test_a_prompt_leaves_room_for_every_older_request_to_grow():
     kv = SimulatedKV(sched)
     out = run_step(sched, kv=kv)
     assert out.seqs == [a1, a2]
-    computed = sum(out.num_tokens)
+    computed = sum(out.num_scheduled_tokens)
     while sched.has_unfinished():
-        computed += sum(run_step(sched, kv=kv).num_tokens)
+        computed += sum(run_step(sched, kv=kv).num_scheduled_tokens)
     assert sched.num_preemptions == 0 and computed == 2 * (8 + 7) + 24 + 1   # every token once
 
 
