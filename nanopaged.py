@@ -73,13 +73,14 @@ class BlockPool:
     """All physical KV blocks of all layers, and the bookkeeping that hands them out.
 
     A block is in exactly one of three states:
-      used    ref_count > 0: held by one or more BlockTables
-      cached  ref_count == 0 but registered in the prefix cache: its KV data is still
-              valid and a later request with the same prefix can revive it; evicted in
-              least-recently-used order, and only when no plain free block is left
-      free    ref_count == 0, on the free list
-    (num_used is counted as num_blocks - free - cached; the tests check that it equals the
-    number of blocks with ref_count > 0.)
+      used       ref_count > 0: held by one or more BlockTables (a full one may be in the
+                 prefix cache too, shared by the tables that found it there)
+      evictable  ref_count == 0 but in the prefix cache: its KV data is still valid and a
+                 later request with the same prefix can revive it; evicted in
+                 least-recently-used order, and only when no plain free block is left
+      free       ref_count == 0, on the free list
+    (num_used is counted as num_blocks - free - evictable; the tests check that it equals
+    the number of blocks with ref_count > 0.)
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
@@ -128,8 +129,8 @@ class BlockPool:
 
     @property
     def num_evictable(self) -> int:
-        """Cached blocks no table holds (ref_count 0): free, but kept for a prefix hit until
-        allocate() needs them. (cached_blocks lists every cached block, held or not.)"""
+        """Blocks in the prefix cache that no table holds (ref_count 0): kept for a prefix hit
+        until allocate() needs them. (cached_blocks lists every cached block, held or not.)"""
         return len(self.evictable)
 
     @property
@@ -495,16 +496,16 @@ class GatherPlan:
         for i in range(0, len(decode) if gather_decodes else 0, self.DECODE_BUCKET):
             seqs = decode[i:i + self.DECODE_BUCKET]
             idx = torch.tensor(seqs, device=device)
-            L = max(lens[b] - firsts[b] for b in seqs)
+            Lmax = max(lens[b] - firsts[b] for b in seqs)
             starts = torch.tensor([firsts[b] for b in seqs], device=device)
-            slots, valid = self._slots(block_tables[idx], starts, seq_lens[idx].long(), L, block_size)
-            rows = query_start_loc[idx].long()
-            self.decode_buckets.append((rows, slots.reshape(-1), valid[:, None, None, :], len(seqs), L))
+            slots, valid = self._slots(block_tables[idx], starts, seq_lens[idx].long(), Lmax, block_size)
+            rows = query_start_loc[idx].long()   # (n,) each decode's one query row in the flat batch
+            self.decode_buckets.append((rows, slots.reshape(-1), valid[:, None, None, :], len(seqs), Lmax))
         # The gathered K and V, (2, n * Lmax, KVH, D) for the largest bucket, allocated by the
         # first layer and rewritten by every other bucket and layer: a fresh tensor per
         # gather would cost more in page faults than the gather itself.
         self.workspace = None
-        self.workspace_rows = max((n * L for *_, n, L in self.decode_buckets), default=0)
+        self.workspace_rows = max((n * Lmax for *_, n, Lmax in self.decode_buckets), default=0)
         # Prefill sequences: (row range, slots, mask or None) each. The mask is aligned
         # bottom-right: the queries are the *last* q_len positions of the context. With
         # nothing cached before them (q_len == context) and no window cutting in, it is plain
@@ -572,7 +573,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         out.index_copy_(0, rows, od.reshape(n, H, D))                  # (n, KVH, group, D) -> (n, H, D)
     for start, end, slots, mask in plan.prefills:
         qp = q[start:end].transpose(0, 1)[None]                        # (1, H, q_len, D)
-        kp = k_flat[slots].transpose(0, 1)[None]                       # (1, KVH, L - first, D)
+        kp = k_flat[slots].transpose(0, 1)[None]                       # (1, KVH, len(slots), D)
         vp = v_flat[slots].transpose(0, 1)[None]
         op = attend(qp, kp, vp, mask, scale, softcap)                  # (1, H, q_len, D)
         out[start:end] = op[0].transpose(0, 1)                         # (q_len, H, D)
@@ -685,7 +686,8 @@ class PagedAttention:
 # _prepare builds one flat batch (no padding) -> swaps and copy-on-write copies run -> the
 # model's forward pass, whose attention layers write K/V through slot_mapping and read them
 # through block_tables -> the logits of every sequence that reached its last token are
-# sampled (or, for a beam search, chosen by _beam_step) -> _commit records the step
+# sampled (or, for a beam search, chosen by _beam_step), and the logprobs asked for taken
+# (_logprobs) -> _commit records the step
 # (Scheduler.update). The bookkeeping at both ends runs under defer_ctrl_c (LLM._bookkeeping,
 # which has a last resort should it raise itself); a step that raises in between is undone
 # by Scheduler.rollback. The block trace's lines are collected
@@ -1579,7 +1581,9 @@ class LLM:
         for child in children:
             self._requests[child.request_id].seqs.append(child)
         self._record_beams(beam_plan, forked)
-        for seq in appended:   # sample j of a fork's tokens went to the sequence sample_index + j
+        # sample j of a fork's tokens went to the sequence sample_index + j: a sampling fork is
+        # sample 0's first token, and Scheduler.fork numbers its children from 1
+        for seq in appended:
             req = self._requests[seq.request_id]
             for j, entry in enumerate(token_logprobs.get(seq, ())):
                 i = seq.sample_index + j
@@ -1601,8 +1605,8 @@ class LLM:
         """The flat batch of this step (the inputs listed in section 2): token ids, positions
         and slots of every scheduled token, back to back; per sequence its query range,
         context length and block table; which rows' logits to sample; and, after those, the
-        rows that score prompt tokens (prompt_logprobs, prompt_logprob_token_ids): (seq, first
-        position scored, count)."""
+        rows that score prompt tokens (prompt_logprobs, prompt_logprob_token_ids): (seq, the
+        first prompt token they score (one past its row's position), count)."""
         input_ids, positions, slot_mapping, seq_lens, qsl, logits_indices = [], [], [], [], [0], []
         prompt_indices, prompt_rows = [], []
         for i, (seq, n, slots) in enumerate(zip(out.seqs, out.num_scheduled_tokens, out.slots)):
@@ -1618,14 +1622,14 @@ class LLM:
             # (A recomputed sequence that has sampled scored its whole prompt the first time.)
             if seq.params.scores_prompt and seq.num_output_tokens == 0:
                 first, end = max(start, seq.params.prompt_logprob_start or 0), min(start + n, seq.num_prompt_tokens - 1)
-                if first < end:
+                if first < end:   # (position t's row: qsl[-2], the sequence's first row, + t - start)
                     prompt_indices += range(qsl[-2] + first - start, qsl[-2] + end - start)
                     prompt_rows.append((seq, first + 1, end - first))
         max_blocks = max(len(s.block_table.block_ids) for s in out.seqs)
         # padded entries (past a sequence's blocks) and DROPPED ones (before its window) are never read.
         # Filled a row at a time into a numpy array: torch.tensor of a list of lists converts its
         # ints one by one (3.1 ms a step for 256 sequences of 200 blocks, where this takes 0.7 ms)
-        tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)        # (S, max_blocks)
+        tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)        # (B, max_blocks)
         for row, s in zip(tables, out.seqs):
             row[:len(s.block_table.block_ids)] = s.block_table.block_ids
         dev = self.device
@@ -1645,8 +1649,8 @@ class LLM:
         """Pick the next token of every sequence that reached its end (due; logits (S, vocab),
         a row each; finite[row]: no NaN or inf in it), beams aside: _beam_step chooses theirs,
         and reports their broken rows. Greedy rows share one argmax; the others are sampled
-        one by one, each with its own generator, so a seeded request gives the same tokens
-        whatever else is in the batch. Returns {seq: its tokens (one, or n where it forks)}
+        one by one, a seeded request's from a generator of its own (_generator), so that it
+        gives the same tokens whatever else is in the batch (unseeded ones share the engine's). Returns {seq: its tokens (one, or n where it forks)}
         and {seq: why} for those that cannot draw: logits broken (NaN or inf), or every token
         banned by their constraints."""
         logits, drawable = logits.float(), list(finite)
@@ -1682,7 +1686,7 @@ class LLM:
     def _logprobs(self, due: list, logits, finite: list, sampled: dict, prompt_rows: list) -> tuple[dict, list, dict]:
         """vLLM's logprobs of this step, from one batched log_softmax: {seq: one {token id:
         Logprob} per token it sampled} for the sequences that ask for them; for those that score
-        their prompt, (seq, first position scored, one {token id: Logprob} per prompt token or
+        their prompt, (seq, the first prompt token scored, one {token id: Logprob} per prompt token or
         None, the first row of prompt_logprob_token_ids scored, their (count, ids) logprobs or
         None); and {seq: NOT_FINITE} for those whose prompt rows are broken (NaN or inf): they
         fail, as a broken sampled row does. logits: (S + R, vocab), the S rows of due, then the
@@ -1713,7 +1717,8 @@ class LLM:
             r += count
         if not rows and not id_rows:
             return {}, [], broken
-        lp = torch.log_softmax(logits[rows + id_rows].float(), dim=-1)   # (M + I, vocab)
+        # (M + I, vocab): the M rows above (sampled tokens, then prompt_logprobs), the I of prompt_logprob_token_ids
+        lp = torch.log_softmax(logits[rows + id_rows].float(), dim=-1)
         entries = iter(logprob_dicts(lp[:len(rows)], targets, picks, self.tokenizer, contexts))
         token_logprobs = {seq: [next(entries) for _ in sampled[seq]] for seq in due
                           if seq in sampled and seq.params.num_logprobs is not None}
@@ -1796,11 +1801,11 @@ class LLM:
             candidates, ended = [], []
             for seq in sorted(live, key=lambda q: q.sample_index):
                 cum, history = req.beams[seq]
-                for token, lp in ready[seq]:
+                for token, token_lp in ready[seq]:
                     if token in eos:
-                        ended.append((seq.output_token_ids + [token], cum + lp, (history, ready[seq]), "stop"))
+                        ended.append((seq.output_token_ids + [token], cum + token_lp, (history, ready[seq]), "stop"))
                     else:
-                        candidates.append((cum + lp, seq, token, ready[seq]))
+                        candidates.append((cum + token_lp, seq, token, ready[seq]))
             best = sorted(candidates, key=lambda c: -c[0])[:p.n]   # (stable: ties go to the earlier beam)
             chosen = {seq: [] for seq in live}
             for cum, seq, token, cands in best:
@@ -2327,7 +2332,7 @@ class LLM:
                                  for t in seq.token_ids[i * bs:i * bs + filled])
                 cells.append(f"{i}->{block} [{words}] {filled}/{bs} ref={pool.ref_count[block]}")
             self._trace.append(f"  {seq}: " + "  ".join(cells))
-        self._trace.append(f"  blocks: {pool.num_free} free, {pool.num_evictable} cached, {pool.num_used} used")
+        self._trace.append(f"  blocks: {pool.num_free} free, {pool.num_evictable} evictable, {pool.num_used} used")
 
 
 # -----------------------------------------------------------------------------

@@ -7788,6 +7788,50 @@ def test_readme_signatures_are_the_code_s():
         assert f"`{name}({', '.join(parts)})`" in readme, name
 
 
+
+def test_readme_chapter_map_names_symbols_that_exist():
+    """Every symbol the README's "The chapter, in the code" names is defined in the file it
+    names (the last file named before it; one named inside parentheses holds only there): a
+    rename that forgets the map fails here. Class.attr: the class, and a method, property or
+    field of it, or an attribute its methods set; a bare name (`free` in "`BlockPool.allocate`
+    / `free`"): a module-level symbol, or a method, attribute, field or class constant; in C
+    and CUDA, the word."""
+    text = (HERE / "README.md").read_text()
+    table = text.split("## The chapter, in the code")[1].split("\nThe files:")[0]
+    modules = {"nanopaged.py": nanopaged_module, "scheduler.py": scheduler_module, "model.py": model_module,
+               "build_ext.py": build_ext}
+    sources = {f: (HERE / f).read_text() for f in (*modules, "kernels.cu", "kernels_cpu.c")}
+
+    def member(name, src):   # def name / self.name / name: (a field) / NAME = (a class constant)
+        return re.search(rf"def {name}\b|self\.{name}\b|^\s+{name}(:| =)", src, re.M) is not None
+
+    def defined(name, file):
+        src = sources[file]
+        if file not in modules:
+            return all(re.search(rf"\b{part}\b", src) for part in name.split("."))
+        first, _, rest = name.partition(".")
+        if not rest:
+            return hasattr(modules[file], first) or member(first, src)
+        owner = getattr(modules[file], first, None)
+        return owner is not None and (hasattr(owner, rest) or member(rest, src))
+
+    checked, missing = 0, []
+    for row in table.splitlines()[2:]:
+        stack, file = [], None
+        for token in re.findall(r"`[^`]+`|[()]", row.rsplit("|", 2)[1]):   # the "where" column
+            if token == "(":
+                stack.append(file)
+            elif token == ")":
+                file = stack.pop()
+            elif token.strip("`") in sources:
+                file = token.strip("`")
+            elif re.fullmatch(r"`[A-Za-z_][\w.]*(\([\w=]*\))?`", token):
+                name = token.strip("`").split("(")[0]
+                checked += 1
+                if file is None or not defined(name, file):
+                    missing.append(f"{file}: {name}")
+    assert checked > 150 and not missing, missing
+
 def test_cli_trace_tells_the_chapter_walk_through(capsys, smollm2_dir):
     code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Four score and seven years ago our",
                              "--raw", "--block-size", "4", "--max-tokens", "3", "--trace")
