@@ -11,8 +11,10 @@ layer hands its q, k, v to the `attn` object it was given,
 
 and that object (nanopaged's PagedAttention: the torch path, its decode rows on kernels_cpu.c,
 or the CUDA kernel; the tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
-context, or, for a layer with a sliding window W (Mistral, Phi-3, some Qwen, SmolLM3, Gemma, OLMo 3 layers), to the
-last W positions up to each query. The model knows nothing about pages.
+context, or, for a layer with a sliding window W (Mistral, Ministral, Mixtral, Phi-3, some Qwen, SmolLM3, Gemma,
+OLMo 3 layers), to the last W positions up to each query. It also scales q.k (by ModelConfig.attn_scale: 1/sqrt(D),
+or Gemma's and Granite's own) and softcaps the scores (Gemma 2): the model never does. The model knows nothing
+about pages.
 
 Chapters: config, tokenizers (the Tokenizer, chat templates, the tokenizers built from files),
 layers, Llama, GPT-2, loading, GGUF conversion.
@@ -149,6 +151,8 @@ MISTRALS = ("mistral", "ministral")
 # OLMo 2 (AI2's fully open models) puts its norms after attention and the MLP, on their
 # outputs, and normalizes q and k across all heads at once; OLMo 3 is OLMo 2 with three
 # layers in four windowed (transformers' Olmo3Config), its full layers' RoPE alone scaled.
+# Two more ways of theirs have no ModelConfig field, being keyed on OLMOS where they happen:
+# norms scaled in float32 (rms_norm), and RoPE tables kept in float32 (load_model).
 OLMOS = ("olmo2", "olmo3")
 # Granite (IBM's Granite 3) is Llama with four scalars of its own (ModelConfig's "Granite" fields).
 # Mixtral (Mistral's attention), Qwen 3 MoE (Qwen 3's) and OLMoE (Llama's norms, OLMo's q/k
@@ -195,9 +199,9 @@ LLAMA_FAMILY = {
 
 @dataclass(frozen=True)
 class LayersBut:
-    """The layers 0 .. n - 1 but those in `but`: Gemma's windowed layers, all but every 6th
-    (Gemma 3) or every other (Gemma 2), held without a list of every layer (a config may claim
-    billions)."""
+    """The layers 0 .. n - 1 but those in `but`: Gemma's and OLMo 3's windowed layers, all but
+    every 6th (Gemma 3), every other (Gemma 2) or every 4th (OLMo 3), held without a list of
+    every layer (a config may claim billions)."""
     n: int
     but: range
 
@@ -210,9 +214,10 @@ class LayersBut:
 
 @dataclass
 class ModelConfig:
-    """One config for both architectures (GPT-2, and Llama with its family), field names as
-    in HF's LlamaConfig; GPT-2's own names (n_embd, n_layer, ...) are mapped onto them by
-    from_dict."""
+    """One config for both architectures (GPT-2, and Llama with its family). The fields
+    HF's LlamaConfig has too keep its names (but norm_eps, its rms_norm_eps); the others are
+    nanopaged's, one for each way the family differs. GPT-2's own names (n_embd, n_layer,
+    ...) are mapped onto them by from_dict."""
     model_type: str                   # "gpt2" or one of LLAMA_FAMILY
     vocab_size: int
     hidden_size: int                  # C
@@ -283,9 +288,9 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """The longest sequence it serves: max_position_embeddings, or as far as YaRN or linear
-        scaling stretches RoPE (factor x the original context: Qwen's 32k x 4 with its model
-        card's YaRN), as vLLM derives it."""
+        """The longest sequence it serves: max_position_embeddings, or more where scaling
+        stretches RoPE: YaRN to factor x original_max_position_embeddings (Qwen's 32k x 4 with
+        its model card's YaRN), linear to factor x max_position_embeddings; as vLLM derives it."""
         return _context_length(self.max_position_embeddings, self.rope_scaling, self.model_type)
 
     @property
@@ -444,7 +449,8 @@ def _check_checkpoint_kind(d: dict) -> None:
                          f"nanopaged reads unquantized float16/bfloat16/float32 checkpoints")
     # A classifier or reward model (LlamaForSequenceClassification...) has its family's config
     # and weights, but a head that scores instead of one that predicts the next token. (A base
-    # model saved without its head, GPT2Model or LlamaModel, is read: its head is tied.)
+    # model saved without its head, GPT2Model or LlamaModel, is read where its config ties the
+    # head to the embeddings, as GPT-2's does by default; an untied one lacks lm_head.weight.)
     names = d.get("architectures")
     if not (names is None or isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise ModelError(f"'architectures' is {reprlib.repr(names)}, expected a list of class names")
@@ -2097,8 +2103,8 @@ def rope_tables(config: ModelConfig, max_model_len: int | None = None,
         inv_freq, attention_factor = _yarn_inv_freq(powers, theta, s), s["attention_factor"]
     elif s.get("rope_type") == "longrope":
         # LongRoPE: each frequency slowed by a factor of its own, one set for contexts
-        # within the original one, another beyond. HF picks by the length of each forward
-        # pass (and recomputes a sequence's cache when it crosses over); here, as in vLLM and
+        # within the original one, another beyond. HF picks by the furthest position each
+        # forward pass reaches (and recomputes a sequence's cache when it crosses over); here, as in vLLM and
         # llama.cpp, one set for the whole run, by the longest sequence it serves, so a
         # cache never mixes the two: pass max_model_len <= original_max_position_embeddings
         # for the short factors.
@@ -2190,7 +2196,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)   # (..., dim) float32
         if self.scale_in_float32:
-            weight = self.weight.float() + 1.0 if self.gemma else self.weight.float()   # (C,) float32
+            weight = self.weight.float() + 1.0 if self.gemma else self.weight.float()   # (dim,) float32
             return (normed * weight).type_as(x)
         return self.weight * normed.type_as(x)
 
@@ -2233,7 +2239,8 @@ class LlamaAttention(nn.Module):
         if self.rotates:
             q = apply_rope(q, cos, sin)                # (T, H, D)
             k = apply_rope(k, cos, sin)                # (T, KVH, D)
-        v = v.view(T, KVH, D)                          # (T, KVH, D), a view into qkv: no copy
+        v = v.view(T, KVH, D)                          # (T, KVH, D), a view into qkv (or its clamp): no copy
+        # (the scale 1/sqrt(D), or the model's attn_scale, and Gemma 2's softcap: attn's)
         out = attn(self.layer_idx, q, k, v, self.window)  # (T, H, D)
         return self.o_proj(out.reshape(T, H * D))      # (T, C)
 
@@ -2256,8 +2263,8 @@ class LlamaMLP(nn.Module):
 
 class SparseMoE(nn.Module):
     """A mixture of experts in place of the MLP (Mixtral, Qwen 3 MoE, OLMoE): E MLPs, the experts,
-    of which a router (a linear layer scoring each token against each expert) picks k for
-    every token. A token's output is the sum of its k experts' outputs, weighted by the
+    of which a router (a linear layer scoring each token against each expert) picks k (top_k)
+    for every token. A token's output is the sum of its k experts' outputs, weighted by the
     router's softmax probabilities for them (over all E, in float32; renormalized to sum to 1
     over the k where norm_topk_prob). So a token costs k MLPs of the E held: a layer keeps
     E / k times the MLP weights that any one token is computed with. Each expert runs once a
@@ -2265,7 +2272,7 @@ class SparseMoE(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)   # the router
         self.experts = nn.ModuleList(LlamaMLP(config) for _ in range(config.num_experts))
         # (transformers weighs Mixtral's experts in float32, Qwen's and OLMoE's in the model's
@@ -2276,12 +2283,12 @@ class SparseMoE(nn.Module):
     def forward(self, x):
         T, C = x.shape
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)   # (T, E)
-        weights, chosen = probs.topk(self.k, dim=-1)                     # (T, k) each: the k likeliest
+        weights, chosen = probs.topk(self.top_k, dim=-1)               # (T, k) each: the k likeliest
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.weights_in_float32:
             weights = weights.to(x.dtype)
-        y = x.new_empty(T, self.k, C)                                    # (T, k, C): each token's k outputs
+        y = x.new_empty(T, self.top_k, C)                              # (T, k, C): each token's k outputs
         for e in chosen.unique().tolist():
             rows, slot = torch.where(chosen == e)                        # (n,) each: who chose e, as which of k
             y[rows, slot] = self.experts[e](x[rows])                     # (n, C)
@@ -2307,7 +2314,7 @@ class LlamaBlock(nn.Module):
             self.post_feedforward_layernorm = rms_norm(config, C)
 
     def forward(self, x, cos, sin, attn):
-        if self.residual_multiplier != 1.0:   # Granite's
+        if self.residual_multiplier != 1.0:   # Granite's (pre-norms alone, as Llama's)
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn) * self.residual_multiplier
             return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
         if not self.post_norms:
@@ -2352,14 +2359,14 @@ class Llama(nn.Module):
         rope = (self.rope_cos[positions].unsqueeze(1),  # (T, 1, R/2): same angles for all heads
                 self.rope_sin[positions].unsqueeze(1))  # (T, 1, R/2)
         local = rope if self.config.rope_local_base_freq is None else (
-            self.rope_local_cos[positions].unsqueeze(1),  # (T, 1, R/2): Gemma 3's windowed layers'
+            self.rope_local_cos[positions].unsqueeze(1),  # (T, 1, R/2): Gemma 3's and OLMo 3's windowed layers'
             self.rope_local_sin[positions].unsqueeze(1))  # (T, 1, R/2)
-        for layer in self.layers:
+        for layer in self.layers:   # (windowed layers turn by the local base where there is one; else local is rope)
             x = layer(x, *(local if layer.self_attn.window is not None else rope), attn)
         # The LM head is a step's biggest matmul (vocab_size rows): run it only on the N
         # rows whose logits are wanted: the tokens whose next token is sampled (typically
         # the last one of each sequence), and the prompt tokens scored for prompt_logprobs
-        # (the engine's S + R rows).
+        # (the engine's sampled rows, then its prompt-logprob rows).
         if logits_indices is not None:
             x = x[logits_indices]                      # (N, C)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
@@ -2486,7 +2493,7 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = GPT2MLP(config)
 
-    def forward(self, x, attn):
+    def forward(self, x, attn):   # (self.attn: the checkpoint's name for the module; attn: the paged attention)
         x = x + self.attn(self.ln_1(x), attn)
         return x + self.mlp(self.ln_2(x))
 
