@@ -372,11 +372,11 @@ def copy_blocks(src_caches, dst_caches, pairs):
 
 def copy_waves(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     """pairs (src, dst), in order, cut into runs in which no block is both read and written,
-    so that a run's copies may run at once, in any order, and give what copying the pairs one
-    after another gives."""
+    nor written twice, so that a run's copies may run at once, in any order, and give what
+    copying the pairs one after another gives."""
     waves, read, written = [[]], set(), set()
     for src, dst in pairs:
-        if dst in read or src in written:
+        if dst in read or src in written or dst in written:
             waves.append([])
             read, written = set(), set()
         waves[-1].append((src, dst))
@@ -672,7 +672,8 @@ class PagedAttention:
         # The kernel copies a launch's pairs all at once, in no set order; the torch copy above
         # reads every source before it writes. A block can be both: read by a copy-on-write,
         # then freed (its last other holder preempted later in the same schedule()) and handed
-        # to a later copy-on-write as its destination. Such a copy waits for a launch of its own.
+        # to a later copy-on-write as its destination (or be a destination twice so). Such a
+        # copy waits for a launch of its own.
         for wave in copy_waves(copies):
             pairs = torch.tensor(wave, dtype=torch.int64, device=self.pool.k_cache[0].device)   # (P, 2)
             for cache in (*self.pool.k_cache, *self.pool.v_cache):

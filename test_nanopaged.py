@@ -3625,6 +3625,34 @@ def test_a_plan_serves_only_its_own_window():
         paged_attention(q, kc, vc, bt, sl, qsl, 0.1, 5, plan=plan)
 
 
+def test_a_plan_gathers_each_decode_once_into_one_workspace():
+    """A decode (one query) is gathered in its bucket only, never again as a prefill, and every
+    call on the plan (every layer of the step) reuses its one workspace. Catches: a decode
+    also planned as a prefill (the same output, computed twice), the workspace made anew for
+    each layer."""
+    q, kc, vc, bt, sl, qsl, _ = make_paged_batch([(1, 9), (3, 3), (1, 5)], 4, 2, 2, 8)
+    plan = nanopaged_module.GatherPlan(bt, sl, qsl, 4)
+    assert [(start, end) for start, end, *_ in plan.prefills] == [(1, 4)]
+    assert plan.decode_seqs.tolist() == [2, 0] and [(n, L) for *_, n, L in plan.decode_buckets] == [(2, 9)]
+    first = paged_attention(q, kc, vc, bt, sl, qsl, 0.1, plan=plan)
+    workspace = plan.workspace
+    assert workspace is not None and workspace.shape[1] == 2 * 9
+    again = paged_attention(q, kc, vc, bt, sl, qsl, 0.1, plan=plan)
+    assert plan.workspace is workspace and torch.equal(first, again)
+
+
+def test_paged_attention_runs_on_one_backend_and_names_it():
+    """The backend is chosen once, from what is given, and the CUDA kernel and the CPU one are
+    never both taken (the CPU one would be silently ignored). Catches: that check dropped,
+    the "cpu" backend reported as another."""
+    pool = BlockPool(4, 4, 1, 1, 8)
+    with pytest.raises(ValueError, match="attention runs on the CUDA kernel or on the CPU one, not both"):
+        PagedAttention(pool, 0.1, ops=object(), decode_kernel=object())
+    assert PagedAttention(pool, 0.1).backend == "torch"
+    assert PagedAttention(pool, 0.1, decode_kernel=object()).backend == "cpu"
+    assert PagedAttention(pool, 0.1, ops=object()).backend == "cuda"
+
+
 def test_a_plan_made_for_the_kernel_needs_it():
     """A plan made without the decode gathers (for the CPU kernel) refuses to run the torch path
     alone: the decode rows would be left unwritten."""
@@ -3644,6 +3672,9 @@ def test_write_kv_and_copy_blocks():
     assert kc.count_nonzero() == k.count_nonzero()     # nothing else written
     copy_blocks([kc, vc], [kc, vc], [(2, 0), (5, 4)])
     assert torch.equal(kc[0], kc[2]) and torch.equal(vc[4], vc[5]) and torch.equal(vc[0], vc[2])
+    before = kc.clone()
+    copy_blocks([kc], [kc], [])   # nothing to copy (an empty torch.tensor([]) is float: no index)
+    assert torch.equal(kc, before)
 
 
 # =============================================================================
@@ -3689,6 +3720,31 @@ def test_block_table_drops_what_slid_out_of_the_window():
         t.release()
     check_pool_invariants(pool, [moved])
     assert pool.num_used == 0
+
+
+def test_a_pool_needs_at_least_one_block_of_at_least_one_slot():
+    """BlockPool refuses an empty pool or empty blocks, by name. Catches: either bound off by one."""
+    for num_blocks, block_size in [(0, 4), (-1, 4), (4, 0)]:
+        with pytest.raises(ValueError, match=f"a BlockPool needs num_blocks >= 1 and block_size >= 1, "
+                                             f"got {num_blocks} and {block_size}"):
+            BlockPool(num_blocks, block_size, num_layers=1, num_kv_heads=1, head_dim=2)
+    pool = BlockPool(1, 1, num_layers=1, num_kv_heads=1, head_dim=2)
+    assert pool.num_free == 1 and pool.allocate(1) == [0]
+
+
+def test_clear_leaves_the_pool_as_it_was_made_pending_copies_included():
+    """The engine's last resort clears the pool after a schedule() that raised halfway: a
+    copy-on-write that schedule() recorded must not run in the next step, whose blocks are
+    others' by then. Catches: clear() keeping pending_copies, or any of the prefix cache."""
+    pool = tiny_pool(4, block_size=4)
+    a = pool.new_table()
+    a.slots_for(6)
+    pool.register(a.block_ids[0], 111, (1, 2, 3, 4))
+    a.fork().slots_for(1)                                  # copy-on-write of the shared partial block
+    assert pool.pending_copies and pool.cached_blocks
+    pool.clear()
+    assert pool.pending_copies == [] and pool.ref_count == [0] * 4 and list(pool.free_list) == [0, 1, 2, 3]
+    assert pool.num_evictable == 0 and not (pool.cached_blocks or pool.block_hash or pool.block_tokens)
 
 
 def test_allocate_free_counts_and_all_or_nothing():
@@ -3756,10 +3812,19 @@ def test_a_block_copied_from_then_reused_as_a_copy_destination_in_one_step():
     PagedAttention(pool, 1.0, ops=Backwards()).copy_blocks(pool.pending_copies)
     assert all(torch.equal(e, cache) for e, cache in zip(expect, caches))
     assert d.block_ids == [w] and pool.ref_count[w] == 1
-    # chains cut where a block is both read and written, and nowhere else
+    # chains cut where a block is both read and written, or written twice, and nowhere else; a
+    # wave starts afresh (what an earlier wave wrote, it may read: that wave ran already)
     assert copy_waves([(1, 2), (3, 1), (4, 3), (5, 6)]) == [[(1, 2)], [(3, 1)], [(4, 3), (5, 6)]]
     assert copy_waves([(1, 2), (2, 3)]) == [[(1, 2)], [(2, 3)]]
     assert copy_waves([(1, 2), (3, 4), (1, 5)]) == [[(1, 2), (3, 4), (1, 5)]]
+    assert copy_waves([(1, 3), (2, 3)]) == [[(1, 3)], [(2, 3)]]
+    assert copy_waves([(1, 2), (3, 1), (2, 4)]) == [[(1, 2)], [(3, 1), (2, 4)]]
+    assert copy_waves([]) == [[]]
+    pool = tiny_pool(4)
+    for cache in (*pool.k_cache, *pool.v_cache):
+        cache.copy_(torch.arange(4.0)[:, None, None, None].expand(cache.shape))   # block b holds b
+    PagedAttention(pool, 1.0, ops=Backwards()).copy_blocks([(1, 3), (2, 3)])   # the last copy into 3 wins
+    assert all(bool((cache[3] == 2).all()) for cache in (*pool.k_cache, *pool.v_cache))
 
 
 def test_slots_for_out_of_blocks_changes_nothing():
