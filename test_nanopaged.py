@@ -3998,7 +3998,11 @@ class SimulatedKV:
 
 def run_step(sched, check=True, token=fake_token, kv=None, fail=None):
     """One step with a fake model (and, given kv, a simulated cache). fail: "before" or "after"
-    the step's copies and writes, it fails instead, and is rolled back."""
+    the step's copies and writes, it fails instead, and is rolled back. A test that steps until
+    something happens fails, rather than hangs, should it never happen (a scheduler's 100,000th
+    step)."""
+    sched.test_steps = getattr(sched, "test_steps", 0) + 1
+    assert sched.test_steps <= 100_000, "the scheduler never did what the test waits for"
     out = sched.schedule()
     if check:
         assert sum(out.num_scheduled_tokens) <= sched.max_num_batched_tokens
@@ -5496,6 +5500,138 @@ def test_scheduler_bad_input_is_refused_and_nothing_leaks():
     run_step(sched)
     sched.abort(4)                                        # abort mid-flight: blocks return at once
     assert ok.finish_reason == "abort" and sched.pool.num_used == 0 and not sched.has_unfinished()
+
+
+# --- from a mutation sweep of the Scheduler (88 mutants): what no test above caught ---
+
+def test_aborting_a_swapped_out_request_takes_it_out_of_the_swapped_queue():
+    """b, swapped out, is aborted: it leaves the swapped queue, its CPU blocks are freed, and
+    a runs on to its end with nothing swapped back in.
+    Catches: finish() not removing a SWAPPED sequence from self.swapped."""
+    sched, a, b = swapping_pair()
+    kv = SimulatedKV(sched)
+    while b.status is not Status.SWAPPED:
+        run_step(sched, kv=kv)
+    sched.abort("b")
+    assert b.finish_reason == "abort" and not sched.swapped and sched.swap_pool.num_used == 0
+    steps = []
+    while sched.has_unfinished():
+        steps.append(run_step(sched, kv=kv))
+    assert all(not out.swap_in and b not in out.seqs for out in steps)
+    assert a.finish_reason == "length" and sched.pool.num_used == 0 and not sched.requests
+
+
+def test_beams_that_fork_are_never_sent_back_for_a_seat():
+    """A search of width 2 under max_num_seqs = 2: beam b continues two candidates while its
+    sibling falls out, in one update(). Its beams hold the search's seats (they run together,
+    never deferred), so both run on: none is sent back to be recomputed.
+    Catches: update() calling _defer for a beam's fork (`and not seq.params.beam` dropped)."""
+    sched = make_sched(num_blocks=32, block_size=4, max_num_seqs=2)
+    params = SamplingParams(n=2, max_tokens=4, ignore_eos=True)
+    params.beam = BeamSearchParams(2, 4, ignore_eos=True)   # (what LLM._add makes of a beam search)
+    b = sched.add("b", [6, 7, 8], params)
+    b1 = sched.update(sched.schedule(), {b: [fake_token(b), 9]})[b][0]
+    out = sched.schedule()
+    assert out.seqs == [b, b1]
+    b2 = sched.update(out, {b: [10, 11], b1: []})[b][0]   # b continues 2 candidates; b1 falls out
+    assert b1.finish_reason == "dropped"
+    assert b.status is b2.status is Status.RUNNING and b.num_computed_tokens == b2.num_computed_tokens == 4
+    assert sched.schedule().seqs == [b, b2]
+
+
+def test_a_waiting_beam_of_a_running_search_preempts_no_worse_request_for_seats_it_holds():
+    """Under priorities, beam b1 of a search (priority 0) that still runs b is sent back; w
+    (priority 5) runs beside them under max_num_seqs = 4. b1 needs no seat (its search holds
+    2, with w's 1: 3 of 4), so nothing is preempted for it and it runs again at once.
+    Catches: _admissible counting the seats of a search that holds them already
+    (`(0 if holder in seats else wanted)` -> `wanted`)."""
+    sched = make_sched(num_blocks=32, block_size=4, max_num_seqs=4)
+    params = SamplingParams(n=2, max_tokens=4, ignore_eos=True)
+    params.beam = BeamSearchParams(2, 4, ignore_eos=True)
+    b = sched.add("s", [6, 7, 8], params, priority=0)
+    w = sched.add("w", [3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True), priority=5)
+    b1 = sched.update(sched.schedule(), {b: [fake_token(b), 9], w: [fake_token(w)]})[b][0]
+    sched._preempt_by_recompute(b1)   # (as a rollback or the pool running dry would)
+    out = sched.schedule()
+    assert w.status is Status.RUNNING and w.num_preemptions == 0 and w in out.seqs
+    assert b1.status is Status.RUNNING and b1 in out.seqs
+
+
+def test_reset_counters_zeroes_every_counter():
+    """LLM.reset_stats() relies on reset_counters(): the prefix-cache hit tokens restart too,
+    else the hit rate after a reset counts hits from before it.
+    Catches: reset_counters leaving prefix_hit_tokens (or any counter) as it was."""
+    sched = make_sched(num_blocks=6, block_size=4, swap_pool=tiny_pool(20, 4))
+    for r in "ab":
+        sched.add(r, [5] * 9, SamplingParams(max_tokens=12, ignore_eos=True))
+    run_all(sched)
+    assert sched.prefix_hit_tokens > 0 and sched.prefix_query_tokens > 0 and sched.num_preemptions > 0
+    sched.reset_counters()
+    assert (sched.num_preemptions, sched.num_swapped_out, sched.prefix_hit_tokens, sched.prefix_query_tokens) \
+        == (0, 0, 0, 0)
+
+
+def test_a_sample_waiting_for_a_seat_keeps_no_room_for_its_own_siblings():
+    """r (n=2) is granted one seat (x holds the other) and its second sample waits (_defer).
+    Once x ends, the sample is admitted into the 2 free blocks: only *older requests* get room
+    to grow kept for them (_room_to_grow), not the sample's own siblings (same rank).
+    Catches: step 2 summing room for running sequences of rank <= the candidate's
+    (`self.running[older].rank < seq.rank` -> `<=`)."""
+    sched = make_sched(num_blocks=4, block_size=4, max_num_seqs=2)
+    x = sched.add("x", [20, 21, 22, 23], SamplingParams(max_tokens=2, ignore_eos=True))
+    sched.add("r", [30, 31, 32, 33], SamplingParams(n=2, max_tokens=4, ignore_eos=True))
+    run_step(sched)                       # both prefill; r forks, its sample 1 waits for a seat
+    r1 = [s for s in sched.requests["r"] if s.sample_index == 1][0]
+    assert r1.status is Status.WAITING
+    run_step(sched)                       # x ends; r1 still has no seat this step
+    assert x.finish_reason == "length" and r1.status is Status.WAITING
+    out = run_step(sched)                 # 2 blocks free: r1 needs 1
+    assert r1 in out.seqs and r1.num_preemptions == 0
+    run_all(sched)
+
+
+def test_a_step_that_preempts_admits_nobody():
+    """x ends early and v takes its seat while r (n=2, granted one seat: x held the other) is
+    still prefilling in chunks; when r forks, its sample r.1 waits for a seat (older than v).
+    v, the newest, is preempted later for r.0's growth, freeing a seat and blocks that r.1
+    would fit; but a step that preempts admits nobody (memory is short: it would only thrash,
+    and with swapping one step would swap both ways). r.1 comes back the step after.
+    Catches: dropping `and not out.preempted` from step 2's loop."""
+    sched = make_sched(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=4)
+    kv = SimulatedKV(sched)
+    sched.add("x", [20, 21], SamplingParams(max_tokens=1, ignore_eos=True))
+    sched.add("r", list(range(30, 42)), SamplingParams(n=2, max_tokens=12, ignore_eos=True))
+    v = sched.add("v", list(range(60, 72)), SamplingParams(max_tokens=8, ignore_eos=True))
+    preempting = 0
+    while sched.has_unfinished():
+        before = set(sched.running)
+        out = run_step(sched, kv=kv)
+        if out.preempted:
+            preempting += 1
+            assert set(out.seqs) <= before and not out.swap_in
+    assert preempting and v.num_preemptions > 0 and sched.pool.num_used == 0
+
+
+def test_swapped_in_sequences_under_a_window_adopt_only_blocks_from_their_first_kept_one():
+    """Window 9, blocks of 2, shared prefixes, a roomy swap space: a sequence swapped out with
+    blocks dropped comes back adopting cached blocks for its kept blocks alone (from
+    num_dropped on), so every computed token in its window is found in its slot.
+    Catches: _still_cached scanning from block 0 (dropped blocks' cached copies adopted as
+    kept ones, one slot range off)."""
+    rng = random.Random(0)
+    sched = make_sched(num_blocks=16, block_size=2, max_num_seqs=16, max_num_batched_tokens=8,
+                       swap_pool=tiny_pool(200, 2), sliding_window=9)
+    kv, next_id = SimulatedKV(sched), 0
+    while next_id < 40 or sched.has_unfinished():
+        if next_id < 40 and rng.random() < 0.3:
+            prompt = [rng.randint(2, 9) for _ in range(rng.randint(1, 16))]
+            if rng.random() < 0.5:
+                prompt = [5] * 6 + prompt
+            sched.add(next_id, prompt, SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True))
+            next_id += 1
+        if sched.has_unfinished():
+            run_step(sched, kv=kv)
+    assert sched.num_swapped_out > 0 and sched.pool.num_used == 0 and sched.swap_pool.num_used == 0
 
 
 # =============================================================================
