@@ -1651,9 +1651,10 @@ class LLM:
         a row each; finite[row]: no NaN or inf in it), beams aside: _beam_step chooses theirs,
         and reports their broken rows. Greedy rows share one argmax; the others are sampled
         one by one, a seeded request's from a generator of its own (_generator), so that it
-        gives the same tokens whatever else is in the batch (unseeded ones share the engine's). Returns {seq: its tokens (one, or n where it forks)}
-        and {seq: why} for those that cannot draw: logits broken (NaN or inf), or every token
-        banned by their constraints."""
+        gives the same tokens whatever else is in the batch (unseeded ones share the
+        engine's). Returns {seq: its tokens (one, or n where it forks)} and {seq: why} for
+        those that cannot draw: logits broken (NaN or inf), or every token banned by their
+        constraints."""
         logits, drawable = logits.float(), list(finite)
         edited = [row for row, seq in enumerate(due) if finite[row] and edits_logits(seq)]
         if edited:
