@@ -9762,6 +9762,51 @@ def test_bad_words_take_the_spaced_spelling_only_in_as_many_tokens():
                                                              tok.encode(" Paris", add_special_tokens=False)]
 
 
+def test_each_logits_processor_alone_sends_its_row_through_process_logits():
+    """edits_logits decides which rows _sample hands to process_logits: each of vLLM's
+    logits processors, alone, must send its row there, and a row with none of them must not.
+    Catches: a frequency_penalty alone not counted (`p.presence_penalty != 0.0` only: the
+    penalty silently ignored, where the engine tests always pair it with presence_penalty),
+    and likewise logit_bias or bad words alone."""
+    edits = nanopaged_module.edits_logits
+    assert not edits(fake_seq([1, 2], [3]))
+    for kw in (dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
+               dict(frequency_penalty=-0.5), dict(logit_bias={4: 1.0}), dict(min_tokens=2)):
+        assert edits(fake_seq([1, 2], [3], **kw)), kw
+    assert not edits(fake_seq([1, 2], [3, 4], min_tokens=2))   # (min_tokens reached: nothing left to do)
+    for field, value in (("disallowed_mask", torch.zeros(8, dtype=torch.bool)), ("bad_words_token_ids", [[5]])):
+        seq = fake_seq([1, 2], [3])
+        setattr(seq.params, field, value)
+        assert edits(seq), field
+
+
+def test_bad_words_match_the_output_only_not_the_prompt_before_it():
+    """A bad word's last token is banned where the *output* ends with the word's first tokens
+    (vLLM's bad-words processor reads the output token ids): a prompt that ends with them
+    bans nothing at the first output token, and the same tokens drawn as output do ban it.
+    Catches: the match made against prompt + output (seq.token_ids), which bans a word's last
+    token whenever the prompt happens to end with its beginning."""
+    words = [[5, 6], [7, 8, 9]]
+    for prompt, output, banned in (([1, 5], [], []), ([1, 7, 8], [], []), ([1, 7], [8], []),
+                                   ([1], [5], [6]), ([1], [7, 8], [9]), ([1], [2, 7, 8], [9])):
+        logits = torch.zeros(10)
+        seq = fake_seq(prompt, output)
+        seq.params.bad_words_token_ids = words
+        nanopaged_module.process_logits(logits, seq, set())
+        assert (logits == float("-inf")).nonzero().flatten().tolist() == banned, (prompt, output)
+
+
+def test_a_bad_word_given_with_leading_spaces_is_spelled_as_the_word_itself():
+    """vLLM strips a bad word's leading spaces before spelling it both ways ("word" and
+    " word"), so " Paris" bans what "Paris" bans, the text-initial spelling included.
+    Catches: the word spelled as given (no lstrip): " Paris" then bans only " Paris", and the
+    output may still begin a line or follow a quote with "Paris"."""
+    tok = gpt2_tokenizer()
+    want = [tok.encode("Paris", add_special_tokens=False), tok.encode(" Paris", add_special_tokens=False)]
+    assert want[0] != want[1]
+    assert bad_words_token_ids(tok, [" Paris"]) == bad_words_token_ids(tok, ["  Paris"]) == want
+
+
 def test_logprob_table_lists_the_likeliest_tokens_by_rank():
     """The CLI's table: the chosen token first, then the k likeliest at that position by rank,
     even where the chosen token (first in its dict) is not the likeliest. Catches: the top k
