@@ -9807,6 +9807,27 @@ def test_a_bad_word_given_with_leading_spaces_is_spelled_as_the_word_itself():
     assert bad_words_token_ids(tok, [" Paris"]) == bad_words_token_ids(tok, ["  Paris"]) == want
 
 
+def test_each_candidate_s_text_is_decoded_after_the_context_alone():
+    """token_texts decodes every candidate at a position from the state the context left, not
+    after the candidate before it: "世" is two GPT-2 tokens, [10310, 244]. Catches: the
+    decoder's state not restored between candidates (a token that begins a character would
+    leave its bytes to prefix the next candidate's text)."""
+    tok = gpt2_tokenizer()
+    assert tok.encode("世", add_special_tokens=False) == [10310, 244] and tok.encode("a", add_special_tokens=False) == [64]
+    text = nanopaged_module.token_texts(tok, [])
+    assert [text(10310), text(64), text(10310), text(64)] == ["", "a", "", "a"]
+    text = nanopaged_module.token_texts(tok, [10310])   # the context began the character
+    assert [text(244), text(64), text(244)] == ["世", "\ufffda", "世"]
+
+
+def test_logprobs_past_a_tiny_vocabulary_are_all_of_it():
+    """A request may ask for more top logprobs (up to LLM's max_logprobs) than a tiny model's
+    vocabulary holds: it gets every token, ranked. Catches: topk asked for more than V (raises)."""
+    lp = torch.log_softmax(torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]]), dim=-1)   # (1, V = 5)
+    (d,) = nanopaged_module.logprob_dicts(lp, [0], [10], None, [None])
+    assert list(d) == [0, 1, 2, 3, 4] and [d[t].rank for t in (1, 2, 0, 3, 4)] == [1, 2, 3, 4, 5]
+
+
 def test_logprob_table_lists_the_likeliest_tokens_by_rank():
     """The CLI's table: the chosen token first, then the k likeliest at that position by rank,
     even where the chosen token (first in its dict) is not the likeliest. Catches: the top k
