@@ -9186,11 +9186,17 @@ def test_a_seeded_sample_draws_from_a_fresh_generator_at_each_position(llm):
 def test_the_seeded_samples_of_one_request_draw_apart(tmp_path):
     """n=2 with a seed: after the fork, each sample draws from its own (seed, sample,
     position) generator, so the samples are no copies of each other. Catches: a sample's
-    draws seeded with sample 0's index (both would make the same draws, token for token)."""
+    draws seeded with sample 0's index (both would make the same draws, token for token), the
+    fork's first tokens all drawn by the parent's generator."""
     llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64)
     coin = SamplingParams(n=2, temperature=2.0, seed=0, max_tokens=24, ignore_eos=True, allowed_token_ids=[100, 200])
     first, second = (c.token_ids for c in llm.generate([5, 6, 7], coin)[0].outputs)
     assert first[1:] != second[1:]   # (the two logits are within 1: equal with probability < 1e-6)
+    # and their first tokens, drawn together from the prompt's one row, each by its own sample's
+    # generator (with one sample's for all, every request's n first tokens would be one)
+    coins = [SamplingParams(n=4, temperature=2.0, seed=seed, max_tokens=1, allowed_token_ids=[100, 200])
+             for seed in range(8)]
+    assert any(len({c.token_ids[0] for c in out.outputs}) > 1 for out in llm.generate([[5, 6, 7]] * 8, coins))
 
 
 def test_unseeded_draws_repeat_from_run_to_run_with_the_engines_seed(tmp_path):
@@ -9660,6 +9666,48 @@ def test_step_returns_each_request_as_its_output_kind_asks(llm):
                   if o.request_id == runs[RequestOutputKind.CUMULATIVE][0][0]]
     assert len(cumulative[k].token_ids) == k + 1 and not cumulative[k].finished()
     assert len(cumulative[k].text) <= len(first.text) < len(text(g.token_ids[:k + 1]))
+
+
+def test_a_finished_sample_is_decoded_once_while_its_sibling_runs_on(tmp_path, monkeypatch):
+    """Under CUMULATIVE, a sample that finished while its sibling runs on is in each later
+    output: its final text is decoded once and kept (Request.finals), not decoded anew each
+    step. Catches: the finished output not cached (a full decode per step: quadratic)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64)
+    p = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=12, stop_token_ids=list(range(200, 256)),
+                       output_kind=RequestOutputKind.CUMULATIVE)
+    tok = llm.get_tokenizer()
+    decoded = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, *a, **kw: decoded.append(list(ids)) or decode(ids, *a, **kw))
+    llm.add_request([5, 6, 7], p)
+    later = 0   # outputs that list a sample finished in an earlier step
+    finished_at = {}
+    step = 0
+    while llm.has_unfinished_requests():
+        step += 1
+        for r in llm.step():
+            for o in r.outputs:
+                if o.finished():
+                    finished_at.setdefault(o.index, step)
+                    later += finished_at[o.index] < step
+    assert later >= 2, "the seed must finish one sample a few steps before the other"
+    assert len(decoded) == 2   # each sample's final text: once
+
+
+def test_delta_gives_the_prompt_token_id_logprobs_in_its_first_output_alone(tmp_path):
+    """Under DELTA, prompt_token_id_logprobs (like prompt_logprobs) comes in a request's first
+    output alone; under CUMULATIVE in every one, the same. Catches: the prompt scores sent
+    again with every delta (only prompt_logprobs cleared after the first)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=32)
+    seen = {}
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        _, steps = outputs_by_step(llm, [([5, 6, 7, 8], SamplingParams(
+            max_tokens=4, ignore_eos=True, seed=0, prompt_logprob_token_ids=[[1, 2]] * 3, output_kind=kind))])
+        seen[kind] = [o.prompt_token_id_logprobs for outs in steps for o in outs]
+        assert len(seen[kind]) == 4
+    delta, cumulative = seen[RequestOutputKind.DELTA], seen[RequestOutputKind.CUMULATIVE]
+    assert [s is not None for s in delta] == [True, False, False, False]
+    assert all(s.shape == (3, 2) and (s == delta[0]).all() for s in cumulative)
 
 
 def test_a_finished_sample_s_output_is_the_caller_s_own(tmp_path):
