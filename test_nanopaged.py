@@ -9870,14 +9870,6 @@ def test_each_candidate_s_text_is_decoded_after_the_context_alone():
     assert [text(244), text(64), text(244)] == ["世", "\ufffda", "世"]
 
 
-def test_logprobs_past_a_tiny_vocabulary_are_all_of_it():
-    """A request may ask for more top logprobs (up to LLM's max_logprobs) than a tiny model's
-    vocabulary holds: it gets every token, ranked. Catches: topk asked for more than V (raises)."""
-    lp = torch.log_softmax(torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]]), dim=-1)   # (1, V = 5)
-    (d,) = nanopaged_module.logprob_dicts(lp, [0], [10], None, [None])
-    assert list(d) == [0, 1, 2, 3, 4] and [d[t].rank for t in (1, 2, 0, 3, 4)] == [1, 2, 3, 4, 5]
-
-
 def test_logprob_table_lists_the_likeliest_tokens_by_rank():
     """The CLI's table: the chosen token first, then the k likeliest at that position by rank,
     even where the chosen token (first in its dict) is not the likeliest. Catches: the top k
