@@ -6138,16 +6138,17 @@ def check_logprobs(entries, targets, dense_lp, k, tok):
 
 
 def test_decoded_token_completes_the_character_a_prompt_began(tmp_path):
-    """A prompt of ids ending partway through a UTF-8 character ("€" is E2 82 AC; byte-level
-    tokens), and an output token that completes it: that token's decoded_token is the
-    character, in generate's logprobs and in a beam search's, read back into the prompt.
-    Catches: a context of the output tokens alone ("" for the token that completes it)."""
+    """A prompt of ids ending partway through a UTF-8 character ("😀" is F0 9F 98 80, the
+    longest kind; byte-level tokens), and an output token that completes it: that token's
+    decoded_token is the character, in generate's logprobs and in a beam search's, read back
+    into the prompt. Catches: a context of the output tokens alone ("" for the token that
+    completes it), and one shorter than the 3 tokens before it (U+FFFD)."""
     llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=16)
-    prompt = [65, 0xE2, 0x82]
-    out = llm.generate(prompt, SamplingParams(max_tokens=1, logprobs=0, allowed_token_ids=[0xAC]))[0].outputs[0]
-    assert out.token_ids == [0xAC] and out.logprobs[0][0xAC].decoded_token == "€"
-    beams = llm.beam_search([prompt], BeamSearchParams(1, 1, allowed_token_ids=[0xAC]))[0].sequences
-    assert beams[0].logprobs[0][0xAC].decoded_token == "€" and beams[0].text == "A€"
+    prompt = [65, 0xF0, 0x9F, 0x98]
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, logprobs=0, allowed_token_ids=[0x80]))[0].outputs[0]
+    assert out.token_ids == [0x80] and out.logprobs[0][0x80].decoded_token == "😀"
+    beams = llm.beam_search([prompt], BeamSearchParams(1, 1, allowed_token_ids=[0x80]))[0].sequences
+    assert beams[0].logprobs[0][0x80].decoded_token == "😀" and beams[0].text == "A😀"
 
 
 def test_decoded_tokens_add_up_to_the_text(llm):
