@@ -178,7 +178,8 @@ INLINE float dot(const float* q, const void* k, int D, int dtype) {
 }
 
 /* acc = acc * corr + sum_j p[j] v_j over one head, v_j the cnt rows from element `base` of
- * v, slot_stride apart. 64 floats of acc stay in four registers across all the rows: a loop
+ * v, slot_stride apart. 64 floats of acc stay in registers (four 16-float vectors: four
+ * AVX-512 registers, eight AVX2) across all the rows: a loop
  * over the rows that updated all of acc per row would load and store it again for each
  * row, and each row's adds would wait for the previous row's stores. */
 INLINE void accumulate(float* acc, float corr, const float* p, const void* v, int64_t base, int64_t slot_stride,
@@ -242,8 +243,8 @@ INLINE float exp2_neg(float x) {
 /* ---- one work item: a kv head's group of G query heads over a run of one context ---- */
 
 /* Positions t0 .. t1 - 1 of decode sequence b, kv head h (D: the head_dim, a constant in
- * the copies paged_decode makes for common ones). partial NULL: the run is the whole
- * context, and the output is written to out. Else, per query head g, (2 + D) floats at
+ * the copies paged_decode makes for common ones). partial NULL: the run is every position
+ * the query sees, and the output is written to out. Else, per query head g, (2 + D) floats at
  * partial + g * (2 + D): the running max m (base 2), l = sum of 2^(score - m), and acc =
  * sum of those weights times V, for merge() to combine with the other partitions. */
 INLINE void attend(const struct DecodeArgs* a, int64_t b, int h, int64_t t0, int64_t t1, float* partial, int D,
@@ -331,27 +332,28 @@ static int64_t partition(const struct DecodeArgs* a, int64_t total) {
   const int64_t threads = a->num_threads;
   if (a->n * a->num_kv_heads >= 2 * threads) return INT64_MAX;
   const int64_t want = 4 * threads;
-  int64_t part = (total * a->num_kv_heads + want - 1) / want;
-  part = part < MIN_PARTITION ? MIN_PARTITION : part;
-  return (part + a->block_size - 1) / a->block_size * a->block_size;
+  int64_t len = (total * a->num_kv_heads + want - 1) / want;
+  len = len < MIN_PARTITION ? MIN_PARTITION : len;
+  return (len + a->block_size - 1) / a->block_size * a->block_size;
 }
 
-/* Sequence b's output for kv head h from its `parts` partitions (partials: the first one's
- * floats, its kv heads' KVH x G x (2 + D) floats apart): each partition's sums rescaled
+/* Sequence b's output for kv head h from its `parts` partitions (partials: where sequence
+ * b's begin; kv head h of partition p at + (p * KVH + h) * G * (2 + D) floats, a query head
+ * g's (2 + D) of them g * (2 + D) further): each partition's sums rescaled
  * to the largest of their maxima M, out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p. */
 INLINE void merge(const struct DecodeArgs* a, const float* partials, int64_t parts, int64_t b, int h, int dtype) {
   const int KVH = a->num_kv_heads, D = a->head_dim, G = a->num_heads / KVH;
-  const int64_t item = (int64_t)G * (2 + D), row = a->query_start_loc[b];
+  const int64_t partial_floats = (int64_t)G * (2 + D), row = a->query_start_loc[b];
   for (int g = 0; g < G; g++) {
-    const float* head = partials + h * item + (int64_t)g * (2 + D);   /* partition p's: + p * KVH * item */
+    const float* head = partials + h * partial_floats + (int64_t)g * (2 + D);   /* partition 0's */
     float M = -INFINITY, l = 0.0f, acc[D];
-    for (int64_t p = 0; p < parts; p++) M = fmaxf(M, head[p * KVH * item]);
+    for (int64_t p = 0; p < parts; p++) M = fmaxf(M, head[p * KVH * partial_floats]);
     memset(acc, 0, sizeof acc);
     for (int64_t p = 0; p < parts; p++) {
-      const float* part = head + p * KVH * item;
-      const float w = exp2_neg(part[0] - M);
-      l += w * part[1];
-      for (int d = 0; d < D; d++) acc[d] += w * part[2 + d];
+      const float* partial = head + p * KVH * partial_floats;   /* partition p's */
+      const float w = exp2_neg(partial[0] - M);
+      l += w * partial[1];
+      for (int d = 0; d < D; d++) acc[d] += w * partial[2 + d];
     }
     const int64_t o0 = (row * a->num_heads + h * G + g) * (int64_t)D;
     for (int d = 0; d < D; d++) store(a->out, o0 + d, acc[d] / l, dtype);
@@ -360,8 +362,8 @@ INLINE void merge(const struct DecodeArgs* a, const float* partials, int64_t par
 
 /* ---- the entry point ---- */
 
-/* the first position sequence b's query sees */
-INLINE int64_t first_seen(const struct DecodeArgs* a, int64_t len) {
+/* the first position the query at position len - 1 sees (scheduler.first_visible's) */
+INLINE int64_t first_visible(const struct DecodeArgs* a, int64_t len) {
   return a->window > 0 && len > a->window ? len - a->window : 0;
 }
 
@@ -377,7 +379,9 @@ INLINE int64_t first_seen(const struct DecodeArgs* a, int64_t len) {
 int paged_decode(struct DecodeArgs* a) {
   if (a->dtype == F16 && !paged_decode_has_float16()) return NO_F16;
   /* First, serially, what the engine promises: every read below stays inside the tensors,
-   * whatever a caller passes. An int per block read: cheap next to the attention. */
+   * whatever seqs, seq_lens, query_start_loc and block_tables hold (the sizes in DecodeArgs
+   * are trusted: CpuKernels.decode_attention takes them from the tensors and checks them).
+   * An int per block read: cheap next to the attention. */
   int64_t total = 0;
   for (int64_t i = 0; i < a->n; i++) {
     const int64_t b = a->seqs[i];
@@ -387,7 +391,7 @@ int paged_decode(struct DecodeArgs* a) {
     if (len < 1 || len > a->max_blocks * a->block_size) return BAD_LEN;
     if (row < 0 || row >= a->num_tokens) return BAD_ROW;
     if (a->query_start_loc[b + 1] != row + 1) return NOT_DECODE;   /* (its rows but the first: unserved) */
-    const int64_t first = first_seen(a, len);
+    const int64_t first = first_visible(a, len);
     for (int64_t blk = first / a->block_size; blk <= (len - 1) / a->block_size; blk++) {
       const int32_t id = a->block_tables[b * a->max_blocks + blk];
       if (id < 0 || id >= a->num_blocks) return BAD_BLOCK;
@@ -396,18 +400,18 @@ int paged_decode(struct DecodeArgs* a) {
   }
   /* The work items: sequence i's are start[i] .. start[i + 1] - 1, partition-major (the
    * kv heads of one partition side by side: they read the same blocks). */
-  const int64_t KVH = a->num_kv_heads, part = partition(a, total);
-  const int64_t item = (int64_t)(a->num_heads / KVH) * (2 + a->head_dim);   /* floats of a partial */
+  const int64_t KVH = a->num_kv_heads, partition_len = partition(a, total);
+  const int64_t partial_floats = (int64_t)(a->num_heads / KVH) * (2 + a->head_dim);   /* G x (2 + D) */
   int64_t* start = malloc((a->n + 1) * sizeof *start);
   if (!start) return NO_MEMORY;
   start[0] = 0;
   for (int64_t i = 0; i < a->n; i++) {
     const int64_t len = a->seq_lens[a->seqs[i]];
-    start[i + 1] = start[i] + ((len - first_seen(a, len) - 1) / part + 1) * KVH;
+    start[i + 1] = start[i] + ((len - first_visible(a, len) - 1) / partition_len + 1) * KVH;
   }
   const int64_t items = a->work_items = start[a->n];
-  float* partials = NULL;   /* item w's partial at partials + w * item: unused by unsplit sequences */
-  if (items > a->n * KVH && !(partials = malloc(items * item * sizeof *partials))) {
+  float* partials = NULL;   /* work item w's at partials + w * partial_floats: unused by unsplit sequences */
+  if (items > a->n * KVH && !(partials = malloc(items * partial_floats * sizeof *partials))) {
     free(start);
     return NO_MEMORY;
   }
@@ -420,10 +424,10 @@ int paged_decode(struct DecodeArgs* a) {
       if (start[mid] <= w) lo = mid; else hi = mid - 1;
     }
     const int64_t b = a->seqs[lo], len = a->seq_lens[b], parts = (start[lo + 1] - start[lo]) / KVH;
-    const int64_t p = (w - start[lo]) / KVH, t0 = first_seen(a, len) + p * part;
+    const int64_t p = (w - start[lo]) / KVH, t0 = first_visible(a, len) + p * partition_len;
     const int h = (int)((w - start[lo]) % KVH);
-    const int64_t t1 = len - t0 <= part ? len : t0 + part;
-    float* partial = parts > 1 ? partials + w * item : NULL;
+    const int64_t t1 = len - t0 <= partition_len ? len : t0 + partition_len;
+    float* partial = parts > 1 ? partials + w * partial_floats : NULL;
     /* and per common head_dim: a constant D lets the compiler unroll the vector loops of
      * dot and accumulate completely (1.17-1.20x, measured); any other is run as given */
 #define ATTEND(dt)                                              \
@@ -439,7 +443,7 @@ int paged_decode(struct DecodeArgs* a) {
     for (int64_t w = 0; w < a->n * KVH; w++) {   /* (sequence, kv head) */
       const int64_t i = w / KVH, parts = (start[i + 1] - start[i]) / KVH;
       if (parts > 1) {
-#define MERGE(dt) merge(a, partials + start[i] * item, parts, a->seqs[i], (int)(w % KVH), dt)
+#define MERGE(dt) merge(a, partials + start[i] * partial_floats, parts, a->seqs[i], (int)(w % KVH), dt)
         BY_DTYPE(a->dtype, MERGE)
       }
     }
