@@ -18,14 +18,13 @@ The scheduler is handed the BlockPool (nanopaged.py) as an object and uses only 
 block_size, num_blocks, num_available, ref_count, new_table, lookup, register, say, and
 pending_copies (the copy-on-write copies its allocations recorded, which schedule() moves
 into SchedulerOutput.copies for the engine to run); of each BlockTable, slots_for,
-blocks_needed, append_cached, fork, release, pool, block_ids and num_tokens, and under a
-sliding window drop_before, skip_dropped and num_dropped. With swapping, it is
-handed a second BlockPool in CPU memory (the swap space); swapping uses both pools'
-allocate and new_table and a table's append_moved (_move_table), the swap space's num_free
-and a table's num_held
-(_make_room), and the engine copies the blocks it lists
-in SchedulerOutput.swap_out / swap_in. It never imports the engine, so
-it can be read - and tested - without a model.
+blocks_needed, append_cached, fork, release, pool, block_ids, num_tokens, num_dropped and
+skip_dropped (both trivial without a window), and under a sliding window drop_before. With
+swapping, it is handed a second BlockPool in CPU memory (the swap space); swapping uses both
+pools' allocate and new_table and a table's append_moved (_move_table), the swap space's
+num_free and a table's num_held (_make_room), and the engine copies the blocks it lists in
+SchedulerOutput.swap_out / swap_in. It never imports the engine, so it can be read - and
+tested - without a model.
 """
 
 from __future__ import annotations
@@ -442,7 +441,8 @@ class Sequence:
         self.finish_reason: str | None = None   # "stop", "length", "repetition", "abort", "error", or "dropped":
                                                 # a beam that fell out of its beam search
         self.error: str | None = None           # with "error": why (the engine's words)
-        self.num_computed_tokens = 0            # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0            # tokens computed: K/V written or found in the prefix
+                                                # cache (under a window, also those before it, dropped)
         self.num_cached_tokens = 0              # prompt tokens not computed thanks to the prefix cache
                                                 # (under a window, those before the window too)
         self.num_preemptions = 0                # times it was preempted (recomputed or swapped)
@@ -567,8 +567,10 @@ class SchedulerOutput:
 
 class Admission(NamedTuple):
     """What admitting a sequence not running would take (Scheduler._admission)."""
-    hits: list[int]   # the blocks that hold its first tokens' K/V already (prefix cache, or its own, still here)
-    computed: int     # the tokens those hold (or, swapped out, that it computed): not computed again
+    hits: list[int]   # the blocks that hold its K/V already (prefix cache, or its own, still here):
+                      # its first ones, or under a window those from block `skip` on
+    computed: int     # the tokens not computed again: those the hits hold and the skipped blocks'
+                      # (or, swapped out, those it computed)
     skip: int         # the blocks before its window: dropped from the start, never taken
     num_new: int      # the tokens it computes this step (a chunk of its prompt, where the budget is short)
     short: int        # the blocks it lacks: it fits where short <= 0
@@ -772,12 +774,12 @@ class Scheduler:
         # so its first `older` entries are the ones older than the candidate, each summed once.
         older = room = 0
         while (self.waiting or self.swapped) and budget > 0 and not out.preempted:
-            swapped, seq = self._next_to_admit()
+            from_swap, seq = self._next_to_admit()
             while older < len(self.running) and self.running[older].rank < seq.rank:
                 room += self._room_to_grow(self.running[older])
                 older += 1
             seated = self._grant(seq, taken)
-            admit = self._admission(seq, swapped, budget, room, seated)
+            admit = self._admission(seq, from_swap, budget, room, seated)
             holder, wanted = self._seats(seq, seated)
             if holder in seats:   # (a beam of a search that runs: its seat is held already)
                 wanted = 0
@@ -794,7 +796,7 @@ class Scheduler:
                 if holder is victim or not any(s.status is Status.RUNNING for s in self.requests[victim.request_id]):
                     taken -= seats.pop(holder)
                 continue
-            if swapped:
+            if from_swap:
                 self.swapped.popleft()
                 self._swap_in(seq, admit.hits, out)
             else:
@@ -813,17 +815,18 @@ class Scheduler:
         return out
 
     def _next_to_admit(self) -> tuple[bool, Sequence]:
-        """(swapped?, the sequence): the first in order of the waiting and swapped-out ones."""
-        swapped = bool(self.swapped) and (not self.waiting or self.swapped[0].order < self.waiting[0].order)
-        return swapped, self.swapped[0] if swapped else self.waiting[0]
+        """(whether it is swapped out, the sequence): the first in order of the waiting and
+        swapped-out ones."""
+        from_swap = bool(self.swapped) and (not self.waiting or self.swapped[0].order < self.waiting[0].order)
+        return from_swap, self.swapped[0] if from_swap else self.waiting[0]
 
-    def _admission(self, seq: Sequence, swapped: bool, budget: int, room: int, seated: int) -> Admission:
+    def _admission(self, seq: Sequence, from_swap: bool, budget: int, room: int, seated: int) -> Admission:
         """What admitting seq, the next sequence not running, would take (Admission: its hits,
         the tokens they hold, the blocks it skips, its tokens this step, and the blocks it
         lacks). budget: the step's tokens left; room: the room to grow that the running
         sequences of older requests need (_room_to_grow), kept free for them; seated: how many
         of its samples will run once it samples (_grant)."""
-        if swapped:   # (its computed tokens are in the swap space, or still here: hits)
+        if from_swap:   # (its computed tokens are in the swap space, or still here: hits)
             # (Nothing of it slid out of its window while it was away: step 0 slid it just
             # before step 1 swapped it out, and it has computed nothing since.)
             hits, skip = self._still_cached(seq), 0
@@ -832,8 +835,9 @@ class Scheduler:
             hits, computed_blocks, skip = self._cached_prefix(seq)
             computed = computed_blocks * self.block_size
         n = min(seq.num_tokens - computed, budget)   # (chunked prefill: the first chunk, where the budget is short)
-        kept = seq.block_table.num_dropped + skip + len(hits)   # (dropped, skipped: before the window)
-        # A prompt is admitted only when all of it fits, not just this step's chunk:
+        covered = seq.block_table.num_dropped + skip + len(hits)   # (entries that need no new block)
+        # A waiting prompt is admitted only when all of it fits, not just this step's chunk
+        # (a swapped-out sequence comes back by its chunk: swapped out again, it loses none):
         # admitted on its first chunk, a long prompt is the newest running sequence,
         # the first preempted when the others grow, and recomputing it throws its
         # chunks away, again and again. (4 prompts of 2k-8k tokens in 600 blocks
@@ -845,8 +849,8 @@ class Scheduler:
         # alignment) is loose enough to keep waiting requests that would have run
         # side by side: 4 prompts of 200 tokens, window 16, 34 blocks of 4 took
         # 106 steps instead of 62, none preempted either way.
-        end = seq.num_tokens if not swapped and self.sliding_window is None else computed + n
-        need = cdiv(end, self.block_size) - kept
+        end = seq.num_tokens if not from_swap and self.sliding_window is None else computed + n
+        need = cdiv(end, self.block_size) - covered
         revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # cached blocks we'd take
         # (and, while older requests run, room for them to grow and a block for seq to grow
         # into, one per sample that will run, `seated` (_grant): see _room_to_grow; room is 0
@@ -867,7 +871,7 @@ class Scheduler:
         anyone (no step swaps both ways). No cycle: a sequence is only ever preempted for one
         of a strictly better priority."""
         while self.running and (self.waiting or self.swapped):
-            swapped, seq = self._next_to_admit()
+            from_swap, seq = self._next_to_admit()
             if self.running[-1].priority <= seq.priority:   # (running is in order: the last is the worst)
                 return
             betters = [q for q in self.running if q.priority <= seq.priority]
@@ -875,15 +879,15 @@ class Scheduler:
             # free, as many as its samples: they are all its to take, and taken one a step it
             # would send its samples back to be recomputed as it forks, _defer)
             seated = self._grant(seq, sum(dict(self._seats(q) for q in betters).values()))
-            if (self._admissible(seq, swapped, self.running, seated)
-                    or not self._admissible(seq, swapped, betters, seated)):
+            if (self._admissible(seq, from_swap, self.running, seated)
+                    or not self._admissible(seq, from_swap, betters, seated)):
                 return
             victim = self.running[-1]
             self.pool.say(f"{seq} (priority {seq.priority}) cannot be admitted: {victim} (priority "
                           f"{victim.priority}) makes room")
             self._preempt_by_recompute(victim)
 
-    def _admissible(self, seq: Sequence, swapped: bool, keep: list[Sequence], seated: int) -> bool:
+    def _admissible(self, seq: Sequence, from_swap: bool, keep: list[Sequence], seated: int) -> bool:
         """Whether schedule() would admit seq (the next not running) this step with `seated` of
         its samples seated (_grant), were only `keep` (the running sequences, or the
         first of them) running, the rest preempted: once step 1 has placed each of them (their
@@ -896,7 +900,7 @@ class Scheduler:
         if tokens >= self.max_num_batched_tokens:
             return False
         room = sum(self._room_to_grow(q) for q in keep if q.rank < seq.rank)
-        admit = self._admission(seq, swapped, self.max_num_batched_tokens - tokens, room, seated)
+        admit = self._admission(seq, from_swap, self.max_num_batched_tokens - tokens, room, seated)
         gone = self.running[len(keep):]
         seats = dict(self._seats(q) for q in keep)
         holder, wanted = self._seats(seq, seated)
@@ -954,7 +958,8 @@ class Scheduler:
         (budget left over, nothing preempted), so q's slots reach its last token (and
         _admissible, which asks before step 1, adds step 1's blocks apart). A waiting prompt, or
         a swapped-out sequence coming back, is admitted only with this room left free for every
-        running sequence of an older request, and a block of its own (schedule, step 2).
+        running sequence of an older request, and a block of its own to grow into for each of
+        its samples that will run (`seated`, _admission).
         Admitted into the last free blocks, it would be the newest running sequence when the
         older ones cross their next block boundary a few steps later: preempted, recomputed from
         zero, and admitted again into the same squeeze. (Scheduler-only runs of the engine's
@@ -1007,7 +1012,8 @@ class Scheduler:
 
     def _parked_beam_newer_than(self, seq: Sequence) -> Sequence | None:
         """The newest running beam that is parked (computed to its end, waiting for its
-        siblings; see LLM._beam_step) and arrived after seq, if any."""
+        siblings; see LLM._beam_step) and comes after seq in order (Sequence.order: a later
+        request, one of a worse priority, or a later beam of seq's own search), if any."""
         for victim in reversed(self.running):
             if victim.order <= seq.order:
                 return None
@@ -1102,7 +1108,8 @@ class Scheduler:
     def _defer(self, samples: list[Sequence]):
         """A request's samples just forked, more than the seats it was admitted with. The first
         ones run on in the seats of max_num_seqs free now: those it was granted (_grant), and
-        any that others gave back since, this very step's finished requests included. The
+        any that others gave back since, this very update()'s finishes before it included (one
+        later in it, or a stop string's, found after it, frees its seat for the next step). The
         others wait for a seat, each with its first token (drawn with its siblings' from the
         prompt's one row), sent back as a preempted sequence is, to be recomputed (with prefix
         caching on, from its prompt's cached blocks; off, its whole prompt again). vLLM V1

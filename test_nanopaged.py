@@ -11033,7 +11033,7 @@ def test_a_long_windowed_sequence_swapped_out_comes_back_though_longer_than_the_
     since it holds its window and a chunk at most. a's growth swaps b out, after
     blocks of b's slid out of its window (dropped, nothing to copy back). b comes back needing
     only the blocks from its window on, and finishes.
-    Catches: _admission's `kept` leaving out block_table.num_dropped (b, swapped out, then asks
+    Catches: _admission's `covered` leaving out block_table.num_dropped (b, swapped out, then asks
     for every block it ever had: more than the pool, and waits for good)."""
     sched = make_sched(num_blocks=8, block_size=4, max_num_batched_tokens=16, swap_pool=tiny_pool(100, 4),
                        sliding_window=8)
@@ -11059,7 +11059,7 @@ def test_a_sequence_swapped_out_mid_prompt_comes_back_for_its_chunk_alone():
     running dry would) with 4 tokens computed while a runs, it comes back as soon as the rest of
     this step's chunk fits, with room for a to grow: its whole prompt need not fit again (a
     swapped-out sequence keeps what it computed; only a waiting prompt is charged whole).
-    Catches: _admission's `end = seq.num_tokens if not swapped and ...` -> without `not swapped`
+    Catches: _admission's `end = seq.num_tokens if not from_swap and ...` -> without `not from_swap`
     (b would wait in the swap space until a finished)."""
     sched = make_sched(num_blocks=9, block_size=4, max_num_batched_tokens=2, swap_pool=tiny_pool(20, 4))
     a = sched.add("a", [3, 4, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
