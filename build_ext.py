@@ -70,7 +70,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")   # torch dtype names; KvDtype in kernels.cu
 CHECK_ARCHS = ("80", "90")  # Ampere (A100) and Hopper (H100/H200)
 
-# The flags torch's cpp_extension gives nvcc: kernels.cu must build under them.
+# The half/bfloat16 macros torch's cpp_extension defines for nvcc: kernels.cu must build
+# under them. (It also passes --expt-relaxed-constexpr, which --check leaves out: stricter.)
 TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                       "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
 
@@ -131,7 +132,7 @@ void check_rows(const at::Tensor& t, const char* name, const at::Device& device,
                     " must have contiguous [heads, head_dim] rows, got shape ", t.sizes(),
                     " with strides ", t.strides(), " (call .contiguous())");
   TORCH_CHECK_VALUE(t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0, name,
-                    "'s tokens must start 16 bytes apart, got strides ", t.strides());
+                    "'s tokens must start a multiple of 16 bytes apart, got strides ", t.strides());
   check_aligned(t, name);
 }
 
@@ -568,12 +569,16 @@ inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
 }
 
 // A GPU faults on a load from an address not aligned to its size (16 bytes for
-// the kernels' uint4 loads); a CPU would quietly do it. Report it instead.
+// the kernels' uint4 loads). Report it instead; and load through memcpy: a plain *p
+// of a type declared 16-byte aligned is undefined there (a compiler may emit an aligned
+// vector load, which would crash the process before the report is seen).
 template <typename T> inline T __ldg(const T* p) {
   if (reinterpret_cast<std::uintptr_t>(p) % alignof(T) != 0 && emu::grid.error.empty())
     emu::grid.error = "emulator: a load from an address not aligned to its " + std::to_string(alignof(T)) +
                       " bytes";
-  return *p;
+  T value;
+  std::memcpy(&value, p, sizeof value);
+  return value;
 }
 
 inline int __ffs(int x) { return __builtin_ffs(x); }  // 1 + index of the lowest set bit, 0 for 0
@@ -610,7 +615,7 @@ def emulated_source(cuda_source: str, filename: str) -> str:
     source, launches = CUDA_LAUNCH.subn(lambda m: f"emu::launch({m.group(1)}, {m.group(2)})(", cuda_source)
     if launches != cuda_source.count("<<<"):
         raise KernelsUnavailable(f"emulator: a <<<...>>> launch in {filename} is not of the form "
-                                 "kernel<<<...>>>(args) on one line")
+                                 "kernel<<<...>>>( (the kernel and its launch configuration on one line)")
     return f'{EMULATOR}\n#line 1 "{filename}"\n{source}'
 
 
@@ -702,7 +707,7 @@ def _build(emulate: bool, archs: tuple[str, ...] | None = None, out: Path | None
         raise KernelsUnavailable(f"torch {torch.__version__} was built without CUDA")
     if not emulate and archs is None and not torch.cuda.is_available():
         raise KernelsUnavailable("no CUDA GPU is visible to torch")
-    home = find_cuda_home()  # the emulator needs only its headers (cuda_fp16.h, ...)
+    home = find_cuda_home()  # (a whole toolkit, though the emulator uses its headers alone: cuda_fp16.h, ...)
     if home is None:
         raise KernelsUnavailable("nvcc not found: set CUDA_HOME to a CUDA toolkit")
     # cpp_extension reads CUDA_HOME once, when first imported: set the variable
@@ -945,7 +950,8 @@ class CpuKernels:
 
 
 def cpu_cache_key(cc: str) -> str:
-    """What the compiled library depends on: the source, the flags, the compiler, and the CPU
+    """What the compiled library depends on: the source, the flags, the compiler's command
+    ($CC, or cc or gcc: its name, not its version: a compiler upgraded in place is not seen), and the CPU
     it was built for (-march=native; a home directory may be shared between machines)."""
     try:
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
@@ -1230,6 +1236,7 @@ def check(archs=CHECK_ARCHS) -> int:
     width = max(len(k) for k in kernels)
     arch_names = "/".join(f"sm_{a}" for a in archs)
     print(f"nvcc {arch_names}: kernels.cu compiled in {seconds:.1f} s, no warnings")
+    # (registers per arch; shared memory, stack and spills the most of any arch)
     print(f"{'kernel':<{width}}  {'registers':>12}  {'smem (B)':>9}  {'stack (B)':>10}  {'spills (B)':>10}")
     print(f"{'':<{width}}  {arch_names:>12}")
     for kernel in kernels:
@@ -1237,7 +1244,8 @@ def check(archs=CHECK_ARCHS) -> int:
         regs = "/".join(str(r.get("regs", "?")) for r in per_arch)
         stack = max(r.get("stack", 0) for r in per_arch)
         spills = max(r.get("spill_st", 0) + r.get("spill_ld", 0) for r in per_arch)
-        print(f"{kernel:<{width}}  {regs:>12}  {per_arch[0].get('smem', 0):>9}  {stack:>10}  {spills:>10}")
+        smem = max(r.get("smem", 0) for r in per_arch)
+        print(f"{kernel:<{width}}  {regs:>12}  {smem:>9}  {stack:>10}  {spills:>10}")
     sys.stdout.flush()
     spilled = [f"{r['kernel']} ({r['arch']})" for r in rows if r["spill_st"] or r["spill_ld"]]
     if spilled:  # a spill is no error, but it quietly slows the kernel down

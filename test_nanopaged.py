@@ -10577,7 +10577,7 @@ def test_emulated_paged_attention_refuses_shapes_and_layouts_the_kernel_cannot_r
                             ("dimension 3 should be 64", dict(k_cache=wide, v_cache=wide)),
                             ("must be a power of two, got 12", dict(k_cache=odd, v_cache=odd)),
                             ("k_cache must start at a 16-byte aligned address", dict(k_cache=shifted)),
-                            ("q's tokens must start 16 bytes apart", dict(q=strided))]:
+                            ("q's tokens must start a multiple of 16 bytes apart", dict(q=strided))]:
         with pytest.raises(ValueError, match=re.escape(message)):
             emulated_ops.paged_attention(**{**args, **change})
 
