@@ -150,7 +150,7 @@ def bench_attention(args):
         variants.append(("paged, decode rows on kernels_cpu.c", lambda: paged_attention(
             q, k_cache, v_cache, tables, seq_lens, qsl, scale, plan=kernel_plan, decode_kernel=kernel)))
     rows = list(zip([name for name, _ in variants], median_times([fn for _, fn in variants], args.repeats)))
-    rows.append(("paged reference (online softmax, loops)", median_times(
+    rows.append(("paged reference (loops; one call)", median_times(
         [lambda: paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale)], 1, 0)[0]))
     base = rows[0][1]
     print(f"decode batch: {B} sequences, context {min(lens)}..{max(lens)} (sum {sum(lens)}), "
@@ -164,7 +164,8 @@ def bench_attention(args):
 
 def single_sequence(kernel, H, KVH, D, bs, repeats):
     """One sequence decoding (a long chat): its KVH (sequence, kv head) work items are fewer
-    than two a thread, so kernels_cpu.c cuts the context into partitions (split-K); against
+    than two a thread (with 2 threads or more; with one, nothing is split and the last two
+    columns agree), so kernels_cpu.c cuts the context into partitions (split-K); against
     the same kernel on the whole context, and the torch fast path."""
     print(f"one sequence decoding, {torch.get_num_threads()} threads; ms/layer, median of {repeats}")
     print(f"{'context':>8s} {'fast path':>10s} {'kernel, whole':>14s} {'kernel, split-K':>16s} {'items':>6s}")
@@ -176,13 +177,13 @@ def single_sequence(kernel, H, KVH, D, bs, repeats):
         q, out, seqs = torch.randn(1, H, D), torch.empty(1, H, D), torch.tensor([0])
         plan = GatherPlan(tables, seq_lens, qsl, bs)
 
-        def split(partition_size=0):
+        def decode(partition_size=0):   # (0: the kernel's choice; L: the whole context, unsplit)
             return kernel.decode_attention(q, k_cache, v_cache, tables, seq_lens, qsl, seqs, D ** -0.5, out,
                                            partition_size=partition_size)
-        torch.testing.assert_close(split(), paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, D ** -0.5))
+        torch.testing.assert_close(decode(), paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, D ** -0.5))
         items = kernel.work_items
         times = median_times([lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, D ** -0.5, plan=plan),
-                              lambda: split(L), split], repeats)
+                              lambda: decode(L), decode], repeats)
         print(f"{L:8d} {1000 * times[0]:10.3f} {1000 * times[1]:14.3f} {1000 * times[2]:16.3f} {items:6d}")
 
 
@@ -359,8 +360,8 @@ def bench_engine(args):
             if hf_walls[-1]:
                 print(f", transformers {hf_walls[-1]:.1f} s: {hf_walls[-1] / walls[-1]:.2f}x", end="")
         print()
-    median = sorted(range(len(runs)), key=walls.__getitem__)[len(runs) // 2]
-    stats, wall = runs[median], walls[median]
+    median_run = sorted(range(len(runs)), key=walls.__getitem__)[len(runs) // 2]   # (its index)
+    stats, wall = runs[median_run], walls[median_run]
     print(f"nanopaged, the median of {len(runs)} run{'s' * (len(runs) > 1)}: {wall:.1f} s, "
           f"{n_out / wall:.1f} output tok/s")
     print(stats.summary(llm.pool.num_blocks))
@@ -370,13 +371,14 @@ def bench_engine(args):
         print(f"transformers batched generate, median of {len(hf_walls)}: {hf:.1f} s, {n_out / hf:.1f} output tok/s "
               f"(counting the tokens requested; as one static batch it computes {len(prompts)} x "
               f"{max(p.max_tokens for p in params)}). nanopaged is {ratio:.2f}x faster (median of the runs' ratios)")
-    # Memory: at its peak the engine held peak_running requests in peak_blocks_used blocks.
+    # Memory: at most peak_running requests ran at once, never in more than peak_blocks_used blocks
+    # (two maxima, maybe of different steps: the budget below is an upper bound).
     # A contiguous cache reserves each request's maximum length up front; in the same memory
     # it holds far fewer requests, depending on what "maximum" it can know.
     bs = llm.pool.block_size
     budget = stats.peak_blocks_used * bs
     print(f"memory: {llm.bytes_per_block // bs} bytes of KV per token, {llm.bytes_per_block} per block of {bs}. "
-          f"At the peak, {stats.peak_running} requests ran in {stats.peak_blocks_used} blocks ({budget} token "
+          f"At the peak, {stats.peak_running} requests ran in at most {stats.peak_blocks_used} blocks ({budget} token "
           f"slots, {budget * llm.bytes_per_block / bs / 2**20:.0f} MiB). Reserving contiguously, that budget holds:")
     finals, oracle = [len(p) + q.max_tokens for p, q in zip(prompts, params)], 0
     while oracle < len(finals) and sum(finals[:oracle + 1]) <= budget:
@@ -563,8 +565,8 @@ def bench_priority(args):
     print(f"  {'':30s} {'urgent TTFT':>12s} {'others TTFT':>12s} {'batch time':>11s}  same tokens")
     for (policy, t), label in zip(zip(engines, times), ("fcfs (first come, first served)", "priority (urgent: -1)")):
         timed = ttfts[policy][1:]   # (the first run was median_times' warm-up)
-        mine, others = (statistics.median(row[k] for row in timed) for k in (0, 1))
-        print(f"  {label:30s} {mine:10.2f} s {others:10.2f} s {t:9.2f} s  {tokens[policy] == tokens['fcfs']}")
+        urgent, others = (statistics.median(row[k] for row in timed) for k in (0, 1))
+        print(f"  {label:30s} {urgent:10.2f} s {others:10.2f} s {t:9.2f} s  {tokens[policy] == tokens['fcfs']}")
     bench_priority_in_a_full_pool(args, rng, vocab)
 
 
@@ -726,8 +728,9 @@ def bench_sampling(args):
 
 def bench_dtype(args):
     """One request as a chat sends it (a 187-token chat prompt, 128 greedy tokens: decode reads
-    every weight once per token, so bytes per weight count), then a batch of 16 such
-    requests (where matmuls have rows to share each weight), in each dtype, timed in turns.
+    every weight once per token, so bytes per weight count), then a batch of 16 requests of
+    200 random prompt tokens + 64 greedy ones (where matmuls have rows to share each
+    weight), in each dtype, timed in turns.
     Also: for how many tokens the greedy output stays float32's."""
     from nanopaged import render_chat
     dtypes = ["float32", "bfloat16", "float16"]
@@ -772,8 +775,9 @@ def bench_dtype(args):
 # heads, 8 kv heads, head_dim 128, bf16, block_size 16) this prints the bandwidth the kernel
 # achieves (bytes of K/V read / kernel time) next to the bandwidth of a plain device-to-device
 # copy, and the time of the torch fast path (nanopaged.paged_attention) on the same data.
-# Times are CUDA-event medians. Each call reads other blocks than the one before (a pool of
-# at least 1 GiB is rotated through), so the 50 MB L2 cache does not serve repeats.
+# Times are CUDA-event medians. Each call's K/V, with the copies it rotates through, total
+# at least 1 GiB (a small batch is copied and each call reads the next copy; a large one is
+# read again whole), so the 50 MB L2 cache does not serve repeats.
 
 BATCHES = [(1, 32768), (64, 4096), (256, 1024)]          # (sequences, context tokens each)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
@@ -996,7 +1000,8 @@ BENCHES = {"load": bench_load, "attention": bench_attention, "scheduler": bench_
 
 
 def count(text: str) -> int:
-    """argparse's type for --repeats, --steps and --runs: a median of no timings has no value."""
+    """argparse's type for --repeats, --steps, --runs and --max-num-batched-tokens: an int >= 1
+    (a median of no timings has no value; a step with no budget computes nothing)."""
     if int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
     return int(text)
