@@ -981,10 +981,12 @@ class Tokenizer:
                  named_templates: dict[str, str] | None = None, sentencepiece: str | None = None,
                  strip_space: bool = False, vocab_size: int | None = None):
         self.encoding = encoding   # (a SentencePieceBPE has the methods of tiktoken's used here)
-        # None for byte-level BPE; for SentencePiece, where its "▁" goes before a text: "legacy"
-        # (a normalizer: before each text between added tokens, a space there or not), or a
-        # Metaspace pre-tokenizer's "first" (the text's start only), "always" or "never" (or
-        # Gemma's Replace normalizer, which puts none either)
+        # None for byte-level BPE; for SentencePiece, how its spaces become "▁": "legacy" (a
+        # normalizer: a "▁" before each text between added tokens, a space there or not),
+        # "replace" (Gemma's normalizer: spaces alone, no "▁" prepended), or a Metaspace
+        # pre-tokenizer's "first" (a "▁" prepended at the text's start only), "always" or
+        # "never". (A normalizer acts before the normalized added tokens are searched for, a
+        # pre-tokenizer after.)
         self.sentencepiece = sentencepiece
         self.strip_space = strip_space    # decode drops the text's first space (SentencePiece's decoder)
         self.nfc = nfc                    # Unicode NFC-normalize the text between added tokens (Qwen 2)
@@ -1119,11 +1121,14 @@ class Tokenizer:
         return self._split_added(text, self._added_normalized, self._encode_ordinary, at_start)
 
     def _normalize(self, text: str) -> str:
-        """HF's normalizer: Qwen 2's NFC, or Llama 2's Prepend("▁") + Replace(" ", "▁")."""
+        """HF's normalizer: Qwen 2's NFC, Llama 2's Prepend("▁") + Replace(" ", "▁"), or
+        Gemma's Replace(" ", "▁")."""
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
         if self.sentencepiece == "legacy" and text:
             text = SPACE + text.replace(" ", SPACE)
+        if self.sentencepiece == "replace":
+            text = text.replace(" ", SPACE)
         return text
 
     def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
@@ -1765,9 +1770,9 @@ def _space_scheme(tj: dict, vocab: dict[str, int], path: Path) -> str:
     """How a SentencePiece tokenizer.json writes spaces (Tokenizer.sentencepiece). Three shapes
     are in use: transformers' "legacy" conversion (TinyLlama, Mistral 7B v0.1), a normalizer
     Prepend("▁") + Replace(" ", "▁"); the newer Metaspace pre-tokenizer, whose
-    prepend_scheme says where a "▁" goes first; and Gemma's, a normalizer Replace(" ", "▁")
-    with no "▁" prepended, as Metaspace's "never" (its pre-tokenizer, Split(" "), finds no
-    space left to split at)."""
+    prepend_scheme says where a "▁" goes first; and Gemma's, "replace", a normalizer
+    Replace(" ", "▁") with no "▁" prepended (its pre-tokenizer, Split(" "), finds no space
+    left to split at)."""
     missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in vocab]
     if missing:
         raise ModelError(f"{path}: a byte_fallback BPE needs the 256 byte tokens <0x00>...<0xFF>; "
@@ -1779,7 +1784,7 @@ def _space_scheme(tj: dict, vocab: dict[str, int], path: Path) -> str:
         return "legacy"
     gemma_split = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
     if normalizer == legacy[1] and pre in (None, gemma_split):
-        return "never"
+        return "replace"
     if (normalizer is None and pre and pre.get("type") == "Metaspace" and pre.get("replacement") == SPACE
             and pre.get("split", True) is False and pre.get("prepend_scheme") in ("first", "always", "never")):
         return pre["prepend_scheme"]
