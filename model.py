@@ -906,8 +906,8 @@ def _added_search(added_tokens: list[dict]) -> tuple:
         table.setdefault(t["content"], (t["id"], bool(t.get("lstrip")), bool(t.get("rstrip")),
                                         bool(t.get("single_word"))))
     pattern = _longest_first(added_tokens)
-    # The regex module parses nested groups by recursion, some 6 Python frames a level: a chain
-    # of 170 added tokens, each the start of the next (runs of spaces, say), would pass
+    # The regex module parses nested groups by recursion, some 5 Python frames a level: a chain
+    # of about 200 added tokens, each the start of the next (runs of spaces, say), would pass
     # Python's limit of 1,000 frames. So the limit grows with the groups while it parses.
     # (Python frames only, which take no C stack since Python 3.11.)
     limit = sys.getrecursionlimit()
@@ -998,8 +998,9 @@ class Tokenizer:
             self._pieces = regex.compile(pattern)
         # Added tokens (<|im_start|>, ...; HF's added_tokens entries, else tiktoken's special
         # tokens) are found in the text before BPE, as HF finds them: the longest one at the
-        # leftmost place; a single_word one only as a whole word. Then an lstrip (rstrip)
-        # one drops the whitespace on its left (right), up to the next match.
+        # leftmost place; a single_word one only as a whole word. Then an lstrip one drops the
+        # whitespace on its left, back to where the token before it ended; an rstrip one, all
+        # the whitespace on its right.
         if added_tokens is None:
             added_tokens = [{"content": t, "id": encoding.encode_single_token(t), "special": True}
                             for t in encoding.special_tokens_set]
@@ -1156,7 +1157,8 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False, *, continuation: bool = False) -> str:
         """The text of `ids`; bytes that are no UTF-8 show as U+FFFD. A SentencePiece
-        tokenizer's text loses the space its first token starts with (the "▁" encode put
+        tokenizer whose decoder strips it (Llama 2's, not Gemma's) drops the space its first
+        token starts with (the "▁" encode put
         there), as in HF; unless the ids are a `continuation` of others (an output after its
         prompt), whose first space is a real one: vLLM's output text keeps it."""
         if self.sentencepiece is None or continuation:
@@ -1233,6 +1235,9 @@ class Tokenizer:
 
     @property
     def all_special_ids(self) -> list[int]:
+        # The added tokens marked special: those decode(skip_special_tokens=True) drops, as HF's
+        # tokenizers library does. (transformers' list is its special-tokens map's instead: bos,
+        # eos, unk, pad...; the same three on Llama 2, fewer than these on Qwen 2 or Llama 3.)
         return sorted(self.special_ids)
 
     @property
@@ -1335,7 +1340,8 @@ class Tokenizer:
         of its fields, such as "reasoning_content": a thought begun for it); `tools` (JSON
         schemas) and `documents` are shown to the template; `chat_template` replaces the
         model's (a template, or the name of one of the model's named templates); `tokenize`
-        returns the text's token ids (encode_chat) in its place; other keyword arguments are
+        returns the text's token ids in its place (encode_chat; a string to a model without a
+        template: encode's, BOS and all); other keyword arguments are
         the template's own variables, such as Qwen 3's enable_thinking=False. Bad input, or a
         template that fails, raises ValueError."""
         if not isinstance(tokenize, bool):
@@ -1451,7 +1457,7 @@ HF_TOKENIZATION_OPTIONS = ("padding", "truncation", "max_length", "return_tensor
 
 def _check_messages(conversation) -> list[dict]:
     """A conversation as chat templates read it, as transformers hands it over: a list of
-    dicts, each with a string role (and content, unless an assistant's message calls tools),
+    dicts, each with a string role (and content, unless the message has tool_calls),
     less the keys whose value is None (OpenAI's API sends content=None, tool_calls=None,
     which templates test for with `is defined` or `in`), and a message's reasoning (under any
     of its three names) also as reasoning_content and thinking, the names templates read.
@@ -1590,7 +1596,9 @@ def _compile_chat_template(template: str):
     """A chat template compiled as transformers compiles it (so that it renders the same
     text): Jinja in a sandbox (bounded: _BoundedSandbox), blocks trimmed, {% break %} and
     {% continue %} allowed, and the helpers templates call: raise_exception(),
-    strftime_now(), an unescaped tojson, and the {% generation %} tag."""
+    strftime_now(), an unescaped tojson, and the {% generation %} tag. (transformers 5 also
+    refuses namespace attributes whose names start with "_", which render here, and gives
+    templates a dict() without the type's attributes.)"""
     def raise_exception(message):
         raise jinja2.TemplateError(message)
 
@@ -1599,7 +1607,7 @@ def _compile_chat_template(template: str):
 
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag])
     env.filters["tojson"] = tojson
-    del env.globals["lipsum"]   # (Jinja's lorem ipsum: no template needs it, and it runs outside the clock)
+    del env.globals["lipsum"]   # (Jinja's lorem ipsum: no template needs it)
     env.globals |= {"raise_exception": raise_exception,
                     "strftime_now": lambda fmt: datetime.datetime.now().strftime(fmt)}
     try:
@@ -1754,7 +1762,9 @@ class SentencePieceBPE:
 def _strips_first_space(decoder) -> bool:
     """Whether a SentencePiece tokenizer.json's decoder drops the text's first space: with a
     Strip(" ", 1, 0) step (transformers writes one after Fuse, so of the whole text), or a
-    Metaspace decoder that prepends (of the first token)."""
+    Metaspace decoder that prepends (of the first token; HF's drops every "▁" of that token,
+    and shows byte tokens as their names, "<0xE5>": nanopaged decodes as transformers'
+    Sequence does)."""
     steps = decoder.get("decoders") if isinstance(decoder, dict) and decoder.get("type") == "Sequence" else [decoder]
     for step in steps if isinstance(steps, list) else []:
         if not isinstance(step, dict):
@@ -1917,7 +1927,10 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     # tiktoken makes any token of its ranks it can put together from two parts; HF's BPE only
     # those the merges make (and, with ignore_merges, a whole piece first, as tiktoken does). So a
     # vocab token that no merge makes, which HF never outputs, is not a rank: it is decoded only,
-    # as a tiktoken special token, which encode_ordinary never looks for.
+    # as a tiktoken special token, which encode_ordinary never looks for. But under
+    # ignore_merges HF outputs one that is a whole piece, so there it is a rank, and tiktoken
+    # may also build it inside a longer piece, where HF would not. (Llama 3's vocab, the one
+    # with ignore_merges, is tiktoken's own: every token of it is made by a merge.)
     made = {left + right for left, right in merges}
     ranks, added_ids, decode_only = {}, set(special.values()), {}
     for token, i in vocab.items():
@@ -1972,8 +1985,9 @@ def _merge_pairs(merges, vocab: dict[str, int], path: Path) -> list[tuple[str, s
 
 def _post_processor_ids(pp: dict | None, path: Path) -> tuple[list[int], list[int]]:
     """The token ids a tokenizer.json post_processor puts before and after a text. Causal
-    LMs use two kinds: ByteLevel (adds nothing) and TemplateProcessing, whose `single`
-    template lists special tokens around the text, "$A" (Llama 3: [<|begin_of_text|>, $A])."""
+    LMs use ByteLevel (adds nothing), TemplateProcessing, whose `single` template lists
+    special tokens around the text, "$A", or a Sequence of them (Llama 3's: ByteLevel, then
+    [<|begin_of_text|>, $A])."""
     if pp is not None and not isinstance(pp, dict):
         raise ModelError(f"{path}: post_processor is {reprlib.repr(pp)}, expected an object")
     kind = (pp or {}).get("type")
@@ -1984,7 +1998,7 @@ def _post_processor_ids(pp: dict | None, path: Path) -> tuple[list[int], list[in
         return [i for before, _ in parts for i in before], [i for _, after in parts for i in after]
     if kind != "TemplateProcessing":
         raise ModelError(f"{path}: post_processor {kind!r} is not supported (supported: "
-                         f"ByteLevel, TemplateProcessing)")
+                         f"ByteLevel, TemplateProcessing, a Sequence of them)")
     specials, single = pp.get("special_tokens") or {}, pp.get("single")
     before, after, texts = [], [], 0
     for item in single if isinstance(single, list) else [single]:
@@ -2018,11 +2032,11 @@ def _chat_template(model_dir: Path) -> tuple[str | None, dict, dict]:
     named_tokens = {key: value for key, value in tokenizer_config.items() if key.endswith("_token")}
     if isinstance(tokenizer_config.get("extra_special_tokens"), dict):
         named_tokens |= tokenizer_config["extra_special_tokens"]
-    legacy = model_dir / "special_tokens_map.json"
-    if "added_tokens_decoder" not in tokenizer_config and legacy.exists():
+    old_map = model_dir / "special_tokens_map.json"
+    if "added_tokens_decoder" not in tokenizer_config and old_map.exists():
         # an older save: there transformers lets special_tokens_map.json's seven win, and
         # takes a model's own from it where tokenizer_config.json lacks them
-        mapped = _read_json(legacy)
+        mapped = _read_json(old_map)
         extra = mapped.get("extra_special_tokens")
         mapped |= extra if isinstance(extra, dict) else {}
         named_tokens = ({key: value for key, value in mapped.items() if key.endswith("_token")} | named_tokens

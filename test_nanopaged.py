@@ -853,8 +853,9 @@ def test_token_strings_as_the_vocab_file_writes_them(name, smollm2_dir):
     """HF's (and vLLM's tokenizer protocol's) view of the vocabulary: get_vocab() is exactly
     the tokenizer.json's model vocab and added tokens (byte-level BPE in GPT-2's alphabet,
     SentencePiece's "▁" and "<0x0A>"), convert_tokens_to_ids / convert_ids_to_tokens map
-    through it (None for what is no token), len() counts it, and bos_token_id, pad_token_id,
-    all_special_ids and decode(one id) answer as HF's do. Catches: a script's
+    through it (None for what is no token), len() counts it, bos_token_id, pad_token_id and
+    decode(one id) answer as HF's do, and all_special_ids lists the added tokens marked
+    special (transformers' lists its special-tokens map). Catches: a script's
     stop_token_ids=[tok.convert_tokens_to_ids("<|eot_id|>")] failing (an AttributeError)."""
     path = smollm2_dir if name == "smollm2" else TESTDATA / name
     tok, spec = load_tokenizer(path), json.loads((path / "tokenizer.json").read_text())
