@@ -2658,7 +2658,7 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
     where = None if dummy else _tensor_files(model_dir)
     if where and config.tie_word_embeddings:
         config = _untie_if_distinct(model_dir, where, config, arch)
-    check_size(model_dir, config, arch, dtype, device, stored=None if dummy else len(where),
+    check_size(model_dir, config, arch, dtype, device, stored_count=None if dummy else len(where),
                max_model_len=max_model_len)
     shapes = arch.checkpoint_shapes(config)
     hf = (_random_weights(shapes, dtype, device) if dummy
@@ -2702,7 +2702,7 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     that model.safetensors.index.json lists."""
     index = model_dir / "model.safetensors.index.json"
     single = model_dir / "model.safetensors"
-    if _kind(index) is not None:   # (exists() is False for a link in a loop: _read_json names it)
+    if _kind(index) is not None:   # (not exists(), False for a link in a loop: _kind names the loop)
         weight_map = _read_json(index).get("weight_map")
         if not (isinstance(weight_map, dict)
                 and all(isinstance(file, str) for file in weight_map.values())):
@@ -2739,18 +2739,18 @@ def checkpoint_size(arch, config: ModelConfig) -> tuple[int, int, int]:
     return t0 + layers * (t1 - t0), p0 + layers * (p1 - p0), t1 - t0
 
 
-def check_size(source, config: ModelConfig, arch, dtype, device, stored: int | None = None,
+def check_size(source, config: ModelConfig, arch, dtype, device, stored_count: int | None = None,
                max_model_len: int | None = None):
     """Refuse, before anything is allocated, a model that could never load: one whose config
-    needs more tensors than its checkpoint holds (stored: their count), or whose weights and
+    needs more tensors than its checkpoint holds (stored_count: their count), or whose weights and
     RoPE tables (max_model_len positions, default the whole context) outgrow the device's
     whole memory. A few zeros too many in a config would otherwise loop over a billion
     layers, or fail deep inside the allocator."""
     device, (tensors, params, per_layer) = torch.device(device), checkpoint_size(arch, config)
     # (A layer or less short, the name-by-name check that follows says which tensor is missing.)
-    if stored is not None and tensors > stored + per_layer:
+    if stored_count is not None and tensors > stored_count + per_layer:
         raise ModelError(f"{source}: {config.num_hidden_layers:,} layers need {tensors:,} tensors, but the "
-                         f"checkpoint holds {stored:,}")
+                         f"checkpoint holds {stored_count:,}")
     memory = device_memory(device)
     weights = params * dtype.itemsize
     # the angles, their cos and their sin, (P, R/2) float32 each (rope_tables); Gemma 3's and OLMo 3's
@@ -2882,7 +2882,8 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERSION_VERSION = 4  # part of the cache key: bump when the converted files change (3: merges from tied
                         # scores; 4: unk_token and pad_token written)
 
-# HF tensor names (less "model.layers.N." and ".weight") -> GGUF's (less "blk.N." and ".weight")
+# HF tensor names (less "model.layers.N." and the last ".weight" or ".bias") -> GGUF's (less
+# "blk.N." and the same suffix)
 HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "lm_head": "output", "input_layernorm": "attn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -2893,7 +2894,7 @@ HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}   # (Phi-3's fused ones)
 # Gemma's four norms a layer (OLMo 2's two after): HF's post_attention_layernorm normalizes the
 # attention's output, and llama.cpp's ffn_norm is the MLP's input norm, HF's pre_feedforward_layernorm
-GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+GGUF_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"}
 # GGUF's architectures: config.json's architectures entry for each. llama.cpp rotates
 # Llama's RoPE pairs as neighbours, so its converter permuted Llama's Q and K rows (see
@@ -2906,7 +2907,9 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 GGUF_PERMUTED = ("llama", "smollm3", "granite")
 # Granite's multipliers: the GGUF key each is read from (after "granite."; llama.cpp's
-# converter writes none that is 0 or absent, which transformers reads as 1)
+# converter writes only the nonzero ones: one left out was absent from config.json, where
+# transformers, and so nanopaged, takes 1.0. llama.cpp itself runs a missing attention.scale
+# as head_dim^-1/2)
 GGUF_GRANITE_KEYS = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
                      "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
 # the special tokens' roles (tokenizer_config.json's "bos_token"...) -> GGUF's names for them
@@ -2955,7 +2958,7 @@ GGUF_PRE_TOKENIZERS |= {"dbrx": GGUF_PRE_TOKENIZERS["llama-bpe"], "refact": GGUF
 GGUF_NORMALIZERS = {"qwen2": {"type": "NFC"}}   # the rest have none
 GGUF_NORMAL, GGUF_UNKNOWN = 1, 2        # token types: a BPE's token; SentencePiece's <unk>
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # added tokens, matched before BPE
-GGUF_UNUSED = 5                         # padding of the embedding matrix past the vocab
+GGUF_UNUSED = 5                         # padding past the vocab, and SentencePiece's unused pieces
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[list[str]]:
@@ -3028,15 +3031,16 @@ def _f32(x) -> float:
 
 
 # llama.cpp's RoPE factors, one per frequency (a frequency is divided by its factor): Llama
-# 3.1's scaled frequencies, and LongRoPE's two sets (Phi-3 128k, Phi-3.5, Phi-4-mini)
+# 3.1's scaled frequencies, and LongRoPE's two sets (Phi-3 128k, Phi-3.5)
 GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -> dict:
     """config.json's RoPE keys for what a GGUF says of it beyond the frequencies' base: how
-    much of each head it turns (rope.dimension_count; Phi-4-mini 3/4 of it), its scaling
+    much of each head it turns (rope.dimension_count: less than head_dim where only part of
+    each head turns, as in Phi-4-mini's HF config), its scaling
     (rope.scaling.type linear or yarn, as Qwen's long-context setting), and its factors.
-    Both factor tensors become LongRoPE's lists, which mean the same (one divisor per
+    Either kind of factor tensor (rope_freqs, or rope_factors_long/short) becomes LongRoPE's lists, which mean the same (one divisor per
     frequency): Llama 3.1's one set for every length (HF's llama3 scaling in other words, up
     to float32 rounding), Phi-3's two with the original context and attention factor that
     the file holds."""
@@ -3117,10 +3121,11 @@ def _check_dequantizable(gguf_path: Path, t) -> None:
                          f"which the gguf package cannot dequantize") from None
 
 
-def _gguf_name(hf_name: str, sandwich: bool = False) -> str:
+def _gguf_name(hf_name: str, post_norms: bool = False) -> str:
     """A Llama tensor's GGUF name: model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight.
-    sandwich: Gemma's and OLMo 2's norms, named after where they sit."""
-    names = HF_TO_GGUF | GGUF_SANDWICH_NAMES if sandwich else HF_TO_GGUF
+    post_norms: Gemma's and OLMo 2's norms (ModelConfig.post_norms), which llama.cpp names
+    after where they sit."""
+    names = HF_TO_GGUF | GGUF_POST_NORM_NAMES if post_norms else HF_TO_GGUF
     base, kind = hf_name.rsplit(".", 1)
     layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
     return (f"blk.{layer[1]}.{names[layer[2]]}" if layer else names[base]) + "." + kind
@@ -3383,7 +3388,9 @@ def _gguf_tokenizer(gguf_path: Path, meta: dict, config: dict) -> tuple[dict, di
         "model": {"type": "BPE", "dropout": None, "unk_token": None,
                   "continuing_subword_prefix": None, "end_of_word_suffix": None,
                   "fuse_unk": sentencepiece, "byte_fallback": sentencepiece, "vocab": vocab}}
-    if sentencepiece:   # as transformers' "legacy" conversion of a SentencePiece model writes it
+    # as transformers' "legacy" conversion writes it where a space is prepended; without one
+    # (Gemma's), an equivalent Metaspace that prepends nothing
+    if sentencepiece:
         scores = _gguf_need(gguf_path, meta, "tokenizer.ggml.scores")
         if len(scores) != len(tokens):
             raise ModelError(f"{gguf_path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
@@ -3414,9 +3421,9 @@ def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: st
     gemma = arch in ("gemma2", "gemma3")
     tensors = {t.name: t for t in reader.tensors}
     # Every tensor's name and shape checked before the slow part, dequantizing (to float32).
-    check_size(gguf_path, c, Llama, torch.float32, "cpu", stored=len(reader.tensors))
+    check_size(gguf_path, c, Llama, torch.float32, "cpu", stored_count=len(reader.tensors))
     shapes = Llama.checkpoint_shapes(c)
-    hf_name = {_gguf_name(name, sandwich=c.post_norms): name for name in shapes}
+    hf_name = {_gguf_name(name, post_norms=c.post_norms): name for name in shapes}
     for t in reader.tensors:
         if t.name in GGUF_ROPE_TENSORS:   # (read by _gguf_rope: config.json's numbers)
             continue
