@@ -1373,12 +1373,6 @@ class LLM:
         # max_tokens says: the request's copy is cut to fit (and min_tokens with it)
         params.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
         params.min_tokens = min(params.min_tokens, params.max_tokens)
-        # A beam search's beams must fit the pool all at once: a beam preempted and recomputed
-        # apart from its siblings shares no partial block with them, and they wait for it (parked)
-        need = beams * self.scheduler.blocks_at_most(len(ids) + params.max_tokens)
-        if params.beam and need > self.pool.num_blocks:
-            raise ValueError(f"beam_width = {beams} beams of prompt + max_tokens = {len(ids) + params.max_tokens} "
-                             f"tokens need up to {need} KV blocks, but the whole pool has {self.pool.num_blocks}")
         # (a text prompt too: a tokenizer may know more tokens than config.json's vocab_size)
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:

@@ -645,8 +645,13 @@ class Scheduler:
             raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the context served, max_model_len = {self.max_model_len} tokens")
         blocks = self.blocks_at_most(total)
+        # A beam search's beams must fit the pool all at once: a beam preempted and recomputed
+        # apart from its siblings shares no partial block with them, and they wait for it (parked)
+        if params.beam and params.n * blocks > self.pool.num_blocks:
+            raise ValueError(f"beam_width = {params.n} beams of prompt + max_tokens ({total} tokens) need up "
+                             f"to {params.n * blocks} KV blocks, but the whole pool has {self.pool.num_blocks}")
         if blocks > self.pool.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks, but the "
+            raise ValueError(f"prompt + max_tokens ({total} tokens) needs {blocks} KV blocks, but the "
                              f"whole pool has {self.pool.num_blocks}")
         seq = Sequence(request_id, prompt_token_ids, params, self.next_arrival, self.pool.new_table(),
                        priority=priority)

@@ -4500,10 +4500,10 @@ def test_a_beam_search_keeps_room_for_every_beam_before_it_forks():
     forks into (copy-on-write gives each its own last block), as it holds beam_width seats:
     a newer request that would take that room waits. Catches: _grant giving a beam search one
     sample's room (num_seats 1) where it holds beam_width seats."""
-    sched = make_sched(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+    sched = make_sched(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=4)
     params = SamplingParams(n=3, max_tokens=2, ignore_eos=True)
     params.beam = BeamSearchParams(3, 2, ignore_eos=True)   # (what LLM._add makes of a beam search)
-    b = sched.add("b", list(range(10, 18)), params)
+    b = sched.add("b", list(range(10, 16)), params)   # (3 beams of 8 tokens: the 6 blocks)
     assert run_step(sched).seqs == [b] and b.num_seats == 3
     c = sched.add("c", [30, 31, 32, 33], SamplingParams(max_tokens=1, ignore_eos=True))
     assert sched._room_to_grow(b) == 3
@@ -5506,6 +5506,11 @@ def test_scheduler_bad_input_is_refused_and_nothing_leaks():
     make_sched(num_blocks=8, block_size=4, max_model_len=20).add(2, [3] * 15, SamplingParams(max_tokens=5))
     with pytest.raises(ValueError, match="whole pool has 4"):
         make_sched(num_blocks=4, block_size=4).add(3, [3] * 15, SamplingParams(max_tokens=2))
+    # a beam search's beams wait for each other: all of them must fit, not one (which would)
+    beams = SamplingParams(n=2, max_tokens=2)
+    beams.beam = BeamSearchParams(2, 2)   # (as LLM.beam_search makes them)
+    with pytest.raises(ValueError, match=r"beam_width = 2 beams of prompt \+ max_tokens \(15 tokens\) need up to 8 KV"):
+        make_sched(num_blocks=4, block_size=4).add(3, [3] * 13, beams)
     with pytest.raises(ValueError, match="max_tokens must be"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="unknown request id 'nope'"):
@@ -5952,7 +5957,7 @@ def test_beam_search_is_the_same_preempted_parked_or_uncached(smollm2_dir, llm, 
         assert_nothing_leaked(engine)
     assert tight.stats.preemptions > 0 and swapping.stats.swapped_out > 0 and any(parked)
     # A search whose beams could not all be in the pool at once is refused
-    with pytest.raises(ValueError, match=r"beam_width = 4 beams of prompt \+ max_tokens = .* need up to"):
+    with pytest.raises(ValueError, match=r"beam_width = 4 beams of prompt \+ max_tokens \(.* need up to"):
         tight.beam_search(prompts[0], BeamSearchParams(4, 20))
     assert_nothing_leaked(tight)
 
@@ -6010,7 +6015,7 @@ def test_a_beam_search_past_the_context_is_refused_for_the_context_not_the_pool(
     llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", block_size=4, num_blocks=12, max_model_len=64)
     with pytest.raises(ValueError, match=r"prompt \(70 tokens\) leaves no room for an output token in the context"):
         llm.beam_search([list(range(1, 71))], BeamSearchParams(beam_width=2, max_tokens=3))
-    with pytest.raises(ValueError, match=r"beam_width = 2 beams of prompt \+ max_tokens = 33 tokens need up to 18 KV"):
+    with pytest.raises(ValueError, match=r"beam_width = 2 beams of prompt \+ max_tokens \(33 tokens\) need up to 18 KV"):
         llm.beam_search([list(range(1, 31))], BeamSearchParams(beam_width=2, max_tokens=3))
     assert_nothing_leaked(llm)
 
@@ -6819,7 +6824,7 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path):
     # ... or up to what the whole KV pool holds, where that is less (4 blocks of 16 slots)
     tiny_pool = LLM(model_dir, load_format="dummy", num_blocks=4, block_size=16)
     assert len(tiny_pool.generate([5] * 10, up_to)[0].outputs[0].token_ids) == 54
-    with pytest.raises(ValueError, match=r"prompt \+ max_tokens = 65 tokens needs 5 KV blocks, but the whole pool has 4"):
+    with pytest.raises(ValueError, match=r"prompt \+ max_tokens \(65 tokens\) needs 5 KV blocks, but the whole pool has 4"):
         tiny_pool.generate([5] * 64, up_to)
     assert_nothing_leaked(tiny_pool)
     with pytest.raises(ValueError, match="max_tokens=None .* is resolved by LLM"):   # (the scheduler alone)
@@ -7579,6 +7584,8 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--beam-width", "3", "--max-num-seqs", "2"], "--beam-width 3 exceeds --max-num-seqs 2"),
     (["--prompt", "hi", "--max-model-len", "1"], "in the context served, --max-model-len 1 tokens"),
     (["--prompt", "hi", "--block-size", "99999999"], "use a smaller --block-size or give more memory"),
+    # (the number after "max_tokens" is the sum, not --max-tokens's value)
+    (["--prompt", "hi", "--num-blocks", "1"], "prompt + --max-tokens (159 tokens) needs 10 KV blocks"),
     (["--prompt", "hi", "--temperature", "3"], "--temperature must be a number in [0, 2] (vLLM's range), got 3.0"),
     (["--prompt", "hi", "--max-num-batched-tokens", "-2"], "--max-num-batched-tokens must be >= 1, got -2"),
     (["--prompt", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'"),      # argparse's own
