@@ -226,7 +226,8 @@ class BlockPool:
 class BlockTable:
     """One sequence's view of the cache: logical block i lives in physical block block_ids[i].
 
-    num_tokens counts the slots handed out so far; token t of the sequence lives in
+    num_tokens counts the slots handed out so far (behind Sequence.num_tokens, the
+    sequence's length, while a chunked prefill is under way); token t of the sequence lives in
     slot block_ids[t // block_size] * block_size + t % block_size.
 
     Under a sliding window in every layer, the first num_dropped blocks have slid out of the
@@ -2620,7 +2621,7 @@ def _parse_device(device) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)
-    except RuntimeError:
+    except (RuntimeError, TypeError):   # (TypeError: not a string or index at all, 1.5)
         raise ValueError(f"unknown device {device!r}: use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r}: no CUDA GPU is available to torch {torch.__version__}")
@@ -2750,10 +2751,11 @@ def request_copy(params: SamplingParams | BeamSearchParams) -> SamplingParams | 
     """A request's own copy of its params, checked again: the caller may change its object
     after this (or did since making it), and may reuse it for the next request (vLLM copies
     too). Made anew from the constructor's fields, so that what the engine fills in
-    (disallowed_mask, bad_words_token_ids, beam) never comes from the caller's object; as the
-    class itself (a subclass may have an __init__ of its own, taking other arguments)."""
-    values = {}
-    for f in fields(params):
+    (disallowed_mask, bad_words_token_ids, beam) never comes from the caller's object; made
+    as the base class itself, SamplingParams or BeamSearchParams, from its own fields (a
+    subclass may have an __init__ of its own, taking other arguments, or fields more)."""
+    base, values = BeamSearchParams if isinstance(params, BeamSearchParams) else SamplingParams, {}
+    for f in fields(base):
         if f.init:
             value = getattr(params, f.name)
             try:
@@ -2761,7 +2763,7 @@ def request_copy(params: SamplingParams | BeamSearchParams) -> SamplingParams | 
             except Exception as e:   # (a generator, a lock: deepcopy's TypeError, from deep inside copy)
                 raise ValueError(f"{f.name} = {reprlib.repr(value)} cannot be copied into the request "
                                  f"({type(e).__name__}: {e})") from None
-    return (BeamSearchParams if isinstance(params, BeamSearchParams) else SamplingParams)(**values)
+    return base(**values)
 
 
 def _check_per_prompt(num_prompts: int, lora_request, priority) -> list:
@@ -2935,12 +2937,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
     ap.add_argument("--system", help="a system prompt, rendered by the chat template before each prompt")
     ap.add_argument("--dtype", help="float32 (CPU default), bfloat16, float16 (GPU default: the checkpoint's "
-                                    "half precision, bfloat16 for a float32 one, as vLLM's auto)")
+                                    "half precision, bfloat16 for a float32 one, as vLLM's auto; bfloat16 "
+                                    "for Gemma, which refuses float16)")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     ap.add_argument("--max-model-len", type=int, help="the longest prompt + output served (default: the model's "
-                                                      "context; at most the original context, 4096 for Phi-3 128k "
-                                                      "/ 3.5 / 4-mini, keeps LongRoPE's short factors)")
+                                                      "context). One no longer than the original context (4096 "
+                                                      "for Phi-3 128k / 3.5 / 4-mini) keeps LongRoPE's short factors")
     ap.add_argument("--num-blocks", type=int, help="KV blocks in the pool (default: as many as 2 GiB hold on "
                                                    "the CPU, 40%% of free memory on a GPU)")
     ap.add_argument("--max-num-seqs", type=int, default=256,
@@ -3037,7 +3040,7 @@ class OutputError(Exception):
 
 class CheckedStdout:
     """sys.stdout while the command line runs: a write or flush that fails raises OutputError,
-    which main() reports in one line. As a bare OSError it could not be told from the engine's
+    which run_cli reports in one line (status 1). As a bare OSError it could not be told from the engine's
     own (a model file that cannot be read), and the flush that input() does before reading a
     --chat turn would read as stdin's failure. A closed pipe stays a BrokenPipeError: the
     reader of `| head` has gone, which is no error to report."""
@@ -3085,7 +3088,7 @@ def main(argv=None) -> int:
 # The options the command line sets, by their Python names: its error messages name the flags
 CLI_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n", "beam_width", "stop",
                "logprobs", "repetition_penalty", "block_size", "max_model_len", "num_blocks", "max_num_seqs",
-               "max_num_batched_tokens", "preemption_mode", "attn_backend", "dtype")
+               "max_num_batched_tokens", "preemption_mode", "attn_backend", "dtype", "device")
 _CLI_OPTION = re.compile(rf"(^)?\b({'|'.join(CLI_OPTIONS)})\b( = |=)?")
 
 
@@ -3143,7 +3146,8 @@ def cli_params(args) -> tuple[SamplingParams | BeamSearchParams, list[str]]:
 
 def cli_prompts(llm: LLM, args) -> tuple[list[str] | list[list[int]], list[dict]]:
     """The prompts as the model is given them: rendered with its chat template and
-    tokenized (unless --raw: the text as typed), and --system's message."""
+    tokenized (unless --raw, or the model has no chat template: the text as typed), and
+    --system's message."""
     tok = llm.get_tokenizer()
     chat = tok.has_chat_template and not args.raw
     if chat and tok.chat_template is None:   # (the CLI has no flag to name one)

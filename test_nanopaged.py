@@ -6966,6 +6966,9 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir, m
     assert LLM(smollm2_dir, dtype="auto", num_blocks=4).dtype == torch.float32   # vLLM's default spelling
     with pytest.raises(ValueError, match="needs device='cuda'"):
         LLM(smollm2_dir, attn_backend="cuda", device="cpu")
+    for device in ("gpu", 1.5, [0]):   # (torch.device's TypeError too)
+        with pytest.raises(ValueError, match=f"^unknown device {re.escape(repr(device))}: use cpu or cuda$"):
+            LLM(smollm2_dir, device=device)
     for name, value in [("max_model_len", 0), ("max_num_batched_tokens", 2.5), ("block_size", 0),
                         ("block_size", -4), ("num_blocks", 8.0), ("kv_cache_memory", "1GB"),
                         ("max_num_seqs", None), ("max_num_seqs", True)]:
@@ -7204,6 +7207,11 @@ def test_a_request_keeps_its_own_copy_of_the_sampling_params(llm):
         def __init__(self, max_tokens):
             super().__init__(temperature=0, max_tokens=max_tokens)
     assert len(llm.generate(SYSTEM + "Say hi.", Greedy(2))[0].outputs[0].token_ids) <= 2
+
+    @dataclass
+    class Tagged(SamplingParams):   # a subclass with a field more: SamplingParams' own are copied
+        tag: str = "mine"
+    assert len(llm.generate(SYSTEM + "Say hi.", Tagged(temperature=0, max_tokens=2))[0].outputs[0].token_ids) <= 2
 
 
 def test_a_failing_trace_emitter_stops_no_step_halfway(llm):
@@ -7584,8 +7592,10 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", "hi", "--beam-width", "3", "--max-num-seqs", "2"], "--beam-width 3 exceeds --max-num-seqs 2"),
     (["--prompt", "hi", "--max-model-len", "1"], "in the context served, --max-model-len 1 tokens"),
     (["--prompt", "hi", "--block-size", "99999999"], "use a smaller --block-size or give more memory"),
-    # (the number after "max_tokens" is the sum, not --max-tokens's value)
+    # (the number after "max_tokens" is the sum, not --max-tokens's value; the device named as its flag)
     (["--prompt", "hi", "--num-blocks", "1"], "prompt + --max-tokens (159 tokens) needs 10 KV blocks"),
+    pytest.param(["--prompt", "hi", "--attn-backend", "cuda"], "--attn-backend 'cuda' needs --device 'cuda'",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's device by default")),
     (["--prompt", "hi", "--temperature", "3"], "--temperature must be a number in [0, 2] (vLLM's range), got 3.0"),
     (["--prompt", "hi", "--max-num-batched-tokens", "-2"], "--max-num-batched-tokens must be >= 1, got -2"),
     (["--prompt", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'"),      # argparse's own
