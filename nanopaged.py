@@ -1974,7 +1974,7 @@ class LLM:
             if growing:
                 settled = growing.settled(ids)   # (first: it decodes the new tokens into growing.text)
                 text = growing.text[:settled]
-            out = CompletionOutput(q.sample_index, text, list(ids), None)
+            out = CompletionOutput(q.sample_index, text, ids, None)   # (output_token_ids: a fresh slice)
         else:
             # a stop token ends the text but is not part of it (an ignored EOS is), unless
             # include_stop_str_in_output

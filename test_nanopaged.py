@@ -11232,3 +11232,65 @@ def test_tokenization_kwargs_max_length_is_an_integer_and_bounds_minus_one(tmp_p
             llm.generate(ids, two, tokenization_kwargs={"max_length": bad, "truncation": True})
     with pytest.raises(ValueError, match="truncating to 129 tokens exceeds max_model_len = 128"):
         llm.generate(ids, two, tokenization_kwargs={"max_length": 129, "truncate_prompt_tokens": -1})
+
+
+# --- From a mutation pass (2026-12-07) over the text outputs (Shown, _collect_outputs,
+# _sample_results, _sample_result, delta): the slips no test caught ---
+
+
+def test_a_request_aborted_before_its_first_token_reports_every_sample_under_each_output_kind(tmp_path):
+    """A request with n = 2 and logprobs=0 aborted before its first token never forked: under
+    every output_kind its output lists both samples, empty, "abort", scored as a sample with
+    no tokens yet is (logprobs [], cumulative_logprob 0.0). Catches: Shown() defaulting to
+    ended=True (under DELTA a sample never shown loses its end), and the samples that never
+    forked given logprobs / cumulative_logprob None (or scored only where logprobs > 0)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=16)
+    for kind in RequestOutputKind:
+        rid = llm.add_request([5, 6, 7], SamplingParams(n=2, max_tokens=4, logprobs=0, output_kind=kind))
+        assert [(o.index, o.token_ids, o.text, o.finish_reason, o.logprobs, o.cumulative_logprob)
+                for o in llm.abort(rid).outputs] == [(i, [], "", "abort", [], 0.0) for i in range(2)]
+    assert_nothing_leaked(llm)
+
+
+def test_delta_pieces_of_a_request_without_logprobs_have_none(tmp_path):
+    """Under DELTA, a request that asks for no logprobs gets logprobs None in every piece (as
+    under CUMULATIVE and FINAL_ONLY), not an empty list. Catches: delta() turning an output's
+    logprobs None into [] (check_outputs_add_up reads `c.logprobs or []`, which hides it)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=16)
+    _, steps = outputs_by_step(llm, [([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True, seed=0,
+                                                               output_kind=RequestOutputKind.DELTA))])
+    pieces = [c for outs in steps for o in outs for c in o.outputs]
+    assert len(pieces) == 3 and all(c.logprobs is None and c.cumulative_logprob is None for c in pieces)
+
+
+def test_a_request_whose_logits_break_before_it_forked_fails_all_n_samples(tmp_path, monkeypatch):
+    """A request with n = 2 whose first logits are not finite never forked: its output still
+    lists both samples, empty, and both "error" (the reason it ended), not "abort".
+    Catches: the missing samples given a fixed finish_reason instead of the first's."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=16)
+
+    def nan_logits(self, input_ids, positions, attn, logits_indices=None):
+        return torch.full((len(logits_indices), self.config.vocab_size), float("nan"))
+    monkeypatch.setattr(type(llm.model), "forward", nan_logits)
+    out = llm.generate([5, 6, 7], SamplingParams(n=2, max_tokens=4))[0]
+    assert [(o.index, o.token_ids, o.text, o.finish_reason) for o in out.outputs] == [
+        (i, [], "", "error") for i in range(2)]
+    assert_nothing_leaked(llm)
+
+
+def test_a_request_is_in_every_step_that_samples_it_after_its_first_sample_ended(tmp_path):
+    """Under CUMULATIVE and DELTA, a request is in the outputs of every step that samples it,
+    also after its sample 0 finished while sample 1 runs on (n = 2, seed 18: 3 tokens and
+    9). Catches: only the first sample's news looked at (req.seqs[:1]) to decide whether a
+    running request has something to say (its sibling's tokens then come in one lump at the end)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64)
+
+    def params(kind):
+        return SamplingParams(n=2, temperature=1.0, seed=18, max_tokens=12, stop_token_ids=list(range(200, 256)),
+                              output_kind=kind)
+    ids, steps = outputs_by_step(llm, [([5, 6, 7], params(RequestOutputKind.FINAL_ONLY))])
+    short, long = (len(c.token_ids) for c in steps[-1][0].outputs)
+    assert short + 1 < long, "the seed must end sample 0 a few steps before sample 1"
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        ids, steps = outputs_by_step(llm, [([5, 6, 7], params(kind))])
+        assert [len(outs) for outs in steps] == [1] * long
