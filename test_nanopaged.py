@@ -10001,13 +10001,17 @@ def test_time_per_output_token_divides_by_the_tokens_after_the_first(llm):
 
 
 def test_a_request_aborted_before_it_forked_reports_all_n_samples(llm):
-    """A request with n = 3 aborted before its first token never forked: its output still has
-    3 samples, indices 0, 1, 2, all empty and "abort". Catches: the missing samples' range
-    starting one past the sequences it has (range(len(seqs) + 1, n))."""
-    rid = llm.add_request("Water boils at", SamplingParams(n=3, max_tokens=4))
-    out = llm.abort(rid)
-    assert [(o.index, o.token_ids, o.text, o.finish_reason) for o in out.outputs] == [
-        (i, [], "", "abort") for i in range(3)]
+    """A request with n = 3 and logprobs=0 aborted before its first token never forked: under
+    every output_kind its output still has 3 samples, indices 0, 1, 2, all empty and "abort",
+    scored as a sample with no tokens yet is (logprobs [], cumulative_logprob 0.0).
+    Catches: the missing samples' range starting one past the sequences it has
+    (range(len(seqs) + 1, n)); Shown() defaulting to ended=True (under DELTA a sample never
+    shown loses its end); the samples that never forked given logprobs / cumulative_logprob
+    None (or scored only where logprobs > 0)."""
+    for kind in RequestOutputKind:
+        rid = llm.add_request("Water boils at", SamplingParams(n=3, max_tokens=4, logprobs=0, output_kind=kind))
+        assert [(o.index, o.token_ids, o.text, o.finish_reason, o.logprobs, o.cumulative_logprob)
+                for o in llm.abort(rid).outputs] == [(i, [], "", "abort", [], 0.0) for i in range(3)]
     assert_nothing_leaked(llm)
 
 
@@ -11235,21 +11239,8 @@ def test_tokenization_kwargs_max_length_is_an_integer_and_bounds_minus_one(tmp_p
 
 
 # --- From a mutation pass (2026-12-07) over the text outputs (Shown, _collect_outputs,
-# _sample_results, _sample_result, delta): the slips no test caught ---
-
-
-def test_a_request_aborted_before_its_first_token_reports_every_sample_under_each_output_kind(tmp_path):
-    """A request with n = 2 and logprobs=0 aborted before its first token never forked: under
-    every output_kind its output lists both samples, empty, "abort", scored as a sample with
-    no tokens yet is (logprobs [], cumulative_logprob 0.0). Catches: Shown() defaulting to
-    ended=True (under DELTA a sample never shown loses its end), and the samples that never
-    forked given logprobs / cumulative_logprob None (or scored only where logprobs > 0)."""
-    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=16)
-    for kind in RequestOutputKind:
-        rid = llm.add_request([5, 6, 7], SamplingParams(n=2, max_tokens=4, logprobs=0, output_kind=kind))
-        assert [(o.index, o.token_ids, o.text, o.finish_reason, o.logprobs, o.cumulative_logprob)
-                for o in llm.abort(rid).outputs] == [(i, [], "", "abort", [], 0.0) for i in range(2)]
-    assert_nothing_leaked(llm)
+# _sample_results, _sample_result, delta): the slips no test caught (and in
+# test_a_request_aborted_before_it_forked_reports_all_n_samples) ---
 
 
 def test_delta_pieces_of_a_request_without_logprobs_have_none(tmp_path):
