@@ -2821,7 +2821,10 @@ class Tokenization:
         if limit is not None and not (is_integer(limit) and limit >= 1):
             raise ValueError(f"tokenization_kwargs: max_length must be an integer >= 1, got {limit!r}")
         max_length = max_model_len if limit is None else limit
-        truncation = kwargs.get("truncation")   # (HF's spelling: truncate to max_length, or not at all)
+        # HF's spelling: truncate to max_length, or not at all. Without max_length, vLLM's renderer
+        # (TokenizeParams.with_kwargs) cuts to max_model_len, a prompt its input processor then refuses
+        # for leaving no room for an output token; so does nanopaged (checked in vLLM's source, 2026-12)
+        truncation = kwargs.get("truncation")
         if truncation in (True, "longest_first"):
             keep = max_length
         elif truncation in (False, "do_not_truncate"):
