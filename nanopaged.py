@@ -1478,6 +1478,7 @@ class LLM:
 
     def _step(self) -> list[RequestOutput]:
         if not self.scheduler.has_unfinished():
+            self._check_none_lost()
             return self._collect_outputs()   # what an interrupted step finished, if anything
         start = time.perf_counter()
         try:
@@ -1893,6 +1894,17 @@ class LLM:
         for seq in sched.running:
             s.filled_slots += seq.block_table.num_tokens - seq.block_table.num_dropped * pool.block_size
         self._record_counts()
+
+    def _check_none_lost(self):
+        """With the scheduler idle every request has finished, so each is due to be reported. One
+        that is not (a bug: a report lost on some path) would keep has_unfinished_requests() True
+        for good, and a loop of step() calls, generate's too, would spin forever. Fail fast
+        instead, marking them: the next step() reports them."""
+        lost = [rid for rid in self._requests if rid not in self._to_report]
+        if lost:
+            self._to_report |= dict.fromkeys(lost)
+            raise RuntimeError(f"internal error: {len(lost)} finished request(s) ({', '.join(map(repr, lost[:3]))}"
+                               f"{', ...' if len(lost) > 3 else ''}) were never reported; the next step() reports them")
 
     def _record_counts(self):
         """The scheduler's counts so far (after a step is scheduled, or rolled back: its

@@ -10598,6 +10598,46 @@ def test_an_abort_cut_short_after_stopping_the_request_is_reported_by_the_next_s
     assert_nothing_leaked(llm)
 
 
+def test_a_finished_request_whose_report_was_lost_fails_fast_instead_of_hanging(llm, monkeypatch):
+    """A bug that loses a finished request's report (here: the step that finishes it drops it
+    from _to_report) would keep has_unfinished_requests() True for good, and every loop of
+    step() calls (generate's own) spinning. Once the scheduler is idle the engine says so, a
+    RuntimeError naming it, and the next step() reports it with its tokens; generate() raises
+    it too and the engine serves on. Catches: the check dropped (both loops would spin: a
+    bound on the steps fails the test instead), and what it found not marked (b never reported)."""
+    real_commit, real_step, lose, steps = LLM._commit, LLM._step, {"b"}, []
+
+    def losing(self, out, *args):   # the bug: the reports of the requests in `lose` go missing
+        real_commit(self, out, *args)
+        for seq in out.seqs:
+            if seq.finish_reason and (seq.request_id in lose or "every one" in lose):
+                self._to_report.pop(seq.request_id, None)
+
+    def bounded(self):
+        steps.append(None)
+        if len(steps) > 40:
+            pytest.fail("40 steps and no error: the lost report was never noticed")
+        return real_step(self)
+    monkeypatch.setattr(LLM, "_commit", losing)
+    monkeypatch.setattr(LLM, "_step", bounded)
+    llm.add_request("Hello there", greedy(6, ignore_eos=True), request_id="a")
+    llm.add_request("Hi", greedy(2, ignore_eos=True), request_id="b")
+    done = {}
+    with pytest.raises(RuntimeError) as e:
+        while llm.has_unfinished_requests():
+            done.update({r.request_id: r for r in llm.step()})
+    assert str(e.value) == "internal error: 1 finished request(s) ('b') were never reported; the next step() reports them"
+    assert done["a"].finished and not done["b"].finished and llm.has_unfinished_requests()   # (b: its first token's)
+    late = llm.step()
+    assert [r.request_id for r in late] == ["b"] and late[0].finished and len(late[0].outputs[0].token_ids) == 2
+    assert_nothing_leaked(llm)
+    lose.add("every one")   # generate's requests lost the same way: it raises, and leaves nothing behind
+    with pytest.raises(RuntimeError, match=r"internal error: 2 finished request\(s\) \(\d+, \d+\) were never"):
+        llm.generate(["Hi", "Hello"], greedy(2))
+    assert_nothing_leaked(llm)
+    monkeypatch.undo()
+    assert len(llm.generate("Hi", greedy(2))[0].outputs[0].token_ids) <= 2
+
 def test_emulated_paged_attention_refuses_shapes_and_layouts_the_kernel_cannot_read(emulated_ops):
     """The binding's checks that check_bad_input leaves out, each with its own message (the
     kernel would read the wrong bytes, or fault, instead): a head count that is not a multiple
