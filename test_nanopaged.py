@@ -11325,3 +11325,27 @@ def test_a_request_is_in_every_step_that_samples_it_after_its_first_sample_ended
     for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
         ids, steps = outputs_by_step(llm, [([5, 6, 7], params(kind))])
         assert [len(outs) for outs in steps] == [1] * long
+
+def test_a_sample_that_ends_without_a_token_is_news_in_its_own_step(tmp_path, monkeypatch):
+    """Three samples on one seat: sample 0 runs to its end, then sample 1 takes the seat and
+    its first row breaks (finish_reason "error", no token) while sample 2 waits for the seat,
+    so no sample of the running request gets a token in that step. Its end is news all the
+    same: that step reports the request (sample 2 still at its first token), under CUMULATIVE
+    and DELTA. Catches: _collect_outputs asking Shown.news about tokens alone (`finished` ->
+    False: the end came a step late, beside sample 2's second token)."""
+    llm = peaked_tiny_llm(tmp_path, max_num_seqs=1, num_blocks=32, block_size=4)
+    real = LLM._sample
+
+    def breaking(self, due, logits, finite):   # sample 1's first row on its seat breaks
+        finite[:] = [ok and not (q.sample_index == 1 and q.num_output_tokens == 1) for q, ok in zip(due, finite)]
+        return real(self, due, logits, finite)
+    monkeypatch.setattr(LLM, "_sample", breaking)
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=3, ignore_eos=True, output_kind=kind)
+        _, steps = outputs_by_step(llm, [([5, 6, 7, 8, 9], params)])
+        by_step = [{c.index: c for c in outs[0].outputs} if outs else {} for outs in steps]
+        at = next(i for i, samples in enumerate(by_step) if 1 in samples and samples[1].finish_reason == "error")
+        assert len(by_step[at][1].token_ids) == (0 if kind is RequestOutputKind.DELTA else 1)
+        assert [len(samples[2].token_ids) for samples in by_step[at + 1:] if 2 in samples] == (
+            [1, 1] if kind is RequestOutputKind.DELTA else [2, 3])   # (sample 2's next two: after that step)
+        assert_nothing_leaked(llm)
