@@ -46,7 +46,7 @@ try:   # (torch takes a second to import: a Ctrl-C then ends the command line as
     from model import (GEMMAS, ModelConfig, ModelError, device_memory, load_model, load_tokenizer,
                        override_sampling_defaults, read_generation_config, resolve_model_dir, tanh_softcap, truncated)
     from scheduler import (BeamSearchParams, RequestOutputKind, SamplingParams, Scheduler, Status, cdiv,
-                           check_priority, first_visible, hash_block, is_integer, stop_token_set,
+                           check_priority, first_visible, hash_block, is_integer, is_one_of, stop_token_set,
                            truncate_prompt_tokens_check)
 except KeyboardInterrupt:
     if __name__ != "__main__":   # (imported: the importer's Ctrl-C)
@@ -1047,7 +1047,7 @@ def _check_vllm_options(options: dict):
         accepted, why = VLLM_ONLY_OPTIONS[name]
         # (None and the flags by identity; numbers and strings by value: numpy's 1 is 1)
         if not any(value is a or (a is not None and not isinstance(a, bool) and not isinstance(value, bool)
-                                  and value == a) for a in accepted):
+                                  and is_one_of(value, (a,))) for a in accepted):
             took = f" (it takes {' or '.join(map(repr, accepted))})" if accepted else ""
             raise ValueError(f"{name}={value!r}: {why}{took}")
 
@@ -1102,7 +1102,7 @@ class LLM:
         # k entries per token costs k decodes, and a whole vocabulary's is large)
         self.max_logprobs = int(max_logprobs)
         device = _parse_device(device)
-        dtype = None if dtype in (None, "auto") else _parse_dtype(dtype)   # (None: once the config is read)
+        dtype = None if is_one_of(dtype, (None, "auto")) else _parse_dtype(dtype)   # (None: once the config is read)
         sizes = {"block_size": block_size, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
                  "kv_cache_memory": kv_cache_memory, "max_num_batched_tokens": max_num_batched_tokens,
                  "max_model_len": max_model_len}
@@ -1117,23 +1117,23 @@ class LLM:
             None if value is None else int(value) for value in sizes.values())
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
-        if attn_backend not in ("auto", "torch", "cuda", "cpu"):
+        if not is_one_of(attn_backend, ("auto", "torch", "cuda", "cpu")):
             raise ValueError(f"unknown attn_backend {attn_backend!r}: use auto, torch, cuda or cpu")
         if attn_backend in ("cuda", "cpu") and device.type != attn_backend:
             raise ValueError(f"attn_backend={attn_backend!r} needs device={attn_backend!r}")
-        if load_format not in ("auto", "dummy"):
+        if not is_one_of(load_format, ("auto", "dummy")):
             raise ValueError(f"unknown load_format {load_format!r}: use auto, or dummy (random weights)")
-        if preemption_mode not in ("recompute", "swap"):
+        if not is_one_of(preemption_mode, ("recompute", "swap")):
             raise ValueError(f"unknown preemption_mode {preemption_mode!r}: use recompute, or swap (to CPU memory)")
         # vLLM's: "fcfs", first come, first served; "priority": requests by their priority (lower
         # first), then arrival, for admission and, reversed, for preemption (Sequence.rank)
-        if scheduling_policy not in ("fcfs", "priority"):
+        if not is_one_of(scheduling_policy, ("fcfs", "priority")):
             raise ValueError(f"unknown scheduling_policy {scheduling_policy!r}: use fcfs (first come, first served) "
                              f"or priority (lower priority values first, then first come)")
         self.scheduling_policy = scheduling_policy
         if not (isinstance(swap_space, numbers.Real) and not isinstance(swap_space, bool) and 0 < swap_space < 2**40):
             raise ValueError(f"swap_space must be a number of GiB > 0, got {swap_space!r}")
-        if generation_config not in ("auto", "vllm") and not (isinstance(generation_config, (str, os.PathLike))
+        if not is_one_of(generation_config, ("auto", "vllm")) and not (isinstance(generation_config, (str, os.PathLike))
                                                               and os.path.isdir(generation_config)):
             raise ValueError(f"unknown generation_config {generation_config!r}: use auto (the model's "
                              "generation_config.json), vllm (SamplingParams' own defaults), or a directory "
@@ -1156,7 +1156,7 @@ class LLM:
         elif generation_config != "vllm":
             source = Path(generation_config) / "generation_config.json"
             gen_eos, advice = read_generation_config(source, cfg.vocab_size)
-        advice = override_sampling_defaults(advice, override_generation_config or {})
+        advice = override_sampling_defaults(advice, {} if override_generation_config is None else override_generation_config)
         try:
             self._default_params = SamplingParams(**advice)
         except ValueError as e:
@@ -1207,6 +1207,10 @@ class LLM:
             num_cpu_blocks = int(swap_space * 2**30) // self.bytes_per_block
             if num_cpu_blocks < 1:
                 raise ValueError(f"swap_space = {swap_space} GiB holds no block of {self.bytes_per_block} bytes")
+            cpu_memory = device_memory(torch.device("cpu"))   # (refused as the pool above is, for the same reason)
+            if cpu_memory is not None and num_cpu_blocks * self.bytes_per_block > cpu_memory:
+                raise ValueError(f"swap_space = {swap_space} GiB is more than all {cpu_memory / 2**30:,.1f} GiB "
+                                 f"of the CPU memory")
             try:
                 self.swap_pool = BlockPool(num_cpu_blocks, block_size, cfg.num_hidden_layers,
                                            cfg.num_key_value_heads, cfg.head_dim, dtype, "cpu")
@@ -2130,7 +2134,7 @@ class LLM:
         add_special_tokens defaults to False, as in vLLM (the template wrote them)."""
         tokenization = Tokenization.of(tokenization_kwargs, mm_processor_kwargs, self.max_model_len,
                                        add_special_tokens=False)
-        if chat_template_content_format != "auto":
+        if not is_one_of(chat_template_content_format, ("auto",)):
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: nanopaged hands a "
                              f"message's content over as vLLM's 'auto' does (it takes 'auto')")
         if chat_template_kwargs is not None and not (isinstance(chat_template_kwargs, dict)
@@ -2633,7 +2637,8 @@ def _parse_device(device) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)
-    except (RuntimeError, TypeError):   # (TypeError: not a string or index at all, 1.5)
+    except (RuntimeError, TypeError, ValueError):   # (TypeError: not a string or index at all, 1.5;
+        # ValueError: an index past a C long, 2**63)
         raise ValueError(f"unknown device {device!r}: use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r}: no CUDA GPU is available to torch {torch.__version__}")
@@ -2837,16 +2842,16 @@ class Tokenization:
         # (TokenizeParams.with_kwargs) cuts to max_model_len, a prompt its input processor then refuses
         # for leaving no room for an output token; so does nanopaged (checked in vLLM's source, 2026-12)
         truncation = kwargs.get("truncation")
-        if truncation in (True, "longest_first"):
+        if is_one_of(truncation, (True, "longest_first")):
             keep = max_length
-        elif truncation in (False, "do_not_truncate"):
+        elif is_one_of(truncation, (False, "do_not_truncate")):
             keep = None
         elif truncation is not None:
             raise ValueError(f"tokenization_kwargs: truncation must be True, False, 'longest_first' or "
                              f"'do_not_truncate', got {truncation!r}")
         side = kwargs.get("truncation_side")
         side = "left" if side is None else side   # (vLLM's tokenizer side for generation)
-        if side not in ("left", "right"):
+        if not is_one_of(side, ("left", "right")):
             raise ValueError(f"tokenization_kwargs: truncation_side must be 'left' or 'right', got {side!r}")
         if keep == -1:   # (vLLM 0.34: max_length, else one short of the context, for one output token)
             keep = max_model_len - 1 if limit is None else limit
@@ -2871,8 +2876,12 @@ def _check_request_id(request_id):
         hash(request_id)
     except TypeError:
         raise ValueError(f"a request id must be hashable, got {type(request_id).__name__}") from None
-    if request_id != request_id:
-        raise ValueError(f"a request id must equal itself, got {request_id!r}")
+    try:
+        same = bool(request_id == request_id)
+    except Exception:   # (an array's == answers element by element: it has no one truth)
+        same = False
+    if not same:
+        raise ValueError(f"a request id must equal itself, got {reprlib.repr(request_id)}")
     return request_id
 
 

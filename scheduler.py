@@ -39,7 +39,7 @@ import reprlib
 import time
 from array import array
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import NamedTuple
 
@@ -140,6 +140,11 @@ class SamplingParams:
         self.logprobs = 1 if self.logprobs is True else self.logprobs
         self.prompt_logprobs = 1 if self.prompt_logprobs is True else self.prompt_logprobs
         id_rows = None if self.prompt_logprob_token_ids is None else _token_id_rows(self.prompt_logprob_token_ids)
+        # (the checks below are all evaluated before the first failure is refused: one that reads
+        # another field, a stop list's length or truth, tests its type first, so that a bad value
+        # there, a numpy array say, gets its own message and not numpy's "truth value ... ambiguous")
+        stops = isinstance(self.stop, (list, tuple)) and len(self.stop)
+        num_ids = len(self.logprob_token_ids) if isinstance(self.logprob_token_ids, (list, tuple)) else None
         checks = [
             (is_integer(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}] (a step moves "
              f"each sample on its own: more would hold up every other request; split them), got {self.n!r}"),
@@ -163,11 +168,13 @@ class SamplingParams:
               for name, x in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
                               ("include_stop_str_in_output", self.include_stop_str_in_output),
                               ("detokenize", self.detokenize))],
-            (self.repetition_detection is None or isinstance(self.repetition_detection, (RepetitionDetectionParams, dict)),
-             f"repetition_detection must be None or a RepetitionDetectionParams, got {self.repetition_detection!r}"),
+            (self.repetition_detection is None or isinstance(self.repetition_detection, RepetitionDetectionParams)
+             or (isinstance(self.repetition_detection, dict) and set(self.repetition_detection) <= REPETITION_FIELDS),
+             f"repetition_detection must be None, a RepetitionDetectionParams or a dict of its fields "
+             f"({', '.join(sorted(REPETITION_FIELDS))}), got {reprlib.repr(self.repetition_detection)}"),
             (self.skip_reading_prefix_cache is None or isinstance(self.skip_reading_prefix_cache, bool),
              f"skip_reading_prefix_cache must be None, True or False, got {self.skip_reading_prefix_cache!r}"),
-            (self.detokenize or not self.stop, "stop strings are found in the text: they need detokenize=True"),
+            (self.detokenize is not False or not stops, "stop strings are found in the text: they need detokenize=True"),
             (self.spaces_between_special_tokens is True, f"spaces_between_special_tokens="
              f"{self.spaces_between_special_tokens!r}: nanopaged decodes as HF's fast tokenizers do, which is "
              f"vLLM's True (it takes True)"),
@@ -193,8 +200,8 @@ class SamplingParams:
                                                 and all(is_integer(t) for t in self.logprob_token_ids)),
              f"logprob_token_ids must be a non-empty list of at most {MAX_LOGPROB_TOKEN_IDS} token ids, "
              f"got {reprlib.repr(self.logprob_token_ids)}"),
-            (self.logprob_token_ids is None or self.logprobs is None or self.logprobs == len(self.logprob_token_ids),
-             f"logprobs = {self.logprobs!r} with {len(self.logprob_token_ids or ())} logprob_token_ids: where both "
+            (num_ids is None or not is_integer(self.logprobs) or self.logprobs == num_ids,
+             f"logprobs = {self.logprobs!r} with {num_ids} logprob_token_ids: where both "
              f"are given, logprobs must be their number (as vLLM asks)"),
             (self.prompt_logprob_token_ids is None or id_rows is not None,
              f"prompt_logprob_token_ids must be a non-empty list of non-empty lists of token ids (-1: padding), "
@@ -275,6 +282,13 @@ def is_integer(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def is_one_of(x, options: tuple) -> bool:
+    """x in options, for a value of any type: `in` compares with ==, which a numpy array or a
+    tensor answers element by element (and its truth is then "ambiguous": numpy's error, or
+    torch's, in place of the caller's message), so only a plain value is compared."""
+    return isinstance(x, (str, numbers.Number, type(None))) and x in options
+
+
 def check_priority(priority):
     """A request's priority (LLM(scheduling_policy="priority")): any integer, lower first."""
     if not is_integer(priority):
@@ -350,6 +364,9 @@ class RepetitionDetectionParams:
             if all(ids[-k * (m + 1):-k * m] == tail for m in range(1, self.min_count)):
                 return True
         return False
+
+
+REPETITION_FIELDS = frozenset(f.name for f in fields(RepetitionDetectionParams))   # (a dict of them is taken too)
 
 
 @dataclass

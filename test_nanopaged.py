@@ -7436,6 +7436,57 @@ def test_detokenize_false_gives_token_ids_only(tmp_path):
     assert_nothing_leaked(llm)
 
 
+def test_arrays_and_tensors_where_a_value_is_expected_get_the_parameters_own_message(tmp_path, monkeypatch):
+    """A numpy array or tensor given for a scalar or a choice is refused with that parameter's
+    message: `x in (...)`, `x or {}` or `x != x` would have asked the array for its truth, and
+    numpy or torch answered ("truth value ... is ambiguous"), as did a check that read another
+    field, a stop list or logprob_token_ids, before its own check could refuse it. And a
+    repetition_detection dict with keys it does not take, a device index past a C long, a swap
+    space larger than the CPU memory: each its own message. The engine serves on, nothing held.
+    Catches: is_one_of's type test dropped (numpy's ValueError, torch's RuntimeError), the
+    checks' reads of stop or len(logprob_token_ids) before their types are known, _parse_device
+    not catching ValueError, the swap pool not checked against the memory."""
+    model_dir = tiny_llama_dir(tmp_path)
+    array, tensor = np.array([1, 2]), torch.tensor([1, 2])
+    for bad in (array, tensor):
+        for name in ("attn_backend", "load_format", "preemption_mode", "scheduling_policy", "dtype",
+                     "generation_config", "kv_cache_dtype", "override_generation_config"):
+            with pytest.raises(ValueError, match=f"^(unknown |unsupported )?{name}\\b"):
+                LLM(model_dir, **({"load_format": "dummy"} if name != "load_format" else {}), **{name: bad})
+        for kwargs, message in ((dict(logprob_token_ids=bad), "logprob_token_ids must be a non-empty list"),
+                                (dict(detokenize=bad), "detokenize must be True or False"),
+                                (dict(detokenize=False, stop=bad), "stop must be a non-empty string or a list")):
+            with pytest.raises(ValueError, match=message):
+                SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match="logprob_token_ids must be a non-empty list of at most 128 token ids, got 5"):
+        SamplingParams(logprob_token_ids=5)
+    with pytest.raises(ValueError, match="logprobs = 3 with 2 logprob_token_ids"):
+        SamplingParams(logprobs=3, logprob_token_ids=[1, 2])
+    for bad in ({"foo": 1}, {1: 2}):
+        with pytest.raises(ValueError, match=r"a dict of its fields \(max_pattern_size, min_count, min_pattern_size\)"):
+            SamplingParams(repetition_detection=bad)
+    with pytest.raises(ValueError, match="^unknown device 9223372036854775808: use cpu or cuda$"):
+        LLM(model_dir, load_format="dummy", device=2**63)
+    monkeypatch.setattr(nanopaged_module, "device_memory", lambda device: 2**30)
+    with pytest.raises(ValueError, match=r"^swap_space = 2 GiB is more than all 1.0 GiB of the CPU memory$"):
+        LLM(model_dir, load_format="dummy", num_blocks=8, preemption_mode="swap", swap_space=2)
+    monkeypatch.undo()
+    llm = LLM(model_dir, load_format="dummy", num_blocks=64, block_size=4)
+    two = SamplingParams(max_tokens=2)
+    for bad in (array, tensor):
+        for call, message in ((lambda: llm.add_request([1, 2], two, request_id=bad), "a request id must"),
+                              (lambda: llm.abort(bad), "a request id must"),
+                              (lambda: llm.generate("hi", two, tokenization_kwargs={"truncation": bad}),
+                               "truncation must be True, False"),
+                              (lambda: llm.generate("hi", two, tokenization_kwargs={"truncation_side": bad}),
+                               "truncation_side must be 'left' or 'right'"),
+                              (lambda: llm.chat([{"role": "user", "content": "hi"}], two,
+                                                chat_template_content_format=bad), "chat_template_content_format=")):
+            with pytest.raises(ValueError, match=message):
+                call()
+    assert len(llm.generate("hi", two)[0].outputs[0].token_ids) == 2
+    assert_nothing_leaked(llm)
+
 def test_stop_reason_and_include_stop_str_in_output(llm):
     """vLLM's stop_reason names what ended a sample: a stop string, a stop token id, or None
     (EOS, length); include_stop_str_in_output keeps the stop string in the text."""
@@ -9144,7 +9195,7 @@ def test_repetition_detection_ends_an_output_that_loops(tmp_path):
                      (dict(max_pattern_size=-1), "integers >= 0")):
         with pytest.raises(ValueError, match=msg):
             SamplingParams(repetition_detection=bad)
-    with pytest.raises(ValueError, match="repetition_detection must be None or a RepetitionDetectionParams"):
+    with pytest.raises(ValueError, match="repetition_detection must be None, a RepetitionDetectionParams or a dict"):
         SamplingParams(repetition_detection=3)
     # one changed after it was made is checked again when its request is added (it raised
     # inside the step's bookkeeping, failing every request), and the request holds its own copy
