@@ -2139,7 +2139,7 @@ class LLM:
                              f"message's content over as vLLM's 'auto' does (it takes 'auto')")
         if chat_template_kwargs is not None and not (isinstance(chat_template_kwargs, dict)
                                                      and all(isinstance(k, str) for k in chat_template_kwargs)):
-            raise ValueError(f"chat_template_kwargs must be a dict with string keys, got {chat_template_kwargs!r}")
+            raise ValueError(f"chat_template_kwargs must be a dict with string keys, got {reprlib.repr(chat_template_kwargs)}")
         if "tokenize" in (chat_template_kwargs or {}):   # (vLLM refuses it too)
             raise ValueError("chat_template_kwargs cannot set tokenize: chat() encodes the rendered text itself")
         # as vLLM merges them: chat_template_kwargs may also set the named options
@@ -2789,7 +2789,7 @@ def _check_per_prompt(num_prompts: int, lora_request, priority) -> list:
     nothing (None: no adapter). Returns each prompt's priority (None: 0; LLM._add checks them)."""
     if lora_request is not None and not (isinstance(lora_request, (list, tuple))
                                          and all(r is None for r in lora_request)):
-        raise ValueError(f"lora_request={lora_request!r}: nanopaged has no LoRA adapters (it takes None)")
+        raise ValueError(f"lora_request={reprlib.repr(lora_request)}: nanopaged has no LoRA adapters (it takes None)")
     for name, value in (("lora_request", lora_request), ("priority", priority)):
         if isinstance(value, (list, tuple)) and len(value) != num_prompts:
             raise ValueError(f"{name} has {len(value)} entries for {num_prompts} prompts")

@@ -158,10 +158,10 @@ class SamplingParams:
             _max_tokens_check(self.max_tokens),
             (self.stop is None or (isinstance(self.stop, (list, tuple))
                                    and all(isinstance(s, str) and s for s in self.stop)),
-             f"stop must be a non-empty string or a list of them, got {self.stop!r}"),
+             f"stop must be a non-empty string or a list of them, got {reprlib.repr(self.stop)}"),
             (self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple, set))
                                              and all(is_integer(t) for t in self.stop_token_ids)),
-             f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"),
+             f"stop_token_ids must be a list of integers, got {reprlib.repr(self.stop_token_ids)}"),
             (self.seed is None or (is_integer(self.seed) and 0 <= self.seed < 2**63),
              f"seed must be an integer in [0, 2**63), got {self.seed!r}"),
             *[(isinstance(x, bool), f"{name} must be True or False, got {x!r}")
@@ -216,14 +216,14 @@ class SamplingParams:
                 (is_integer(t) or (isinstance(t, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", t)))
                 and isinstance(b, numbers.Real) and not isinstance(b, bool) and b == b   # (NaN != NaN)
                 for t, b in self.logit_bias.items())),
-             f"logit_bias must be a dict of token id -> bias (a number), got {self.logit_bias!r}"),
+             f"logit_bias must be a dict of token id -> bias (a number), got {reprlib.repr(self.logit_bias)}"),
             (self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple, set))
                                                 and self.allowed_token_ids
                                                 and all(is_integer(t) for t in self.allowed_token_ids)),
-             f"allowed_token_ids must be a non-empty list of integers, got {self.allowed_token_ids!r}"),
+             f"allowed_token_ids must be a non-empty list of integers, got {reprlib.repr(self.allowed_token_ids)}"),
             (self.bad_words is None or (isinstance(self.bad_words, (list, tuple))
                                         and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
-             f"bad_words must be a list of words (strings that are not blank), got {self.bad_words!r}"),
+             f"bad_words must be a list of words (strings that are not blank), got {reprlib.repr(self.bad_words)}"),
         ]
         _refuse_the_first_failed(checks)
         # plain Python numbers from here on
@@ -255,7 +255,7 @@ class SamplingParams:
             bias = {int(t): float(min(max(b, -100), 100)) for t, b in self.logit_bias.items()}
             if len(bias) < len(self.logit_bias):   # ("5" and 5: which bias would win?)
                 raise ValueError(f"logit_bias gives a token id twice (as a number and a string), "
-                                 f"got {self.logit_bias!r}")
+                                 f"got {reprlib.repr(self.logit_bias)}")
             self.logit_bias = bias
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
@@ -401,7 +401,7 @@ class BeamSearchParams:
              f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}"),
             (self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple)) and self.allowed_token_ids
                                                 and all(is_integer(t) for t in self.allowed_token_ids)),
-             f"allowed_token_ids must be None or a non-empty list of token ids, got {self.allowed_token_ids!r}"),
+             f"allowed_token_ids must be None or a non-empty list of token ids, got {reprlib.repr(self.allowed_token_ids)}"),
             (_finite_number(self.temperature) and self.temperature == 0,
              f"temperature must be 0: nanopaged's beam search ranks beams by the model's own "
              f"log-probabilities, got {self.temperature!r}"),
@@ -697,7 +697,7 @@ class Scheduler:
     def abort(self, request_id):
         """Stop a request now, wherever it is; its blocks return to the pool at once."""
         if request_id not in self.requests:
-            raise ValueError(f"unknown request id {request_id!r}")
+            raise ValueError(f"unknown request id {reprlib.repr(request_id)}")
         for seq in list(self.requests[request_id]):
             self.finish(seq, "abort")
 

@@ -7445,7 +7445,8 @@ def test_arrays_and_tensors_where_a_value_is_expected_get_the_parameters_own_mes
     space larger than the CPU memory: each its own message. The engine serves on, nothing held.
     Catches: is_one_of's type test dropped (numpy's ValueError, torch's RuntimeError), the
     checks' reads of stop or len(logprob_token_ids) before their types are known, _parse_device
-    not catching ValueError, the swap pool not checked against the memory."""
+    not catching ValueError, the swap pool not checked against the memory, a message with the
+    whole of a huge value in it."""
     model_dir = tiny_llama_dir(tmp_path)
     array, tensor = np.array([1, 2]), torch.tensor([1, 2])
     for bad in (array, tensor):
@@ -7484,6 +7485,13 @@ def test_arrays_and_tensors_where_a_value_is_expected_get_the_parameters_own_mes
                                                 chat_template_content_format=bad), "chat_template_content_format=")):
             with pytest.raises(ValueError, match=message):
                 call()
+    # a huge bad value is shown cut short (reprlib), not echoed whole in a megabyte of message
+    for call in (lambda: SamplingParams(stop=["a"] * 10**5 + [""]), lambda: llm.abort("a" * 10**6),
+                 lambda: SamplingParams(logit_bias={i: 1.0 for i in range(10**5)} | {"x": 1}),
+                 lambda: llm.generate("hi", lora_request=list(range(10**5)))):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert len(str(e.value)) < 300
     assert len(llm.generate("hi", two)[0].outputs[0].token_ids) == 2
     assert_nothing_leaked(llm)
 
