@@ -285,8 +285,9 @@ def is_integer(x) -> bool:
 def is_one_of(x, options: tuple) -> bool:
     """x in options, for a value of any type: `in` compares with ==, which a numpy array or a
     tensor answers element by element (and its truth is then "ambiguous": numpy's error, or
-    torch's, in place of the caller's message), so only a plain value is compared."""
-    return isinstance(x, (str, numbers.Number, type(None))) and x in options
+    torch's, in place of the caller's message), so only a plain value is compared (a str, a
+    number, None, or a dict, list or tuple: vLLM's options take {} for none)."""
+    return isinstance(x, (str, numbers.Number, type(None), dict, list, tuple)) and x in options
 
 
 def check_priority(priority):
