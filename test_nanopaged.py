@@ -516,6 +516,39 @@ def test_bfloat16_rounds_as_transformers(tmp_path, variant):
     assert differ < 0.05, f"{differ:.0%} of the logits differ from transformers'"
 
 
+def test_the_final_softcap_rounds_each_op_in_bfloat16_as_transformers(tmp_path):
+    """Gemma 2's final softcap in bfloat16, at its real cap of 30: transformers divides by the
+    cap, takes the tanh and multiplies back, each op rounded to bfloat16, and so does
+    nanopaged (the same weights without the cap give the raw logits). The goldens' caps (2
+    and 4, powers of two) round alike either way; 30 does not (51 of 1,111 logits differ).
+    Catches: the softcap computed in float32 and rounded once (in the model's last lines, or
+    in tanh_softcap)."""
+    c = LLAMA_FAMILY_VARIANTS["gemma2"] | {"final_logit_softcapping": 30.0}
+    weights = llama_tensors(c)
+    capped = forward_all(load_model(write_checkpoint(tmp_path / "capped", c, weights), dtype=torch.bfloat16), IDS)
+    raw = forward_all(load_model(write_checkpoint(tmp_path / "raw", c | {"final_logit_softcapping": None}, weights),
+                                 dtype=torch.bfloat16), IDS)
+    assert capped.dtype == raw.dtype == torch.bfloat16
+    torch.testing.assert_close(capped, torch.tanh(raw / 30.0) * 30.0, rtol=0, atol=0)
+
+
+def test_longrope_tables_are_transformers_to_the_bit():
+    """LongRoPE's frequencies as transformers computes them, 1 / (factor * base^(2i/d)) in
+    float32, and its tables from them, bit for bit, with factors that are not powers of two
+    (the other LongRoPE tests' 4.0 makes every order of the ops agree). Catches: 1 / factor /
+    base^(2i/d) (60 of the 512 cosines differ in their last bits)."""
+    factors = [1.0, 1.1, 1.3, 1.8, 2.5, 4.0, 5.7, 7.3]
+    scaling = {"rope_type": "longrope", "short_factor": factors, "long_factor": factors}
+    c = ModelConfig.from_dict(llama_config(model_type="phi3", head_dim=16, pad_token_id=None,
+                                           original_max_position_embeddings=64, rope_scaling=scaling))
+    cos, sin = model_module.rope_tables(c, 64)
+    inv_freq = 1.0 / (torch.tensor(factors) * 10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    angles = torch.outer(torch.arange(64).float(), inv_freq)   # (positions, d / 2)
+    scale = cos[0, 0].item()   # (LongRoPE's attention factor: cos 0 = 1)
+    torch.testing.assert_close(cos, angles.cos() * scale, rtol=0, atol=0)
+    torch.testing.assert_close(sin, angles.sin() * scale, rtol=0, atol=0)
+
+
 def test_longrope_takes_one_set_of_factors_for_the_whole_run(tmp_path):
     """LongRoPE's short factors where max_model_len is within the original context (8 here),
     its long ones past it: one set for every sequence of the run, as vLLM and llama.cpp
