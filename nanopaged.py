@@ -1907,7 +1907,7 @@ class LLM:
         lost = [rid for rid in self._requests if rid not in self._to_report]
         if lost:
             self._to_report |= dict.fromkeys(lost)
-            raise RuntimeError(f"internal error: {len(lost)} finished request(s) ({', '.join(map(repr, lost[:3]))}"
+            raise RuntimeError(f"internal error: {len(lost)} finished request(s) ({', '.join(map(reprlib.repr, lost[:3]))}"
                                f"{', ...' if len(lost) > 3 else ''}) were never reported; the next step() reports them")
 
     def _record_counts(self):
