@@ -11441,3 +11441,140 @@ def test_a_sample_that_ends_without_a_token_is_news_in_its_own_step(tmp_path, mo
         assert [len(samples[2].token_ids) for samples in by_step[at + 1:] if 2 in samples] == (
             [1, 1] if kind is RequestOutputKind.DELTA else [2, 3])   # (sample 2's next two: after that step)
         assert_nothing_leaked(llm)
+
+
+# --- tests from a mutation sweep of the statistics, the block trace and the progress line (51 slips) ---
+
+def test_the_summary_prints_each_field_in_its_unit():
+    """Stats.summary's lines, every number in its unit: TTFT and TPOT in ms, total tok/s of
+    prompt and output tokens, peak blocks used (not listed), KV waste as the unfilled share,
+    the prefix hit rate over the tokens looked up, preemptions (no swap note without swaps).
+    Catches: a mean printed in seconds as ms, total tok/s of the prompt alone, waste as the
+    filled share, the hit rate over all prompt tokens, the peak listed for the peak used, the
+    swap note on preemptions."""
+    s = nanopaged_module.Stats(steps=7, prompt_tokens=30, output_tokens=10, elapsed=2.0, ttft=RunningMean(2, 0.5),
+                               tpot=RunningMean(4, 0.2), peak_blocks_used=5, peak_blocks_listed=9, allocated_slots=200,
+                               filled_slots=150, preemptions=3, prefix_hit_tokens=8, prefix_query_tokens=32)
+    assert s.summary(64).splitlines() == [
+        "time to first token       250.0 ms (mean)",
+        "time per output token      50.0 ms (mean)",
+        "throughput                  5.0 output tok/s, 20.0 total tok/s (10 output + 30 prompt tokens in 2.00 s, 7 steps)",
+        "peak KV blocks used           5 of 64",
+        "KV waste                  25.00 % of allocated slots unfilled",
+        "prefix-cache hit rate      25.0 % of prompt tokens",
+        "preemptions                   3"]
+
+
+def test_the_progress_line_and_the_peaks_count_requests_as_they_finish(llm, capsys):
+    """generate(use_tqdm=True)'s line as requests finish: one of two done draws half the bar,
+    the last line all of it with the output tokens and their rate over the engine's time;
+    the stats' peaks are the run's (both requests ran in its first step), not its last step's.
+    Catches: the bar's share rounded before it is scaled (30 * (done // total)), the count of
+    this step's finishes for all so far, the rate per step, peak_running or peak_blocks_listed
+    set to the step's own."""
+    capsys.readouterr()
+    llm.generate(["Water boils at", "Ice melts at"], [greedy(1), greedy(4, ignore_eos=True)], use_tqdm=True)
+    err, s = capsys.readouterr().err, llm.stats
+    lines = err.rstrip("\n").split("\r")[1:]
+    assert lines[0].startswith(f"[{'#' * 15:<30}] 1/2 requests, ")
+    assert lines[-1] == (f"[{'#' * 30}] 2/2 requests, {s.output_tokens} output tokens, "
+                         f"{s.output_tokens / s.elapsed:.1f} tok/s")
+    assert s.peak_running == 2 and s.steps == 4
+    assert s.peak_blocks_listed == s.peak_blocks_used == 2   # (nothing shared: the tables list what the pool holds)
+
+
+def test_the_stats_of_samples_sharing_their_prompts_blocks(llm):
+    """n = 4 samples sharing a prompt of several full blocks: the prompt counted once, the
+    outputs of all four, and the KV waste over the slots the tables list (shared blocks once
+    per table), never negative. Catches: the prompt counted once per sample, allocated slots
+    counted from the pool's used blocks (fewer than the tables list: a negative waste)."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6
+    out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=6, ignore_eos=True))[0]
+    s = llm.stats
+    assert s.prompt_tokens == len(out.prompt_token_ids) and s.output_tokens == 4 * 6
+    assert 0 < s.filled_slots <= s.allocated_slots
+    assert "KV waste                  -" not in s.summary(llm.pool.num_blocks)
+
+
+def test_the_trace_of_a_chunk_that_ends_mid_block(capsys, smollm2_dir):
+    """--trace with a token budget of 3 and blocks of 4: the first chunk's table shows the 3
+    tokens written (not the prompt's next one), and the prompt's last token, alone in its
+    chunk, is still a prefill. Catches: a table's tokens counted from the sequence's length
+    (not the slots handed out), a one-token prefill chunk called a decode."""
+    code, out, err = run_cli(capsys, "--model", str(smollm2_dir), "--prompt", "Four score and seven years ago our",
+                             "--raw", "--block-size", "4", "--max-tokens", "2", "--trace",
+                             "--max-num-batched-tokens", "3", "--max-num-seqs", "1")
+    steps = out.split("--- step ")
+    assert code == 0 and "ran: seq 0 prefill 3 tokens" in steps[1]
+    assert "0->0 [Four| score| and] 3/4 ref=1" in steps[1]
+    assert "ran: seq 0 prefill 1 token\n" in steps[3]
+
+
+def test_the_trace_writes_what_it_holds_when_a_stream_closes_and_when_it_is_disabled(llm):
+    """Trace lines made outside a step are written: a stream closed early writes its abort
+    (the blocks it releases) as it closes; reset_prefix_cache's line, by disable_trace.
+    Catches: _drop_all or disable_trace not flushing the trace."""
+    lines = []
+    llm.enable_trace(emit=lines.append)
+    try:
+        pieces = llm.stream("Hello there", greedy(8, ignore_eos=True))
+        next(pieces)
+        pieces.close()
+        written = list(lines)
+    finally:
+        llm.disable_trace()
+    assert any(re.fullmatch(r"  seq \S+ finished \(abort\): releases blocks \[\d+(, \d+)*\]", line)
+               for line in written), written[-5:]
+    assert_nothing_leaked(llm)
+    lines.clear()
+    llm.enable_trace(emit=lines.append)
+    llm.reset_prefix_cache()
+    llm.disable_trace()
+    assert lines == ["  prefix cache reset: every cached block is free"]
+
+
+def test_the_trace_shows_the_running_sequences_the_budget_left_out(smollm2_dir):
+    """Three samples, a token budget of 2: a step that runs two of them still shows the third
+    one's table (every running sequence's). Catches: the tables of the step's scheduled
+    sequences alone."""
+    llm = LLM(smollm2_dir, num_blocks=64, block_size=4, max_num_batched_tokens=2, max_num_seqs=3)
+    lines = []
+    llm.enable_trace(lines.append)
+    llm.generate("Hi", SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=4, ignore_eos=True))
+    steps = "\n".join(lines).split("--- step ")[1:]
+    assert any(s.count(" decode 1 token") == 2 and len(re.findall(r"^  seq \S+: ", s, re.M)) == 3 for s in steps)
+
+
+def test_the_trace_names_the_blocks_that_slid_out(tmp_path):
+    """Under a sliding window a table's dropped blocks are written 0..K, K the last dropped,
+    and its first kept block is K + 1. Catches: 0..num_dropped (one past the last dropped)."""
+    llm = LLM(tiny_llama_dir(tmp_path, model_type="mistral", sliding_window=12), dtype="float32",
+              load_format="dummy", block_size=4, num_blocks=100)
+    lines = []
+    llm.enable_trace(lines.append)
+    llm.generate([list(range(1, 31))], greedy(6, ignore_eos=True))
+    tables = [m.groups() for line in lines if (m := re.search(r"0\.\.(\d+) slid out of the window  (\d+)->", line))]
+    assert tables and all(int(after) == int(last) + 1 for last, after in tables), tables[:3]
+
+
+def test_a_failing_trace_emitter_writes_no_line_twice(llm):
+    """An emitter that raises on its first line: the step raises, and that flush's other
+    lines are dropped, not written again by the next one. Catches: the trace cleared after
+    its lines were written (a failed flush left them for the next)."""
+    written = []
+
+    def emit(line):
+        written.append(line)
+        if len(written) == 1:
+            raise BrokenPipeError
+    llm.reset_stats()   # (the trace numbers the steps from the stats' count)
+    llm.add_request("Hello there", greedy(3, ignore_eos=True))
+    llm.enable_trace(emit)
+    try:
+        with pytest.raises(BrokenPipeError):
+            llm.step()
+        step_to_the_end(llm)
+    finally:
+        llm.disable_trace()
+    assert written.count("--- step 1 ---") == 1 and written.count("--- step 2 ---") == 1
+    assert_nothing_leaked(llm)
