@@ -11578,3 +11578,13 @@ def test_a_failing_trace_emitter_writes_no_line_twice(llm):
         llm.disable_trace()
     assert written.count("--- step 1 ---") == 1 and written.count("--- step 2 ---") == 1
     assert_nothing_leaked(llm)
+
+
+def test_the_engines_time_sums_every_steps_time(llm, monkeypatch):
+    """Stats.elapsed is the sum of the steps' times: on a clock that moves a second each time
+    it is read, 16 steps take at least 16 s. Catches: elapsed set to the last step's time."""
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(ticks)))
+    llm.generate(["Water boils at", "Ice melts at"], greedy(16, ignore_eos=True))
+    monkeypatch.undo()
+    assert llm.stats.steps == 16 and llm.stats.elapsed >= 16
