@@ -1196,8 +1196,8 @@ class LLM:
         # freely (overcommit), so it would allocate, and fail (the OOM killer) once it filled up.
         memory, size = device_memory(device), num_blocks * self.bytes_per_block
         if asked and memory is not None and size > memory:
-            raise ValueError(f"{asked}: a KV cache of {num_blocks} blocks ({size / 2**30:,.1f} GiB) is more "
-                             f"than all {memory / 2**30:,.1f} GiB of the {device.type} memory")
+            raise ValueError(f"{asked}: a KV cache of {num_blocks} blocks x {block_size} tokens ({size / 2**30:,.1f} "
+                             f"GiB) is more than all {memory / 2**30:,.1f} GiB of the {device.type} memory")
         self.pool = BlockPool(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
                               cfg.head_dim, dtype, device)
         # The swap space (vLLM's swap_space, in GiB): a second pool, in CPU memory, that

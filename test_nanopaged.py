@@ -7014,14 +7014,15 @@ def test_engine_bad_input_is_refused_and_engine_stays_usable(llm, smollm2_dir, m
     for dtype in (torch.float64, torch.int8, "float64", ["bf16"]):   # (a float64 model ran, an int8 one crashed)
         with pytest.raises(ValueError, match=f"unsupported dtype {re.escape(repr(dtype))}: use one of float32"):
             LLM(smollm2_dir, dtype=dtype)
-    with pytest.raises(ValueError, match="^num_blocks = 2: a KV cache of 2 blocks .* is more than all"):   # past int64
+    with pytest.raises(ValueError, match="^num_blocks = 2: a KV cache of 2 blocks x 4611686018427387904 tokens .* is more "
+                                         "than all"):   # past int64 (the block size named: it is the cause)
         LLM(smollm2_dir, num_blocks=2, block_size=2**62)
     # a pool the memory could never hold is refused before it is allocated (overcommitted, it
     # would be, and fail once it filled up); the default one is not checked so
     monkeypatch.setattr(nanopaged_module, "device_memory", lambda device: 100 * 737280 - 1)
     for kwargs, asked in (({"num_blocks": 100}, "num_blocks = 100"),
                           ({"kv_cache_memory": 100 * 737280}, "kv_cache_memory = 73728000 bytes")):
-        with pytest.raises(ValueError, match=f"^{asked}: a KV cache of 100 blocks \\(0.1 GiB\\) is more than all "
+        with pytest.raises(ValueError, match=f"^{asked}: a KV cache of 100 blocks x 16 tokens \\(0.1 GiB\\) is more than all "
                                              f"0.1 GiB of the cpu memory$"):
             LLM(smollm2_dir, **kwargs)
     assert LLM(smollm2_dir, num_blocks=99).pool.num_blocks == 99
