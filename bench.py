@@ -1036,7 +1036,7 @@ def main(argv=None):
                 print(f"== {name} ==")
                 status |= fn(args) or 0
     except ValueError as e:   # a --model or --dtype the engine refuses: its one line, as nanopaged.py says it
-        print(f"bench.py: error: {e}", file=sys.stderr)
+        print(f"bench.py: error: {nanopaged.one_line(str(e))}", file=sys.stderr)
         return 2
     return status
 

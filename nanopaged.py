@@ -2341,7 +2341,7 @@ class LLM:
                 cells.append(f"0..{table.num_dropped - 1} slid out of the window")
             for i, block in enumerate(table.block_ids[table.num_dropped:], table.num_dropped):
                 filled = min(bs, table.num_tokens - i * bs)
-                words = "|".join(_visible(self.tokenizer.decode([t], continuation=True))
+                words = "|".join(one_line(self.tokenizer.decode([t], continuation=True))
                                  for t in seq.token_ids[i * bs:i * bs + filled])
                 cells.append(f"{i}->{block} [{words}] {filled}/{bs} ref={pool.ref_count[block]}")
             self._trace.append(f"  {seq}: " + "  ".join(cells))
@@ -2349,7 +2349,7 @@ class LLM:
 
 
 # -----------------------------------------------------------------------------
-# 3b. Beam search's history and rank, the stop token's cut, and the block trace's text
+# 3b. Beam search's history and rank, the stop token's cut, and text kept on one line
 
 
 def beam_history(history) -> list:
@@ -2388,10 +2388,11 @@ def without_stop_token(ids: list[int], stop_token: int | None, include_stop_str_
     return ids[:-1] if stop_token is not None and not include_stop_str_in_output else ids
 
 
-def _visible(text: str) -> str:
-    """A token's text in the block trace: newlines, tabs and other control characters written
-    out as escapes, so that each table stays on its line (a chat template puts newlines in
-    the prompt)."""
+def one_line(text: str) -> str:
+    """Text that must stay on its line, with newlines, tabs and other control characters
+    written out as escapes: a token's text in the block trace's tables (a chat template puts
+    newlines in the prompt), and an error message on the command line (a path may hold any
+    character, a newline too)."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
@@ -2623,8 +2624,8 @@ def logprob_table(c: CompletionOutput, k: int) -> str:
     for d in c.logprobs:
         chosen = next(iter(d.values()))
         top = sorted(d.values(), key=lambda e: e.rank)[:k]
-        lines.append((f"  {_visible(repr(chosen.decoded_token)):>16} {chosen.logprob:8.3f}  rank {chosen.rank:<6}" +
-                      "  ".join(f"{_visible(repr(e.decoded_token))} {e.logprob:.2f}" for e in top)).rstrip())
+        lines.append((f"  {one_line(repr(chosen.decoded_token)):>16} {chosen.logprob:8.3f}  rank {chosen.rank:<6}" +
+                      "  ".join(f"{one_line(repr(e.decoded_token))} {e.logprob:.2f}" for e in top)).rstrip())
     return "\n".join(lines + [f"  cumulative logprob {c.cumulative_logprob:.3f}"])
 
 
@@ -3033,14 +3034,14 @@ def chat_loop(llm: LLM, params: SamplingParams, system: list[dict], show, stats:
         try:   # (render_chat's two steps, apart: a turn the tokenizer refuses ends no conversation)
             ids = llm.tokenizer.encode_chat(text)
         except ValueError as e:   # (a run of 500,000 spaces...)
-            print(f"nanopaged: error: {e}; the turn is left out", file=sys.stderr)
+            print(f"nanopaged: error: {one_line(str(e))}; the turn is left out", file=sys.stderr)
             conversation.pop()
             refused += 1
             continue
         try:
             pieces = llm.stream(ids, params)
         except ValueError as e:   # the conversation outgrew the context, or the KV pool
-            print(f"nanopaged: error: {in_flags(str(e))}; the conversation starts over", file=sys.stderr)
+            print(f"nanopaged: error: {one_line(in_flags(str(e)))}; the conversation starts over", file=sys.stderr)
             conversation = list(system)
             refused += 1
             continue
@@ -3266,10 +3267,11 @@ def run_cli(argv) -> int:
         sys.stdout.flush()   # (a write that fails fails here, not at exit, where no one would report it)
     except ValueError as e:   # bad input of any kind: one clear line, exit status 2
         # (in the flags' words; a model file's problem as it is: its path may hold any name)
-        print(f"nanopaged: error: {e if isinstance(e, ModelError) else in_flags(str(e))}", file=sys.stderr)
+        print(f"nanopaged: error: {one_line(str(e) if isinstance(e, ModelError) else in_flags(str(e)))}",
+              file=sys.stderr)
         return 2
     except GenerationError as e:  # the model failed (broken weights): one line, status 1
-        print("\n" * line_open + f"nanopaged: error: {e}", file=sys.stderr)
+        print("\n" * line_open + f"nanopaged: error: {one_line(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's usual status
         print("\n" * line_open + "nanopaged: interrupted", file=sys.stderr)

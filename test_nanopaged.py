@@ -7673,6 +7673,7 @@ def test_cli_help_shows_examples(capsys):
     (["--prompt", ""], "prompt is empty"),
     (["--prompt", "hi", "--max-tokens", "-1"], "--max-tokens must be >= 1, got -1"),
     (["--prompt", "hi", "--model", "/no/such/model"], "/no/such/model"),
+    (["--prompt", "hi", "--model", "/no/such/a\nb\x01"], "/no/such/a\\nb\\x01: no such directory"),   # (escaped)
     ([], "give at least one --prompt"),
     (["--prompt", "hi", "--top-p", "2"], "--top-p must be a number in (0, 1], got 2.0"),
     (["--prompt", "hi", "--stop", ""], "--stop must be a non-empty string"),
