@@ -5810,6 +5810,7 @@ def test_prefix_caching_same_tokens_and_hits(smollm2_dir, llm):
     off = LLM(smollm2_dir, num_blocks=512, enable_prefix_caching=False)
     off_outs = [off.generate(p, greedy(10))[0] for p in prompts]
     assert off.stats.prefix_hit_tokens == 0
+    llm.reset_prefix_cache(), llm.reset_stats()   # (the module's engine: what tests before it cached)
     on_outs = [llm.generate(p, greedy(10))[0] for p in prompts]     # one after another: later ones hit
     assert [o.outputs[0].token_ids for o in on_outs] == [o.outputs[0].token_ids for o in off_outs]
     a, b = on_outs[0].prompt_token_ids, on_outs[1].prompt_token_ids
