@@ -1350,7 +1350,7 @@ class Tokenizer:
         # template variables they would do nothing, silently (a prompt still as long, a control
         # token in a user's text still one)
         if asked := [f"{key}={value!r}" for key, value in template_vars.items()
-                     if key in HF_TOKENIZATION_OPTIONS and value not in (None, False, {})]:
+                     if key in HF_TOKENIZATION_OPTIONS and not (value is None or value is False or value == {})]:
             raise ValueError(f"apply_chat_template takes none of transformers' options for the tokenization that "
                              f"follows the render ({', '.join(asked)}): tokenize=True returns the list of ids")
         template_vars = {key: value for key, value in template_vars.items() if key not in HF_TOKENIZATION_OPTIONS}

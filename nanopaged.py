@@ -2733,10 +2733,11 @@ def vllm_messages(conversation):
     left out becomes no parts ([], which a template that reads content as a string gets as
     ""): OpenAI's API sends content=None in an assistant turn that only calls tools; each
     assistant tool call's arguments, a JSON string in OpenAI's API, become the dict tool-use
-    templates read (JSON that is invalid or no object: {}), and an empty tool_calls list is
-    dropped, which keeps a template on its plain assistant path. (transformers'
-    apply_chat_template passes them on as they are; nanopaged's refuses a message without
-    content unless it calls tools.) The caller's messages are not changed."""
+    templates read (what the JSON holds, as in vLLM; empty or invalid JSON: {}, where vLLM's
+    request fails), and an empty tool_calls list is dropped, which keeps a template on its
+    plain assistant path. (transformers' apply_chat_template passes them on as they are;
+    nanopaged's refuses a message without content unless it calls tools.) The caller's
+    messages are not changed."""
     if not isinstance(conversation, (list, tuple)):
         return conversation   # (one user turn, or what render_chat refuses)
     messages = []
@@ -2744,7 +2745,7 @@ def vllm_messages(conversation):
         if isinstance(m, dict) and m.get("content") is None:
             m = m | {"content": []}
         calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
-        if isinstance(calls, list):
+        if isinstance(calls, (list, tuple)):   # (vLLM makes a tuple a list first)
             m = {key: value for key, value in m.items() if key != "tool_calls"}
             if calls:
                 m["tool_calls"] = [_parsed_tool_call(call) for call in calls]
@@ -2762,7 +2763,7 @@ def _parsed_tool_call(call):
             args = json.loads(args) if args else {}
         except (ValueError, RecursionError):   # not JSON, an int past Python's 4,300 digits, nested too
             args = {}                           # deeply: as vLLM, the turn goes on, and so does the conversation
-    return call | {"function": function | {"arguments": args if isinstance(args, dict) else {}}}
+    return call | {"function": function | {"arguments": args}}
 
 
 def request_copy(params: SamplingParams | BeamSearchParams) -> SamplingParams | BeamSearchParams:

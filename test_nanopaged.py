@@ -9492,7 +9492,7 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
     with pytest.raises(ValueError, match="no LoRA adapters"):
         llm.chat([{"role": "user", "content": "ab"}], params, False, "adapter", chat_template=chat_template)
     # as vLLM's chat: a tool call's JSON-string arguments reach the template as a dict ({} where
-    # they are no JSON object), and an empty tool_calls list not at all (transformers' own
+    # they are no JSON), and an empty tool_calls list not at all (transformers' own
     # apply_chat_template passes them on as they are); the caller's messages stay as they were
     calls = ("{% for m in messages %}[{{ m.role }}]{% for t in m.tool_calls or [] %}{{ t.function.name }}"
              "{{ t.function.arguments | tojson }}{% endfor %}{% if m.tool_calls is defined %}!{% endif %}{% endfor %}")
@@ -11591,3 +11591,141 @@ def test_the_engines_time_sums_every_steps_time(llm, monkeypatch):
     llm.generate(["Water boils at", "Ice melts at"], greedy(16, ignore_eos=True))
     monkeypatch.undo()
     assert llm.stats.steps == 16 and llm.stats.elapsed >= 16
+
+
+# --- From a mutation sweep of the chat path (2026-12-07, 55 slips, 1 equivalent: an empty
+# arguments string's json.loads raises, caught, {} either way): what no test above caught ---
+
+
+def test_apply_chat_template_refuses_a_tokenization_option_of_0(tmp_path):
+    """A tokenization option of 0 (max_length=0, padding=0) is a value, not "off": refused as
+    any other, not let through as if it were False (0 == False in a tuple's `in`)."""
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path))
+    for option in ("max_length", "padding", "truncation"):
+        with pytest.raises(ValueError, match=f"options for the tokenization that follows the render \\({option}=0\\)"):
+            tok.apply_chat_template("Hi", chat_template="{{ messages[0].content }}", **{option: 0})
+    assert tok.apply_chat_template("Hi", chat_template="{{ messages[0].content }}", padding=False, max_length=None) == "Hi"
+
+
+def test_a_messages_own_thinking_stays_beside_its_reasoning_content(tmp_path):
+    """transformers 5.25 aliases a message's reasoning under the names the message lacks:
+    a "thinking" of its own is kept, not overwritten by its reasoning_content (render_jinja_template
+    of this template and message gives "[B|A]"). Catches: the alias written over the message's keys."""
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path))
+    names = "{% for m in messages %}[{{ m.thinking }}|{{ m.reasoning_content }}]{% endfor %}"
+    both = [{"role": "assistant", "content": "x", "reasoning_content": "A", "thinking": "B"}]
+    assert tok.apply_chat_template(both, False, chat_template=names) == "[B|A]"
+    # and the names it lacks go where transformers puts them (a template may print the message whole)
+    assert tok.apply_chat_template([{"role": "assistant", "content": "x", "reasoning": "R"}], False,
+                                   chat_template="{{ messages[0] | tojson }}") == (
+        '{"thinking": "R", "role": "assistant", "content": "x", "reasoning": "R", "reasoning_content": "R"}')
+
+
+def test_a_text_part_reaches_the_template_as_type_and_text_only(tmp_path):
+    """A text part's other keys (OpenAI's cache_control...) do not reach a template that loops
+    over content: vLLM hands a text part over as {"type": "text", "text": ...}, nothing more.
+    Catches: the caller's part dict passed on as it is."""
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path))
+    dumps = "{% for m in messages %}{% for p in m.content %}{{ p | tojson }}{% endfor %}{% endfor %}"
+    part = {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}
+    assert tok.apply_chat_template([{"role": "user", "content": [part]}], False, chat_template=dumps) == (
+        '{"type": "text", "text": "Hi"}')
+
+
+def test_continue_final_message_cuts_at_the_last_mark(tmp_path):
+    """A template that shows the last message twice: the text is cut where the last copy ends,
+    as transformers cuts it (rindex; its render of this template and conversation is this very
+    text, the first copy's mark left in it). Catches: the first mark found instead."""
+    tok = load_tokenizer(tiny_tokenizer_dir(tmp_path))
+    twice = "Last: {{ messages[-1].content }}\n{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+    begun = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "It is"}]
+    assert tok.apply_chat_template(begun, False, continue_final_message=True, chat_template=twice) == (
+        "Last: It isCONTINUE_FINAL_MESSAGE_TAG \n<user>Hi</s><assistant>It is")
+
+
+def test_a_template_variable_given_wins_over_the_tokenizers_special_token(tmp_path):
+    """apply_chat_template's own keyword arguments override the special-token strings of the
+    tokenizer (transformers: {**special_tokens_map, **kwargs}), as the Gemma tests pass
+    bos_token=. Catches: the tokenizer's bos_token put over the caller's."""
+    path = tiny_tokenizer_dir(tmp_path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ bos_token }}|{{ eos_token }}",
+                                                            "bos_token": "<s>", "eos_token": "</s>"}))
+    tok = load_tokenizer(path)
+    hi = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(hi) == "<s>|</s>"
+    assert tok.apply_chat_template(hi, bos_token="<B>") == "<B>|</s>"
+
+
+def test_the_sandbox_bounds_each_operand_order_and_a_sum(monkeypatch):
+    """The sandbox's bounds on what one operator builds, at RENDER_CHARS = 10, on values never
+    printed (so the bound on the rendered text cannot stand in): a repetition written either
+    way round (3 * 'abcd' as 'abcd' * 3), and a + of two texts or lists; 10 characters pass.
+    Catches: the count-first order unchecked; + not intercepted; > taken for >=."""
+    monkeypatch.setattr(model_module, "RENDER_CHARS", 10)
+
+    def render(template):
+        return model_module._render_bounded(model_module._compile_chat_template(template), {"n": 5})
+    assert render("{% set s = n * 'ab' %}{% set t = 'ab' * n %}{% set u = s + s[:0] %}ok") == "ok"
+    for template, message in (("{% set s = 3 * 'abcd' %}", "str of 4 times 3 is longer than 10"),
+                              ("{% set s = 'abcd' * 3 %}", "str of 4 times 3 is longer than 10"),
+                              ("{% set s = n * 'ab' %}{% set t = s + 'x' %}", "str \\+ str is longer than 10"),
+                              ("{% set s = (range(6) | list) + (range(6) | list) %}", "list \\+ list is longer than 10")):
+        with pytest.raises(ValueError, match=message):
+            render(template)
+
+
+def test_chat_template_text_with_a_line_break_or_brace_is_a_template(tmp_path):
+    """LLM(chat_template=...)/chat(chat_template=...) read as vLLM's load_chat_template does: a
+    string with any of "{", "}" or a line break is a template (a fixed system text with no Jinja
+    in it among them), one with none of them a file's path. Catches: only "{" taken for Jinja."""
+    for text in ("You are a bot.\nAnswer in French.", "}"):
+        assert nanopaged_module.load_chat_template(text) == text
+    (tmp_path / "t.jinja").write_text("T")
+    assert nanopaged_module.load_chat_template(str(tmp_path / "t.jinja")) == "T"
+
+
+def test_cli_chat_keeps_the_system_prompt_and_the_answer_as_shown(tmp_path, capsys, monkeypatch):
+    """--chat: the answer goes back into the conversation exactly as it was shown (spaces and
+    all); a conversation that outgrows the context starts over from --system's message, not
+    from nothing; and --system "" is a system message of its own (an empty one: a template such
+    as SmolLM2's then writes no default system prompt), not the same as no --system.
+    Catches: the answer stripped; the system prompt lost at the restart; --system "" dropped."""
+    path = tiny_tokenizer_dir(tmp_path / "m")
+    config = llama_config(vocab_size=258)
+    write_checkpoint(path, config, llama_tensors(config))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"}))
+    prompts = []
+
+    def stream(self, prompt, params):
+        prompts.append(self.tokenizer.decode(prompt))
+        if "two" in prompts[-1]:
+            raise ValueError("prompt (99 tokens) is too long")
+        return (piece for piece in [" ok "])   # (a generator, as LLM.stream's: it has close())
+    monkeypatch.setattr(LLM, "stream", stream)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("one\nzero\ntwo\nthree\n"))
+    code, out, err = run_cli(capsys, "--model", str(path), "--chat", "--system", "S")
+    assert code == 2 and out == " ok \n ok \n ok \n" and err.endswith("the conversation starts over\n")
+    assert prompts == ["[system]S[user]Hi", "[system]S[user]one", "[system]S[user]one[assistant] ok [user]zero",
+                       "[system]S[user]one[assistant] ok [user]zero[assistant] ok [user]two", "[system]S[user]three"]
+    prompts.clear()
+    code, out, err = run_cli(capsys, "--model", str(path), "--prompt", "Hi", "--system", "")
+    assert code == 0 and prompts == ["[system][user]Hi"]
+
+
+def test_vllm_messages_parses_only_an_assistants_tool_call_arguments():
+    """vllm_messages, as vLLM's chat: an assistant's tool-call arguments become what their JSON
+    holds (an object, or a list or a number: vLLM keeps those too), {} where the string is
+    empty, a dict kept as it is; tool calls given as a tuple are parsed as a list's (vLLM makes
+    them a list first); another role's tool_calls are left as they were (vLLM reads the tool
+    calls of assistant turns alone). Catches: any role's calls parsed; a tuple's skipped."""
+    def calls(*arguments):
+        return [{"type": "function", "function": {"name": "f", "arguments": a}} for a in arguments]
+    conversation = [{"role": "user", "content": "x", "tool_calls": calls('{"a": 1}')},
+                    {"role": "assistant", "content": None, "tool_calls": calls("[1, 2]", "7", "", '{"a": 1}', {"b": 2})},
+                    {"role": "assistant", "content": "y", "tool_calls": tuple(calls('{"c": 3}'))}]
+    got = nanopaged_module.vllm_messages(conversation)
+    assert got[0] == conversation[0] and got[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    assert [c["function"]["arguments"] for c in got[1]["tool_calls"]] == [[1, 2], 7, {}, {"a": 1}, {"b": 2}]
+    assert got[1]["content"] == [] and conversation[1]["tool_calls"][0]["function"]["arguments"] == "[1, 2]"
+    assert [c["function"]["arguments"] for c in got[2]["tool_calls"]] == [{"c": 3}]
