@@ -11729,3 +11729,268 @@ def test_vllm_messages_parses_only_an_assistants_tool_call_arguments():
     assert [c["function"]["arguments"] for c in got[1]["tool_calls"]] == [[1, 2], 7, {}, {"a": 1}, {"b": 2}]
     assert got[1]["content"] == [] and conversation[1]["tool_calls"][0]["function"]["arguments"] == "[1, 2]"
     assert [c["function"]["arguments"] for c in got[2]["tool_calls"]] == [{"c": 3}]
+
+
+# --- From a mutation sweep of beam search (2026-12-07, 36 slips run of 76 written, 23 caught,
+# 7 equivalent, 6 gaps) and two slips found only against these tests ---
+
+
+def test_beam_searches_of_different_widths_in_one_step_take_their_own_candidates(tmp_path):
+    """Two searches batched in the same steps, of widths 1 and 3: each beam's candidates are
+    its own search's 2 * beam_width likeliest tokens (vLLM asks each search for logprobs =
+    2 * beam_width), not the batch's widest search's, so each search gives what the dense
+    reference gives it alone, a logprob entry of 2 * beam_width per token. Catches: the
+    candidates cut at the batch's largest 2 * beam_width only (k), not per search."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64)
+    prompts, widths = ([72, 105, 33], [40, 41]), (1, 3)
+    ids = [llm.add_request(p, BeamSearchParams(w, 5)) for p, w in zip(prompts, widths)]
+    done = step_to_the_end(llm)
+    for rid, prompt, width in zip(ids, prompts, widths):
+        out = done[rid]
+        assert_same_beams(beam_results(out), reference_beam_search(llm.model, prompt, width, 5, {0}))
+        assert all(len(d) == 2 * width for c in out.outputs for d in c.logprobs)
+    assert_nothing_leaked(llm)
+
+
+def test_a_beam_of_cumulative_logprob_zero_ranks_first():
+    """vLLM's (0.33 on) and transformers' beam score, cumulative logprob / length **
+    length_penalty, is 0 for a beam of cumulative logprob 0 (each token certain, or none yet,
+    as in a search aborted at once): the best score there is, whatever the length penalty.
+    Catches: such a beam sent to the end of the ranking, or its log(0) raising."""
+    rank = nanopaged_module.beam_rank
+    sure, unsure = ([5, 6], 0.0, None, "length"), ([5, 7], -1e-9, None, "length")
+    for penalty in (0.0, 1.0, 2.5, -1.0):
+        assert sorted([unsure, sure], key=lambda h: rank(h, penalty)) == [sure, unsure]
+        assert rank(([], 0.0, None, "abort"), penalty) == -math.inf
+
+
+def test_a_beam_search_aborted_before_its_first_step(tmp_path):
+    """A search aborted before it ran: its one beam is its result, with no tokens and a
+    cumulative logprob of 0 (vLLM's abort of a request gives what it had: nothing).
+    Catches: ranking a beam of cumulative logprob 0 by log(0)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=16)
+    rid = llm.add_request([72, 105], BeamSearchParams(2, 4))
+    out = llm.abort(rid)
+    assert [(c.token_ids, c.cumulative_logprob, c.finish_reason) for c in out.outputs] == [([], 0.0, "abort")]
+    assert_nothing_leaked(llm)
+
+
+def test_beam_search_logprob_ranks_count_from_one_by_logprob(tmp_path):
+    """Each token's logprob entry of a beam search holds its beam's 2 * beam_width candidates,
+    the chosen one first (vLLM's), and each candidate's rank is its place among the whole
+    vocabulary by logprob, 1 for the likeliest (vLLM's Logprob.rank): the dense reference's
+    log_softmax gives them. Catches: ranks counted from 0, or as the entry's order (the
+    chosen token first)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=32)
+    prompt = [72, 105, 33]
+    out = llm.beam_search([prompt], BeamSearchParams(2, 3, ignore_eos=True))[0]
+    for s in out.sequences:
+        for j, entry in enumerate(s.logprobs):
+            lp = torch.log_softmax(forward_last(llm.model, [s.tokens[:len(prompt) + j]])[0].float(), dim=-1)
+            for t, e in entry.items():   # (a band: the paged and dense logits differ in rounding)
+                assert int((lp > lp[t] + 1e-4).sum()) + 1 <= e.rank <= int((lp > lp[t] - 1e-4).sum()) + 1
+            assert sorted(e.rank for e in entry.values()) == list(range(1, 5))
+    assert_nothing_leaked(llm)
+
+
+def test_beam_search_ties_go_to_the_earlier_beam_and_candidate_as_vllm(tmp_path):
+    """A model whose logits are all equal (its final norm zeroed): every candidate of every
+    beam ties. vLLM's LLM.beam_search sorts the candidates with Python's stable sort, beam by
+    beam in their order, each beam's in its top logprobs' order, so ties go to the earlier
+    beam and the earlier candidate; the dense reference, built the same way, gives the same
+    beams (here all from the first beam's first candidates). Catches: ties broken the other
+    way (the candidates of the later beams first, or a sort that is not stable)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=32)
+    llm.model.norm.weight.zero_()
+    prompt = [72, 105, 33]
+    for ignore_eos in (True, False):
+        out = llm.beam_search([prompt], BeamSearchParams(3, 4, ignore_eos=ignore_eos))[0]
+        want = reference_beam_search(llm.model, prompt, 3, 4, set() if ignore_eos else {0})
+        assert_same_beams([(s.tokens[len(prompt):], s.cum_logprob) for s in out.sequences], want)
+    assert_nothing_leaked(llm)
+
+
+def test_beam_width_takes_the_bound_of_n():
+    """beam_width's bound is n's, MAX_N (4096) included, as SamplingParams(n=4096) is taken
+    (vLLM bounds neither; nanopaged's bound is inclusive). Catches: `<= MAX_N` -> `< MAX_N`."""
+    assert BeamSearchParams(4096, 1).beam_width == SamplingParams(n=4096).n == 4096
+
+
+def test_a_beam_search_never_reuses_a_sample_index(tmp_path):
+    """Scheduler.fork numbers a search's new beams after every index the search has used,
+    so no two of its beams, live or dropped, share one (ties between candidates go to the
+    beam of the lower index, and only beam 0 is kept once dropped). Catches:
+    next_sample_index advanced by k - 1 (a fork's last child and the next fork's first
+    sharing an index)."""
+    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=64)
+    llm.model.norm.weight.zero_()   # (every logit equal: the ties all go to beam 0, which forks each step)
+    rid = llm.add_request([72, 105, 33], BeamSearchParams(3, 6, ignore_eos=True))
+    seen = {}
+    while llm.has_unfinished_requests():
+        llm.step()
+        for q in llm.scheduler.requests.get(rid, ()):
+            assert seen.setdefault(q.sample_index, q) is q
+    assert len(seen) > 3 * 2   # (it forked again and again)
+    assert_nothing_leaked(llm)
+
+
+def test_beam_search_params_refuse_a_non_bool_include_stop_str_in_output():
+    """As SamplingParams does (and vLLM's msgspec-typed params): include_stop_str_in_output is
+    True or False. Catches: BeamSearchParams' check of it dropped."""
+    with pytest.raises(ValueError, match="include_stop_str_in_output must be True or False"):
+        BeamSearchParams(2, 4, include_stop_str_in_output=1)
+
+
+# --- From a mutation sweep of the GGUF conversion and the config parsing (2026-12-07, 93
+# slips, 71 caught, 4 equivalent or unclear, 18 gaps; the dimension_count message's bool
+# check left untested) ---
+
+
+def test_merges_from_scores_order_ties_as_transformers_generate_merges():
+    """Merges made from SentencePiece scores are listed as transformers' generate_merges (its
+    GGUF and sentencepiece converters) lists them: a stable sort, by score, then the longer
+    left part, then the longer right part, all descending; left otherwise in vocab order (each
+    token's splits by their parts' ids). The reference below is that function, written out.
+    Catches: the left part's length sorted ascending; the right part's; ties broken by the
+    left part's string instead of the token's id."""
+    def generate_merges(vocab, scores):   # transformers.convert_slow_tokenizer.generate_merges, vocab_scores given
+        merges = []
+        for token, score in scores.items():
+            local = [(token[:k], token[k:], score) for k in range(1, len(token))
+                     if token[:k] in vocab and token[k:] in vocab]
+            merges += sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]]))
+        return [[l, r] for l, r, _ in sorted(merges, key=lambda v: (v[2], len(v[0]), len(v[1])), reverse=True)]
+    # equal scores everywhere below -2: "ba" comes before "ab" in the vocab (string order would
+    # swap them); "abc" and "abcd" split several ways; "ab"/"abc" share a left part of one letter
+    tokens = ["a", "b", "c", "d", "ba", "ab", "bc", "cd", "abc", "bcd", "abcd", "dab"]
+    scores = [0.0, 0.0, 0.0, 0.0, -1.0, -1.0, -1.0, -2.0, -1.0, -2.0, -1.0, -2.0]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    expected = generate_merges(vocab, dict(zip(tokens, scores)))
+    assert model_module._merges_from_scores(vocab, scores) == expected
+    # (by hand: score -1 first; left part 3, 2, 2, 1, 1 letters, then right 2 before 1; then vocab order)
+    assert expected[:8] == [["abc", "d"], ["ab", "cd"], ["ab", "c"], ["a", "bcd"], ["a", "bc"], ["b", "a"], ["a", "b"],
+                            ["b", "c"]]
+
+
+@pytest.mark.parametrize("names, refused", [
+    (["Qwen2ForProcessRewardModel"], True),    # (Qwen2.5-Math-PRM: a score per step, no next token)
+    (["LlamaForCausalLM", "LlamaForSequenceClassification"], False),   # (a causal LM among them: loads as one)
+])
+def test_architectures_refused_only_when_every_one_scores(names, refused):
+    """A checkpoint is refused as a scorer when every class its config names is one, and
+    ForProcessRewardModel (Qwen's PRMs) is one. Catches: ForProcessRewardModel dropped from
+    the scorers; all() read as any()."""
+    config = llama_config(architectures=names)
+    if refused:
+        with pytest.raises(ModelError, match="not a causal LM, its head scores"):
+            ModelConfig.from_dict(config)
+    else:
+        assert ModelConfig.from_dict(config).model_type == "llama"
+
+
+def test_every_expert_may_be_routed_to():
+    """num_experts_per_tok may equal the number of experts (transformers and vLLM route to
+    all of them then): only more is refused. Catches: > read as >=."""
+    c = ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS["qwen3_moe"] | {"num_experts_per_tok": 4})
+    assert (c.num_experts, c.num_experts_per_tok) == (4, 4)
+
+
+def test_gguf_yarn_betas_and_norm_epsilon_reach_config_json(tmp_path, own_cache):
+    """llama.cpp's converter writes a YaRN's beta_fast and beta_slow (where the HF config has
+    them) as rope.scaling.yarn_beta_fast / yarn_beta_slow: the converted config.json gives
+    them back under HF's names, each its own, and as the ModelConfig an HF config with the
+    same rope_scaling reads; the float32 rms epsilon comes back as config.json's 1e-05 (as
+    rope_theta does). Catches: the betas read from another key, or swapped; rms_norm_eps
+    written without _f32 (9.999999747378752e-06)."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0,
+            "beta_slow": 2.0}
+    path = write_gguf(tmp_path / "yarn.gguf", meta=[
+        ("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", yarn["factor"]),
+        ("llama.rope.scaling.original_context_length", yarn["original_max_position_embeddings"]),
+        ("llama.rope.scaling.yarn_beta_fast", yarn["beta_fast"]), ("llama.rope.scaling.yarn_beta_slow", yarn["beta_slow"])])
+    config = json.loads((resolve_model_dir(path) / "config.json").read_text())
+    assert config["rope_scaling"] == yarn and config["rms_norm_eps"] == 1e-05
+    hf = ModelConfig.from_dict(llama_config(hidden_size=16, num_attention_heads=4, max_position_embeddings=64,
+                                            rope_scaling=yarn))
+    assert load_model(path).config.rope_scaling == hf.rope_scaling
+
+
+def test_yarn_mscale_without_mscale_all_dim_takes_the_default_attention_factor():
+    """transformers' YaRN takes DeepSeek's ratio of mscales only when mscale and mscale_all_dim
+    are both set; mscale alone leaves the default 0.1 ln(factor) + 1. Catches: the ratio taken
+    where only mscale is given (then 'no mscale_all_dim' refused)."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.707}
+    c = ModelConfig.from_dict(llama_config(rope_scaling=yarn))
+    assert c.rope_scaling["attention_factor"] == pytest.approx(0.1 * np.log(4.0) + 1)
+    both = ModelConfig.from_dict(llama_config(rope_scaling=yarn | {"mscale_all_dim": 1.0}))
+    assert both.rope_scaling["attention_factor"] == pytest.approx((0.1 * 0.707 * np.log(4.0) + 1) / (0.1 * np.log(4.0) + 1))
+
+
+def test_gguf_head_dim_is_the_key_length(tmp_path, own_cache):
+    """A head_dim other than hidden_size / heads (Qwen 3's, Gemma's) is the file's
+    attention.key_length, as llama.cpp reads n_embd_head_k (value_length is V's, which HF's
+    configs do not keep apart): a file with only key_length loads with it. Catches: head_dim
+    read from attention.value_length."""
+    C, H, KVH, D = 16, 4, 2, 8   # (D != C / H = 4)
+    shapes = {"blk.0.attn_q.weight": (H * D, C), "blk.0.attn_k.weight": (KVH * D, C),
+              "blk.0.attn_v.weight": (KVH * D, C), "blk.0.attn_output.weight": (C, H * D)}
+    path = write_gguf(tmp_path / "d8.gguf", C=C, H=H, KVH=KVH, extra=list(shapes.items()),
+                      meta=[("llama.attention.key_length", D)])
+    assert load_model(path).config.head_dim == D
+
+
+def test_gguf_yarn_or_linear_with_rope_factor_tensors_is_refused(tmp_path, own_cache):
+    """A file with both a rope.scaling.type and rope factor tensors (rope_freqs, Llama 3.1's) says
+    two things of its RoPE: refused by name, not one silently taken over the other (the
+    tensors' LongRoPE replaced the YaRN). Catches: the factor tensors left out of that check."""
+    path = write_gguf(tmp_path / "both.gguf", extra=[("rope_freqs.weight", np.ones(2))], meta=[
+        ("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0)])
+    with pytest.raises(ModelError, match=r"both.gguf: rope scaling 'yarn' with rope factor tensors is not supported"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("arch, layers, big", [("gemma2", 46, True), ("gemma2", 62, False), ("gemma3", 62, True),
+                                               ("gemma3", 46, False)])
+def test_gguf_gemma_27b_is_told_by_its_own_familys_layer_count(arch, layers, big):
+    """llama.cpp takes a Gemma 2 of 46 layers, a Gemma 3 of 62, as the 27B whose scores are
+    scaled by (hidden_size / heads)^-1/2; not a Gemma 3 of 46 layers or a Gemma 2 of 62: those
+    by head_dim^-1/2. Catches: either count taken for either family."""
+    c = ModelConfig.from_dict(llama_config(model_type="gemma3_text" if arch == "gemma3" else arch, head_dim=16,
+                                           num_hidden_layers=layers, sliding_window=4, query_pre_attn_scalar=16))
+    keys = model_module._gguf_gemma({f"{arch}.attention.sliding_window": 4}, arch, c, 16)
+    assert keys["query_pre_attn_scalar"] == (48 // 6 if big else 16)
+
+
+def test_olmo3_windowed_layers_with_a_base_of_their_own_get_a_second_rope():
+    """OLMo 3 unscaled, whose rope_parameters give the windowed layers another rope_theta
+    than the full ones: the windowed layers turn by theirs (rope_local_base_freq), as
+    transformers 5's Olmo3 reads rope_parameters['sliding_attention']. Catches: the two RoPEs
+    taken as one whenever the full layers' is unscaled."""
+    base = {k: v for k, v in LLAMA_FAMILY_VARIANTS["olmo3"].items() if k not in ("rope_scaling", "rope_theta")}
+    params = {"full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    assert ModelConfig.from_dict(base | {"rope_parameters": params}).rope_local_base_freq == 10_000.0
+    same = params | {"sliding_attention": {"rope_type": "default", "rope_theta": 500_000.0}}
+    assert ModelConfig.from_dict(base | {"rope_parameters": same}).rope_local_base_freq is None
+
+
+def test_phi3_gguf_rstrip_as_llama_cpp_sets_it(tmp_path, own_cache):
+    """llama.cpp's Phi-3 rule (llama-vocab.cpp): for a model whose general.name holds "phi-3"
+    or "phi3", the added tokens drop the whitespace after them, except <unk>, <s> and
+    <|endoftext|>; a phi3 GGUF with a byte-level tokenizer (Phi-4's, named otherwise) keeps
+    every token's whitespace. Catches: <unk> dropped from the exceptions; the "phi3"
+    spelling of the name not recognised; a byte-level phi3 GGUF given the rstrip flags."""
+    def encodes(tok, text):
+        return tok.encode(text, add_special_tokens=False)
+    tok = load_tokenizer(write_gguf(tmp_path / "phi3name.gguf", bos=1, eos=2, sentencepiece=True,
+                                    meta=[("general.name", "microsoft_phi3_mini")]))
+    assert encodes(tok, "Hi</s>\n x") == encodes(tok, "Hi</s>x")          # (</s>: rstrip)
+    unk = tok.convert_tokens_to_ids("<unk>")
+    assert encodes(tok, "Hi<unk>\n x") == encodes(tok, "Hi") + [unk] + encodes(tok, "\n x")   # (<unk>: kept)
+    # a byte-level phi3 (Phi-4-mini's tokenizer): its CONTROL token "b" keeps the whitespace after it
+    c = LLAMA_FAMILY_VARIANTS["phi3"] | {"vocab_size": 256, "max_position_embeddings": 64}
+    types = [1] * 256
+    types[98] = 3
+    tok = load_tokenizer(write_gguf(tmp_path / "phi4.gguf", C=48, H=6, KVH=2, L=2, I=80, arch="phi3",
+                                    weights=llama_tensors(c), token_types=types))
+    assert encodes(tok, "ab \nc") == [97, 98, 32, 10, 99]
