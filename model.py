@@ -174,10 +174,10 @@ LLAMA_FAMILY = {
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "granite": {"max_position_embeddings": 2048},
     "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
-                "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
+                "num_key_value_heads": 8, "num_experts_per_tok": 2},
     "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096,
-                  "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
-    "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "intermediate_size": 2048, "num_experts": 64,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+    "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "intermediate_size": 2048,
               "num_experts_per_tok": 8},
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "sliding_window": 4096},
@@ -516,6 +516,14 @@ def _granite_fields(d: dict) -> dict:
             ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")}
 
 
+# The expert count's two names, the one its transformers class writes first, and its default
+# there. Its attribute_map makes them one field: a config.json may hold either (Qwen 3 MoE's
+# hub configs say num_experts; transformers 5 saves them as num_local_experts).
+EXPERT_COUNT = {"mixtral": ("num_local_experts", "num_experts", 8),
+                "qwen3_moe": ("num_local_experts", "num_experts", 128),
+                "olmoe": ("num_experts", "num_local_experts", 64)}
+
+
 def _moe_fields(d: dict, model_type: str) -> dict:
     """ModelConfig's mixture-of-experts fields, as transformers' config classes read them:
       MixtralConfig   num_local_experts of intermediate_size; top-k weights always renormalized
@@ -523,9 +531,15 @@ def _moe_fields(d: dict, model_type: str) -> dict:
                       (false by default; its released models set it true)
       OlmoeConfig     num_experts of intermediate_size; renormalized where norm_topk_prob
                       (its released models leave it false)
-    Refused: Qwen 3 MoE configs whose layers are not all MoE (decoder_sparse_step,
-    mlp_only_layers: no released one)."""
-    experts = _positive(d, "num_local_experts" if model_type == "mixtral" else "num_experts")
+    (the expert count under either of its names: EXPERT_COUNT). Refused: both names with
+    different counts (transformers keeps one or the other, by class), Qwen 3 MoE configs whose
+    layers are not all MoE (decoder_sparse_step, mlp_only_layers: no released one)."""
+    own, alias, default = EXPERT_COUNT[model_type]
+    given = [key for key in (own, alias) if d.get(key) is not None]
+    if len(given) == 2 and d[own] != d[alias]:
+        raise ModelError(f"{own} {reprlib.repr(d[own])} and {alias} {reprlib.repr(d[alias])} disagree: "
+                         f"they name one field, the number of experts")
+    experts = _positive(d, given[0] if given else own, default=default)
     k = _positive(d, "num_experts_per_tok")
     if k > experts:
         raise ModelError(f"num_experts_per_tok {k} exceeds the {experts} experts")

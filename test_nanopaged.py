@@ -1591,6 +1591,30 @@ def test_mixture_of_experts_configs_are_read_or_refused(tmp_path):
     assert time.perf_counter() - start < 10
 
 
+def test_the_expert_count_under_either_of_its_names(tmp_path):
+    """transformers' MoE config classes take num_experts and num_local_experts as one field
+    (attribute_map), and transformers 5 saves a Qwen 3 MoE's as num_local_experts (the hub's
+    configs say num_experts): a checkpoint it saved loads, its logits those of the same
+    weights under the other name. Either name for each family; the class's default where
+    neither is given; both with different counts refused, naming both."""
+    for model_type, own, alias, default in (("qwen3_moe", "num_local_experts", "num_experts", 128),
+                                            ("mixtral", "num_local_experts", "num_experts", 8),
+                                            ("olmoe", "num_experts", "num_local_experts", 64)):
+        base = llama_config(model_type=model_type, num_experts_per_tok=2)
+        for keys in ({own: 6}, {alias: 6}, {own: 6, alias: 6}):
+            assert ModelConfig.from_dict(base | keys).num_experts == 6
+        assert ModelConfig.from_dict(base).num_experts == default
+        with pytest.raises(ModelError, match=f"^{own} 6 and {alias} 4 disagree: they name one field"):
+            ModelConfig.from_dict(base | {own: 6, alias: 4})
+    config = LLAMA_FAMILY_VARIANTS["qwen3_moe"]
+    tensors = llama_tensors(config)
+    hub, saved = tmp_path / "hub", tmp_path / "saved"
+    write_checkpoint(hub, config, tensors)
+    write_checkpoint(saved, {k: v for k, v in config.items() if k != "num_experts"}
+                     | {"num_local_experts": config["num_experts"]}, tensors)
+    assert torch.equal(forward_all(load_model(saved), IDS), forward_all(load_model(hub), IDS))
+
+
 def test_gemma3_with_a_vision_tower_runs_its_text_model(tmp_path, capsys):
     """Gemma 3 4B and larger (model_type gemma3): its text_config read as a gemma3_text's (the
     text model's EOS ids from the top), its text weights found under "language_model.", the
