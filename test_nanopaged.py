@@ -11755,8 +11755,8 @@ def test_vllm_messages_parses_only_an_assistants_tool_call_arguments():
     assert [c["function"]["arguments"] for c in got[2]["tool_calls"]] == [{"c": 3}]
 
 
-# --- From a mutation sweep of beam search (2026-12-07, 36 slips run of 76 written, 23 caught,
-# 7 equivalent, 6 gaps) and two slips found only against these tests ---
+# --- From a mutation sweep of beam search (2026-12-07, 75 slips, 8 equivalent; the tests below
+# close its 9 gaps) ---
 
 
 def test_beam_searches_of_different_widths_in_one_step_take_their_own_candidates(tmp_path):
@@ -11863,6 +11863,44 @@ def test_beam_search_params_refuse_a_non_bool_include_stop_str_in_output():
     True or False. Catches: BeamSearchParams' check of it dropped."""
     with pytest.raises(ValueError, match="include_stop_str_in_output must be True or False"):
         BeamSearchParams(2, 4, include_stop_str_in_output=1)
+
+
+def test_beam_search_params_refuse_allowed_token_ids_that_are_not_token_ids():
+    """BeamSearchParams checks its allowed_token_ids as it is made, as SamplingParams does
+    (a float, a string, a bool is no token id), not only once a request made of it is added.
+    Catches: the check of its items dropped (only "a non-empty list" left)."""
+    for bad in ([1.5], ["7"], [True], [7, 8.0]):
+        with pytest.raises(ValueError, match="allowed_token_ids must be None or a non-empty list of token ids"):
+            BeamSearchParams(2, 4, allowed_token_ids=bad)
+    assert BeamSearchParams(2, 4, allowed_token_ids=(7, 8)).allowed_token_ids == (7, 8)
+
+
+def test_a_beam_search_keeps_only_what_its_results_need(tmp_path):
+    """While a search runs, the engine keeps, of what ended, only the beam_width best (the
+    others can never be results), and of the beams, the live ones (and beam 0, which holds
+    the prompt): neither piles up step after step. The candidates of the beams parked while
+    others catch up (a token budget of 2 for 3 beams) are forgotten once the search moves
+    on. (Memory: the results are the same either way; these are the dense reference's, vLLM's
+    LLM.beam_search's.) Catches: Request.done not cut to beam_width, Request.parked merged
+    with the step's instead of replaced by it, and the dropped beams kept in Request.seqs."""
+    llm = peaked_tiny_llm(tmp_path, num_blocks=128, max_num_batched_tokens=2)   # (5 EOS ids: many end)
+    llm.model.norm.weight.div_(5)   # (fewer near-ties between candidates than its 30x)
+    width, prompt = 3, [136, 57]
+    rid = llm.add_request(prompt, BeamSearchParams(width, 8))
+    done, parked_steps, ended, seen = {}, 0, 0, set()
+    while llm.has_unfinished_requests():
+        done |= {r.request_id: r for r in llm.step()}
+        if rid in llm._requests:
+            req, live = llm._requests[rid], llm.scheduler.requests.get(rid, [])
+            assert len(req.done) <= width and len(req.seqs) <= width + 1
+            assert all(q in live and q.parked for q in req.parked)
+            parked_steps += bool(req.parked)
+            ended = max(ended, len(req.done))
+            seen |= {q.sample_index for q in live}
+    assert parked_steps and ended == width and len(seen) > width + 1   # (it parked, dropped, and ended beams)
+    assert_same_beams(beam_results(done[rid]), reference_beam_search(llm.model, prompt, width, 8,
+                                                                      llm.scheduler.eos_token_ids))
+    assert_nothing_leaked(llm)
 
 
 # --- From a mutation sweep of the GGUF conversion and the config parsing (2026-12-07, 93
