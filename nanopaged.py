@@ -226,9 +226,10 @@ class BlockPool:
 class BlockTable:
     """One sequence's view of the cache: logical block i lives in physical block block_ids[i].
 
-    num_tokens counts the slots handed out so far (behind Sequence.num_tokens, the
-    sequence's length, while a chunked prefill is under way); token t of the sequence lives in
-    slot block_ids[t // block_size] * block_size + t % block_size.
+    num_tokens counts the slots handed out so far: behind Sequence.num_tokens, the sequence's
+    length, by the tokens not computed yet (between two decode steps the token just sampled,
+    during a chunked prefill the rest of the prompt); token t of the sequence lives in slot
+    block_ids[t // block_size] * block_size + t % block_size.
 
     Under a sliding window in every layer, the first num_dropped blocks have slid out of the
     window: freed, their entries DROPPED (so that logical block i stays entry i), never
@@ -761,6 +762,7 @@ class RequestOutput:
     ttft: float                # seconds from arrival to first token
     latency: float             # seconds from arrival to the last sample's finish
     # with SamplingParams.prompt_logprobs = k: the same per prompt token, None for the first
+    # (and for each one up to prompt_logprob_start, where that is given)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # with SamplingParams.prompt_logprob_token_ids: a numpy float32 (rows, ids) array, row i the
     # logprobs of its ids as prompt token prompt_logprob_start + i + 1 (-inf where -1 pads it)
