@@ -1363,8 +1363,9 @@ class Tokenizer:
         # HF's options for the tokenizer call after the render never reach its template: taken as
         # template variables they would do nothing, silently (a prompt still as long, a control
         # token in a user's text still one)
-        if asked := [f"{key}={value!r}" for key, value in template_vars.items()
-                     if key in HF_TOKENIZATION_OPTIONS and not (value is None or value is False or value == {})]:
+        # (None, False or {}: off, as HF's own defaults; 0 is a value, and an array is no False)
+        if asked := [f"{key}={reprlib.repr(value)}" for key, value in template_vars.items() if key in HF_TOKENIZATION_OPTIONS
+                     and not (value is None or value is False or (isinstance(value, dict) and not value))]:
             raise ValueError(f"apply_chat_template takes none of transformers' options for the tokenization that "
                              f"follows the render ({', '.join(asked)}): tokenize=True returns the list of ids")
         template_vars = {key: value for key, value in template_vars.items() if key not in HF_TOKENIZATION_OPTIONS}

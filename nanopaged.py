@@ -2764,7 +2764,7 @@ def _parsed_tool_call(call):
         try:
             args = json.loads(args) if args else {}
         except (ValueError, RecursionError):   # not JSON, an int past Python's 4,300 digits, nested too
-            args = {}                           # deeply: as vLLM, the turn goes on, and so does the conversation
+            args = {}                           # deeply: the turn goes on, and so does the conversation
     return call | {"function": function | {"arguments": args}}
 
 

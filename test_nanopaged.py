@@ -11623,11 +11623,14 @@ def test_the_engines_time_sums_every_steps_time(llm, monkeypatch):
 
 def test_apply_chat_template_refuses_a_tokenization_option_of_0(tmp_path):
     """A tokenization option of 0 (max_length=0, padding=0) is a value, not "off": refused as
-    any other, not let through as if it were False (0 == False in a tuple's `in`)."""
+    any other, not let through as if it were False (0 == False in a tuple's `in`); so is an
+    array, named (its == is elementwise: "truth value ... ambiguous")."""
     tok = load_tokenizer(tiny_tokenizer_dir(tmp_path))
     for option in ("max_length", "padding", "truncation"):
         with pytest.raises(ValueError, match=f"options for the tokenization that follows the render \\({option}=0\\)"):
             tok.apply_chat_template("Hi", chat_template="{{ messages[0].content }}", **{option: 0})
+    with pytest.raises(ValueError, match=r"the render \(max_length=array\(\[1, 2\]\)\)"):
+        tok.apply_chat_template("Hi", chat_template="{{ messages[0].content }}", max_length=np.array([1, 2]))
     assert tok.apply_chat_template("Hi", chat_template="{{ messages[0].content }}", padding=False, max_length=None) == "Hi"
 
 
