@@ -6086,9 +6086,15 @@ def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
                             ({"temperature": 0.7}, "temperature must be 0"),
                             ({"length_penalty": float("nan")}, "length_penalty must be a finite number"),
                             ({"ignore_eos": 1}, "ignore_eos must be True or False"),
-                            ({"skip_special_tokens": None}, "skip_special_tokens must be True or False")):
-        with pytest.raises(ValueError, match=message):
+                            ({"skip_special_tokens": None}, "skip_special_tokens must be True or False"),
+                            ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be True or False"),
+                            *(({"allowed_token_ids": bad}, "allowed_token_ids must be None or a non-empty list of "
+                                                           "token ids") for bad in ([1.5], ["7"], [True], [7, 8.0]))):
+        with pytest.raises(ValueError, match=message):   # (as it is made, as SamplingParams checks)
             BeamSearchParams(**({"beam_width": 2, "max_tokens": 4} | kwargs))
+    # n's bound, inclusive; a tuple of token ids is a list of them
+    assert BeamSearchParams(4096, 1).beam_width == SamplingParams(n=4096).n == 4096
+    assert BeamSearchParams(2, 4, allowed_token_ids=(7, 8)).allowed_token_ids == (7, 8)
     with pytest.raises(ValueError, match="beam_width = 300 exceeds max_num_seqs = 256"):
         llm.beam_search("Hi", BeamSearchParams(300, 4))
     with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
@@ -11837,12 +11843,6 @@ def test_beam_search_ties_go_to_the_earlier_beam_and_candidate_as_vllm(tmp_path)
     assert_nothing_leaked(llm)
 
 
-def test_beam_width_takes_the_bound_of_n():
-    """beam_width's bound is n's, MAX_N (4096) included, as SamplingParams(n=4096) is taken
-    (vLLM bounds neither; nanopaged's bound is inclusive). Catches: `<= MAX_N` -> `< MAX_N`."""
-    assert BeamSearchParams(4096, 1).beam_width == SamplingParams(n=4096).n == 4096
-
-
 def test_a_beam_search_never_reuses_a_sample_index(tmp_path):
     """Scheduler.fork numbers a search's new beams after every index the search has used,
     so no two of its beams, live or dropped, share one (ties between candidates go to the
@@ -11859,23 +11859,6 @@ def test_a_beam_search_never_reuses_a_sample_index(tmp_path):
             assert seen.setdefault(q.sample_index, q) is q
     assert len(seen) > 3 * 2   # (it forked again and again)
     assert_nothing_leaked(llm)
-
-
-def test_beam_search_params_refuse_a_non_bool_include_stop_str_in_output():
-    """As SamplingParams does (and vLLM's msgspec-typed params): include_stop_str_in_output is
-    True or False. Catches: BeamSearchParams' check of it dropped."""
-    with pytest.raises(ValueError, match="include_stop_str_in_output must be True or False"):
-        BeamSearchParams(2, 4, include_stop_str_in_output=1)
-
-
-def test_beam_search_params_refuse_allowed_token_ids_that_are_not_token_ids():
-    """BeamSearchParams checks its allowed_token_ids as it is made, as SamplingParams does
-    (a float, a string, a bool is no token id), not only once a request made of it is added.
-    Catches: the check of its items dropped (only "a non-empty list" left)."""
-    for bad in ([1.5], ["7"], [True], [7, 8.0]):
-        with pytest.raises(ValueError, match="allowed_token_ids must be None or a non-empty list of token ids"):
-            BeamSearchParams(2, 4, allowed_token_ids=bad)
-    assert BeamSearchParams(2, 4, allowed_token_ids=(7, 8)).allowed_token_ids == (7, 8)
 
 
 def test_a_beam_search_keeps_only_what_its_results_need(tmp_path):
