@@ -6106,6 +6106,9 @@ def test_beam_search_bad_input_abort_and_failure(llm, monkeypatch):
     with pytest.raises(ValueError, match="prompt 0: beam_width must be"):
         llm.beam_search("Hi", changed)
     assert_nothing_leaked(llm)
+    # aborted before its first step: its one beam, no tokens, a cumulative logprob of 0
+    out = llm.abort(llm.add_request("Hi", BeamSearchParams(2, 4)))
+    assert [(c.token_ids, c.cumulative_logprob, c.finish_reason) for c in out.outputs] == [([], 0.0, "abort")]
     # max_tokens=None: up to the context, or up to what the pool holds for all the beams
     rid = llm.add_request("Hi", BeamSearchParams(4, None))
     assert llm._requests[rid].params.max_tokens == 512 // 4 * 16 - len(llm.tokenizer.encode("Hi"))
@@ -10150,6 +10153,13 @@ def test_beam_rank_counts_the_output_and_its_final_eos():
     assert nanopaged_module.beam_rank(ended, 1.0) == pytest.approx(math.log(3.0) - math.log(3))
     assert nanopaged_module.beam_rank(none, 2.0) == pytest.approx(math.log(0.5))
     assert sorted([ran, ended], key=lambda h: nanopaged_module.beam_rank(h, 1.0)) == [ended, ran]
+    # a cumulative logprob of 0 (each token certain, or none yet: a search aborted at once)
+    # scores 0, the best there is, whatever the length penalty (not last, nor log(0))
+    rank = nanopaged_module.beam_rank
+    sure, unsure = ([5, 6], 0.0, None, "length"), ([5, 7], -1e-9, None, "length")
+    for penalty in (0.0, 1.0, 2.5, -1.0):
+        assert sorted([unsure, sure], key=lambda h: rank(h, penalty)) == [sure, unsure]
+        assert rank(([], 0.0, None, "abort"), penalty) == -math.inf
 
 
 def test_beam_search_allowed_token_ids_as_vllm(tmp_path):
@@ -11782,29 +11792,6 @@ def test_beam_searches_of_different_widths_in_one_step_take_their_own_candidates
         out = done[rid]
         assert_same_beams(beam_results(out), reference_beam_search(llm.model, prompt, width, 5, {0}))
         assert all(len(d) == 2 * width for c in out.outputs for d in c.logprobs)
-    assert_nothing_leaked(llm)
-
-
-def test_a_beam_of_cumulative_logprob_zero_ranks_first():
-    """vLLM's (0.33 on) and transformers' beam score, cumulative logprob / length **
-    length_penalty, is 0 for a beam of cumulative logprob 0 (each token certain, or none yet,
-    as in a search aborted at once): the best score there is, whatever the length penalty.
-    Catches: such a beam sent to the end of the ranking, or its log(0) raising."""
-    rank = nanopaged_module.beam_rank
-    sure, unsure = ([5, 6], 0.0, None, "length"), ([5, 7], -1e-9, None, "length")
-    for penalty in (0.0, 1.0, 2.5, -1.0):
-        assert sorted([unsure, sure], key=lambda h: rank(h, penalty)) == [sure, unsure]
-        assert rank(([], 0.0, None, "abort"), penalty) == -math.inf
-
-
-def test_a_beam_search_aborted_before_its_first_step(tmp_path):
-    """A search aborted before it ran: its one beam is its result, with no tokens and a
-    cumulative logprob of 0 (vLLM's abort of a request gives what it had: nothing).
-    Catches: ranking a beam of cumulative logprob 0 by log(0)."""
-    llm = LLM(tiny_llama_dir(tmp_path), load_format="dummy", num_blocks=16)
-    rid = llm.add_request([72, 105], BeamSearchParams(2, 4))
-    out = llm.abort(rid)
-    assert [(c.token_ids, c.cumulative_logprob, c.finish_reason) for c in out.outputs] == [([], 0.0, "abort")]
     assert_nothing_leaked(llm)
 
 
