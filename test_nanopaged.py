@@ -1579,6 +1579,8 @@ def test_mixture_of_experts_configs_are_read_or_refused(tmp_path):
     c = ModelConfig.from_dict(llama_config(model_type="mixtral", num_local_experts=8))
     assert (c.num_experts, c.num_experts_per_tok, c.intermediate_size, c.norm_topk_prob) == (8, 2, 80, True)
     qwen = LLAMA_FAMILY_VARIANTS["qwen3_moe"]
+    c = ModelConfig.from_dict(qwen | {"num_experts_per_tok": 4})   # (every expert may be routed to: only more is refused)
+    assert (c.num_experts, c.num_experts_per_tok) == (4, 4)
     for bad, message in [({"num_experts_per_tok": 5}, "num_experts_per_tok 5 exceeds the 4 experts"),
                          ({"decoder_sparse_step": 2}, "decoder_sparse_step 2 / mlp_only_layers None are not supported"),
                          ({"mlp_only_layers": [0]}, r"mlp_only_layers \[0\] are not supported"),
@@ -1786,6 +1788,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"architectures": ["LlamaForSequenceClassification"]}, r"architectures 'LlamaForSequenceClassification': not a "
                                                              r"causal LM, its head scores instead of predicting"),
     ({"architectures": ["Qwen2ForRewardModel"]}, "architectures 'Qwen2ForRewardModel': not a causal LM"),
+    ({"architectures": ["Qwen2ForProcessRewardModel"]}, "'Qwen2ForProcessRewardModel': not a causal LM"),  # (a PRM)
     ({"architectures": "LlamaForCausalLM"}, "'architectures' is 'LlamaForCausalLM', expected a list of class names"),
     # RoPE on part of each head: Phi-3's (Phi-4-mini), in either place transformers reads it
     # from, and no other's (transformers' Llama, Mistral, Qwen turn whole heads)
@@ -11907,27 +11910,11 @@ def test_merges_from_scores_order_ties_as_transformers_generate_merges():
                             ["b", "c"]]
 
 
-@pytest.mark.parametrize("names, refused", [
-    (["Qwen2ForProcessRewardModel"], True),    # (Qwen2.5-Math-PRM: a score per step, no next token)
-    (["LlamaForCausalLM", "LlamaForSequenceClassification"], False),   # (a causal LM among them: loads as one)
-])
-def test_architectures_refused_only_when_every_one_scores(names, refused):
-    """A checkpoint is refused as a scorer when every class its config names is one, and
-    ForProcessRewardModel (Qwen's PRMs) is one. Catches: ForProcessRewardModel dropped from
-    the scorers; all() read as any()."""
-    config = llama_config(architectures=names)
-    if refused:
-        with pytest.raises(ModelError, match="not a causal LM, its head scores"):
-            ModelConfig.from_dict(config)
-    else:
-        assert ModelConfig.from_dict(config).model_type == "llama"
-
-
-def test_every_expert_may_be_routed_to():
-    """num_experts_per_tok may equal the number of experts (transformers and vLLM route to
-    all of them then): only more is refused. Catches: > read as >=."""
-    c = ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS["qwen3_moe"] | {"num_experts_per_tok": 4})
-    assert (c.num_experts, c.num_experts_per_tok) == (4, 4)
+def test_a_causal_lm_among_scoring_heads_loads_as_one():
+    """A checkpoint is refused as a scorer only when every class its config names is one: a
+    causal LM among them loads as one. Catches: all() read as any()."""
+    config = llama_config(architectures=["LlamaForCausalLM", "LlamaForSequenceClassification"])
+    assert ModelConfig.from_dict(config).model_type == "llama"
 
 
 def test_gguf_yarn_betas_and_norm_epsilon_reach_config_json(tmp_path, own_cache):
