@@ -248,7 +248,8 @@ class ModelConfig:
     # (hidden_act), query_pre_attn_scalar, Gemma 2's softcaps of the scores and the logits,
     # Gemma 3's windowed layers' RoPE base (rope_local_base_freq)
     gemma: bool = False
-    hidden_act: str = "silu"          # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma)
+    hidden_act: str = "silu"          # the MLP's activation, an ACTIVATIONS key: Llama's gate "silu" (SwiGLU),
+                                      # Gemma's "gelu_tanh" (GeGLU); GPT-2's "gelu_tanh", or "gelu", "relu", "silu"
     query_pre_attn_scalar: float | None = None  # attention scores times its -1/2 power (None: D^-1/2)
     rope_local_base_freq: float | None = None   # the windowed layers' RoPE base, unscaled (Gemma 3, OLMo 3)
     final_logit_softcapping: float | None = None  # logits squashed to (-cap, cap): cap * tanh(x / cap)
@@ -405,9 +406,10 @@ class ModelConfig:
                 sliding_window=window, window_layers=window_layers, **extra)
             default_token_id = None
         elif model_type == "gpt2":
-            if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-                raise ModelError(f"activation_function {d['activation_function']!r} is not "
-                                 f"supported (only the tanh GELU: 'gelu_new')")
+            act = d.get("activation_function", "gelu_new")
+            if act not in GPT2_ACTIVATIONS:
+                raise ModelError(f"activation_function {act!r} is not supported "
+                                 f"(supported: {', '.join(map(repr, GPT2_ACTIVATIONS))})")
             # GPT-2 variants that change the math: refused, rather than run differently
             for key, plain in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
                 if d.get(key, plain) != plain:
@@ -420,7 +422,7 @@ class ModelConfig:
                 num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
                 intermediate_size=_positive(d, "n_inner", default=4 * hidden),
                 max_position_embeddings=_positive(d, "n_positions"),
-                norm_eps=_positive(d, "layer_norm_epsilon", float, 1e-5),
+                norm_eps=_positive(d, "layer_norm_epsilon", float, 1e-5), hidden_act=GPT2_ACTIVATIONS[act],
                 tie_word_embeddings=_flag(d, "tie_word_embeddings", default=True))
             default_token_id = 50256  # <|endoftext|>
         else:
@@ -2203,6 +2205,15 @@ def tanh_softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+# The MLPs' activations, by ModelConfig.hidden_act. GPT-2's config names its own as transformers'
+# ACT2FN does, GPT2_ACTIVATIONS maps those names here: OpenAI's GPT-2 was trained with the tanh
+# approximation of GELU ("gelu_new"); nanoGPT's model, and so a GPT-2 trained with it and saved
+# in HF's layout, uses the exact one ("gelu").
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu, "relu": F.relu}
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
+                    "silu": "silu", "swish": "silu"}
+
+
 def embedding(num: int, dim: int) -> nn.Embedding:
     """An nn.Embedding whose weights the loader assigns later. Passing an empty matrix skips
     the random init, which on the 'meta' device costs nothing but imports torch._dynamo
@@ -2287,12 +2298,11 @@ class LlamaMLP(nn.Module):
         # gate and up read the same input: fused into one matmul like q/k/v above.
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.gelu = config.hidden_act == "gelu_tanh"
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * up)                  # (T, C)
+        return self.down_proj(self.act(gate) * up)        # (T, C)
 
 
 class SparseMoE(nn.Module):
@@ -2514,9 +2524,10 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
         self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # (T, C)
+        return self.c_proj(self.act(self.c_fc(x)))  # (T, C)
 
 
 class GPT2Block(nn.Module):

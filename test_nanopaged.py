@@ -306,10 +306,18 @@ def gpt2_tensors(c, prefix="transformer.", seed=0):
             else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
+# GPT-2's activations by transformers' names, each written out from its formula
+GPT2_ACTIVATION_FORMULAS = {
+    "gelu_new": lambda h: 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))),
+    "gelu": lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2))),
+    "relu": lambda h: h.clamp(min=0), "silu": lambda h: h * torch.sigmoid(h)}
+
+
 def reference_gpt2(c, w, ids):
     """HF's GPT-2 forward from the checkpoint names: x @ W + b for Conv1D weights (in, out)."""
     T, H, C = len(ids), c["n_head"], c["n_embd"]
     w = {n.removeprefix("transformer."): t for n, t in w.items()}
+    act = GPT2_ACTIVATION_FORMULAS[c.get("activation_function", "gelu_new")]
 
     def ln(x, name):
         return F.layer_norm(x, (C,), w[name + ".weight"], w[name + ".bias"],
@@ -325,8 +333,7 @@ def reference_gpt2(c, w, ids):
         q, k, v = (t.view(T, H, C // H).transpose(0, 1) for t in qkv.split(C, -1))
         x = x + conv1d(causal_attention(q, k, v).transpose(0, 1).reshape(T, C), p + "attn.c_proj")
         h = conv1d(ln(x, p + "ln_2"), p + "mlp.c_fc")
-        x = x + conv1d(0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))),
-                       p + "mlp.c_proj")
+        x = x + conv1d(act(h), p + "mlp.c_proj")
     return ln(x, "ln_f") @ w["lm_head.weight" if "lm_head.weight" in w else "wte.weight"].T
 
 
@@ -10296,14 +10303,28 @@ def test_hidden_size_equal_to_the_heads_gives_heads_of_one_dimension():
         ModelConfig.from_dict(llama_config(hidden_size=6))
 
 
-def test_only_the_tanh_gelu_is_accepted_for_gpt2_and_gemma():
-    """GPT-2 runs the tanh GELU: the exact ("gelu") one is refused rather than run as the
-    tanh one. Gemma's hidden_activation may be spelled either name of the tanh GELU
-    (gelu_pytorch_tanh, gelu_new), a Llama's SiLU either of its names. Catches: "gelu"
-    accepted for GPT-2; "gelu_new" refused for Gemma; "swish" refused."""
-    with pytest.raises(ModelError, match="activation_function 'gelu' is not supported"):
-        ModelConfig.from_dict(GPT2_CONFIG | {"activation_function": "gelu"})
-    assert ModelConfig.from_dict(GPT2_CONFIG | {"activation_function": "gelu_pytorch_tanh"}).model_type == "gpt2"
+@pytest.mark.parametrize("activation", ["gelu", "relu", "swish", "gelu_pytorch_tanh"])
+def test_gpt2_runs_the_activation_its_config_names(tmp_path, activation):
+    """GPT-2's activation_function as transformers' ACT2FN reads it: the exact GELU (what a
+    GPT-2 trained with nanoGPT, saved in HF's layout, names), ReLU, SiLU under its other name,
+    the tanh GELU under its other name; the logits match the reference's formula for each.
+    Catches: one run as another (the tanh GELU for "gelu": 1e-3 apart at these weights)."""
+    c = GPT2_CONFIG | {"activation_function": activation}
+    w = gpt2_tensors(c)
+    model = load_model(write_checkpoint(tmp_path / activation, c, w))
+    formula = {"swish": "silu", "gelu_pytorch_tanh": "gelu_new"}.get(activation, activation)
+    torch.testing.assert_close(forward_all(model, IDS), reference_gpt2(c | {"activation_function": formula}, w, IDS),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_only_the_tanh_gelu_is_accepted_for_gemma_and_silu_for_llama():
+    """An activation GPT-2 does not name is refused, naming those it does. Gemma's
+    hidden_activation may be spelled either name of the tanh GELU (gelu_pytorch_tanh,
+    gelu_new), a Llama's SiLU either of its names (vLLM refuses other activations for both).
+    Catches: "quick_gelu" accepted for GPT-2; "gelu_new" refused for Gemma; "swish" refused."""
+    with pytest.raises(ModelError, match="activation_function 'quick_gelu' is not supported "
+                                         r"\(supported: 'gelu_new', 'gelu_pytorch_tanh', 'gelu', 'relu'"):
+        ModelConfig.from_dict(GPT2_CONFIG | {"activation_function": "quick_gelu"})
     for name in ("gemma2", "gemma3"):
         c = ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS[name] | {"hidden_activation": "gelu_new"})
         assert c.hidden_act == "gelu_tanh"
