@@ -234,6 +234,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
     qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
     o_bias: bool = False              # o_proj has a bias (attention_bias)
+    mlp_bias: bool = False            # the MLP's gate, up and down projections have biases (mlp_bias)
     clip_qkv: float | None = None     # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE's option)
     qk_norm: str | None = None        # RMSNorm on q and k before RoPE: "head", each head's (one (D,) scale
                                       # shared by all: Qwen 3, Gemma 3); "all", all heads' at once (OLMo, OLMoE)
@@ -357,8 +358,6 @@ class ModelConfig:
             # (silu and swish: one function, in transformers)
             if model_type not in GEMMAS and d.get("hidden_act", "silu") not in ("silu", "swish"):
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu', or 'swish')")
-            if d.get("mlp_bias"):
-                raise ModelError("mlp_bias is not supported")
             heads, hidden = _positive(d, "num_attention_heads"), _positive(d, "hidden_size")
             kv_heads = _positive(d, "num_key_value_heads", default=heads)
             if heads % kv_heads:
@@ -377,10 +376,12 @@ class ModelConfig:
             # The family's differences from Llama, as HF's modeling files hard-code them:
             # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's (MoE too), SmolLM3's,
             # Gemma's, Granite's and OLMo's (OLMoE's) attention_bias gives all four one; Mistral
-            # (Mixtral) has none. Qwen 3 and Gemma 3 normalize each head's q and k, OLMo (OLMoE)
+            # (Mixtral) has none. Llama's, SmolLM3's and Granite's mlp_bias gives their MLP's
+            # three projections one. Qwen 3 and Gemma 3 normalize each head's q and k, OLMo (OLMoE)
             # all of q and of k.
             attention_bias = (model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "granite", "olmoe", *GEMMAS,
                                             *OLMOS) and _flag(d, "attention_bias"))
+            mlp_bias = model_type in ("llama", "smollm3", "granite") and _flag(d, "mlp_bias")
             nope_layers = _nope_layers(d, model_type)
             window, window_layers = _sliding_window(d, model_type, nope_layers)
             # A window as long as the context changes nothing. (Kept where it also says which
@@ -397,7 +398,7 @@ class ModelConfig:
                 norm_eps=_positive(d, "rms_norm_eps", float, 1e-6), rope_theta=rope_theta,
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings"),
-                qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
+                qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias, mlp_bias=mlp_bias,
                 qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text")
                          else "all" if model_type in (*OLMOS, "olmoe") else None),
                 clip_qkv=(None if model_type != "olmoe" or d.get("clip_qkv") is None
@@ -2296,8 +2297,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         # gate and up read the same input: fused into one matmul like q/k/v above.
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
@@ -2458,6 +2459,8 @@ class Llama(nn.Module):
                            p + "self_attn.v_proj.bias": (kv,)}
             if config.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (C,)
+            if config.mlp_bias:
+                shapes |= {p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,), p + "mlp.down_proj.bias": (C,)}
             if config.qk_norm:
                 D = config.head_dim
                 shapes |= {p + "self_attn.q_norm.weight": (D,) if config.qk_norm == "head" else (q,),
@@ -2466,8 +2469,8 @@ class Llama(nn.Module):
 
     @staticmethod
     def from_checkpoint(hf: dict, config: ModelConfig) -> dict:
-        """HF tensors -> this module's state dict: fuse q/k/v (weights and any biases) and
-        gate/up (but Phi-3's, stored fused), drop the "model." prefix. Consumes `hf` (pop) so each source tensor is freed
+        """HF tensors -> this module's state dict: fuse q/k/v and gate/up (weights and any
+        biases; but Phi-3's, stored fused), drop the "model." prefix. Consumes `hf` (pop) so each source tensor is freed
         once fused, keeping peak memory near one copy of the model."""
         state = {}
         unfused = 0 if config.model_type == "phi3" else config.num_hidden_layers   # (Phi-3's come fused)
@@ -2476,23 +2479,24 @@ class Llama(nn.Module):
             for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
                 state[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat(   # ((H + 2 KVH) * D, C), or its bias
                     [hf.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
-            for name, (gate, up, down) in _mlp_names(config, p):
-                state[f"layers.{i}.{name}.gate_up_proj.weight"] = torch.cat([hf.pop(gate), hf.pop(up)])  # (2 I, C)
-                state[f"layers.{i}.{name}.down_proj.weight"] = hf.pop(down)
+            for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
+                for name, (gate, up, down) in _mlp_names(config, p, kind):
+                    state[f"layers.{i}.{name}.gate_up_proj.{kind}"] = torch.cat([hf.pop(gate), hf.pop(up)])  # (2 I, C)
+                    state[f"layers.{i}.{name}.down_proj.{kind}"] = hf.pop(down)
             if config.num_experts:
                 state[f"layers.{i}.mlp.gate.weight"] = hf.pop(_router_name(config, p))   # (E, C)
         # the rest keep their names: norms, o_proj, embeddings, lm_head (and all of Phi-3's layers)
         return state | {name.removeprefix("model."): hf.pop(name) for name in list(hf)}
 
 
-def _mlp_names(config: ModelConfig, p: str) -> list[tuple[str, tuple[str, str, str]]]:
-    """Layer p's MLPs, as (this module's name, the checkpoint's gate, up and down weights):
-    its MLP, or each of its experts (Mixtral names them w1, w3 and w2, under block_sparse_moe)."""
+def _mlp_names(config: ModelConfig, p: str, kind: str = "weight") -> list[tuple[str, tuple[str, str, str]]]:
+    """Layer p's MLPs, as (this module's name, the checkpoint's gate, up and down weights, or
+    biases): its MLP, or each of its experts (Mixtral names them w1, w3 and w2, under block_sparse_moe)."""
     if not config.num_experts:
-        return [("mlp", tuple(f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")))]
+        return [("mlp", tuple(f"{p}mlp.{n}_proj.{kind}" for n in ("gate", "up", "down")))]
     moe, names = ("block_sparse_moe", ("w1", "w3", "w2")) if config.model_type == "mixtral" else (
         "mlp", ("gate_proj", "up_proj", "down_proj"))
-    return [(f"mlp.experts.{e}", tuple(f"{p}{moe}.experts.{e}.{n}.weight" for n in names))
+    return [(f"mlp.experts.{e}", tuple(f"{p}{moe}.experts.{e}.{n}.{kind}" for n in names))
             for e in range(config.num_experts)]
 
 
@@ -3323,6 +3327,7 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
         "sliding_window": meta.get(f"{arch}.attention.sliding_window") or None if arch == "phi3" else None,
         # (only Qwen 3's: llama.cpp permutes a Llama's q/k biases too, which _unpermute does not undo)
         "attention_bias": arch == "qwen3" and "blk.0.attn_output.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_down.bias" in tensors,   # (read for a Llama, SmolLM3 or Granite only, as config.json's)
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}

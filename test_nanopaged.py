@@ -191,6 +191,8 @@ def llama_tensors(c, seed=0):
                        p + "self_attn.v_proj.bias": (kv,)}
         if c.get("attention_bias"):
             shapes[p + "self_attn.o_proj.bias"] = (C,)
+        if c.get("mlp_bias"):
+            shapes |= {p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,), p + "mlp.down_proj.bias": (C,)}
         if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
         if c["model_type"] in ("mixtral", "qwen3_moe", "olmoe"):   # a router and E MLPs, not one (Mixtral's names)
@@ -363,6 +365,7 @@ LLAMA_FAMILY_VARIANTS = {
                                          attention_bias=True),
     "mistral": llama_config(model_type="mistral", tied=False, sliding_window=64),
     "llama_attention_bias": llama_config(attention_bias=True),            # q/k/v and o biases
+    "llama_mlp_bias": llama_config(kv_heads=2, tied=False, mlp_bias=True),  # gate, up and down biases
     "phi3": llama_config(model_type="phi3", tied=False, sliding_window=64, pad_token_id=None),   # q/k/v, gate/up fused
     # sliding windows shorter than IDS: every layer's (Mistral, Phi-3), the last layer's (Qwen 2)
     "mistral_window": llama_config(model_type="mistral", tied=False, sliding_window=4),
@@ -1196,19 +1199,20 @@ def test_converted_dir_is_plain_hf_layout(smollm2_dir, nanopaged_cache):
 
 
 @pytest.mark.parametrize("arch, scaling", [("llama", None), ("llama", "llama3"), ("llama", "yarn"),
-                                           ("llama", "linear"), ("smollm3", None)])
+                                           ("llama", "linear"), ("smollm3", None), ("llama", "mlp_bias")])
 def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, arch, scaling):
     """A tiny Llama GGUF (Q/K rows permuted the llama.cpp way) loads like its HF original; with
     RoPE scalings too: Llama 3.1's, which llama.cpp's converter writes as a tensor of one factor
     per frequency (rope_freqs.weight), and YaRN's (Qwen's long contexts) and linear's, which it
-    writes as metadata. And a SmolLM3's, converted as a Llama's, its every 4th layer without RoPE."""
+    writes as metadata. And a SmolLM3's, converted as a Llama's, its every 4th layer without RoPE;
+    and a Llama with mlp_bias, whose MLP biases (ffn_*.bias, not permuted) say so."""
     import gguf
     import numpy as np
     s = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                     "original_max_position_embeddings": 128},   # (frequencies kept, blended and slowed down)
          "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "attention_factor": 1.5},
-         "linear": {"rope_type": "linear", "factor": 2.5}, None: None}[scaling]
-    c = llama_config(kv_heads=2, tied=False, **({"rope_scaling": s} if scaling else {}))
+         "linear": {"rope_type": "linear", "factor": 2.5}, None: None, "mlp_bias": None}[scaling]
+    c = llama_config(kv_heads=2, tied=False, **({"rope_scaling": s} if s else {}), mlp_bias=scaling == "mlp_bias")
     if arch == "smollm3":
         c |= {"model_type": "smollm3", "num_hidden_layers": 4}   # (its last layer without RoPE)
     w = llama_tensors(c)
@@ -1248,8 +1252,8 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, arch, scaling
                              "{% endif %}")
     for name, t in w.items():
         if name.startswith("model.layers."):
-            i, part = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
-            gname = f"blk.{i}.{parts[part]}.weight"
+            (i, part), kind = name.removeprefix("model.layers.").rsplit(".", 1)[0].split(".", 1), name.rsplit(".", 1)[1]
+            gname = f"blk.{i}.{parts[part]}.{kind}"
             if part.endswith(("q_proj", "k_proj")):
                 t = permute(t, H if part.endswith("q_proj") else KVH)
         else:
@@ -1285,9 +1289,10 @@ def test_gguf_file_converts_like_hf_dir(tmp_path, nanopaged_cache, arch, scaling
     if arch == "smollm3":   # (RoPE in every layer would differ)
         assert (forward_all(load_model(write_checkpoint(tmp_path / "all", c | {"model_type": "llama"}, w)), ids)
                 - expected).abs().max() > 1e-2
-    if scaling:
+    if s:
         unscaled = forward_all(load_model(write_checkpoint(tmp_path / "plain", llama_config(kv_heads=2, tied=False), w)), ids)
         assert (expected - unscaled).abs().max() > 1e-2
+    assert load_model(path).config.mlp_bias == (scaling == "mlp_bias")
     tok = load_tokenizer(path)
     assert tok.encode("<s>\x02") == [0, 3] and tok.eos_token_id == 0
     # the template's bos_token comes from the file's tokenizer.ggml.bos_token_id
@@ -1784,7 +1789,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"bos_token_id": [1]}, "'bos_token_id' is \\[1\\]"),
     ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' is 'false', expected true or false"),
     ({"attention_bias": "true"}, "'attention_bias' is 'true', expected true or false"),
-    ({"mlp_bias": True}, "mlp_bias is not supported"),
+    ({"mlp_bias": "true"}, "'mlp_bias' is 'true', expected true or false"),
     # quantized checkpoints (GPTQ, AWQ, bitsandbytes...; MLX's): were a missing or misshapen tensor
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config \\(quant_method 'gptq'\\) "
      "is not supported: nanopaged reads unquantized float16/bfloat16/float32 checkpoints"),
@@ -1837,7 +1842,6 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"model_type": "smollm3", "no_rope_layers": [True, False]}, r"'no_rope_layers' is \[True, False\]"),
     ({"model_type": "smollm3", "no_rope_layers": [1.0, 0]}, r"'no_rope_layers' is \[1.0, 0\]"),
     ({"model_type": "smollm3", "no_rope_layer_interval": 0}, "'no_rope_layer_interval' is 0"),
-    ({"model_type": "smollm3", "mlp_bias": True}, "mlp_bias is not supported"),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": "yes"},
      "'use_sliding_window' is 'yes', expected true or false"),
     ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "layer_types": "full_attention"},
@@ -10421,6 +10425,17 @@ def test_a_checkpoint_more_than_a_layer_short_is_refused_by_count(tmp_path):
         load_model(write_checkpoint(tmp_path / "four", c | {"num_hidden_layers": 4}, w))
     with pytest.raises(ModelError, match=r"'model\.layers\.2\.input_layernorm\.weight' is missing"):
         load_model(write_checkpoint(tmp_path / "three", c | {"num_hidden_layers": 3}, w))
+
+
+def test_mlp_bias_is_read_where_transformers_reads_it():
+    """mlp_bias gives the MLP's gate, up and down projections biases in a Llama, SmolLM3 or
+    Granite (the config classes of transformers 5.25 that have the field); the family's others
+    ignore it, as transformers does. Catches: mlp_bias read for every family, or not for one of
+    the three."""
+    for model_type in model_module.LLAMA_FAMILY:
+        c = ModelConfig.from_dict(llama_config(model_type=model_type, mlp_bias=True, num_experts=2,
+                                               num_local_experts=2, num_experts_per_tok=1))
+        assert c.mlp_bias == (model_type in ("llama", "smollm3", "granite")), model_type
 
 
 def test_a_llama_gguf_with_attention_biases_is_refused(tmp_path, own_cache):
