@@ -214,11 +214,11 @@ class LayersBut:
 
 @dataclass
 class ModelConfig:
-    """One config for both architectures (GPT-2, and Llama with its family). The fields
-    HF's LlamaConfig has too keep its names (but norm_eps, its rms_norm_eps); the others are
-    nanopaged's, one for each way the family differs. GPT-2's own names (n_embd, n_layer,
-    ...) are mapped onto them by from_dict."""
-    model_type: str                   # "gpt2" or one of LLAMA_FAMILY
+    """One config for the three architectures (GPT-2, Llama with its family, GPT-NeoX). The
+    fields HF's LlamaConfig has too keep its names (but norm_eps, its rms_norm_eps); the others
+    are nanopaged's, one for each way the family differs. GPT-2's own names (n_embd, n_layer,
+    ...) and GPT-NeoX's (rotary_pct...) are mapped onto them by from_dict."""
+    model_type: str                   # "gpt2", "gpt_neox" or one of LLAMA_FAMILY
     vocab_size: int
     hidden_size: int                  # C
     num_hidden_layers: int
@@ -227,14 +227,17 @@ class ModelConfig:
     head_dim: int                     # D
     intermediate_size: int            # MLP width (I; each expert's, in a mixture of experts)
     max_position_embeddings: int
-    norm_eps: float                   # HF's rms_norm_eps (llama) / layer_norm_epsilon (gpt2)
-    rope_theta: float = 10000.0       # Llama's family only
-    rope_scaling: dict | None = None  # Llama's family only: None, or linear, llama3, yarn or longrope parameters
-    partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim of each head's D (Phi-4-mini: 0.75)
+    norm_eps: float                   # HF's rms_norm_eps (llama) / layer_norm_epsilon (gpt2) / layer_norm_eps (gpt_neox)
+    rope_theta: float = 10000.0       # RoPE's base (Llama's family, GPT-NeoX)
+    rope_scaling: dict | None = None  # RoPE's scaling (the same): None, or linear, llama3, yarn or longrope parameters
+    partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim of each head's D (Phi-4-mini: 0.75, Pythia: 0.25)
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
     qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
     o_bias: bool = False              # o_proj has a bias (attention_bias)
     mlp_bias: bool = False            # the MLP's gate, up and down projections have biases (mlp_bias)
+    # GPT-NeoX's "parallel residual" (use_parallel_residual): attention and MLP both read the
+    # block's input, x + attn(ln1(x)) + mlp(ln2(x)); else the MLP reads x + attn(ln1(x)), as Llama's
+    parallel_residual: bool = False
     clip_qkv: float | None = None     # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE's option)
     qk_norm: str | None = None        # RMSNorm on q and k before RoPE: "head", each head's (one (D,) scale
                                       # shared by all: Qwen 3, Gemma 3); "all", all heads' at once (OLMo, OLMoE)
@@ -406,11 +409,11 @@ class ModelConfig:
                 pre_norms=model_type not in OLMOS, post_norms=model_type in (*GEMMAS, *OLMOS), nope_layers=nope_layers,
                 sliding_window=window, window_layers=window_layers, **extra)
             default_token_id = None
+        elif model_type == "gpt_neox":
+            d = GPT_NEOX_DEFAULTS | d
+            fields, default_token_id = _gpt_neox_fields(d), None
         elif model_type == "gpt2":
-            act = d.get("activation_function", "gelu_new")
-            if act not in GPT2_ACTIVATIONS:
-                raise ModelError(f"activation_function {act!r} is not supported "
-                                 f"(supported: {', '.join(map(repr, GPT2_ACTIVATIONS))})")
+            act = _hf_activation(d, "activation_function", "gelu_new")
             # GPT-2 variants that change the math: refused, rather than run differently
             for key, plain in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
                 if d.get(key, plain) != plain:
@@ -423,7 +426,7 @@ class ModelConfig:
                 num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
                 intermediate_size=_positive(d, "n_inner", default=4 * hidden),
                 max_position_embeddings=_positive(d, "n_positions"),
-                norm_eps=_positive(d, "layer_norm_epsilon", float, 1e-5), hidden_act=GPT2_ACTIVATIONS[act],
+                norm_eps=_positive(d, "layer_norm_epsilon", float, 1e-5), hidden_act=act,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings", default=True))
             default_token_id = 50256  # <|endoftext|>
         else:
@@ -510,6 +513,41 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
     fields["attn_logit_softcapping"] = None   # (Gemma 3's attention ignores it in transformers too)
     local, d = _two_ropes(d, model_type)
     return fields | local, d
+
+
+def _hf_activation(d: dict, key: str, default: str) -> str:
+    """d[key], an activation as transformers names it, as an ACTIVATIONS key."""
+    act = d.get(key, default)
+    if act not in HF_ACTIVATIONS:
+        raise ModelError(f"{key} {reprlib.repr(act)} is not supported "
+                         f"(supported: {', '.join(map(repr, HF_ACTIVATIONS))})")
+    return HF_ACTIVATIONS[act]
+
+
+# GPTNeoXConfig's values where a config.json leaves a key out (its sizes are always written)
+GPT_NEOX_DEFAULTS = {"max_position_embeddings": 2048, "layer_norm_eps": 1e-5, "hidden_act": "gelu",
+                     "use_parallel_residual": True, "attention_bias": True, "tie_word_embeddings": False,
+                     "bos_token_id": 0, "eos_token_id": 2}
+
+
+def _gpt_neox_fields(d: dict) -> dict:
+    """ModelConfig's fields for a GPT-NeoX (Pythia), as GPTNeoXConfig reads them: RoPE's base
+    and the share of each head it turns from rope_parameters, or from the older names
+    rotary_emb_base and rotary_pct (default a quarter)."""
+    hidden, heads = _positive(d, "hidden_size"), _positive(d, "num_attention_heads")
+    if hidden % heads:
+        raise ModelError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    old = {"rope_theta": _positive(d, "rotary_emb_base", float, 10000.0),
+           "partial_rotary_factor": _positive(d, "rotary_pct", float, 0.25)}
+    max_position = _positive(d, "max_position_embeddings")
+    rope_theta, rope_scaling, partial = _rope_config(d | old, "gpt_neox", hidden // heads, max_position)
+    return dict(hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
+                num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+                intermediate_size=_positive(d, "intermediate_size"), max_position_embeddings=max_position,
+                norm_eps=_positive(d, "layer_norm_eps", float), rope_theta=rope_theta, rope_scaling=rope_scaling,
+                partial_rotary_factor=partial, hidden_act=_hf_activation(d, "hidden_act", "gelu"),
+                qkv_bias=_flag(d, "attention_bias"), o_bias=_flag(d, "attention_bias"),
+                parallel_residual=_flag(d, "use_parallel_residual"), tie_word_embeddings=_flag(d, "tie_word_embeddings"))
 
 
 def _granite_fields(d: dict) -> dict:
@@ -756,7 +794,8 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
     theta = _positive(params if "rope_theta" in params else d, "rope_theta", float, 10000.0)
     partial = _positive(params if "partial_rotary_factor" in params else d, "partial_rotary_factor", float, 1.0)
-    if partial != 1.0 and model_type != "phi3":   # (of the family, only HF's Phi-3 splits heads: Phi-4-mini)
+    if partial != 1.0 and model_type not in ("phi3", "gpt_neox"):   # (of Llama's family, only HF's Phi-3 splits
+                                                                     # heads: Phi-4-mini)
         raise ModelError(f"partial_rotary_factor {partial!r} is not supported for {model_type}: its "
                          f"transformers class turns whole heads, ignoring it (only Phi-3's turns part of each)")
     if partial > 1:   # (refused before the product: 1e308 * head_dim is inf, which int() refuses)
@@ -2206,13 +2245,27 @@ def tanh_softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
-# The MLPs' activations, by ModelConfig.hidden_act. GPT-2's config names its own as transformers'
-# ACT2FN does, GPT2_ACTIVATIONS maps those names here: OpenAI's GPT-2 was trained with the tanh
-# approximation of GELU ("gelu_new"); nanoGPT's model, and so a GPT-2 trained with it and saved
-# in HF's layout, uses the exact one ("gelu").
+# The MLPs' activations, by ModelConfig.hidden_act. GPT-2's and GPT-NeoX's configs name theirs
+# as transformers' ACT2FN does; HF_ACTIVATIONS maps those names here. OpenAI's GPT-2 was trained
+# with the tanh approximation of GELU ("gelu_new"; "gelu_fast" is the same formula); nanoGPT's
+# model, and so a GPT-2 trained with it and saved in HF's layout, uses the exact one ("gelu"),
+# as Pythia does.
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu, "relu": F.relu}
-GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
-                    "silu": "silu", "swish": "silu"}
+HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
+                  "relu": "relu", "silu": "silu", "swish": "silu"}
+
+
+def final_logits(x: torch.Tensor, logits_indices: torch.Tensor | None, norm: nn.Module,
+                 head: nn.Module) -> torch.Tensor:
+    """The logits (N, V) of the N rows of x (T, C) in logits_indices (all T where None): the
+    final norm, then the LM head (head: its nn.Linear, or the embedding it is tied to). The
+    head is a step's biggest matmul (vocab_size rows): run only on the rows whose logits are
+    wanted, the tokens whose next token is sampled (typically the last one of each sequence),
+    and the prompt tokens scored for prompt_logprobs (the engine's sampled rows, then its
+    prompt-logprob rows)."""
+    if logits_indices is not None:
+        x = x[logits_indices]                          # (N, C)
+    return F.linear(norm(x), head.weight)              # (N, V)
 
 
 def embedding(num: int, dim: int) -> nn.Embedding:
@@ -2372,6 +2425,8 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
+    HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"   # (what _untie_if_distinct compares)
+
     def __init__(self, config: ModelConfig, max_model_len: int | None = None):
         """max_model_len: the longest sequence it will serve (default: its whole context);
         the RoPE tables cover that many positions."""
@@ -2408,14 +2463,7 @@ class Llama(nn.Module):
             self.rope_local_sin[positions].unsqueeze(1))  # (T, 1, R/2)
         for layer in self.layers:   # (windowed layers turn by the local base where there is one; else local is rope)
             x = layer(x, *(local if layer.self_attn.window is not None else rope), attn)
-        # The LM head is a step's biggest matmul (vocab_size rows): run it only on the N
-        # rows whose logits are wanted: the tokens whose next token is sampled (typically
-        # the last one of each sequence), and the prompt tokens scored for prompt_logprobs
-        # (the engine's sampled rows, then its prompt-logprob rows).
-        if logits_indices is not None:
-            x = x[logits_indices]                      # (N, C)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = F.linear(self.norm(x), head.weight)   # (N, V), or (T, V) without logits_indices
+        logits = final_logits(x, logits_indices, self.norm, self.embed_tokens if self.lm_head is None else self.lm_head)
         if (cap := self.config.final_logit_softcapping) is not None:
             logits = tanh_softcap(logits, cap)
         if self.config.logits_scaling != 1.0:   # Granite's
@@ -2548,6 +2596,8 @@ class GPT2Block(nn.Module):
 
 
 class GPT2(nn.Module):
+    HEAD, EMBEDDING = "lm_head.weight", "transformer.wte.weight"   # (what _untie_if_distinct compares)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -2563,10 +2613,7 @@ class GPT2(nn.Module):
         x = self.wte(input_ids) + self.wpe(positions)  # (T, C): learned positions, no RoPE
         for block in self.h:
             x = block(x, attn)
-        if logits_indices is not None:                 # LM head on the N rows wanted only (Llama's says which)
-            x = x[logits_indices]                      # (N, C)
-        head = self.wte if self.lm_head is None else self.lm_head
-        return F.linear(self.ln_f(x), head.weight)     # (N, V), or (T, V) without logits_indices
+        return final_logits(x, logits_indices, self.ln_f, self.wte if self.lm_head is None else self.lm_head)
 
     @staticmethod
     def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
@@ -2599,9 +2646,94 @@ class GPT2(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------
+# GPT-NeoX (EleutherAI's Pythia, 14M to 12B, with its training checkpoints; Dolly v2,
+# RedPajama-INCITE): GPT-2's LayerNorms with biases and plain MLP, Llama's RoPE, on a quarter
+# of each head, and, where use_parallel_residual says (Pythia's), the parallel residual.
+
+class GPTNeoXBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        C = config.hidden_size
+        self.input_layernorm = nn.LayerNorm(C, eps=config.norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(C, eps=config.norm_eps)
+        self.attention = LlamaAttention(config, layer_idx)   # (with biases, and RoPE on the first rotary_dim)
+        self.mlp = GPT2MLP(config)   # (dense_h_to_4h, the activation, dense_4h_to_h)
+        self.parallel_residual = config.parallel_residual
+
+    def forward(self, x, cos, sin, attn):
+        a = self.attention(self.input_layernorm(x), cos, sin, attn)    # (T, C)
+        if self.parallel_residual:   # both read x: summed in transformers' order (its bits in bfloat16)
+            return self.mlp(self.post_attention_layernorm(x)) + a + x  # (T, C)
+        x = a + x
+        return self.mlp(self.post_attention_layernorm(x)) + x          # (T, C)
+
+
+class GPTNeoX(nn.Module):
+    HEAD, EMBEDDING = "embed_out.weight", "gpt_neox.embed_in.weight"   # (what _untie_if_distinct compares)
+
+    def __init__(self, config: ModelConfig, max_model_len: int | None = None):
+        super().__init__()
+        self.config = config
+        self.embed_in = embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(GPTNeoXBlock(config, i) for i in range(config.num_hidden_layers))
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.embed_out = (None if config.tie_word_embeddings else
+                          nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        cos, sin = rope_tables(config, max_model_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids, positions, attn, logits_indices=None):
+        x = self.embed_in(input_ids)                   # (T, C)
+        cos = self.rope_cos[positions].unsqueeze(1)    # (T, 1, R/2)
+        sin = self.rope_sin[positions].unsqueeze(1)    # (T, 1, R/2)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        head = self.embed_in if self.embed_out is None else self.embed_out
+        return final_logits(x, logits_indices, self.final_layer_norm, head)   # (N, V), or (T, V)
+
+    @staticmethod
+    def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
+        """Every tensor of a HF GPTNeoXForCausalLM checkpoint, with its shape."""
+        C, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+        shapes = {"gpt_neox.embed_in.weight": (V, C), "gpt_neox.final_layer_norm.weight": (C,),
+                  "gpt_neox.final_layer_norm.bias": (C,)}
+        if not config.tie_word_embeddings:
+            shapes["embed_out.weight"] = (V, C)
+        for i in range(config.num_hidden_layers):
+            p = f"gpt_neox.layers.{i}."
+            shapes |= {p + "input_layernorm.weight": (C,), p + "input_layernorm.bias": (C,),
+                       p + "post_attention_layernorm.weight": (C,), p + "post_attention_layernorm.bias": (C,),
+                       p + "attention.query_key_value.weight": (3 * C, C), p + "attention.dense.weight": (C, C),
+                       p + "mlp.dense_h_to_4h.weight": (I, C), p + "mlp.dense_h_to_4h.bias": (I,),
+                       p + "mlp.dense_4h_to_h.weight": (C, I), p + "mlp.dense_4h_to_h.bias": (C,)}
+            if config.qkv_bias:   # (attention_bias: both or neither)
+                shapes |= {p + "attention.query_key_value.bias": (3 * C,), p + "attention.dense.bias": (C,)}
+        return shapes
+
+    @staticmethod
+    def from_checkpoint(hf: dict, config: ModelConfig) -> dict:
+        """HF tensors -> this module's state dict. GPT-NeoX's query_key_value holds each head's
+        q, k and v rows together, head after head; LlamaAttention's qkv_proj wants all heads'
+        q rows, then k's, then v's: reordered once here (its bias alike)."""
+        H, D = config.num_attention_heads, config.head_dim
+        renames = {".attention.query_key_value.": ".attention.qkv_proj.", ".attention.dense.": ".attention.o_proj.",
+                   ".mlp.dense_h_to_4h.": ".mlp.c_fc.", ".mlp.dense_4h_to_h.": ".mlp.c_proj."}
+        state = {}
+        for name in list(hf):
+            w, name = hf.pop(name), name.removeprefix("gpt_neox.")
+            if ".query_key_value." in name:
+                w = w.view(H, 3, D, -1).transpose(0, 1).reshape(w.shape)   # (H, 3, D, C or 1) -> (3, H, D, ...)
+            for old, new in renames.items():
+                name = name.replace(old, new)
+            state[name] = w
+        return state
+
+
+# ----------------------------------------------------------------------------------------
 # loading: a Hugging Face layout directory (config.json + safetensors) -> a ready model
 
-ARCHITECTURES = {"gpt2": GPT2} | dict.fromkeys(LLAMA_FAMILY, Llama)
+ARCHITECTURES = {"gpt2": GPT2, "gpt_neox": GPTNeoX} | dict.fromkeys(LLAMA_FAMILY, Llama)
 
 
 def cache_dir() -> Path:
@@ -2722,7 +2854,8 @@ def _open_safetensors(path: Path):
 
 
 CHECKPOINT_DTYPES = ("F16", "BF16", "F32", "F64")   # safetensors' names
-UNUSED_BUFFERS = r"\.rotary_emb\.inv_freq$|(^|\.)attn\.(masked_)?bias$|^(language_model\.)?lm_head\.weight$"
+UNUSED_BUFFERS = (r"\.rotary_emb\.inv_freq$|(^|\.)(attn|attention)\.(masked_)?bias$"   # (GPT-2's and GPT-NeoX's masks)
+                  r"|^(language_model\.)?lm_head\.weight$")
 # and, of a Gemma 3 with a vision tower, the tower: nanopaged runs the text model alone
 VISION_TOWER = r"^(vision_tower|multi_modal_projector)\."
 
@@ -2860,8 +2993,7 @@ def _untie_if_distinct(model_dir: Path, where: dict[str, Path], config: ModelCon
     flag): the head is not tied, the checkpoint's own is used, and that is said. (A copy of
     the embeddings, as some checkpoints save, changes nothing. vLLM ties it all the same,
     leaving the checkpoint's head out; the tests' reference is transformers.)"""
-    head = _checkpoint_name("lm_head.weight", where)
-    embed = _checkpoint_name("transformer.wte.weight" if arch is GPT2 else "model.embed_tokens.weight", where)
+    head, embed = _checkpoint_name(arch.HEAD, where), _checkpoint_name(arch.EMBEDDING, where)
     if head is None or embed is None:
         return config   # (a missing embedding is _read_safetensors' to name)
     with _open_safetensors(where[head]) as f, _open_safetensors(where[embed]) as g:

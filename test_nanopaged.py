@@ -285,6 +285,28 @@ def reference_llama(c, w, ids):
     return rms(x, w["model.norm.weight"]) @ head.T
 
 
+def gpt_neox_tensors(c, seed=0):
+    """Random weights under HF GPTNeoXForCausalLM names (query_key_value: each head's q, k and v
+    rows together, head after head)."""
+    g = torch.Generator().manual_seed(seed)
+    C, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    shapes = {"gpt_neox.embed_in.weight": (V, C), "gpt_neox.final_layer_norm.weight": (C,),
+              "gpt_neox.final_layer_norm.bias": (C,)}
+    if not c.get("tie_word_embeddings", False):
+        shapes["embed_out.weight"] = (V, C)
+    for i in range(c["num_hidden_layers"]):
+        p = f"gpt_neox.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shapes |= {p + norm + ".weight": (C,), p + norm + ".bias": (C,)}
+        shapes |= {p + "attention.query_key_value.weight": (3 * C, C), p + "attention.dense.weight": (C, C),
+                   p + "mlp.dense_h_to_4h.weight": (I, C), p + "mlp.dense_h_to_4h.bias": (I,),
+                   p + "mlp.dense_4h_to_h.weight": (C, I), p + "mlp.dense_4h_to_h.bias": (C,)}
+        if c.get("attention_bias", True):
+            shapes |= {p + "attention.query_key_value.bias": (3 * C,), p + "attention.dense.bias": (C,)}
+    return {n: (1 + 0.1 * torch.randn(s, generator=g)) if "layernorm.weight" in n or "layer_norm.weight" in n
+            else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
 GPT2_CONFIG = {"model_type": "gpt2", "vocab_size": 103, "n_embd": 32, "n_layer": 2,
                "n_head": 4, "n_positions": 64, "layer_norm_epsilon": 1e-5}
 
@@ -458,14 +480,74 @@ LLAMA_FAMILY_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", LLAMA_FAMILY_VARIANTS)
+# GPT-NeoX (Pythia), against transformers too, in the same file
+GPT_NEOX = {"model_type": "gpt_neox", "vocab_size": 101, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 96, "max_position_embeddings": 128, "layer_norm_eps": 1e-5}
+GPT_NEOX_VARIANTS = {
+    # Pythia's config.json: RoPE on a quarter of each head (4 of 16), under the older names;
+    # the parallel residual, the exact GELU, biases, an untied head (embed_out)
+    "gpt_neox": GPT_NEOX | {"rotary_pct": 0.25, "rotary_emb_base": 10000, "use_parallel_residual": True,
+                            "hidden_act": "gelu", "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0},
+    # transformers 5's nested rope_parameters (half of each head, base 500, linear scaling);
+    # the residual in sequence, no attention biases, the tanh GELU ("gelu_fast"), a tied head
+    "gpt_neox_sequential": GPT_NEOX | {"use_parallel_residual": False, "attention_bias": False, "hidden_act": "gelu_fast",
+                                       "tie_word_embeddings": True, "rope_parameters": {
+                                           "rope_type": "linear", "factor": 2.0, "rope_theta": 500.0,
+                                           "partial_rotary_factor": 0.5}},
+}
+FAMILY_VARIANTS = LLAMA_FAMILY_VARIANTS | GPT_NEOX_VARIANTS
+
+
+def variant_tensors(c, seed=0):
+    return (gpt_neox_tensors if c["model_type"] == "gpt_neox" else llama_tensors)(c, seed)
+
+
+@pytest.mark.parametrize("variant", FAMILY_VARIANTS)
 def test_llama_family_matches_transformers(tmp_path, variant):
-    c = LLAMA_FAMILY_VARIANTS[variant]
+    c = FAMILY_VARIANTS[variant]
     expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())[variant]
     assert expected["config"] == c   # the file was made from this config
-    model = load_model(write_checkpoint(tmp_path / variant, c, llama_tensors(c)))
+    model = load_model(write_checkpoint(tmp_path / variant, c, variant_tensors(c)))
     torch.testing.assert_close(forward_all(model, IDS), torch.tensor(expected["logits"]),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_gpt_neox_config_and_checkpoint_details(tmp_path, capsys):
+    """A GPT-NeoX config as GPTNeoXConfig reads it: its defaults where keys are left out (the
+    parallel residual, biases, the exact GELU, an untied head, RoPE on a quarter of each head
+    at base 10000, BOS 0 and EOS 2), rope_parameters ahead of rotary_pct and rotary_emb_base;
+    bad values refused by name. The masks and RoPE frequencies older Pythia checkpoints store
+    (attention.bias, masked_bias, rotary_emb.inv_freq) are left out without a note; a tied
+    config whose checkpoint holds an embed_out of other values runs with it, untied, as
+    transformers does. Catches: a default or precedence not transformers'; the buffers noted
+    as unused; the untie rule looking for Llama's lm_head.weight."""
+    c = ModelConfig.from_dict(GPT_NEOX)   # (its sizes alone)
+    assert (c.parallel_residual, c.qkv_bias, c.o_bias, c.hidden_act, c.tie_word_embeddings, c.rotary_dim, c.rope_theta,
+            c.bos_token_id, c.eos_token_id) == (True, True, True, "gelu", False, 4, 10000.0, 0, [2])
+    nested = ModelConfig.from_dict(GPT_NEOX | {"rotary_pct": 0.5, "rotary_emb_base": 7.0, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0}})
+    assert (nested.rotary_dim, nested.rope_theta) == (16, 500.0)
+    for change, message in [({"hidden_size": 66}, "hidden_size 66 is not a multiple of num_attention_heads 4"),
+                            ({"rotary_pct": 0}, "'rotary_pct' is 0, expected a positive number"),
+                            ({"rotary_pct": 0.1}, "head_dim 16 gives 1 rotated dimensions"),
+                            ({"rotary_emb_base": "1e4"}, "'rotary_emb_base' is '1e4'"),
+                            ({"hidden_act": "quick_gelu"}, "hidden_act 'quick_gelu' is not supported"),
+                            ({"use_parallel_residual": "yes"}, "'use_parallel_residual' is 'yes', expected true or false")]:
+        with pytest.raises(ModelError, match=message):
+            ModelConfig.from_dict(GPT_NEOX | change)
+    c = GPT_NEOX_VARIANTS["gpt_neox"]
+    w = gpt_neox_tensors(c)
+    expected = forward_all(load_model(write_checkpoint(tmp_path / "plain", c, w)), IDS)
+    p = "gpt_neox.layers.0.attention."
+    buffers = {p + "bias": torch.ones(1, 1, 128, 128, dtype=torch.bool).tril(), p + "masked_bias": torch.tensor(-1e9),
+               p + "rotary_emb.inv_freq": torch.ones(2)}
+    capsys.readouterr()
+    model = load_model(write_checkpoint(tmp_path / "buffers", c, w | buffers))
+    assert capsys.readouterr().err == ""
+    torch.testing.assert_close(forward_all(model, IDS), expected)
+    tied = load_model(write_checkpoint(tmp_path / "tied", c | {"tie_word_embeddings": True}, w))
+    assert "but the checkpoint's embed_out.weight differs from them: it is used, untied" in capsys.readouterr().err
+    torch.testing.assert_close(forward_all(tied, IDS), expected)
 
 
 def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
@@ -486,7 +568,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe", "qwen3_moe_window",
-                     "mixtral", "olmoe")
+                     "mixtral", "olmoe", "gpt_neox")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -495,7 +577,7 @@ def paged_forward_all(model, ids, block_size=4):
     c, T = model.config, len(ids)
     n = -(-T // block_size)
     pool = BlockPool(n, block_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                     model.embed_tokens.weight.dtype)
+                     next(model.parameters()).dtype)
     attn = PagedAttention(pool, c.attn_scale, softcap=c.attn_logit_softcapping)
     attn.begin_step(torch.arange(T), torch.arange(n, dtype=torch.int32)[None], torch.tensor([T], dtype=torch.int32),
                     torch.tensor([0, T], dtype=torch.int32), T, T)
@@ -511,15 +593,16 @@ def test_bfloat16_rounds_as_transformers(tmp_path, variant):
     """In bfloat16 Gemma's sqrt(C) embedding scale is rounded to bfloat16 (sqrt(48) = 6.93
     becomes 6.94) and its RMSNorms compute in float32; the Llama family's RMSNorms (Qwen 3's
     q/k norms too) round to bfloat16 before the weight scales, as in transformers, and OLMo's
-    after it; OLMo rotates q and k in float32: through the paged attention, the logits come
+    after it; OLMo rotates q and k in float32; GPT-NeoX sums its parallel residual in
+    transformers' order: through the paged attention, the logits come
     out with transformers' bits (here all of them, on torch 2.11 and 2.13; another torch's
     kernels may move them, as 2.5's move most). Catches: the scale kept in full precision, or
     the norms computed in bfloat16, or scaled before rounding (nn.RMSNorm), OLMo's scaled
     after, or its RoPE tables rounded to bfloat16 (each changes about 80% of the logits)."""
-    c = LLAMA_FAMILY_VARIANTS[variant]
+    c = FAMILY_VARIANTS[variant]
     expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())[variant + "_bfloat16"]
     assert expected["config"] == c
-    model = load_model(write_checkpoint(tmp_path / variant, c, llama_tensors(c)), dtype=torch.bfloat16)
+    model = load_model(write_checkpoint(tmp_path / variant, c, variant_tensors(c)), dtype=torch.bfloat16)
     logits = paged_forward_all(model, IDS)
     assert logits.dtype == torch.bfloat16
     differ = (logits.float() != torch.tensor(expected["logits"])).float().mean().item()
@@ -667,24 +750,26 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("mistral_window", 4), ("qwen2_window", 3), ("smollm3_window", 10),
                                              ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None),
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
-                                             ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None)])
+                                             ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None),
+                                             ("gpt_neox", None), ("gpt_neox_sequential", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
     windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after), OLMo 3
     (three windowed layers in four, YaRN on the fourth alone), Granite (its multipliers) and
-    mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE) through the paged engine:
+    mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE), and GPT-NeoX (parallel
+    residual or not) through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
     SmolLM3, Gemma), and do not shorten the context."""
     vocab, _ = byte_vocab()
-    c = LLAMA_FAMILY_VARIANTS[variant] | {"vocab_size": 256, "eos_token_id": 0}
+    c = FAMILY_VARIANTS[variant] | {"vocab_size": 256, "eos_token_id": 0}
     if window:
         c["sliding_window"] = window
     model_dir = write_tokenizer_json(tmp_path / variant, {"type": "ByteLevel"}, vocab, [])
-    write_checkpoint(model_dir, c, llama_tensors(c, seed=1))
+    write_checkpoint(model_dir, c, variant_tensors(c, seed=1))
     llm = LLM(model_dir, block_size=4, max_num_batched_tokens=16, num_blocks=96)
-    assert llm.max_model_len == 128
+    assert llm.max_model_len == (256 if variant == "gpt_neox_sequential" else 128)   # (its linear scaling by 2)
     prompts = [[(5 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 23, 40, 100))]
     prompts.append(prompts[2][:30] + [7, 8])   # shares 7 full blocks with the third
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -1467,7 +1552,7 @@ def test_bad_config(tmp_path):
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
-                                            r"gpt2, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, "
+                                            r"gpt2, gpt_neox, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, "
                                             r"qwen3, qwen3_moe, smollm3\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},

@@ -1,9 +1,9 @@
-"""Writes llama_family_logits.json: for each of the test suite's LLAMA_FAMILY_VARIANTS, the
+"""Writes llama_family_logits.json: for each of the test suite's FAMILY_VARIANTS, the
 logits that Hugging Face transformers computes for the token ids IDS from the checkpoint the
-tests build (llama_tensors, seed 0). The tests compare nanopaged's logits with these, so
+tests build (variant_tensors, seed 0). The tests compare nanopaged's logits with these, so
 transformers (an independent implementation of Qwen 2, Qwen 3, Mistral, Ministral, Phi-3, SmolLM3,
-Gemma 2 and 3, OLMo 2 and 3, Granite, Qwen 3 MoE, Mixtral, OLMoE and Llama) is needed only to
-remake the file:
+Gemma 2 and 3, OLMo 2 and 3, Granite, Qwen 3 MoE, Mixtral, OLMoE, Llama and GPT-NeoX) is needed
+only to remake the file:
 
     pip install transformers && python testdata/make_llama_family_logits.py
 """
@@ -17,17 +17,17 @@ import transformers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from test_nanopaged import BFLOAT16_VARIANTS, IDS, LLAMA_FAMILY_VARIANTS, llama_tensors, write_checkpoint  # noqa: E402
+from test_nanopaged import BFLOAT16_VARIANTS, FAMILY_VARIANTS, IDS, variant_tensors, write_checkpoint  # noqa: E402
 
 out = {"transformers": transformers.__version__}
 # float32 for every variant; then bfloat16 for a few, under "<name>_bfloat16", kept exactly
 # (a bfloat16 number prints exactly in a few digits)
-runs = [(name, name, torch.float32) for name in LLAMA_FAMILY_VARIANTS]
+runs = [(name, name, torch.float32) for name in FAMILY_VARIANTS]
 runs += [(name + "_bfloat16", name, torch.bfloat16) for name in BFLOAT16_VARIANTS]
 for key, name, dtype in runs:
-    config = LLAMA_FAMILY_VARIANTS[name]
+    config = FAMILY_VARIANTS[name]
     with tempfile.TemporaryDirectory() as d:
-        model_dir = write_checkpoint(Path(d), config, llama_tensors(config))
+        model_dir = write_checkpoint(Path(d), config, variant_tensors(config))
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, output_loading_info=True)
         # every tensor of the checkpoint used, none left random
