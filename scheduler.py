@@ -163,7 +163,7 @@ class SamplingParams:
                                              and all(is_integer(t) for t in self.stop_token_ids)),
              f"stop_token_ids must be a list of integers, got {reprlib.repr(self.stop_token_ids)}"),
             (self.seed is None or (is_integer(self.seed) and 0 <= self.seed < 2**63),
-             f"seed must be an integer in [0, 2**63), got {self.seed!r}"),
+             f"seed must be an integer in [0, 2**63), or -1 or None (no seed), got {self.seed!r}"),
             *[(isinstance(x, bool), f"{name} must be True or False, got {x!r}")
               for name, x in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
                               ("include_stop_str_in_output", self.include_stop_str_in_output),

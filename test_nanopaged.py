@@ -6260,7 +6260,7 @@ def test_vllms_spellings_of_no_seed_and_one_logprob():
     as 1: a script that writes them runs. Catches: either refused as out of range."""
     p = SamplingParams(seed=-1, logprobs=True, prompt_logprobs=True)
     assert (p.seed, p.logprobs, p.prompt_logprobs) == (None, 1, 1)
-    for bad, message in ((dict(seed=-2), "seed must be"), (dict(logprobs=False), "logprobs must be")):
+    for bad, message in ((dict(seed=-2), r"seed must be an integer in \[0, 2\*\*63\), or -1 or None \(no seed\), got -2"), (dict(logprobs=False), "logprobs must be")):
         with pytest.raises(ValueError, match=message):
             SamplingParams(**bad)
 
