@@ -253,7 +253,7 @@ class ModelConfig:
     # Gemma 3's windowed layers' RoPE base (rope_local_base_freq)
     gemma: bool = False
     hidden_act: str = "silu"          # the MLP's activation, an ACTIVATIONS key: Llama's gate "silu" (SwiGLU),
-                                      # Gemma's "gelu_tanh" (GeGLU); GPT-2's "gelu_tanh", or "gelu", "relu", "silu"
+                                      # Gemma's "gelu_pytorch_tanh" (GeGLU); GPT-2's "gelu_new", or another
     query_pre_attn_scalar: float | None = None  # attention scores times its -1/2 power (None: D^-1/2)
     rope_local_base_freq: float | None = None   # the windowed layers' RoPE base, unscaled (Gemma 3, OLMo 3)
     final_logit_softcapping: float | None = None  # logits squashed to (-cap, cap): cap * tanh(x / cap)
@@ -413,7 +413,7 @@ class ModelConfig:
             d = GPT_NEOX_DEFAULTS | d
             fields, default_token_id = _gpt_neox_fields(d), None
         elif model_type == "gpt2":
-            act = _hf_activation(d, "activation_function", "gelu_new")
+            act = _activation(d, "activation_function", "gelu_new")
             # GPT-2 variants that change the math: refused, rather than run differently
             for key, plain in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
                 if d.get(key, plain) != plain:
@@ -506,8 +506,8 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
                          "a generating model's attention is causal")
     caps = {key: None if d.get(key) is None else _positive(d, key, float)
             for key in ("attn_logit_softcapping", "final_logit_softcapping")}
-    fields = dict(gemma=True, hidden_act="gelu_tanh", query_pre_attn_scalar=_positive(d, "query_pre_attn_scalar", float),
-                  **caps)
+    fields = dict(gemma=True, hidden_act=d["hidden_activation"],
+                  query_pre_attn_scalar=_positive(d, "query_pre_attn_scalar", float), **caps)
     if model_type == "gemma2":
         return fields, d
     fields["attn_logit_softcapping"] = None   # (Gemma 3's attention ignores it in transformers too)
@@ -515,13 +515,13 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
     return fields | local, d
 
 
-def _hf_activation(d: dict, key: str, default: str) -> str:
-    """d[key], an activation as transformers names it, as an ACTIVATIONS key."""
+def _activation(d: dict, key: str, default: str) -> str:
+    """d[key], an activation as transformers names it: an ACTIVATIONS key."""
     act = d.get(key, default)
-    if act not in HF_ACTIVATIONS:
+    if act not in ACTIVATIONS:
         raise ModelError(f"{key} {reprlib.repr(act)} is not supported "
-                         f"(supported: {', '.join(map(repr, HF_ACTIVATIONS))})")
-    return HF_ACTIVATIONS[act]
+                         f"(supported: {', '.join(map(repr, ACTIVATIONS))})")
+    return act
 
 
 # GPTNeoXConfig's values where a config.json leaves a key out (its sizes are always written)
@@ -545,7 +545,7 @@ def _gpt_neox_fields(d: dict) -> dict:
                 num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
                 intermediate_size=_positive(d, "intermediate_size"), max_position_embeddings=max_position,
                 norm_eps=_positive(d, "layer_norm_eps", float), rope_theta=rope_theta, rope_scaling=rope_scaling,
-                partial_rotary_factor=partial, hidden_act=_hf_activation(d, "hidden_act", "gelu"),
+                partial_rotary_factor=partial, hidden_act=_activation(d, "hidden_act", "gelu"),
                 qkv_bias=_flag(d, "attention_bias"), o_bias=_flag(d, "attention_bias"),
                 parallel_residual=_flag(d, "use_parallel_residual"), tie_word_embeddings=_flag(d, "tie_word_embeddings"))
 
@@ -2245,14 +2245,29 @@ def tanh_softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
-# The MLPs' activations, by ModelConfig.hidden_act. GPT-2's and GPT-NeoX's configs name theirs
-# as transformers' ACT2FN does; HF_ACTIVATIONS maps those names here. OpenAI's GPT-2 was trained
-# with the tanh approximation of GELU ("gelu_new"; "gelu_fast" is the same formula); nanoGPT's
-# model, and so a GPT-2 trained with it and saved in HF's layout, uses the exact one ("gelu"),
-# as Pythia does.
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu, "relu": F.relu}
-HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
-                  "relu": "relu", "silu": "silu", "swish": "silu"}
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """The tanh approximation of GELU, OpenAI's GPT-2's, written out as transformers writes it.
+    In bfloat16 and float16 each op rounds, and only this order of them gives transformers'
+    bits (torch's fused F.gelu(approximate="tanh") rounds once: 40% of bfloat16 inputs come
+    out otherwise); in float32 the two agree to 2.4e-7, and the fused one runs 3.5x faster."""
+    if x.dtype == torch.float32:
+        return F.gelu(x, approximate="tanh")
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    """The same function as gelu_new, in transformers' other order of ops (its "gelu_fast")."""
+    if x.dtype == torch.float32:
+        return F.gelu(x, approximate="tanh")
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+# The MLPs' activations, by ModelConfig.hidden_act: transformers' names for them (its ACT2FN),
+# as config.json writes them. OpenAI's GPT-2 was trained with the tanh approximation of GELU
+# ("gelu_new"); nanoGPT's model, and so a GPT-2 trained with it and saved in HF's layout, uses
+# the exact one ("gelu"), as Pythia does; Gemma's is torch's own tanh GELU ("gelu_pytorch_tanh").
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_new": gelu_new, "gelu_fast": gelu_fast,
+               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 
 
 def final_logits(x: torch.Tensor, logits_indices: torch.Tensor | None, norm: nn.Module,

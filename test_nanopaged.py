@@ -494,6 +494,8 @@ GPT_NEOX_VARIANTS = {
                                        "tie_word_embeddings": True, "rope_parameters": {
                                            "rope_type": "linear", "factor": 2.0, "rope_theta": 500.0,
                                            "partial_rotary_factor": 0.5}},
+    # GPT-2's GELU ("gelu_new", transformers' other order of the same ops), RoPE on whole heads
+    "gpt_neox_gelu_new": GPT_NEOX | {"hidden_act": "gelu_new", "rotary_pct": 1.0},
 }
 FAMILY_VARIANTS = LLAMA_FAMILY_VARIANTS | GPT_NEOX_VARIANTS
 
@@ -568,7 +570,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe", "qwen3_moe_window",
-                     "mixtral", "olmoe", "gpt_neox")
+                     "mixtral", "olmoe", "gpt_neox", "gpt_neox_sequential", "gpt_neox_gelu_new")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -594,7 +596,8 @@ def test_bfloat16_rounds_as_transformers(tmp_path, variant):
     becomes 6.94) and its RMSNorms compute in float32; the Llama family's RMSNorms (Qwen 3's
     q/k norms too) round to bfloat16 before the weight scales, as in transformers, and OLMo's
     after it; OLMo rotates q and k in float32; GPT-NeoX sums its parallel residual in
-    transformers' order: through the paged attention, the logits come
+    transformers' order, and computes "gelu_fast" and "gelu_new" op by op as transformers
+    writes them (torch's fused tanh GELU rounds once): through the paged attention, the logits come
     out with transformers' bits (here all of them, on torch 2.11 and 2.13; another torch's
     kernels may move them, as 2.5's move most). Catches: the scale kept in full precision, or
     the norms computed in bfloat16, or scaled before rounding (nn.RMSNorm), OLMo's scaled
@@ -1591,7 +1594,7 @@ def test_gemma3_configs_are_read_as_transformers_reads_them_or_refused():
     c = ModelConfig.from_dict(base | {"rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert (c.rope_theta, c.rope_local_base_freq, c.rope_scaling) == (1e6, 1e4, {"rope_type": "linear", "factor": 8.0})
     assert c.context_length == 128 and c.attn_scale == 256 ** -0.5 and c.tie_word_embeddings
-    assert (c.bos_token_id, c.eos_token_id, c.hidden_act, c.final_logit_softcapping) == (2, [1], "gelu_tanh", None)
+    assert (c.bos_token_id, c.eos_token_id, c.hidden_act, c.final_logit_softcapping) == (2, [1], "gelu_pytorch_tanh", None)
     # (Gemma 3's attention does not softcap, given a cap or not, in transformers either)
     assert ModelConfig.from_dict(base | {"attn_logit_softcapping": 50.0}).attn_logit_softcapping is None
     nested = ModelConfig.from_dict(base | {"rope_parameters": {
@@ -10412,11 +10415,11 @@ def test_only_the_tanh_gelu_is_accepted_for_gemma_and_silu_for_llama():
     gelu_new), a Llama's SiLU either of its names (vLLM refuses other activations for both).
     Catches: "quick_gelu" accepted for GPT-2; "gelu_new" refused for Gemma; "swish" refused."""
     with pytest.raises(ModelError, match="activation_function 'quick_gelu' is not supported "
-                                         r"\(supported: 'gelu_new', 'gelu_pytorch_tanh', 'gelu', 'relu'"):
+                                         r"\(supported: 'silu', 'swish', 'gelu', 'gelu_new', 'gelu_fast', 'gelu_pytorch_tanh', 'relu'\)"):
         ModelConfig.from_dict(GPT2_CONFIG | {"activation_function": "quick_gelu"})
     for name in ("gemma2", "gemma3"):
         c = ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS[name] | {"hidden_activation": "gelu_new"})
-        assert c.hidden_act == "gelu_tanh"
+        assert c.hidden_act == "gelu_new"
     # a Llama's SiLU may be spelled "swish" (transformers' name of the same function); no GELU
     assert ModelConfig.from_dict(llama_config(hidden_act="swish")).hidden_act == "silu"
     with pytest.raises(ModelError, match="hidden_act 'gelu' is not supported"):
