@@ -214,11 +214,11 @@ class LayersBut:
 
 @dataclass
 class ModelConfig:
-    """One config for the three architectures (GPT-2, Llama with its family, GPT-NeoX). The
-    fields HF's LlamaConfig has too keep its names (but norm_eps, its rms_norm_eps); the others
-    are nanopaged's, one for each way the family differs. GPT-2's own names (n_embd, n_layer,
-    ...) and GPT-NeoX's (rotary_pct...) are mapped onto them by from_dict."""
-    model_type: str                   # "gpt2", "gpt_neox" or one of LLAMA_FAMILY
+    """One config for the four architectures (GPT-2, Llama with its family, GPT-NeoX, Phi).
+    The fields HF's LlamaConfig has too keep its names (but norm_eps, its rms_norm_eps); the
+    others are nanopaged's, one for each way the family differs. GPT-2's own names (n_embd,
+    n_layer, ...) and GPT-NeoX's (rotary_pct...) are mapped onto them by from_dict."""
+    model_type: str                   # "gpt2", "gpt_neox", "phi" or one of LLAMA_FAMILY
     vocab_size: int
     hidden_size: int                  # C
     num_hidden_layers: int
@@ -238,6 +238,8 @@ class ModelConfig:
     # GPT-NeoX's "parallel residual" (use_parallel_residual): attention and MLP both read the
     # block's input, x + attn(ln1(x)) + mlp(ln2(x)); else the MLP reads x + attn(ln1(x)), as Llama's
     parallel_residual: bool = False
+    shared_norm: bool = False         # Phi: one LayerNorm before both attention and MLP (parallel, as above)
+    lm_head_bias: bool = False        # Phi: its LM head has a bias
     clip_qkv: float | None = None     # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE's option)
     qk_norm: str | None = None        # RMSNorm on q and k before RoPE: "head", each head's (one (D,) scale
                                       # shared by all: Qwen 3, Gemma 3); "all", all heads' at once (OLMo, OLMoE)
@@ -412,6 +414,9 @@ class ModelConfig:
         elif model_type == "gpt_neox":
             d = GPT_NEOX_DEFAULTS | d
             fields, default_token_id = _gpt_neox_fields(d), None
+        elif model_type == "phi":
+            d = PHI_DEFAULTS | d
+            fields, default_token_id = _phi_fields(d), None
         elif model_type == "gpt2":
             act = _activation(d, "activation_function", "gelu_new")
             # GPT-2 variants that change the math: refused, rather than run differently
@@ -548,6 +553,36 @@ def _gpt_neox_fields(d: dict) -> dict:
                 partial_rotary_factor=partial, hidden_act=_activation(d, "hidden_act", "gelu"),
                 qkv_bias=_flag(d, "attention_bias"), o_bias=_flag(d, "attention_bias"),
                 parallel_residual=_flag(d, "use_parallel_residual"), tie_word_embeddings=_flag(d, "tie_word_embeddings"))
+
+
+# PhiConfig's values where a config.json leaves a key out (Phi-1.5's and Phi-2's write them all)
+PHI_DEFAULTS = {"max_position_embeddings": 2048, "layer_norm_eps": 1e-5, "hidden_act": "gelu_new",
+                "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _phi_fields(d: dict) -> dict:
+    """ModelConfig's fields for a Phi (Microsoft's Phi-1, 1.5 and 2: not Phi-3, a Llama), as
+    PhiConfig reads them: GPT-NeoX's layer with one LayerNorm before both branches, grouped-
+    query attention, RoPE on part of each head (partial_rotary_factor, default half), biases
+    everywhere, its LM head's too. Refused: qk_layernorm (no released Phi has it) and a tied
+    head (none has one: its bias would stay apart from the embeddings)."""
+    for key in ("qk_layernorm", "tie_word_embeddings"):
+        if _flag(d, key):
+            raise ModelError(f"{key} = true is not supported for phi (no released Phi-1, 1.5 or 2 sets it)")
+    hidden, heads = _positive(d, "hidden_size"), _positive(d, "num_attention_heads")
+    kv_heads = _positive(d, "num_key_value_heads", default=heads)
+    if hidden % heads or heads % kv_heads:
+        raise ModelError(f"hidden_size {hidden}, num_attention_heads {heads} and num_key_value_heads {kv_heads}: "
+                         f"each must be a multiple of the next")
+    max_position = _positive(d, "max_position_embeddings")
+    rope_theta, rope_scaling, partial = _rope_config({"partial_rotary_factor": 0.5} | d, "phi", hidden // heads,
+                                                     max_position)
+    return dict(hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                intermediate_size=_positive(d, "intermediate_size"), max_position_embeddings=max_position,
+                norm_eps=_positive(d, "layer_norm_eps", float), rope_theta=rope_theta, rope_scaling=rope_scaling,
+                partial_rotary_factor=partial, hidden_act=_activation(d, "hidden_act", "gelu_new"),
+                qkv_bias=True, o_bias=True, parallel_residual=True, shared_norm=True, lm_head_bias=True)
 
 
 def _granite_fields(d: dict) -> dict:
@@ -794,8 +829,8 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
     theta = _positive(params if "rope_theta" in params else d, "rope_theta", float, 10000.0)
     partial = _positive(params if "partial_rotary_factor" in params else d, "partial_rotary_factor", float, 1.0)
-    if partial != 1.0 and model_type not in ("phi3", "gpt_neox"):   # (of Llama's family, only HF's Phi-3 splits
-                                                                     # heads: Phi-4-mini)
+    if partial != 1.0 and model_type not in ("phi3", "gpt_neox", "phi"):   # (of Llama's family, only HF's Phi-3
+                                                                            # splits heads: Phi-4-mini)
         raise ModelError(f"partial_rotary_factor {partial!r} is not supported for {model_type}: its "
                          f"transformers class turns whole heads, ignoring it (only Phi-3's turns part of each)")
     if partial > 1:   # (refused before the product: 1e308 * head_dim is inf, which int() refuses)
@@ -2280,7 +2315,7 @@ def final_logits(x: torch.Tensor, logits_indices: torch.Tensor | None, norm: nn.
     prompt-logprob rows)."""
     if logits_indices is not None:
         x = x[logits_indices]                          # (N, C)
-    return F.linear(norm(x), head.weight)              # (N, V)
+    return F.linear(norm(x), head.weight, getattr(head, "bias", None))   # (N, V) (Phi's head has a bias)
 
 
 def embedding(num: int, dim: int) -> nn.Embedding:
@@ -2664,19 +2699,24 @@ class GPT2(nn.Module):
 # GPT-NeoX (EleutherAI's Pythia, 14M to 12B, with its training checkpoints; Dolly v2,
 # RedPajama-INCITE): GPT-2's LayerNorms with biases and plain MLP, Llama's RoPE, on a quarter
 # of each head, and, where use_parallel_residual says (Pythia's), the parallel residual.
+# And Phi (Microsoft's Phi-1.5 and Phi-2) on the same module: the parallel residual with one
+# LayerNorm for both branches, grouped-query attention, and a bias on its LM head.
 
 class GPTNeoXBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         C = config.hidden_size
         self.input_layernorm = nn.LayerNorm(C, eps=config.norm_eps)
-        self.post_attention_layernorm = nn.LayerNorm(C, eps=config.norm_eps)
+        self.post_attention_layernorm = None if config.shared_norm else nn.LayerNorm(C, eps=config.norm_eps)
         self.attention = LlamaAttention(config, layer_idx)   # (with biases, and RoPE on the first rotary_dim)
         self.mlp = GPT2MLP(config)   # (dense_h_to_4h, the activation, dense_4h_to_h)
         self.parallel_residual = config.parallel_residual
 
     def forward(self, x, cos, sin, attn):
-        a = self.attention(self.input_layernorm(x), cos, sin, attn)    # (T, C)
+        h = self.input_layernorm(x)
+        a = self.attention(h, cos, sin, attn)                          # (T, C)
+        if self.post_attention_layernorm is None:   # Phi's: the MLP reads the same normed input
+            return self.mlp(h) + a + x                                 # (T, C)
         if self.parallel_residual:   # both read x: summed in transformers' order (its bits in bfloat16)
             return self.mlp(self.post_attention_layernorm(x)) + a + x  # (T, C)
         x = a + x
@@ -2693,7 +2733,7 @@ class GPTNeoX(nn.Module):
         self.layers = nn.ModuleList(GPTNeoXBlock(config, i) for i in range(config.num_hidden_layers))
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.embed_out = (None if config.tie_word_embeddings else
-                          nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                          nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias))
         cos, sin = rope_tables(config, max_model_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -2748,7 +2788,47 @@ class GPTNeoX(nn.Module):
 # ----------------------------------------------------------------------------------------
 # loading: a Hugging Face layout directory (config.json + safetensors) -> a ready model
 
-ARCHITECTURES = {"gpt2": GPT2, "gpt_neox": GPTNeoX} | dict.fromkeys(LLAMA_FAMILY, Llama)
+class Phi(GPTNeoX):
+    """Phi-1.5 and Phi-2: GPTNeoX's module, with shared_norm and lm_head_bias; its checkpoint's
+    names, and q, k and v apart (fused here as Llama's are)."""
+    HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+    RENAMES = {"model.embed_tokens.": "embed_in.", "model.final_layernorm.": "final_layer_norm.",
+               "lm_head.": "embed_out.", ".self_attn.dense.": ".attention.o_proj.", ".mlp.fc1.": ".mlp.c_fc.",
+               ".mlp.fc2.": ".mlp.c_proj."}
+
+    @staticmethod
+    def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
+        """Every tensor of a HF PhiForCausalLM checkpoint, with its shape."""
+        C, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        shapes = {"model.embed_tokens.weight": (V, C), "model.final_layernorm.weight": (C,),
+                  "model.final_layernorm.bias": (C,), "lm_head.weight": (V, C), "lm_head.bias": (V,)}
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes |= {p + "input_layernorm.weight": (C,), p + "input_layernorm.bias": (C,)}
+            for name, rows, cols in (("self_attn.q_proj", q, C), ("self_attn.k_proj", kv, C), ("self_attn.v_proj", kv, C),
+                                     ("self_attn.dense", C, q), ("mlp.fc1", I, C), ("mlp.fc2", C, I)):
+                shapes |= {p + name + ".weight": (rows, cols), p + name + ".bias": (rows,)}
+        return shapes
+
+    @classmethod
+    def from_checkpoint(cls, hf: dict, config: ModelConfig) -> dict:
+        """HF tensors -> this module's state dict: q/k/v fused (weights and biases), the rest renamed."""
+        state = {}
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn."
+            for kind in ("weight", "bias"):
+                state[f"layers.{i}.attention.qkv_proj.{kind}"] = torch.cat(   # ((H + 2 KVH) * D, C), or its bias
+                    [hf.pop(f"{p}{n}_proj.{kind}") for n in "qkv"])
+        for name in list(hf):
+            new = name
+            for old, renamed in cls.RENAMES.items():
+                new = new.replace(old, renamed)
+            state[new.removeprefix("model.")] = hf.pop(name)
+        return state
+
+
+ARCHITECTURES = {"gpt2": GPT2, "gpt_neox": GPTNeoX, "phi": Phi} | dict.fromkeys(LLAMA_FAMILY, Llama)
 
 
 def cache_dir() -> Path:

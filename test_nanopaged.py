@@ -307,6 +307,25 @@ def gpt_neox_tensors(c, seed=0):
             else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
+def phi_tensors(c, seed=0):
+    """Random weights under HF PhiForCausalLM names (every linear layer with a bias, the LM
+    head's too)."""
+    g = torch.Generator().manual_seed(seed)
+    C, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    q = C
+    kv = c.get("num_key_value_heads", c["num_attention_heads"]) * (C // c["num_attention_heads"])
+    shapes = {"model.embed_tokens.weight": (V, C), "model.final_layernorm.weight": (C,),
+              "model.final_layernorm.bias": (C,), "lm_head.weight": (V, C), "lm_head.bias": (V,)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (C,), p + "input_layernorm.bias": (C,)}
+        for name, rows, cols in (("self_attn.q_proj", q, C), ("self_attn.k_proj", kv, C), ("self_attn.v_proj", kv, C),
+                                 ("self_attn.dense", C, q), ("mlp.fc1", I, C), ("mlp.fc2", C, I)):
+            shapes |= {p + name + ".weight": (rows, cols), p + name + ".bias": (rows,)}
+    return {n: (1 + 0.1 * torch.randn(s, generator=g)) if "layernorm.weight" in n
+            else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
 GPT2_CONFIG = {"model_type": "gpt2", "vocab_size": 103, "n_embd": 32, "n_layer": 2,
                "n_head": 4, "n_positions": 64, "layer_norm_epsilon": 1e-5}
 
@@ -496,12 +515,18 @@ GPT_NEOX_VARIANTS = {
                                            "partial_rotary_factor": 0.5}},
     # GPT-2's GELU ("gelu_new", transformers' other order of the same ops), RoPE on whole heads
     "gpt_neox_gelu_new": GPT_NEOX | {"hidden_act": "gelu_new", "rotary_pct": 1.0},
+    # Phi (1.5, 2) on the same module: one LayerNorm for both branches, a biased LM head; Phi-2's
+    # config.json (partial_rotary_factor at the top level, 0.4 of 16: 6 dimensions turned), GQA 2:1
+    "phi": {"model_type": "phi", "vocab_size": 101, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 96, "max_position_embeddings": 128, "layer_norm_eps": 1e-5,
+            "hidden_act": "gelu_new", "partial_rotary_factor": 0.4, "rope_theta": 10000.0, "qk_layernorm": False,
+            "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0},
 }
 FAMILY_VARIANTS = LLAMA_FAMILY_VARIANTS | GPT_NEOX_VARIANTS
 
 
 def variant_tensors(c, seed=0):
-    return (gpt_neox_tensors if c["model_type"] == "gpt_neox" else llama_tensors)(c, seed)
+    return {"gpt_neox": gpt_neox_tensors, "phi": phi_tensors}.get(c["model_type"], llama_tensors)(c, seed)
 
 
 @pytest.mark.parametrize("variant", FAMILY_VARIANTS)
@@ -552,6 +577,28 @@ def test_gpt_neox_config_and_checkpoint_details(tmp_path, capsys):
     torch.testing.assert_close(forward_all(tied, IDS), expected)
 
 
+def test_phi_config_details():
+    """A Phi config as PhiConfig reads it: RoPE on half of each head where no
+    partial_rotary_factor is given, rope_parameters' ahead of the top level's, KV heads as
+    many as query heads by default, BOS 1 and EOS 2; qk_layernorm and a tied head refused (no
+    released Phi has them), bad sizes by name. Catches: a default not transformers'; a tied
+    head or q/k norms loaded and run without them."""
+    phi = GPT_NEOX_VARIANTS["phi"]
+    plain = {k: v for k, v in phi.items() if k not in ("partial_rotary_factor", "num_key_value_heads", "bos_token_id",
+                                                       "eos_token_id")}
+    c = ModelConfig.from_dict(plain)
+    assert (c.rotary_dim, c.num_key_value_heads, c.bos_token_id, c.eos_token_id, c.shared_norm, c.lm_head_bias) == (
+        8, 4, 1, [2], True, True)
+    assert ModelConfig.from_dict(phi | {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 1.0}}).rotary_dim == 16
+    for change, message in [({"qk_layernorm": True}, "qk_layernorm = true is not supported for phi"),
+                            ({"tie_word_embeddings": True}, "tie_word_embeddings = true is not supported for phi"),
+                            ({"num_key_value_heads": 3}, "num_attention_heads 4 and num_key_value_heads 3: each must be"),
+                            ({"hidden_act": "tanh"}, "hidden_act 'tanh' is not supported")]:
+        with pytest.raises(ModelError, match=message):
+            ModelConfig.from_dict(phi | change)
+
+
 def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
     """transformers reads a Mistral config.json with layer_types as a Ministral's, and
     save_pretrained writes it so (model_type "ministral", its own fields: rope_parameters,
@@ -570,7 +617,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe", "qwen3_moe_window",
-                     "mixtral", "olmoe", "gpt_neox", "gpt_neox_sequential", "gpt_neox_gelu_new")
+                     "mixtral", "olmoe", "gpt_neox", "gpt_neox_sequential", "gpt_neox_gelu_new", "phi")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -754,14 +801,14 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None),
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
                                              ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None),
-                                             ("gpt_neox", None), ("gpt_neox_sequential", None)])
+                                             ("gpt_neox", None), ("gpt_neox_sequential", None), ("phi", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
     windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after), OLMo 3
     (three windowed layers in four, YaRN on the fourth alone), Granite (its multipliers) and
-    mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE), and GPT-NeoX (parallel
-    residual or not) through the paged engine:
+    mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE), GPT-NeoX (parallel residual
+    or not) and Phi through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
     SmolLM3, Gemma), and do not shorten the context."""
@@ -1555,8 +1602,8 @@ def test_bad_config(tmp_path):
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
-                                            r"gpt2, gpt_neox, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, "
-                                            r"qwen3, qwen3_moe, smollm3\)"):
+                                            r"gpt2, gpt_neox, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, "
+                                            r"olmoe, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
