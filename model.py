@@ -227,8 +227,8 @@ class ModelConfig:
     head_dim: int                     # D
     intermediate_size: int            # MLP width (I; each expert's, in a mixture of experts)
     max_position_embeddings: int
-    norm_eps: float                   # HF's rms_norm_eps (llama) / layer_norm_epsilon (gpt2) / layer_norm_eps (gpt_neox)
-    rope_theta: float = 10000.0       # RoPE's base (Llama's family, GPT-NeoX)
+    norm_eps: float                   # HF's rms_norm_eps (llama), layer_norm_epsilon (gpt2), layer_norm_eps (the others)
+    rope_theta: float = 10000.0       # RoPE's base (all but GPT-2)
     rope_scaling: dict | None = None  # RoPE's scaling (the same): None, or linear, llama3, yarn or longrope parameters
     partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim of each head's D (Phi-4-mini: 0.75, Pythia: 0.25)
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
@@ -831,8 +831,8 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
     partial = _positive(params if "partial_rotary_factor" in params else d, "partial_rotary_factor", float, 1.0)
     if partial != 1.0 and model_type not in ("phi3", "gpt_neox", "phi"):   # (of Llama's family, only HF's Phi-3
                                                                             # splits heads: Phi-4-mini)
-        raise ModelError(f"partial_rotary_factor {partial!r} is not supported for {model_type}: its "
-                         f"transformers class turns whole heads, ignoring it (only Phi-3's turns part of each)")
+        raise ModelError(f"partial_rotary_factor {partial!r} is not supported for {model_type}: its transformers "
+                         f"class turns whole heads, ignoring it (Phi-3's, GPT-NeoX's and Phi's turn part of each)")
     if partial > 1:   # (refused before the product: 1e308 * head_dim is inf, which int() refuses)
         raise ModelError(f"partial_rotary_factor {partial!r} exceeds 1: RoPE turns at most the whole head")
     rotary_dim = _rotary_dim(head_dim, partial)
@@ -2725,6 +2725,9 @@ class GPTNeoXBlock(nn.Module):
 
 class GPTNeoX(nn.Module):
     HEAD, EMBEDDING = "embed_out.weight", "gpt_neox.embed_in.weight"   # (what _untie_if_distinct compares)
+    # checkpoint names -> this module's: parts renamed, then the prefix dropped (module_name)
+    RENAMES, PREFIX = {".attention.query_key_value.": ".attention.qkv_proj.", ".attention.dense.": ".attention.o_proj.",
+                       ".mlp.dense_h_to_4h.": ".mlp.c_fc.", ".mlp.dense_4h_to_h.": ".mlp.c_proj."}, "gpt_neox."
 
     def __init__(self, config: ModelConfig, max_model_len: int | None = None):
         super().__init__()
@@ -2766,35 +2769,34 @@ class GPTNeoX(nn.Module):
                 shapes |= {p + "attention.query_key_value.bias": (3 * C,), p + "attention.dense.bias": (C,)}
         return shapes
 
-    @staticmethod
-    def from_checkpoint(hf: dict, config: ModelConfig) -> dict:
+    @classmethod
+    def module_name(cls, name: str) -> str:
+        for old, new in cls.RENAMES.items():
+            name = name.replace(old, new)
+        return name.removeprefix(cls.PREFIX)
+
+    @classmethod
+    def from_checkpoint(cls, hf: dict, config: ModelConfig) -> dict:
         """HF tensors -> this module's state dict. GPT-NeoX's query_key_value holds each head's
         q, k and v rows together, head after head; LlamaAttention's qkv_proj wants all heads'
         q rows, then k's, then v's: reordered once here (its bias alike)."""
         H, D = config.num_attention_heads, config.head_dim
-        renames = {".attention.query_key_value.": ".attention.qkv_proj.", ".attention.dense.": ".attention.o_proj.",
-                   ".mlp.dense_h_to_4h.": ".mlp.c_fc.", ".mlp.dense_4h_to_h.": ".mlp.c_proj."}
         state = {}
         for name in list(hf):
-            w, name = hf.pop(name), name.removeprefix("gpt_neox.")
+            w = hf.pop(name)
             if ".query_key_value." in name:
                 w = w.view(H, 3, D, -1).transpose(0, 1).reshape(w.shape)   # (H, 3, D, C or 1) -> (3, H, D, ...)
-            for old, new in renames.items():
-                name = name.replace(old, new)
-            state[name] = w
+            state[cls.module_name(name)] = w
         return state
 
-
-# ----------------------------------------------------------------------------------------
-# loading: a Hugging Face layout directory (config.json + safetensors) -> a ready model
 
 class Phi(GPTNeoX):
     """Phi-1.5 and Phi-2: GPTNeoX's module, with shared_norm and lm_head_bias; its checkpoint's
     names, and q, k and v apart (fused here as Llama's are)."""
     HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
-    RENAMES = {"model.embed_tokens.": "embed_in.", "model.final_layernorm.": "final_layer_norm.",
-               "lm_head.": "embed_out.", ".self_attn.dense.": ".attention.o_proj.", ".mlp.fc1.": ".mlp.c_fc.",
-               ".mlp.fc2.": ".mlp.c_proj."}
+    RENAMES, PREFIX = {"model.embed_tokens.": "embed_in.", "model.final_layernorm.": "final_layer_norm.",
+                       "lm_head.": "embed_out.", ".self_attn.dense.": ".attention.o_proj.", ".mlp.fc1.": ".mlp.c_fc.",
+                       ".mlp.fc2.": ".mlp.c_proj."}, "model."
 
     @staticmethod
     def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
@@ -2820,13 +2822,11 @@ class Phi(GPTNeoX):
             for kind in ("weight", "bias"):
                 state[f"layers.{i}.attention.qkv_proj.{kind}"] = torch.cat(   # ((H + 2 KVH) * D, C), or its bias
                     [hf.pop(f"{p}{n}_proj.{kind}") for n in "qkv"])
-        for name in list(hf):
-            new = name
-            for old, renamed in cls.RENAMES.items():
-                new = new.replace(old, renamed)
-            state[new.removeprefix("model.")] = hf.pop(name)
-        return state
+        return state | {cls.module_name(name): hf.pop(name) for name in list(hf)}
 
+
+# ----------------------------------------------------------------------------------------
+# loading: a Hugging Face layout directory (config.json + safetensors) -> a ready model
 
 ARCHITECTURES = {"gpt2": GPT2, "gpt_neox": GPTNeoX, "phi": Phi} | dict.fromkeys(LLAMA_FAMILY, Llama)
 
