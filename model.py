@@ -173,6 +173,8 @@ LLAMA_FAMILY = {
               "num_key_value_heads": 32},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "granite": {"max_position_embeddings": 2048},
+    "stablelm": {"max_position_embeddings": 4096, "num_key_value_heads": 32, "layer_norm_eps": 1e-5,
+                 "partial_rotary_factor": 0.25, "bos_token_id": 0, "eos_token_id": 0},
     "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
                 "num_key_value_heads": 8, "num_experts_per_tok": 2},
     "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096,
@@ -248,6 +250,7 @@ class ModelConfig:
     # (Gemma's "sandwich")
     pre_norms: bool = True
     post_norms: bool = False
+    layer_norm: bool = False          # LayerNorms (with biases) where Llama has RMSNorms (StableLM)
     # Gemma (2, 3): its RMSNorms scale by (1 + weight), in float32, and its embeddings by
     # sqrt(C): what this flag switches. Its other differences have fields of their own: norms
     # after attention and the MLP as well as before (pre_norms, post_norms), a GELU-gated MLP
@@ -363,6 +366,9 @@ class ModelConfig:
             # (silu and swish: one function, in transformers)
             if model_type not in GEMMAS and d.get("hidden_act", "silu") not in ("silu", "swish"):
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu', or 'swish')")
+            for key in ("use_parallel_residual", "qk_layernorm") if model_type == "stablelm" else ():
+                if _flag(d, key):   # (StableLM 2 12B's: attention and MLP side by side, a LayerNorm per head)
+                    raise ModelError(f"{key} = true is not supported for stablelm (only the 1.6B's and 3B's layers)")
             heads, hidden = _positive(d, "num_attention_heads"), _positive(d, "hidden_size")
             kv_heads = _positive(d, "num_key_value_heads", default=heads)
             if heads % kv_heads:
@@ -380,10 +386,10 @@ class ModelConfig:
             rope_theta, rope_scaling, partial = _rope_config(d_rope, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
             # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's (MoE too), SmolLM3's,
-            # Gemma's, Granite's and OLMo's (OLMoE's) attention_bias gives all four one; Mistral
-            # (Mixtral) has none. Llama's, SmolLM3's and Granite's mlp_bias gives their MLP's
-            # three projections one. Qwen 3 and Gemma 3 normalize each head's q and k, OLMo (OLMoE)
-            # all of q and of k.
+            # Gemma's, Granite's and OLMo's (OLMoE's) attention_bias gives all four one;
+            # StableLM's use_qkv_bias q, k and v; Mistral (Mixtral) has none. Llama's, SmolLM3's
+            # and Granite's mlp_bias gives their MLP's three projections one. Qwen 3 and Gemma 3
+            # normalize each head's q and k, OLMo (OLMoE) all of q and of k.
             attention_bias = (model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "granite", "olmoe", *GEMMAS,
                                             *OLMOS) and _flag(d, "attention_bias"))
             mlp_bias = model_type in ("llama", "smollm3", "granite") and _flag(d, "mlp_bias")
@@ -400,10 +406,13 @@ class ModelConfig:
                 intermediate_size=_positive(d, "moe_intermediate_size" if model_type == "qwen3_moe"
                                             else "intermediate_size"),
                 max_position_embeddings=max_position,
-                norm_eps=_positive(d, "rms_norm_eps", float, 1e-6), rope_theta=rope_theta,
+                norm_eps=_positive(d, "layer_norm_eps" if model_type == "stablelm" else "rms_norm_eps", float, 1e-6),
+                rope_theta=rope_theta,
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings"),
-                qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias, mlp_bias=mlp_bias,
+                qkv_bias=(attention_bias or model_type == "qwen2"
+                          or model_type == "stablelm" and _flag(d, "use_qkv_bias")),
+                o_bias=attention_bias, mlp_bias=mlp_bias, layer_norm=model_type == "stablelm",
                 qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text")
                          else "all" if model_type in (*OLMOS, "olmoe") else None),
                 clip_qkv=(None if model_type != "olmoe" or d.get("clip_qkv") is None
@@ -691,8 +700,8 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     without); then the layers layer_types names so (by default, Qwen's from max_window_layers
     on, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
-    (Gemma 3: 6), OLMo 3's all but every 4th. Llama, Granite, OLMo 2 and OLMoE have no window."""
-    if (model_type in ("llama", "granite", "olmo2", "olmoe")
+    (Gemma 3: 6), OLMo 3's all but every 4th. Llama, Granite, OLMo 2, OLMoE and StableLM have no window."""
+    if (model_type in ("llama", "granite", "olmo2", "olmoe", "stablelm")
             or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3")):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
@@ -829,10 +838,10 @@ def _rope_config(d: dict, model_type: str, head_dim: int, max_position: int) -> 
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
     theta = _positive(params if "rope_theta" in params else d, "rope_theta", float, 10000.0)
     partial = _positive(params if "partial_rotary_factor" in params else d, "partial_rotary_factor", float, 1.0)
-    if partial != 1.0 and model_type not in ("phi3", "gpt_neox", "phi"):   # (of Llama's family, only HF's Phi-3
-                                                                            # splits heads: Phi-4-mini)
+    turns_part = ("phi3", "stablelm", "gpt_neox", "phi")   # (the transformers classes that split heads)
+    if partial != 1.0 and model_type not in turns_part:
         raise ModelError(f"partial_rotary_factor {partial!r} is not supported for {model_type}: its transformers "
-                         f"class turns whole heads, ignoring it (Phi-3's, GPT-NeoX's and Phi's turn part of each)")
+                         f"class turns whole heads, ignoring it (only {', '.join(turns_part)} turn part of each)")
     if partial > 1:   # (refused before the product: 1e308 * head_dim is inf, which int() refuses)
         raise ModelError(f"partial_rotary_factor {partial!r} exceeds 1: RoPE turns at most the whole head")
     rotary_dim = _rotary_dim(head_dim, partial)
@@ -2350,7 +2359,10 @@ class RMSNorm(nn.Module):
         return self.weight * normed.type_as(x)
 
 
-def rms_norm(config: ModelConfig, dim: int) -> nn.Module:
+def norm_layer(config: ModelConfig, dim: int) -> nn.Module:
+    """A norm of Llama's family: its RMSNorm (Gemma's, OLMo's ways too), or StableLM's LayerNorm."""
+    if config.layer_norm:
+        return nn.LayerNorm(dim, eps=config.norm_eps)
     return RMSNorm(dim, config.norm_eps, gemma=config.gemma, scale_in_float32=config.model_type in OLMOS)
 
 
@@ -2372,8 +2384,8 @@ class LlamaAttention(nn.Module):
         # normalizes all of q, and all of k, at once (one scale per dimension of every head).
         self.qk_norm, self.clip_qkv = config.qk_norm, config.clip_qkv
         q_dim, k_dim = (self.D, self.D) if self.qk_norm == "head" else (self.H * self.D, self.KVH * self.D)
-        self.q_norm = rms_norm(config, q_dim) if self.qk_norm else None
-        self.k_norm = rms_norm(config, k_dim) if self.qk_norm else None
+        self.q_norm = norm_layer(config, q_dim) if self.qk_norm else None
+        self.k_norm = norm_layer(config, k_dim) if self.qk_norm else None
 
     def forward(self, x, cos, sin, attn):
         T, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
@@ -2455,11 +2467,11 @@ class LlamaBlock(nn.Module):
         # names) normalize the attention's output, and post_feedforward_layernorm the MLP's;
         # Gemma also normalizes both inputs (a "sandwich" of norms), OLMo neither.
         self.post_norms, self.residual_multiplier = config.post_norms, config.residual_multiplier
-        self.input_layernorm = rms_norm(config, C) if config.pre_norms else None
-        self.post_attention_layernorm = rms_norm(config, C)
+        self.input_layernorm = norm_layer(config, C) if config.pre_norms else None
+        self.post_attention_layernorm = norm_layer(config, C)
         if self.post_norms:
-            self.pre_feedforward_layernorm = rms_norm(config, C) if config.pre_norms else None
-            self.post_feedforward_layernorm = rms_norm(config, C)
+            self.pre_feedforward_layernorm = norm_layer(config, C) if config.pre_norms else None
+            self.post_feedforward_layernorm = norm_layer(config, C)
 
     def forward(self, x, cos, sin, attn):
         if self.residual_multiplier != 1.0:   # Granite's (pre-norms alone, as Llama's)
@@ -2484,7 +2496,7 @@ class Llama(nn.Module):
         self.config = config
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = rms_norm(config, config.hidden_size)
+        self.norm = norm_layer(config, config.hidden_size)
         # Tied embeddings: the LM head *is* the embedding matrix, no module of its own.
         self.lm_head = (None if config.tie_word_embeddings else
                         nn.Linear(config.hidden_size, config.vocab_size, bias=False))
@@ -2563,6 +2575,9 @@ class Llama(nn.Module):
                 D = config.head_dim
                 shapes |= {p + "self_attn.q_norm.weight": (D,) if config.qk_norm == "head" else (q,),
                            p + "self_attn.k_norm.weight": (D,) if config.qk_norm == "head" else (kv,)}
+        if config.layer_norm:   # (StableLM's LayerNorms have biases)
+            shapes |= {name.removesuffix("weight") + "bias": shape for name, shape in shapes.items()
+                       if name.endswith("norm.weight")}
         return shapes
 
     @staticmethod

@@ -186,7 +186,7 @@ def llama_tensors(c, seed=0):
                    p + "self_attn.v_proj.weight": (kv, C), p + "self_attn.o_proj.weight": (C, q),
                    p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
                    p + "mlp.down_proj.weight": (C, I)}
-        if c["model_type"] == "qwen2" or c.get("attention_bias"):
+        if c["model_type"] == "qwen2" or c.get("attention_bias") or c.get("use_qkv_bias"):
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
         if c.get("attention_bias"):
@@ -213,6 +213,8 @@ def llama_tensors(c, seed=0):
             shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
         if olmo:
             shapes[p + "post_feedforward_layernorm.weight"] = (C,)
+    if c["model_type"] == "stablelm":   # (its LayerNorms have biases)
+        shapes |= {n.removesuffix("weight") + "bias": s for n, s in shapes.items() if n.endswith("norm.weight")}
     tensors = {n: (1 + 0.1 * torch.randn(s, generator=g)) if n.endswith("norm.weight")
                else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
     if c["model_type"] in ("gemma2", "gemma3_text"):   # Gemma's norm weights are offsets from 1
@@ -470,6 +472,15 @@ LLAMA_FAMILY_VARIANTS = {
     # stream, scores times 0.3 (not 8^-1/2), logits divided by 4; q/k/v/o biases
     "granite": llama_config(model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
                             attention_multiplier=0.3, logits_scaling=4.0, attention_bias=True),
+    # StableLM (2 1.6B, 3B): LayerNorms with biases where Llama has RMSNorms, RoPE on a quarter
+    # of each head (4 of 16), q/k/v biases (use_qkv_bias: 2 1.6B's); then transformers 5's nested
+    # rope_parameters (half of each head, base 500), no biases, the MLP's SiLU named "swish"
+    "stablelm": llama_config(model_type="stablelm", hidden_size=64, num_attention_heads=4, layer_norm_eps=1e-5,
+                             use_qkv_bias=True, tied=False),
+    "stablelm_nested": {k: v for k, v in llama_config(
+        model_type="stablelm", hidden_size=64, num_attention_heads=4, kv_heads=4, layer_norm_eps=1e-3, hidden_act="swish",
+        tied=False).items() if k != "rope_theta"} | {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
+                                                                         "partial_rotary_factor": 0.5}},
     # mixtures of experts: Qwen 3 MoE (4 experts of 24, 2 a token, their weights renormalized),
     # and with 5 experts, 3 a token, not renormalized (its config class's default), windowed;
     # Mixtral (3 experts of 80, 2 a token, windowed)
@@ -577,6 +588,22 @@ def test_gpt_neox_config_and_checkpoint_details(tmp_path, capsys):
     torch.testing.assert_close(forward_all(tied, IDS), expected)
 
 
+def test_stablelm_config_details():
+    """A StableLM config as StableLmConfig reads it: RoPE on a quarter of each head where no
+    partial_rotary_factor is given, its norms' eps from layer_norm_eps, q/k/v biases from
+    use_qkv_bias only (attention_bias is not its key), BOS and EOS 0; the 12B's parallel
+    layers and per-head q/k LayerNorms refused. Catches: a default not transformers'; the
+    RMSNorm's eps key read; the 12B's layers run as the others'."""
+    c = ModelConfig.from_dict({k: v for k, v in LLAMA_FAMILY_VARIANTS["stablelm"].items()
+                               if k not in ("use_qkv_bias", "eos_token_id")} | {"attention_bias": True, "rms_norm_eps": 0.5})
+    assert (c.rotary_dim, c.layer_norm, c.norm_eps, c.qkv_bias, c.o_bias, c.bos_token_id, c.eos_token_id) == (
+        4, True, 1e-5, False, False, 0, [0])
+    assert ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS["stablelm"]).qkv_bias
+    for key in ("use_parallel_residual", "qk_layernorm"):
+        with pytest.raises(ModelError, match=f"{key} = true is not supported for stablelm"):
+            ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS["stablelm"] | {key: True})
+
+
 def test_phi_config_details():
     """A Phi config as PhiConfig reads it: RoPE on half of each head where no
     partial_rotary_factor is given, rope_parameters' ahead of the top level's, KV heads as
@@ -617,7 +644,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe", "qwen3_moe_window",
-                     "mixtral", "olmoe", "gpt_neox", "gpt_neox_sequential", "gpt_neox_gelu_new", "phi")
+                     "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential", "gpt_neox_gelu_new", "phi")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -801,14 +828,15 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None),
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
                                              ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None),
-                                             ("gpt_neox", None), ("gpt_neox_sequential", None), ("phi", None)])
+                                             ("stablelm", None), ("gpt_neox", None), ("gpt_neox_sequential", None),
+                                             ("phi", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
     windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after), OLMo 3
     (three windowed layers in four, YaRN on the fourth alone), Granite (its multipliers) and
-    mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE), GPT-NeoX (parallel residual
-    or not) and Phi through the paged engine:
+    mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE), StableLM (LayerNorms), GPT-NeoX
+    (parallel residual or not) and Phi through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
     SmolLM3, Gemma), and do not shorten the context."""
@@ -1603,7 +1631,7 @@ def test_bad_config(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
                                             r"gpt2, gpt_neox, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, "
-                                            r"olmoe, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3\)"):
+                                            r"olmoe, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
