@@ -2965,7 +2965,7 @@ def _open_safetensors(path: Path):
 
 CHECKPOINT_DTYPES = ("F16", "BF16", "F32", "F64")   # safetensors' names
 UNUSED_BUFFERS = (r"\.rotary_emb\.inv_freq$|(^|\.)(attn|attention)\.(masked_)?bias$"   # (GPT-2's and GPT-NeoX's masks)
-                  r"|^(language_model\.)?lm_head\.weight$")
+                  r"|^(language_model\.)?(lm_head|embed_out)\.weight$")   # (a tied head's copy: see _untie_if_distinct)
 # and, of a Gemma 3 with a vision tower, the tower: nanopaged runs the text model alone
 VISION_TOWER = r"^(vision_tower|multi_modal_projector)\."
 

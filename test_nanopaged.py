@@ -557,14 +557,20 @@ def test_gpt_neox_config_and_checkpoint_details(tmp_path, capsys):
     bad values refused by name. The masks and RoPE frequencies older Pythia checkpoints store
     (attention.bias, masked_bias, rotary_emb.inv_freq) are left out without a note; a tied
     config whose checkpoint holds an embed_out of other values runs with it, untied, as
-    transformers does. Catches: a default or precedence not transformers'; the buffers noted
-    as unused; the untie rule looking for Llama's lm_head.weight."""
-    c = ModelConfig.from_dict(GPT_NEOX)   # (its sizes alone)
+    transformers does (a copy of the embeddings is left out, without a note). Top-level rope_theta and partial_rotary_factor are not GPTNeoXConfig's:
+    ignored, as it ignores them. Catches: a default or precedence not transformers'; the
+    buffers noted as unused; the untie rule looking for Llama's lm_head.weight."""
+    c = ModelConfig.from_dict({k: v for k, v in GPT_NEOX.items()   # (its sizes alone)
+                               if k not in ("max_position_embeddings", "layer_norm_eps")})
     assert (c.parallel_residual, c.qkv_bias, c.o_bias, c.hidden_act, c.tie_word_embeddings, c.rotary_dim, c.rope_theta,
-            c.bos_token_id, c.eos_token_id) == (True, True, True, "gelu", False, 4, 10000.0, 0, [2])
+            c.bos_token_id, c.eos_token_id, c.max_position_embeddings, c.norm_eps) == (
+        True, True, True, "gelu", False, 4, 10000.0, 0, [2], 2048, 1e-5)
     nested = ModelConfig.from_dict(GPT_NEOX | {"rotary_pct": 0.5, "rotary_emb_base": 7.0, "rope_parameters": {
         "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0}})
     assert (nested.rotary_dim, nested.rope_theta) == (16, 500.0)
+    top_level = {"rope_theta": 500.0, "partial_rotary_factor": 1.0}
+    assert (ModelConfig.from_dict(GPT_NEOX | top_level | {"rotary_emb_base": 7.0, "rotary_pct": 0.5}).rotary_dim,
+            ModelConfig.from_dict(GPT_NEOX | top_level).rope_theta) == (8, 10000.0)
     for change, message in [({"hidden_size": 66}, "hidden_size 66 is not a multiple of num_attention_heads 4"),
                             ({"rotary_pct": 0}, "'rotary_pct' is 0, expected a positive number"),
                             ({"rotary_pct": 0.1}, "head_dim 16 gives 1 rotated dimensions"),
@@ -586,6 +592,9 @@ def test_gpt_neox_config_and_checkpoint_details(tmp_path, capsys):
     tied = load_model(write_checkpoint(tmp_path / "tied", c | {"tie_word_embeddings": True}, w))
     assert "but the checkpoint's embed_out.weight differs from them: it is used, untied" in capsys.readouterr().err
     torch.testing.assert_close(forward_all(tied, IDS), expected)
+    copy = w | {"embed_out.weight": w["gpt_neox.embed_in.weight"].clone()}   # (a tied head saved as a copy: left out)
+    assert load_model(write_checkpoint(tmp_path / "copy", c | {"tie_word_embeddings": True}, copy)).embed_out is None
+    assert capsys.readouterr().err == ""
 
 
 def test_stablelm_config_details():
@@ -612,18 +621,83 @@ def test_phi_config_details():
     head or q/k norms loaded and run without them."""
     phi = GPT_NEOX_VARIANTS["phi"]
     plain = {k: v for k, v in phi.items() if k not in ("partial_rotary_factor", "num_key_value_heads", "bos_token_id",
-                                                       "eos_token_id")}
+                                                       "eos_token_id", "max_position_embeddings", "layer_norm_eps",
+                                                       "hidden_act", "tie_word_embeddings")}
     c = ModelConfig.from_dict(plain)
-    assert (c.rotary_dim, c.num_key_value_heads, c.bos_token_id, c.eos_token_id, c.shared_norm, c.lm_head_bias) == (
-        8, 4, 1, [2], True, True)
+    assert (c.rotary_dim, c.num_key_value_heads, c.bos_token_id, c.eos_token_id, c.shared_norm, c.lm_head_bias,
+            c.max_position_embeddings, c.norm_eps, c.hidden_act, c.tie_word_embeddings) == (
+        8, 4, 1, [2], True, True, 2048, 1e-5, "gelu_new", False)
     assert ModelConfig.from_dict(phi | {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                             "partial_rotary_factor": 1.0}}).rotary_dim == 16
     for change, message in [({"qk_layernorm": True}, "qk_layernorm = true is not supported for phi"),
                             ({"tie_word_embeddings": True}, "tie_word_embeddings = true is not supported for phi"),
                             ({"num_key_value_heads": 3}, "num_attention_heads 4 and num_key_value_heads 3: each must be"),
+                            ({"hidden_size": 66}, "hidden_size 66, num_attention_heads 4 and num_key_value_heads 2: "
+                                                  "each must be a multiple of the next"),
                             ({"hidden_act": "tanh"}, "hidden_act 'tanh' is not supported")]:
         with pytest.raises(ModelError, match=message):
             ModelConfig.from_dict(phi | change)
+
+
+def reference_gpt_neox(c, w, ids):
+    """HF's GPT-NeoX forward with the parallel residual (Pythia's), or Phi's (one LayerNorm
+    before both branches, q/k/v apart, a biased LM head), written from the checkpoint names
+    with plain torch ops: RoPE on the first rotary dimensions of each head."""
+    phi = c["model_type"] == "phi"
+    T, H, C = len(ids), c["num_attention_heads"], c["hidden_size"]
+    D, KVH = C // H, c.get("num_key_value_heads", H)
+    R = int(D * (c["partial_rotary_factor"] if phi else c["rotary_pct"]))
+    base = c["rope_theta"] if phi else c["rotary_emb_base"]
+    angles = torch.arange(T).float()[:, None] * (1.0 / base ** (torch.arange(0, R, 2).float() / R))[None, :]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    act = GPT2_ACTIVATION_FORMULAS[c["hidden_act"]]
+
+    def ln(x, name):
+        return F.layer_norm(x, (C,), w[name + ".weight"], w[name + ".bias"], c["layer_norm_eps"])
+
+    def linear(x, name):
+        return x @ w[name + ".weight"].T + w[name + ".bias"]
+
+    def rope(x):  # x (heads, T, D): the first R of D turned
+        r = x[..., :R]
+        rotated = torch.cat([-r[..., R // 2:], r[..., :R // 2]], -1)
+        return torch.cat([r * cos + rotated * sin, x[..., R:]], -1)
+
+    x = w["model.embed_tokens.weight" if phi else "gpt_neox.embed_in.weight"][torch.tensor(ids)]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}." if phi else f"gpt_neox.layers.{i}."
+        h = ln(x, p + "input_layernorm")
+        if phi:
+            q, k, v = (linear(h, p + f"self_attn.{n}_proj").view(T, -1, D).transpose(0, 1) for n in "qkv")
+        else:   # (each head's q, k and v rows together)
+            q, k, v = linear(h, p + "attention.query_key_value").view(T, H, 3, D).permute(2, 1, 0, 3)
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(H // KVH, 0), v.repeat_interleave(H // KVH, 0)
+        o = causal_attention(q, k, v).transpose(0, 1).reshape(T, C)
+        a = linear(o, p + ("self_attn.dense" if phi else "attention.dense"))
+        m = (linear(act(linear(h, p + "mlp.fc1")), p + "mlp.fc2") if phi else
+             linear(act(linear(ln(x, p + "post_attention_layernorm"), p + "mlp.dense_h_to_4h")), p + "mlp.dense_4h_to_h"))
+        x = x + a + m
+    if phi:
+        return linear(ln(x, "model.final_layernorm"), "lm_head")
+    return ln(x, "gpt_neox.final_layer_norm") @ w["embed_out.weight"].T
+
+
+@pytest.mark.parametrize("variant", ["gpt_neox", "phi"])
+def test_gpt_neox_and_phi_layer_norms_take_the_configs_eps(tmp_path, variant):
+    """GPT-NeoX's and Phi's LayerNorms (before attention, before the MLP, the final one) take
+    the config's layer_norm_eps (a large one, so that it shows): the logits match a plain-torch
+    reference, itself checked against transformers' logits at the variant's own eps.
+    Catches: layer_norm_eps not read (1e-5 whatever the config says), or any of the three
+    LayerNorms built with torch's default eps."""
+    c = GPT_NEOX_VARIANTS[variant]
+    w = variant_tensors(c)
+    expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())[variant]
+    torch.testing.assert_close(reference_gpt_neox(c, w, IDS), torch.tensor(expected["logits"]), rtol=1e-4, atol=1e-4)
+    c = c | {"layer_norm_eps": 0.5}
+    model = load_model(write_checkpoint(tmp_path / variant, c, w))
+    assert model.config.norm_eps == 0.5
+    torch.testing.assert_close(forward_all(model, IDS), reference_gpt_neox(c, w, IDS), rtol=1e-4, atol=1e-4)
 
 
 def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
@@ -10485,13 +10559,16 @@ def test_gpt2_runs_the_activation_its_config_names(tmp_path, activation):
 
 
 def test_only_the_tanh_gelu_is_accepted_for_gemma_and_silu_for_llama():
-    """An activation GPT-2 does not name is refused, naming those it does. Gemma's
+    """An activation GPT-2 does not name is refused, naming those it does; without one, GPT-2
+    runs "gelu_new" (transformers' default, whose bfloat16 bits are its own). Gemma's
     hidden_activation may be spelled either name of the tanh GELU (gelu_pytorch_tanh,
     gelu_new), a Llama's SiLU either of its names (vLLM refuses other activations for both).
-    Catches: "quick_gelu" accepted for GPT-2; "gelu_new" refused for Gemma; "swish" refused."""
+    Catches: "quick_gelu" accepted for GPT-2, or another default; "gelu_new" refused for Gemma;
+    "swish" refused."""
     with pytest.raises(ModelError, match="activation_function 'quick_gelu' is not supported "
                                          r"\(supported: 'silu', 'swish', 'gelu', 'gelu_new', 'gelu_fast', 'gelu_pytorch_tanh', 'relu'\)"):
         ModelConfig.from_dict(GPT2_CONFIG | {"activation_function": "quick_gelu"})
+    assert ModelConfig.from_dict(GPT2_CONFIG).hidden_act == "gelu_new"   # (its default: the bits of bfloat16's)
     for name in ("gemma2", "gemma3"):
         c = ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS[name] | {"hidden_activation": "gelu_new"})
         assert c.hidden_act == "gelu_new"
