@@ -600,7 +600,8 @@ def test_gpt_neox_config_and_checkpoint_details(tmp_path, capsys):
 def test_stablelm_config_details():
     """A StableLM config as StableLmConfig reads it: RoPE on a quarter of each head where no
     partial_rotary_factor is given, its norms' eps from layer_norm_eps, q/k/v biases from
-    use_qkv_bias only (attention_bias is not its key), BOS and EOS 0; the 12B's parallel
+    use_qkv_bias only (attention_bias is not its key), BOS and EOS 0, 32 KV heads where the
+    key is left out (not as many as the query heads); the 12B's parallel
     layers and per-head q/k LayerNorms refused. Catches: a default not transformers'; the
     RMSNorm's eps key read; the 12B's layers run as the others'."""
     c = ModelConfig.from_dict({k: v for k, v in LLAMA_FAMILY_VARIANTS["stablelm"].items()
@@ -608,6 +609,8 @@ def test_stablelm_config_details():
     assert (c.rotary_dim, c.layer_norm, c.norm_eps, c.qkv_bias, c.o_bias, c.bos_token_id, c.eos_token_id) == (
         4, True, 1e-5, False, False, 0, [0])
     assert ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS["stablelm"]).qkv_bias
+    no_kv = {k: v for k, v in LLAMA_FAMILY_VARIANTS["stablelm"].items() if k != "num_key_value_heads"}
+    assert ModelConfig.from_dict(no_kv | {"num_attention_heads": 64, "hidden_size": 1024}).num_key_value_heads == 32
     for key in ("use_parallel_residual", "qk_layernorm"):
         with pytest.raises(ModelError, match=f"{key} = true is not supported for stablelm"):
             ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS["stablelm"] | {key: True})
