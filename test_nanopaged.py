@@ -2209,11 +2209,12 @@ def test_tiny_tokenizer_dir_loads(tmp_path):
     assert tok.encode("abc<|x|>") == [256, ord("c"), 257]
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama3"])
-def test_qwen2_and_llama3_shaped_tokenizers_encode_as_hugging_face_does(name):
-    """Small BPEs set up as Qwen 2's (NFC, its Split regex, added tokens special or not) and
-    Llama 3's (its regex, a BOS from the post-processor, TikTokenConverter-style merges),
-    against the ids Hugging Face's tokenizers gave (testdata/make_bpe_tokenizer_cases.py)."""
+@pytest.mark.parametrize("name", ["qwen2", "llama3", "gpt_neox"])
+def test_qwen2_llama3_and_gpt_neox_shaped_tokenizers_encode_as_hugging_face_does(name):
+    """Small BPEs set up as Qwen 2's (NFC, its Split regex, added tokens special or not),
+    Llama 3's (its regex, a BOS from the post-processor, TikTokenConverter-style merges) and
+    GPT-NeoX's (NFC, ByteLevel's own regex, runs of spaces as added normalized tokens), against
+    the ids Hugging Face's tokenizers gave (testdata/make_bpe_tokenizer_cases.py)."""
     tok = load_tokenizer(TESTDATA / f"{name}_tokenizer")
     cases = [c for c in map(json.loads, (TESTDATA / "bpe_tokenizer_cases.jsonl").open()) if c["tokenizer"] == name]
     assert len(cases) == 160

@@ -1,6 +1,6 @@
-"""Make small Qwen 2 and Llama 3 shaped byte-level BPE tokenizers and their encode cases.
+"""Make small Qwen 2, Llama 3 and GPT-NeoX shaped byte-level BPE tokenizers and their encode cases.
 
-Trains two byte-level BPEs (~500 merges each) with Hugging Face `tokenizers` on a small
+Trains three byte-level BPEs (~500 merges each) with Hugging Face `tokenizers` on a small
 built-in multilingual corpus and writes, next to this script:
   qwen2_tokenizer/   tokenizer.json set up as Qwen 2's (NFC; Split(regex, Isolated) +
                      ByteLevel(use_regex=False); ByteLevel post-processor and decoder; special
@@ -9,6 +9,9 @@ built-in multilingual corpus and writes, next to this script:
   llama3_tokenizer/  set up as Llama 3's (no normalizer; Split(regex) + ByteLevel; [ByteLevel,
                      TemplateProcessing(<|begin_of_text|> $A)] post-processor; ignore_merges;
                      merges made from the ranks as transformers' TikTokenConverter makes them)
+  gpt_neox_tokenizer/  set up as GPT-NeoX's (Pythia's): NFC; ByteLevel(use_regex=True) alone;
+                     special <|endoftext|> <|padding|>, and runs of 2 to 8 spaces as added,
+                     non-special, normalized tokens
   bpe_tokenizer_cases.jsonl  {"tokenizer", "text", "add_special_tokens", "ids"} per line, ids
                      from `tokenizers` (version printed at the end)
 Left out on purpose: Llama 3 text that starts with <|begin_of_text|> encoded with special
@@ -58,11 +61,12 @@ def corpus(n=1500, seed=0):
 
 
 def train(pattern, nfc, merges):
+    """pattern: the Split regex before ByteLevel; None: ByteLevel's own (GPT-2's) regex."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC() if nfc else None
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True) if pattern is None else (
+        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
     trainer = trainers.BpeTrainer(vocab_size=256 + merges, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(), trainer=trainer)
@@ -83,9 +87,9 @@ def converter_merges(vocab):
     return [[l, r] for _, l, r in sorted(out, key=lambda x: x[0])]
 
 
-def added(i, content, special):
+def added(i, content, special, normalized=False):
     return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
-            "normalized": False, "special": special}
+            "normalized": normalized, "special": special}
 
 
 def byte_level(prefix, trim, regex):
@@ -97,7 +101,7 @@ def write(name, pattern, nfc, ignore_merges, vocab, merges, adds, post, decoder,
     d.mkdir(exist_ok=True)
     tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": adds,
           "normalizer": {"type": "NFC"} if nfc else None,
-          "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+          "pre_tokenizer": byte_level(False, True, True) if pattern is None else {"type": "Sequence", "pretokenizers": [
               {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
               byte_level(False, name == "llama3", False)]},
           "post_processor": post, "decoder": decoder,
@@ -134,7 +138,9 @@ def cases(name, hf, special, seed):
         texts += [a, f"x{a}y"] + [more[(3 * i + j) % 7] for j in range(3)]
     for a in special[1:4]:
         texts += [a + "\u0338", a + "\u030f\u0338", a + "\u0301x", f"e{a}\u0301"]
-    if name == "qwen2":
+    if name == "gpt_neox":
+        texts += ["def f():\n        return  1", "a  b   c    d", "x" + " " * 11 + "y", "  \t  x", "é  \u0301  e"]
+    elif name == "qwen2":
         texts += ["<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello<|im_end|>",
                   '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>', "<think>\u0338", "</think>\u030f\u0338 x",
                   "</think>\u0301", "<think>" + nfd("é") + "</think>"]
@@ -183,6 +189,14 @@ def main():
     hf = write("llama3", LLAMA3_PATTERN, False, True, vocab, converter_merges(vocab), adds, post,
                byte_level(True, True, True), eos=[n + 1, n + 5], bos=n)
     lines += cases("llama3", hf, names, seed=3)
+
+    vocab, merges = train(None, True, 500)
+    n = len(vocab)
+    names = [("<|endoftext|>", True), ("<|padding|>", True)] + [(" " * k, False) for k in range(8, 1, -1)]
+    adds = [added(n + k, c, s, normalized=not s) for k, (c, s) in enumerate(names)]
+    neox_bl = byte_level(False, True, True)
+    hf = write("gpt_neox", None, True, False, vocab, merges, adds, neox_bl, neox_bl, eos=n)
+    lines += cases("gpt_neox", hf, [c for c, _ in names], seed=4)
 
     with open(OUT / "bpe_tokenizer_cases.jsonl", "w", encoding="utf-8") as f:
         for c in lines:
