@@ -152,7 +152,7 @@ MISTRALS = ("mistral", "ministral")
 # outputs, and normalizes q and k across all heads at once; OLMo 3 is OLMo 2 with three
 # layers in four windowed (transformers' Olmo3Config), its full layers' RoPE alone scaled.
 # Two more ways of theirs have no ModelConfig field, being keyed on OLMOS where they happen:
-# norms scaled in float32 (rms_norm), and RoPE tables kept in float32 (load_model).
+# norms scaled in float32 (norm_layer), and RoPE tables kept in float32 (load_model).
 OLMOS = ("olmo2", "olmo3")
 # Granite (IBM's Granite 3) is Llama with four scalars of its own (ModelConfig's "Granite" fields).
 # Mixtral (Mistral's attention), Qwen 3 MoE (Qwen 3's) and OLMoE (Llama's norms, OLMo's q/k
@@ -164,7 +164,7 @@ MOES = ("mixtral", "qwen3_moe", "olmoe")
 # and the values their HF config classes take where a config.json leaves a key out
 LLAMA_FAMILY = {
     "llama": {"max_position_embeddings": 2048},
-    # (num_key_value_heads: Mistral's, Qwen's and SmolLM3's classes have a number of their own
+    # (num_key_value_heads: Mistral's, Qwen's, SmolLM3's and StableLM's classes have a number of their own
     # where the key is left out, not num_attention_heads, which null gives them all, as Llama's)
     **dict.fromkeys(MISTRALS, {"max_position_embeddings": 4096 * 32, "sliding_window": 4096, "num_key_value_heads": 8}),
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28,
@@ -2292,8 +2292,9 @@ def tanh_softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """The tanh approximation of GELU, OpenAI's GPT-2's, written out as transformers writes it.
     In bfloat16 and float16 each op rounds, and only this order of them gives transformers'
-    bits (torch's fused F.gelu(approximate="tanh") rounds once: 40% of bfloat16 inputs come
-    out otherwise); in float32 the two agree to 2.4e-7, and the fused one runs 3.5x faster."""
+    bits (torch's fused F.gelu(approximate="tanh") rounds once: of normally distributed
+    bfloat16 inputs, 40% come out otherwise); in float32 the two agree to 2.4e-7 within 3
+    standard deviations, and the fused one runs 3.5x faster."""
     if x.dtype == torch.float32:
         return F.gelu(x, approximate="tanh")
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
@@ -2712,8 +2713,9 @@ class GPT2(nn.Module):
 
 # ----------------------------------------------------------------------------------------
 # GPT-NeoX (EleutherAI's Pythia, 14M to 12B, with its training checkpoints; Dolly v2,
-# RedPajama-INCITE): GPT-2's LayerNorms with biases and plain MLP, Llama's RoPE, on a quarter
-# of each head, and, where use_parallel_residual says (Pythia's), the parallel residual.
+# RedPajama-INCITE): GPT-2's LayerNorms with biases and plain MLP, Llama's RoPE, on the share
+# of each head rotary_pct says (Pythia's: a quarter), and, where use_parallel_residual says
+# (Pythia's), the parallel residual.
 # And Phi (Microsoft's Phi-1.5 and Phi-2) on the same module: the parallel residual with one
 # LayerNorm for both branches, grouped-query attention, and a bias on its LM head.
 
@@ -3099,8 +3101,8 @@ def _check_stored_dtype(path: Path, name: str, stored_dtype: str):
 
 def _untie_if_distinct(model_dir: Path, where: dict[str, Path], config: ModelConfig, arch) -> ModelConfig:
     """transformers' rule for a config that ties the LM head to the embeddings while the
-    checkpoint holds an lm_head.weight of other values (a fine-tune saved with the wrong
-    flag): the head is not tied, the checkpoint's own is used, and that is said. (A copy of
+    checkpoint holds a head (arch.HEAD: lm_head.weight, GPT-NeoX's embed_out.weight) of other
+    values (a fine-tune saved with the wrong flag): the head is not tied, the checkpoint's own is used, and that is said. (A copy of
     the embeddings, as some checkpoints save, changes nothing. vLLM ties it all the same,
     leaving the checkpoint's head out; the tests' reference is transformers.)"""
     head, embed = _checkpoint_name(arch.HEAD, where), _checkpoint_name(arch.EMBEDDING, where)
@@ -3179,9 +3181,9 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 GGUF_PERMUTED = ("llama", "smollm3", "granite")
 # Granite's multipliers: the GGUF key each is read from (after "granite."; llama.cpp's
-# converter writes only those config.json sets to a nonzero number: one left out was absent
-# there, where transformers, and so nanopaged, takes 1.0 (or null, or 0). llama.cpp itself
-# runs a missing attention.scale as head_dim^-1/2)
+# converter writes only those config.json sets to a nonzero number, leaving out one absent,
+# null or 0 there; nanopaged takes one left out as 1.0, transformers' value for an absent key.
+# llama.cpp itself runs a missing attention.scale as head_dim^-1/2)
 GGUF_GRANITE_KEYS = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
                      "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
 # the special tokens' roles (tokenizer_config.json's "bos_token"...) -> GGUF's names for them

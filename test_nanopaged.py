@@ -688,11 +688,11 @@ def reference_gpt_neox(c, w, ids):
 
 @pytest.mark.parametrize("variant", ["gpt_neox", "phi"])
 def test_gpt_neox_and_phi_layer_norms_take_the_configs_eps(tmp_path, variant):
-    """GPT-NeoX's and Phi's LayerNorms (before attention, before the MLP, the final one) take
-    the config's layer_norm_eps (a large one, so that it shows): the logits match a plain-torch
-    reference, itself checked against transformers' logits at the variant's own eps.
-    Catches: layer_norm_eps not read (1e-5 whatever the config says), or any of the three
-    LayerNorms built with torch's default eps."""
+    """GPT-NeoX's and Phi's LayerNorms (before attention, before the MLP: GPT-NeoX's alone, the
+    final one) take the config's layer_norm_eps (a large one, so that it shows): the logits
+    match a plain-torch reference, itself checked against transformers' logits at the
+    variant's own eps. Catches: layer_norm_eps not read (1e-5 whatever the config says), or any
+    of the LayerNorms built with torch's default eps."""
     c = GPT_NEOX_VARIANTS[variant]
     w = variant_tensors(c)
     expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())[variant]
@@ -10566,7 +10566,8 @@ def test_only_the_tanh_gelu_is_accepted_for_gemma_and_silu_for_llama():
     """An activation GPT-2 does not name is refused, naming those it does; without one, GPT-2
     runs "gelu_new" (transformers' default, whose bfloat16 bits are its own). Gemma's
     hidden_activation may be spelled either name of the tanh GELU (gelu_pytorch_tanh,
-    gelu_new), a Llama's SiLU either of its names (vLLM refuses other activations for both).
+    gelu_new), a Llama's SiLU either of its names (vLLM refuses other activations for both, and
+    Gemma's gelu_new too: transformers runs it).
     Catches: "quick_gelu" accepted for GPT-2, or another default; "gelu_new" refused for Gemma;
     "swish" refused."""
     with pytest.raises(ModelError, match="activation_function 'quick_gelu' is not supported "
