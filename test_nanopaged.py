@@ -557,9 +557,10 @@ def test_gpt_neox_config_and_checkpoint_details(tmp_path, capsys):
     bad values refused by name. The masks and RoPE frequencies older Pythia checkpoints store
     (attention.bias, masked_bias, rotary_emb.inv_freq) are left out without a note; a tied
     config whose checkpoint holds an embed_out of other values runs with it, untied, as
-    transformers does (a copy of the embeddings is left out, without a note). Top-level rope_theta and partial_rotary_factor are not GPTNeoXConfig's:
-    ignored, as it ignores them. Catches: a default or precedence not transformers'; the
-    buffers noted as unused; the untie rule looking for Llama's lm_head.weight."""
+    transformers does (a copy of the embeddings is left out, without a note). Top-level
+    rope_theta and partial_rotary_factor are not GPTNeoXConfig's: ignored, as it ignores them.
+    Catches: a default or precedence not transformers'; the buffers noted as unused; the untie
+    rule looking for Llama's lm_head.weight."""
     c = ModelConfig.from_dict({k: v for k, v in GPT_NEOX.items()   # (its sizes alone)
                                if k not in ("max_position_embeddings", "layer_norm_eps")})
     assert (c.parallel_residual, c.qkv_bias, c.o_bias, c.hidden_act, c.tie_word_embeddings, c.rotary_dim, c.rope_theta,
