@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -216,11 +217,11 @@ class LayersBut:
 
 @dataclass
 class ModelConfig:
-    """One config for the four architectures (GPT-2, Llama with its family, GPT-NeoX, Phi).
+    """One config for the five architectures (GPT-2, OPT, Llama with its family, GPT-NeoX, Phi).
     The fields HF's LlamaConfig has too keep its names (but norm_eps, its rms_norm_eps); the
     others are nanopaged's, one for each way the family differs. GPT-2's own names (n_embd,
-    n_layer, ...) and GPT-NeoX's (rotary_pct...) are mapped onto them by from_dict."""
-    model_type: str                   # "gpt2", "gpt_neox", "phi" or one of LLAMA_FAMILY
+    n_layer, ...), OPT's (ffn_dim...) and GPT-NeoX's (rotary_pct...) are mapped onto them by from_dict."""
+    model_type: str                   # "gpt2", "opt", "gpt_neox", "phi" or one of LLAMA_FAMILY
     vocab_size: int
     hidden_size: int                  # C
     num_hidden_layers: int
@@ -229,7 +230,8 @@ class ModelConfig:
     head_dim: int                     # D
     intermediate_size: int            # MLP width (I; each expert's, in a mixture of experts)
     max_position_embeddings: int
-    norm_eps: float                   # HF's rms_norm_eps (llama), layer_norm_epsilon (gpt2), layer_norm_eps (the others)
+    norm_eps: float                   # HF's rms_norm_eps (llama), layer_norm_epsilon (gpt2), layer_norm_eps (the
+                                      # others; OPT has no key: 1e-5, nn.LayerNorm's)
     rope_theta: float = 10000.0       # RoPE's base (all but GPT-2)
     rope_scaling: dict | None = None  # RoPE's scaling (the same): None, or linear, llama3, yarn or longrope parameters
     partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim of each head's D (Phi-4-mini: 0.75, Pythia: 0.25)
@@ -242,6 +244,17 @@ class ModelConfig:
     parallel_residual: bool = False
     shared_norm: bool = False         # Phi: one LayerNorm before both attention and MLP (parallel, as above)
     lm_head_bias: bool = False        # Phi: its LM head has a bias
+    # OPT's differences from GPT-2 (on its module). OPT-350M's LayerNorms come after the residual
+    # adds, x = ln(x + f(x)), the original Transformer's "post-LN" (do_layer_norm_before false),
+    # and so with no final one before the head; its embeddings are narrower than its layers,
+    # word_embed_proj_dim wide, projected in before the first layer and out after the last
+    post_ln: bool = False
+    final_norm: bool = True           # a LayerNorm before the LM head (ln_f)
+    word_embed_proj_dim: int | None = None  # E, where it differs from hidden_size (None: E = C)
+    # OPT scales q by D^-1/2 before the attention, which then scales by 1 (attn_scale): the
+    # same numbers, but in bfloat16 rounded as transformers rounds them (D = 80 or 128: the
+    # 2.7B and larger; D = 64's scale is a power of two, exact either way)
+    scale_q: bool = False
     clip_qkv: float | None = None     # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE's option)
     qk_norm: str | None = None        # RMSNorm on q and k before RoPE: "head", each head's (one (D,) scale
                                       # shared by all: Qwen 3, Gemma 3); "all", all heads' at once (OLMo, OLMoE)
@@ -305,10 +318,12 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        """What attention multiplies q.k by: D^-1/2, Gemma's query_pre_attn_scalar^-1/2, or
-        Granite's attention_multiplier."""
+        """What attention multiplies q.k by: D^-1/2, Gemma's query_pre_attn_scalar^-1/2,
+        Granite's attention_multiplier, or 1 (OPT's q comes scaled: scale_q)."""
         if self.attention_multiplier is not None:
             return self.attention_multiplier
+        if self.scale_q:
+            return 1.0
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def longrope_long(self, max_model_len: int) -> bool:
@@ -426,6 +441,9 @@ class ModelConfig:
         elif model_type == "phi":
             d = PHI_DEFAULTS | d
             fields, default_token_id = _phi_fields(d), None
+        elif model_type == "opt":
+            d = OPT_DEFAULTS | d
+            fields, default_token_id = _opt_fields(d), None
         elif model_type == "gpt2":
             act = _activation(d, "activation_function", "gelu_new")
             # GPT-2 variants that change the math: refused, rather than run differently
@@ -592,6 +610,36 @@ def _phi_fields(d: dict) -> dict:
                 norm_eps=_positive(d, "layer_norm_eps", float), rope_theta=rope_theta, rope_scaling=rope_scaling,
                 partial_rotary_factor=partial, hidden_act=_activation(d, "hidden_act", "gelu_new"),
                 qkv_bias=True, o_bias=True, parallel_residual=True, shared_norm=True, lm_head_bias=True)
+
+
+# OPTConfig's values where a config.json leaves a key out (its sizes are always written)
+OPT_DEFAULTS = {"max_position_embeddings": 2048, "activation_function": "relu", "tie_word_embeddings": True,
+                "bos_token_id": 2, "eos_token_id": 2}
+
+
+def _opt_fields(d: dict) -> dict:
+    """ModelConfig's fields for an OPT, as OPTConfig reads them: GPT-2's layers (a plain MLP
+    ffn_dim wide), each LayerNorm before its branch or, where do_layer_norm_before is false (the
+    350M), after its residual add; the final LayerNorm where the layers' come before and
+    _remove_final_layer_norm (an early conversion's flag) does not drop it. Refused:
+    enable_bias and layer_norm_elementwise_affine false (no biases, LayerNorms without weights:
+    no released OPT has either)."""
+    for key in ("enable_bias", "layer_norm_elementwise_affine"):
+        if not _flag(d, key, default=True):
+            raise ModelError(f"{key} = false is not supported for opt (only the released OPTs' layers, with both)")
+    hidden, heads = _positive(d, "hidden_size"), _positive(d, "num_attention_heads")
+    if hidden % heads:
+        raise ModelError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    pre = _flag(d, "do_layer_norm_before", default=True)
+    embed = _positive(d, "word_embed_proj_dim", default=hidden)
+    return dict(hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
+                num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+                intermediate_size=_positive(d, "ffn_dim"),
+                max_position_embeddings=_positive(d, "max_position_embeddings"),
+                norm_eps=1e-5, hidden_act=_activation(d, "activation_function", "relu"),
+                tie_word_embeddings=_flag(d, "tie_word_embeddings"), post_ln=not pre,
+                final_norm=pre and not _flag(d, "_remove_final_layer_norm"),
+                word_embed_proj_dim=None if embed == hidden else embed, scale_q=True)
 
 
 def _granite_fields(d: dict) -> dict:
@@ -2315,7 +2363,7 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_new": gelu
                "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 
 
-def final_logits(x: torch.Tensor, logits_indices: torch.Tensor | None, norm: nn.Module,
+def final_logits(x: torch.Tensor, logits_indices: torch.Tensor | None, norm: Callable,
                  head: nn.Module) -> torch.Tensor:
     """The logits (N, V) of the N rows of x (T, C) in logits_indices (all T where None): the
     final norm, then the LM head (head: its nn.Linear, or the embedding it is tied to). The
@@ -2620,7 +2668,8 @@ def _router_name(config: ModelConfig, p: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------
-# GPT-2
+# GPT-2, and OPT (Meta's, 125M to 66B; vLLM's quick start runs opt-125m) on the same module:
+# learned positions, LayerNorms, a plain MLP, biases everywhere
 
 class GPT2Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -2629,10 +2678,13 @@ class GPT2Attention(nn.Module):
         C = config.hidden_size
         self.c_attn = nn.Linear(C, 3 * C)  # GPT-2 ships q, k, v already fused
         self.c_proj = nn.Linear(C, C)
+        self.q_scale = config.head_dim ** -0.5 if config.scale_q else None   # (OPT's)
 
     def forward(self, x, attn):
         T, H, D = x.shape[0], self.H, self.D
         q, k, v = self.c_attn(x).view(T, 3, H, D).unbind(1)  # (T, H, D) each, views: no copy
+        if self.q_scale is not None:
+            q = q * self.q_scale
         out = attn(self.layer_idx, q, k, v, None)            # (T, H, D), no window
         return self.c_proj(out.reshape(T, H * D))            # (T, C)
 
@@ -2655,8 +2707,12 @@ class GPT2Block(nn.Module):
         self.attn = GPT2Attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = GPT2MLP(config)
+        self.post_ln = config.post_ln
 
     def forward(self, x, attn):   # (self.attn: the checkpoint's name for the module; attn: the paged attention)
+        if self.post_ln:   # (OPT-350M's: each LayerNorm on the residual sum)
+            x = self.ln_1(x + self.attn(x, attn))
+            return self.ln_2(x + self.mlp(x))
         x = x + self.attn(self.ln_1(x), attn)
         return x + self.mlp(self.ln_2(x))
 
@@ -2667,19 +2723,31 @@ class GPT2(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.wte = embedding(config.vocab_size, config.hidden_size)
-        self.wpe = embedding(config.max_position_embeddings, config.hidden_size)
+        C, E = config.hidden_size, config.word_embed_proj_dim or config.hidden_size
+        self.wte = embedding(config.vocab_size, E)
+        self.wpe = embedding(config.max_position_embeddings, C)
+        # (OPT-350M: embeddings E wide, layers C; projected without biases)
+        self.project_in = nn.Linear(E, C, bias=False) if E != C else None
+        self.project_out = nn.Linear(C, E, bias=False) if E != C else None
         self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.ln_f = nn.LayerNorm(C, eps=config.norm_eps) if config.final_norm else None
         # GPT-2's head is its embedding matrix; a fine-tune saved untied has its own
-        self.lm_head = (None if config.tie_word_embeddings else
-                        nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(E, config.vocab_size, bias=False)
 
     def forward(self, input_ids, positions, attn, logits_indices=None):
-        x = self.wte(input_ids) + self.wpe(positions)  # (T, C): learned positions, no RoPE
+        x = self.wte(input_ids)                        # (T, E)
+        if self.project_in is not None:
+            x = self.project_in(x)                     # (T, C)
+        x = x + self.wpe(positions)                    # (T, C): learned positions, no RoPE
         for block in self.h:
             x = block(x, attn)
-        return final_logits(x, logits_indices, self.ln_f, self.wte if self.lm_head is None else self.lm_head)
+        return final_logits(x, logits_indices, self.final_norm, self.wte if self.lm_head is None else self.lm_head)
+
+    def final_norm(self, x):
+        """What the head reads: ln_f's output (x itself where there is no ln_f: OPT-350M's last
+        layer ends with a LayerNorm), projected back to E wide where the layers are wider."""
+        x = x if self.ln_f is None else self.ln_f(x)   # (N, C)
+        return x if self.project_out is None else self.project_out(x)   # (N, E)
 
     @staticmethod
     def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
@@ -2709,6 +2777,66 @@ class GPT2(nn.Module):
         conv1d = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
         return {name.removeprefix("transformer."): w.t() if name.endswith(conv1d) else w
                 for name, w in hf.items()}
+
+
+def module_name(arch, name: str) -> str:
+    """A checkpoint tensor's name in arch's module: the parts arch.RENAMES names replaced, in
+    its order, then arch.PREFIX dropped."""
+    for old, new in arch.RENAMES.items():
+        name = name.replace(old, new)
+    return name.removeprefix(arch.PREFIX)
+
+
+# fairseq, which trained OPT, kept its learned positions' first rows for padding: position p
+# is row p + 2 of a checkpoint's embed_positions
+OPT_POSITION_OFFSET = 2
+
+
+class OPT(GPT2):
+    """OPT: GPT-2's module under its checkpoint's names, with q, k and v apart (fused here),
+    ReLU (activation_function), and OPT-350M's post-LN layers and narrow embeddings (ModelConfig's
+    OPT fields)."""
+    HEAD, EMBEDDING = "lm_head.weight", "model.decoder.embed_tokens.weight"
+    # checkpoint names -> this module's (the decoder's own final_layer_norm before the layers')
+    RENAMES, PREFIX = {"decoder.final_layer_norm.": "decoder.ln_f.", "decoder.embed_tokens.": "decoder.wte.",
+                       ".layers.": ".h.", ".self_attn_layer_norm.": ".ln_1.", ".final_layer_norm.": ".ln_2.",
+                       ".self_attn.out_proj.": ".attn.c_proj.", ".fc1.": ".mlp.c_fc.", ".fc2.": ".mlp.c_proj."}, \
+        "model.decoder."
+
+    @staticmethod
+    def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
+        """Every tensor of a HF OPTForCausalLM checkpoint, with its shape."""
+        C, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+        E, p = config.word_embed_proj_dim or C, "model.decoder."
+        shapes = {p + "embed_tokens.weight": (V, E),
+                  p + "embed_positions.weight": (config.max_position_embeddings + OPT_POSITION_OFFSET, C)}
+        if E != C:
+            shapes |= {p + "project_in.weight": (C, E), p + "project_out.weight": (E, C)}
+        if config.final_norm:
+            shapes |= {p + "final_layer_norm.weight": (C,), p + "final_layer_norm.bias": (C,)}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (V, E)
+        for i in range(config.num_hidden_layers):
+            q = f"{p}layers.{i}."
+            for name, rows, cols in (("self_attn.q_proj", C, C), ("self_attn.k_proj", C, C), ("self_attn.v_proj", C, C),
+                                     ("self_attn.out_proj", C, C), ("fc1", I, C), ("fc2", C, I)):
+                shapes |= {q + name + ".weight": (rows, cols), q + name + ".bias": (rows,)}
+            for norm in ("self_attn_layer_norm", "final_layer_norm"):
+                shapes |= {q + norm + ".weight": (C,), q + norm + ".bias": (C,)}
+        return shapes
+
+    @classmethod
+    def from_checkpoint(cls, hf: dict, config: ModelConfig) -> dict:
+        """HF tensors -> this module's state dict: q/k/v fused into c_attn (weights and biases;
+        nn.Linear's, not Conv1D's: no transpose), the positions' table without its first rows
+        (a view), the rest renamed."""
+        state = {"wpe.weight": hf.pop("model.decoder.embed_positions.weight")[OPT_POSITION_OFFSET:]}   # (P, C)
+        for i in range(config.num_hidden_layers):
+            p = f"model.decoder.layers.{i}.self_attn."
+            for kind in ("weight", "bias"):
+                state[f"h.{i}.attn.c_attn.{kind}"] = torch.cat(   # (3C, C), or its bias
+                    [hf.pop(f"{p}{n}_proj.{kind}") for n in "qkv"])
+        return state | {module_name(cls, name): hf.pop(name) for name in list(hf)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -2787,12 +2915,6 @@ class GPTNeoX(nn.Module):
         return shapes
 
     @classmethod
-    def module_name(cls, name: str) -> str:
-        for old, new in cls.RENAMES.items():
-            name = name.replace(old, new)
-        return name.removeprefix(cls.PREFIX)
-
-    @classmethod
     def from_checkpoint(cls, hf: dict, config: ModelConfig) -> dict:
         """HF tensors -> this module's state dict. GPT-NeoX's query_key_value holds each head's
         q, k and v rows together, head after head; LlamaAttention's qkv_proj wants all heads'
@@ -2803,7 +2925,7 @@ class GPTNeoX(nn.Module):
             w = hf.pop(name)
             if ".query_key_value." in name:
                 w = w.view(H, 3, D, -1).transpose(0, 1).reshape(w.shape)   # (H, 3, D, C or 1) -> (3, H, D, ...)
-            state[cls.module_name(name)] = w
+            state[module_name(cls, name)] = w
         return state
 
 
@@ -2839,13 +2961,13 @@ class Phi(GPTNeoX):
             for kind in ("weight", "bias"):
                 state[f"layers.{i}.attention.qkv_proj.{kind}"] = torch.cat(   # ((H + 2 KVH) * D, C), or its bias
                     [hf.pop(f"{p}{n}_proj.{kind}") for n in "qkv"])
-        return state | {cls.module_name(name): hf.pop(name) for name in list(hf)}
+        return state | {module_name(cls, name): hf.pop(name) for name in list(hf)}
 
 
 # ----------------------------------------------------------------------------------------
 # loading: a Hugging Face layout directory (config.json + safetensors) -> a ready model
 
-ARCHITECTURES = {"gpt2": GPT2, "gpt_neox": GPTNeoX, "phi": Phi} | dict.fromkeys(LLAMA_FAMILY, Llama)
+ARCHITECTURES = {"gpt2": GPT2, "opt": OPT, "gpt_neox": GPTNeoX, "phi": Phi} | dict.fromkeys(LLAMA_FAMILY, Llama)
 
 
 def cache_dir() -> Path:
@@ -2941,7 +3063,8 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
     # 135M parameters costs longer than reading them); assign=True then adopts the loaded
     # tensors as parameters instead of copying into them.
     with torch.device("meta"), _in_file(model_dir / "config.json"):   # (the RoPE tables check its numbers)
-        net = arch(config) if arch is GPT2 else arch(config, max_model_len)   # (GPT-2's positions are learned)
+        # (GPT-2's and OPT's positions are learned: no RoPE tables)
+        net = arch(config) if issubclass(arch, GPT2) else arch(config, max_model_len)
     net.load_state_dict(arch.from_checkpoint(hf, config), assign=True)
     # moves what isn't a weight, the RoPE tables (and Gemma's embed_scale), and casts them to
     # dtype: made in float32, used in the model's dtype, as HF casts cos and sin to q's. (But
@@ -3031,7 +3154,7 @@ def check_size(source, config: ModelConfig, arch, dtype, device, stored_count: i
     # the angles, their cos and their sin, (P, R/2) float32 each (rope_tables); Gemma 3's and OLMo 3's
     # windowed layers have a second set (local=True)
     positions = max_model_len or config.context_length
-    tables = 0 if arch is GPT2 else 2 if config.rope_local_base_freq is not None else 1
+    tables = 0 if issubclass(arch, GPT2) else 2 if config.rope_local_base_freq is not None else 1
     rope = tables * positions * (config.rotary_dim // 2) * 4 * 3
     if memory is not None and weights + rope > memory:
         parts = {f"the weights ({params:,} parameters in {dtype}: {config.num_hidden_layers:,} layers, hidden_size "

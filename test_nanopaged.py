@@ -328,6 +328,30 @@ def phi_tensors(c, seed=0):
             else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
+def opt_tensors(c, seed=0):
+    """Random weights under HF OPTForCausalLM names (q, k and v apart; the positions' table 2
+    rows longer than max_position_embeddings, as fairseq kept them)."""
+    g = torch.Generator().manual_seed(seed)
+    C, I, V = c["hidden_size"], c["ffn_dim"], c["vocab_size"]
+    E, p = c.get("word_embed_proj_dim") or C, "model.decoder."
+    shapes = {p + "embed_tokens.weight": (V, E), p + "embed_positions.weight": (c["max_position_embeddings"] + 2, C)}
+    if E != C:
+        shapes |= {p + "project_in.weight": (C, E), p + "project_out.weight": (E, C)}
+    if c.get("do_layer_norm_before", True) and not c.get("_remove_final_layer_norm", False):
+        shapes |= {p + "final_layer_norm.weight": (C,), p + "final_layer_norm.bias": (C,)}
+    if not c.get("tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (V, E)
+    for i in range(c["num_hidden_layers"]):
+        q = f"{p}layers.{i}."
+        for name, rows, cols in (("self_attn.q_proj", C, C), ("self_attn.k_proj", C, C), ("self_attn.v_proj", C, C),
+                                 ("self_attn.out_proj", C, C), ("fc1", I, C), ("fc2", C, I)):
+            shapes |= {q + name + ".weight": (rows, cols), q + name + ".bias": (rows,)}
+        for norm in ("self_attn_layer_norm", "final_layer_norm"):
+            shapes |= {q + norm + ".weight": (C,), q + norm + ".bias": (C,)}
+    return {n: (1 + 0.1 * torch.randn(s, generator=g)) if "layer_norm.weight" in n
+            else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
 GPT2_CONFIG = {"model_type": "gpt2", "vocab_size": 103, "n_embd": 32, "n_layer": 2,
                "n_head": 4, "n_positions": 64, "layer_norm_epsilon": 1e-5}
 
@@ -533,11 +557,25 @@ GPT_NEOX_VARIANTS = {
             "hidden_act": "gelu_new", "partial_rotary_factor": 0.4, "rope_theta": 10000.0, "qk_layernorm": False,
             "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0},
 }
-FAMILY_VARIANTS = LLAMA_FAMILY_VARIANTS | GPT_NEOX_VARIANTS
+# OPT, against transformers too, in the same file
+OPT = {"model_type": "opt", "vocab_size": 101, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+       "ffn_dim": 96, "max_position_embeddings": 128, "word_embed_proj_dim": 64, "bos_token_id": 2, "eos_token_id": 2}
+OPT_VARIANTS = {
+    # opt-125m's config.json: LayerNorms before each branch, ReLU, a tied head; 2 heads of 32,
+    # whose scale 32^-1/2 is no power of two (its rounding shows in bfloat16, as the 2.7B's and 6.7B's)
+    "opt": OPT | {"do_layer_norm_before": True, "activation_function": "relu"},
+    # opt-350m's: LayerNorms after the residual adds (and no final one), embeddings narrower
+    # than the layers (16 of 64), projected in and out
+    "opt_350m": OPT | {"do_layer_norm_before": False, "word_embed_proj_dim": 16, "num_attention_heads": 4},
+    # an untied head, GELU, and the final LayerNorm dropped by an early conversion's flag
+    "opt_untied": OPT | {"tie_word_embeddings": False, "activation_function": "gelu", "_remove_final_layer_norm": True},
+}
+FAMILY_VARIANTS = LLAMA_FAMILY_VARIANTS | GPT_NEOX_VARIANTS | OPT_VARIANTS
 
 
 def variant_tensors(c, seed=0):
-    return {"gpt_neox": gpt_neox_tensors, "phi": phi_tensors}.get(c["model_type"], llama_tensors)(c, seed)
+    return {"gpt_neox": gpt_neox_tensors, "phi": phi_tensors, "opt": opt_tensors}.get(
+        c["model_type"], llama_tensors)(c, seed)
 
 
 @pytest.mark.parametrize("variant", FAMILY_VARIANTS)
@@ -643,6 +681,44 @@ def test_phi_config_details():
             ModelConfig.from_dict(phi | change)
 
 
+def test_opt_config_and_checkpoint_details(tmp_path, capsys):
+    """An OPT config as OPTConfig reads it: its defaults where keys are left out (ReLU, a tied
+    head, BOS and EOS 2, 2048 positions; LayerNorms before each branch and a final one, eps
+    1e-5; embeddings as wide as the layers; q scaled before the attention, which scales by 1);
+    opt-350m's do_layer_norm_before false puts them after the residual adds, with no final one;
+    bad values refused by name, and the two flags no released OPT sets. A checkpoint saved from
+    OPTModel (no "model." prefix), with a copy of its tied embeddings as lm_head, gives the same
+    logits without a note. Catches: a default not transformers'; a flag read the wrong way; the
+    prefixless names or the tied copy refused."""
+    sizes = {k: v for k, v in OPT.items() if k not in ("max_position_embeddings", "bos_token_id", "eos_token_id")}
+    c = ModelConfig.from_dict(sizes)
+    assert (c.hidden_act, c.tie_word_embeddings, c.bos_token_id, c.eos_token_id, c.max_position_embeddings, c.post_ln,
+            c.final_norm, c.word_embed_proj_dim, c.norm_eps, c.intermediate_size, c.attn_scale) == (
+        "relu", True, 2, [2], 2048, False, True, None, 1e-5, 96, 1.0)
+    post = ModelConfig.from_dict(OPT_VARIANTS["opt_350m"])
+    assert (post.post_ln, post.final_norm, post.word_embed_proj_dim) == (True, False, 16)
+    assert ModelConfig.from_dict(OPT | {"word_embed_proj_dim": None}).word_embed_proj_dim is None
+    for change, message in [({"enable_bias": False}, "enable_bias = false is not supported for opt"),
+                            ({"layer_norm_elementwise_affine": False},
+                             "layer_norm_elementwise_affine = false is not supported for opt"),
+                            ({"hidden_size": 65}, "hidden_size 65 is not a multiple of num_attention_heads 2"),
+                            ({"ffn_dim": 0}, "'ffn_dim' is 0, expected a positive integer"),
+                            ({"activation_function": "tanh"}, "activation_function 'tanh' is not supported"),
+                            ({"do_layer_norm_before": "yes"},
+                             "'do_layer_norm_before' is 'yes', expected true or false")]:
+        with pytest.raises(ModelError, match=message):
+            ModelConfig.from_dict(OPT | change)
+    c = OPT_VARIANTS["opt"]
+    w = opt_tensors(c)
+    expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())["opt"]
+    bare = ({name.removeprefix("model."): t for name, t in w.items()}
+            | {"lm_head.weight": w["model.decoder.embed_tokens.weight"].clone()})   # (a tied head's copy)
+    capsys.readouterr()
+    model = load_model(write_checkpoint(tmp_path / "bare", c, bare))
+    assert capsys.readouterr().err == "" and model.lm_head is None
+    torch.testing.assert_close(forward_all(model, IDS), torch.tensor(expected["logits"]), rtol=1e-4, atol=1e-4)
+
+
 def reference_gpt_neox(c, w, ids):
     """HF's GPT-NeoX forward with the parallel residual (Pythia's), or Phi's (one LayerNorm
     before both branches, q/k/v apart, a biased LM head), written from the checkpoint names
@@ -722,7 +798,8 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe", "qwen3_moe_window",
-                     "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential", "gpt_neox_gelu_new", "phi")
+                     "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential", "gpt_neox_gelu_new", "phi",
+                     "opt", "opt_350m")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -749,7 +826,8 @@ def test_bfloat16_rounds_as_transformers(tmp_path, variant):
     q/k norms too) round to bfloat16 before the weight scales, as in transformers, and OLMo's
     after it; OLMo rotates q and k in float32; GPT-NeoX sums its parallel residual in
     transformers' order, and computes "gelu_fast" and "gelu_new" op by op as transformers
-    writes them (torch's fused tanh GELU rounds once): through the paged attention, the logits come
+    writes them (torch's fused tanh GELU rounds once); OPT scales q before the attention, not
+    the scores in it: through the paged attention, the logits come
     out with transformers' bits (here all of them, on torch 2.11 and 2.13; another torch's
     kernels may move them, as 2.5's move most). Catches: the scale kept in full precision, or
     the norms computed in bfloat16, or scaled before rounding (nn.RMSNorm), OLMo's scaled
@@ -907,14 +985,14 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
                                              ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None),
                                              ("stablelm", None), ("gpt_neox", None), ("gpt_neox_sequential", None),
-                                             ("phi", None)])
+                                             ("phi", None), ("opt", None), ("opt_350m", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
     windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after), OLMo 3
     (three windowed layers in four, YaRN on the fourth alone), Granite (its multipliers) and
     mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE), StableLM (LayerNorms), GPT-NeoX
-    (parallel residual or not) and Phi through the paged engine:
+    (parallel residual or not), Phi and OPT (LayerNorms before or after) through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
     SmolLM3, Gemma), and do not shorten the context."""
@@ -1709,7 +1787,7 @@ def test_bad_config(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
                                             r"gpt2, gpt_neox, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, "
-                                            r"olmoe, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm\)"):
+                                            r"olmoe, opt, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
