@@ -31,6 +31,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import re
 import reprlib
 import shutil
@@ -38,7 +39,9 @@ import stat
 import sys
 import tempfile
 import time
+import types
 import unicodedata
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -3058,7 +3061,7 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
                max_model_len=max_model_len)
     shapes = arch.checkpoint_shapes(config)
     hf = (_random_weights(shapes, dtype, device) if dummy
-          else _read_safetensors(model_dir, where, shapes, dtype, device))
+          else _read_checkpoint(model_dir, where, shapes, dtype, device))
     # On the 'meta' device modules get shapes but no memory and no random init (which for
     # 135M parameters costs longer than reading them); assign=True then adopts the loaded
     # tensors as parameters instead of copying into them.
@@ -3076,12 +3079,16 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
     return net.eval().requires_grad_(False)  # no autograd bookkeeping in inference
 
 
-def _open_safetensors(path: Path):
+def _open_checkpoint(path: Path):
+    """A checkpoint file, opened for reading its tensors one by one: safetensors' safe_open,
+    or, for a PyTorch pickle (*.bin), a PickledCheckpoint, which reads the same way."""
     _check_regular(path)
     try:
         path.open("rb").close()  # (safe_open says "file not found" of a file it may not read)
     except OSError as e:
         raise ModelError(f"{path}: cannot be read ({e.strerror})") from None
+    if path.suffix == ".bin":
+        return PickledCheckpoint(path)
     try:
         return safe_open(path, framework="pt", device="cpu")
     except (SafetensorError, OSError) as e:
@@ -3089,6 +3096,51 @@ def _open_safetensors(path: Path):
 
 
 CHECKPOINT_DTYPES = ("F16", "BF16", "F32", "F64")   # safetensors' names
+SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
+
+
+class PickledCheckpoint:
+    """A PyTorch checkpoint (pytorch_model.bin, as older models ship only: OPT, GPT-J...),
+    read as safe_open reads a safetensors file. A pickle can name any function to call while
+    it loads; torch.load's weights_only=True unpickler rebuilds tensors and plain containers
+    only and refuses anything else (as transformers and vLLM load these). mmap=True maps the
+    file instead of reading it whole, as safetensors does (the zip format torch.save has
+    written since torch 1.6; an older file is read into memory)."""
+
+    def __init__(self, path: Path):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        except pickle.UnpicklingError as e:   # (torch's lines past its first say what it refused)
+            why = [line for line in str(e).splitlines()[1:]
+                   if line.strip() and not line.startswith(("Please file", "Check the documentation"))]
+            raise _unreadable(path, f"not loaded: a pickle of more than tensors, which could run code "
+                                    f"({why[0] if why else e})") from None
+        except Exception as e:   # (bytes that are no pickle fail anywhere in it: KeyError, EOFError...)
+            raise _unreadable(path, f"not a readable PyTorch checkpoint ({type(e).__name__}"
+                                    f"{': ' + str(e).splitlines()[0] if str(e) else ''})") from None
+        if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in state.items())):
+            raise ModelError(f"{path}: not a state dict (tensors by name)")
+        self.tensors = state
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def get_slice(self, name: str):
+        """What safe_open's get_slice tells of a tensor without reading it: shape and dtype
+        (safetensors' names; another dtype by torch's, which _check_stored_dtype refuses)."""
+        t = self.tensors[name]
+        return types.SimpleNamespace(get_shape=lambda: list(t.shape),
+                                     get_dtype=lambda: SAFETENSORS_DTYPES.get(t.dtype, str(t.dtype)))
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
 UNUSED_BUFFERS = (r"\.rotary_emb\.inv_freq$|(^|\.)(attn|attention)\.(masked_)?bias$"   # (GPT-2's and GPT-NeoX's masks)
                   r"|^(language_model\.)?(lm_head|embed_out)\.weight$")   # (a tied head's copy: see _untie_if_distinct)
 # and, of a Gemma 3 with a vision tower, the tower: nanopaged runs the text model alone
@@ -3097,9 +3149,18 @@ VISION_TOWER = r"^(vision_tower|multi_modal_projector)\."
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
     """Every tensor of the checkpoint, name -> its file: model.safetensors, or the shards
-    that model.safetensors.index.json lists."""
-    index = model_dir / "model.safetensors.index.json"
-    single = model_dir / "model.safetensors"
+    that model.safetensors.index.json lists; where there are none, pytorch_model.bin, or the
+    shards of pytorch_model.bin.index.json (as transformers and vLLM prefer safetensors)."""
+    for index, single in ((model_dir / "model.safetensors.index.json", model_dir / "model.safetensors"),
+                          (model_dir / "pytorch_model.bin.index.json", model_dir / "pytorch_model.bin")):
+        if _kind(index) is not None or _kind(single) is not None or single.is_symlink():
+            return _checkpoint_files(model_dir, index, single)
+    raise ModelError(f"{model_dir}: no model.safetensors or model.safetensors.index.json "
+                     f"(nor pytorch_model.bin or pytorch_model.bin.index.json)")
+
+
+def _checkpoint_files(model_dir: Path, index: Path, single: Path) -> dict[str, Path]:
+    """_tensor_files' map, from the index where there is one, else from the single file."""
     if _kind(index) is not None:   # (not exists(), False for a link in a loop: _kind names the loop)
         weight_map = _read_json(index).get("weight_map")
         if not (isinstance(weight_map, dict)
@@ -3111,13 +3172,8 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
             if not Path(file).parts:   # "" or ".": the directory itself
                 raise ModelError(f"{index}: weight_map names {file!r} for {name!r}, not a file")
         return {name: model_dir / file for name, file in weight_map.items()}
-    if _kind(single) is not None or single.is_symlink():
-        with _open_safetensors(single) as f:
-            return dict.fromkeys(f.keys(), single)
-    bins = sorted(p.name for p in model_dir.glob("*.bin"))   # (torch.load's pickles: they can run code)
-    raise ModelError(f"{model_dir}: no model.safetensors or model.safetensors.index.json" +
-                     (f" ({bins[0]} is a PyTorch pickle, which nanopaged does not load: convert it to safetensors)"
-                      if bins else ""))
+    with _open_checkpoint(single) as f:
+        return dict.fromkeys(f.keys(), single)
 
 
 def checkpoint_size(arch, config: ModelConfig) -> tuple[int, int, int]:
@@ -3176,7 +3232,7 @@ def device_memory(device: torch.device) -> int | None:
         return None
 
 
-def _read_safetensors(model_dir: Path, where: dict[str, Path], shapes: dict, dtype,
+def _read_checkpoint(model_dir: Path, where: dict[str, Path], shapes: dict, dtype,
                       device) -> dict[str, torch.Tensor]:
     """Read and check every tensor in `shapes` from the checkpoint's files (where: tensor
     name -> file, from _tensor_files)."""
@@ -3196,11 +3252,12 @@ def _read_safetensors(model_dir: Path, where: dict[str, Path], shapes: dict, dty
     if unused:
         print(f"nanopaged: note: {model_dir} holds {len(unused)} tensor(s) this config has no place for, left out: "
               f"{', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}", file=sys.stderr)
-    # safetensors memory-maps the file: a tensor on the CPU in its stored dtype is a view of
-    # the file, and its pages come in when first used. Nothing is read twice.
+    # safetensors memory-maps the file (and so does torch.load, for a PickledCheckpoint): a
+    # tensor on the CPU in its stored dtype is a view of the file, and its pages come in when
+    # first used. Nothing is read twice.
     hf = {}
     for path, names in by_file.items():
-        with _open_safetensors(path) as f:
+        with _open_checkpoint(path) as f:
             for name, stored in names:
                 try:
                     info = f.get_slice(stored)   # (the header's entry: no data read)
@@ -3230,14 +3287,14 @@ def _untie_if_distinct(model_dir: Path, where: dict[str, Path], config: ModelCon
     leaving the checkpoint's head out; the tests' reference is transformers.)"""
     head, embed = _checkpoint_name(arch.HEAD, where), _checkpoint_name(arch.EMBEDDING, where)
     if head is None or embed is None:
-        return config   # (a missing embedding is _read_safetensors' to name)
-    with _open_safetensors(where[head]) as f, _open_safetensors(where[embed]) as g:
+        return config   # (a missing embedding is _read_checkpoint's to name)
+    with _open_checkpoint(where[head]) as f, _open_checkpoint(where[embed]) as g:
         try:   # (memory-mapped: compared without a copy in memory; another shape is unequal)
             for path, file, name in ((where[head], f, head), (where[embed], g, embed)):
                 _check_stored_dtype(path, name, file.get_slice(name).get_dtype())   # (torch.equal cannot read float8)
             same = torch.equal(f.get_tensor(head), g.get_tensor(embed))
         except SafetensorError:
-            same = False   # (a damaged tensor: _read_safetensors names it)
+            same = False   # (a damaged tensor: _read_checkpoint names it)
     if same:
         return config
     print(f"nanopaged: note: {model_dir}: config.json ties the LM head to the embeddings (tie_word_embeddings), "

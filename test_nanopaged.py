@@ -1643,14 +1643,14 @@ def test_missing_directory_and_files(tmp_path):
     with pytest.raises(ModelError, match="^/dev/null: neither a file nor a directory"):
         load_model("/dev/null")
     (tmp_path / "config.json").write_text(json.dumps(llama_config()))
-    with pytest.raises(ModelError, match="no model.safetensors or model.safetensors.index.json$"):
+    with pytest.raises(ModelError, match=r"no model.safetensors or model.safetensors.index.json \(nor "
+                                         r"pytorch_model.bin or pytorch_model.bin.index.json\)$"):
         load_model(tmp_path)
     with pytest.raises(ModelError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)
-    # a PyTorch checkpoint only, named; links in a loop, or to nothing, named as such
+    # a PyTorch checkpoint that is no pickle; links in a loop, or to nothing, named as such
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(ModelError, match=r"\(pytorch_model.bin is a PyTorch pickle, which nanopaged does not "
-                                         r"load: convert it to safetensors\)$"):
+    with pytest.raises(ModelError, match=r"pytorch_model.bin: not a readable PyTorch checkpoint \(EOFError\)$"):
         load_model(tmp_path)
     (tmp_path / "model.safetensors").symlink_to("nowhere")
     with pytest.raises(ModelError, match="model.safetensors: file not found$"):
@@ -1660,6 +1660,59 @@ def test_missing_directory_and_files(tmp_path):
         (tmp_path / name).symlink_to(name)
         with pytest.raises(ModelError, match=f"{name}: cannot be read \\(Too many levels of symbolic links\\)$"):
             load_model(tmp_path)
+
+
+class _RunsCode:
+    """A pickle that calls os.mkdir(path) as it loads: what torch.load(weights_only=False) would do."""
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.path),)
+
+
+def test_a_pytorch_checkpoint_loads_as_its_safetensors_twin(tmp_path):
+    """Where a model ships only PyTorch pickles (pytorch_model.bin, or the shards its index
+    lists; torch.save's zip format or the older one), its tensors are read through torch.load's
+    weights_only unpickler and give the logits transformers computed from the same weights;
+    safetensors win where both are there. A pickle that would run code as it loads is refused,
+    and nothing ran; a tensor of integers is refused by its dtype, a pickle of no state dict
+    by what it is. Catches: pickles read with the unrestricted unpickler; the index ignored;
+    the .bin preferred to safetensors."""
+    c = OPT_VARIANTS["opt"]
+    w = opt_tensors(c)
+    expected = torch.tensor(json.loads((TESTDATA / "llama_family_logits.json").read_text())["opt"]["logits"])
+
+    def pickled(name, tensors, **save):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+        torch.save(tensors, d / "pytorch_model.bin", **save)
+        return d
+
+    for d in (pickled("zip", w), pickled("legacy", w, _use_new_zipfile_serialization=False)):
+        torch.testing.assert_close(forward_all(load_model(d), IDS), expected, rtol=1e-4, atol=1e-4)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text(json.dumps(c))
+    names = sorted(w)
+    weight_map = {n: f"pytorch_model-0000{1 + (i % 2)}-of-00002.bin" for i, n in enumerate(names)}
+    for file in set(weight_map.values()):
+        torch.save({n: w[n] for n in names if weight_map[n] == file}, sharded / file)
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    torch.testing.assert_close(forward_all(load_model(sharded), IDS), expected, rtol=1e-4, atol=1e-4)
+    both = write_checkpoint(pickled("both", {n: t + 1 for n, t in w.items()}), c, w)   # (the .bin's weights are off)
+    torch.testing.assert_close(forward_all(load_model(both), IDS), expected, rtol=1e-4, atol=1e-4)
+    ran = tmp_path / "ran"
+    for name, tensors, message in [
+            ("code", w | {"extra": _RunsCode(ran)}, "not loaded: a pickle of more than tensors, which could run code "
+                                                    r"\(Trying to load unsupported GLOBAL .*mkdir"),
+            ("int8", w | {"lm_head.weight": torch.zeros(101, 64, dtype=torch.int8)}, "'lm_head.weight' is stored as "
+                                                                                     "torch.int8; nanopaged reads "),
+            ("list", list(w.values()), r"pytorch_model.bin: not a state dict \(tensors by name\)$")]:
+        with pytest.raises(ModelError, match=message):
+            load_model(pickled(name, tensors))
+    assert not ran.exists()
 
 
 def test_a_tied_config_with_a_distinct_lm_head_unties_it_as_transformers_does(tmp_path, capsys):
@@ -3396,7 +3449,7 @@ def test_a_damaged_conversion_says_how_to_convert_again(tmp_path, own_cache):
     converted.unlink()
     with pytest.raises(ModelError, match=r"x.safetensors: not a readable safetensors file \(.*\)$"):   # not the cache's
         (tmp_path / "x.safetensors").write_bytes(b"\x00" * 8)
-        model_module._open_safetensors(tmp_path / "x.safetensors")
+        model_module._open_checkpoint(tmp_path / "x.safetensors")
 
 
 def test_sentencepiece_gguf_encodes_as_its_tokenizer_json(tmp_path, own_cache):
