@@ -1013,8 +1013,9 @@ def _longrope_config(d: dict, params: dict, rotary_dim: int, max_position: int) 
 # ("pre-tokenization"), then within each piece repeatedly merges the adjacent pair whose
 # concatenation has the lowest rank. Hugging Face's BPE instead applies the merge listed
 # first in its `merges`. The two agree when token ids follow merge order, as they do for
-# GPT-2, SmolLM2, Llama 3 and Qwen 2 (the loader checks it): then rank = token id, and
-# the ids tiktoken returns are the model's token ids.
+# GPT-2, SmolLM2, Llama 3 and Qwen 2: then rank = token id, and the ids tiktoken returns
+# are the model's token ids. Where they do not (OPT renumbered GPT-2's tokens), tiktoken's
+# ranks are the merge order, and RankedEncoding translates them to the ids.
 
 def _byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet, char -> byte. Vocab files store tokens as text, so each
@@ -1802,8 +1803,10 @@ def _render_bounded(template: jinja2.Template, variables: dict) -> str:
 # tokenizers from files: GPT-2's ranks, SentencePiece's BPE, a tokenizer.json
 
 def bpe_tokenizer(name: str, pattern: str, ranks: dict[bytes, int], special: dict[str, int],
-                  **kwargs) -> Tokenizer:
-    """A Tokenizer from byte-string ranks (= token ids) and special tokens."""
+                  merge_order: list[bytes] | None = None, **kwargs) -> Tokenizer:
+    """A Tokenizer from byte-string ranks (= token ids) and special tokens. merge_order: where
+    the ids do not follow the merges' order, the tokens the merges make, in that order (see
+    RankedEncoding)."""
     # tiktoken starts every piece from single bytes, so each byte needs a rank. Some vocabs
     # (SmolLM2) have no token for a few bytes that never occurred in training, and HF's BPE
     # drops such bytes. Give them ranks past the vocab; Tokenizer.encode drops them.
@@ -1811,12 +1814,52 @@ def bpe_tokenizer(name: str, pattern: str, ranks: dict[bytes, int], special: dic
     dropped_from = max([*ranks.values(), *special.values()]) + 1 if missing else None
     ranks = ranks | {b: dropped_from + n for n, b in enumerate(missing)}
     try:
-        encoding = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+        if merge_order is None:
+            encoding = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+        else:   # tiktoken's ranks: the bytes (never a merge's result: any ranks), then merge order
+            order = {bytes([b]): b for b in range(256)}
+            for token in [*merge_order, *ranks]:   # (then the tokens no merge makes, ignore_merges' whole pieces)
+                if token in ranks:
+                    order.setdefault(token, len(order))
+            order_of_special = {s: len(order) + k for k, s in enumerate(special)}
+            encoding = RankedEncoding(
+                tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=order, special_tokens=order_of_special),
+                {order[b]: i for b, i in ranks.items()} | {order_of_special[s]: i for s, i in special.items()})
     except ValueError as e:   # (its Rust regex of the added tokens has a size limit: 100 tokens of 1,000
         # characters pass it, 300 do not)
         raise ModelError(f"the {len(special)} added tokens ({sum(map(len, special)):,} characters in all) are "
                          f"too many for tiktoken to search for: {e}") from None
     return Tokenizer(encoding, dropped_from=dropped_from, pattern=pattern, **kwargs)
+
+
+class RankedEncoding:
+    """tiktoken for a vocab whose token ids do not follow its merges' order (OPT's: fairseq
+    renumbered GPT-2's tokens by how often they occur). tiktoken joins first the pair whose
+    result has the lowest rank, and outputs ranks; HF's BPE applies the earliest merge that
+    fits. So tiktoken runs on ranks in merge order, and this translates its ranks to the
+    vocab's ids and back, in the methods of tiktoken's that Tokenizer uses."""
+
+    def __init__(self, encoding: tiktoken.Encoding, id_of_rank: dict[int, int]):
+        self.encoding, self.special_tokens_set = encoding, encoding.special_tokens_set
+        self.id_of_rank = id_of_rank
+        # (an id that is no token: KeyError, as tiktoken's own decode raises)
+        self.rank_of_id = {i: rank for rank, i in id_of_rank.items()}
+        self.n_vocab = max(id_of_rank.values()) + 1   # (as tiktoken's: past the highest id)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return [self.id_of_rank[r] for r in self.encoding.encode_ordinary(text)]
+
+    def _encode_single_piece(self, piece: bytes) -> list[int]:
+        return [self.id_of_rank[r] for r in self.encoding._encode_single_piece(piece)]
+
+    def encode_single_token(self, token: str) -> int:
+        return self.id_of_rank[self.encoding.encode_single_token(token)]
+
+    def decode_single_token_bytes(self, i: int) -> bytes:
+        return self.encoding.decode_single_token_bytes(self.rank_of_id[i])
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return self.encoding.decode_bytes([self.rank_of_id[i] for i in ids])
 
 
 def gpt2_tokenizer() -> Tokenizer:
@@ -2005,11 +2048,12 @@ def _split_regex(pattern, path: Path) -> str:
     return pattern
 
 
-def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
+def hf_tokenizer(model_dir: Path, config: ModelConfig, slow: bool = False) -> Tokenizer:
     """A Tokenizer from a Hugging Face tokenizer.json holding a BPE: byte-level (GPT-2,
-    SmolLM2, Llama 3, Qwen 2) or SentencePiece's, with byte fallback (Llama 2, Mistral)."""
-    path = model_dir / "tokenizer.json"
-    tj = _read_json(path)
+    SmolLM2, Llama 3, Qwen 2) or SentencePiece's, with byte fallback (Llama 2, Mistral);
+    slow: from the vocab.json and merges.txt of an older save instead (_slow_tokenizer_json)."""
+    path = model_dir / ("vocab.json" if slow else "tokenizer.json")
+    tj = _slow_tokenizer_json(model_dir) if slow else _read_json(path)
     bpe = tj.get("model")
     if not isinstance(bpe, dict):
         raise ModelError(f"{path}: no 'model' object")
@@ -2103,16 +2147,47 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
                              f"text: nanopaged cannot keep it from BPE's output") from None
     if not ranks:
         raise ModelError(f"{path}: model.vocab has no tokens (but for added tokens)")
-    # rank = id reproduces HF's BPE only if ids follow merge order (see the chapter's top).
-    last = -1
-    for n, (left, right) in enumerate(merges):
-        i = vocab[left + right]
-        if i < last:
-            raise ModelError(f"{path}: merge #{n} {left!r} + {right!r} makes token id {i}, "
-                             f"after a merge that made id {last}: token ids do not follow "
-                             f"merge order, so they cannot serve as tiktoken ranks")
-        last = i
-    return bpe_tokenizer(model_dir.name, pattern, ranks, decode_only | special, nfc=normalizer == "NFC", **common)
+    # rank = id reproduces HF's BPE where ids follow merge order, as in most vocabs; where they
+    # do not (OPT's), RankedEncoding runs tiktoken on merge order instead
+    made_ids = [vocab[left + right] for left, right in merges]
+    in_order = all(a <= b for a, b in zip(made_ids, made_ids[1:]))
+    merge_order = None if in_order else [bytes(BYTE_OF_CHAR[c] for c in left + right) for left, right in merges]
+    return bpe_tokenizer(model_dir.name, pattern, ranks, decode_only | special, merge_order=merge_order,
+                         nfc=normalizer == "NFC", **common)
+
+
+def _slow_tokenizer_json(model_dir: Path) -> dict:
+    """The tokenizer.json transformers' GPT2Tokenizer builds from an older model's
+    vocab.json and merges.txt (OPT's, older GPT-2 fine-tunes'; "slow" files, from before
+    tokenizer.json): a byte-level BPE with GPT-2's pre-tokenizer, its bos, eos, unk and pad
+    tokens added as special ones (GPT2Tokenizer's "<|endoftext|>" for the first three
+    where tokenizer_config.json and special_tokens_map.json name none), and where
+    tokenizer_config.json's add_bos_token / add_eos_token say, the BOS put before every text
+    and the EOS after (OPT's "</s>" before)."""
+    vocab = _read_json(model_dir / "vocab.json")
+    path = model_dir / "merges.txt"
+    lines = [line.removesuffix("\r") for line in _read_text(path).split("\n")]   # (as tokenizers reads it)
+    lines = lines[1:] if lines[0].startswith("#version") else lines   # (its header)
+    merges = _merge_pairs(lines[:-1] if lines and not lines[-1] else lines, vocab, path)
+    config_path = model_dir / "tokenizer_config.json"
+    config = _read_json(config_path) if config_path.exists() else {}
+    named = {"unk_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"} | {
+        key: value for key, value in _chat_template(model_dir)[2].items() if key in SPECIAL_TOKEN_NAMES}
+    added, next_id = {}, max(vocab.values(), default=-1) + 1
+    for content in dict.fromkeys(named[key] for key in SPECIAL_TOKEN_NAMES if key in named):
+        if content not in vocab:   # (transformers adds it past the vocab)
+            vocab[content], next_id = next_id, next_id + 1
+        added[content] = {"id": vocab[content], "content": content, "special": True}
+    before = [named["bos_token"]] if _flag(config, "add_bos_token") else []
+    after = [named["eos_token"]] if _flag(config, "add_eos_token") else []
+    template = ([{"SpecialToken": {"id": t}} for t in before] + [{"Sequence": {"id": "A"}}]   # ($A: the text)
+                + [{"SpecialToken": {"id": t}} for t in after])
+    specials = {t: {"ids": [vocab[t]]} for t in before + after}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": _flag(config, "add_prefix_space"), "use_regex": True}
+    return {"model": {"type": "BPE", "vocab": vocab, "merges": [list(pair) for pair in merges]},
+            "added_tokens": sorted(added.values(), key=lambda t: t["id"]), "pre_tokenizer": byte_level,
+            "post_processor": {"type": "TemplateProcessing", "single": template, "special_tokens": specials},
+            "decoder": {"type": "ByteLevel"}}
 
 
 def _merge_pairs(merges, vocab: dict[str, int], path: Path) -> list[tuple[str, str]]:
@@ -2231,22 +2306,35 @@ def _read_text(path: Path) -> str:
 def load_tokenizer(model=None, config: ModelConfig | None = None) -> Tokenizer:
     """The tokenizer of `model` (None: the default SmolLM2, a HF directory, or a .gguf);
     config: its ModelConfig, where the caller has read it already. Given a config, `model`
-    may also be a directory that holds a tokenizer alone (tokenizer.json, and
-    tokenizer_config.json for its chat template), as vLLM's LLM(tokenizer=...) takes one."""
+    may also be a directory that holds a tokenizer alone (tokenizer.json, or vocab.json and
+    merges.txt; tokenizer_config.json for its chat template), as vLLM's LLM(tokenizer=...) takes one."""
     if config is not None and isinstance(model, (str, os.PathLike)) and str(model):
         with contextlib.suppress(RuntimeError):   # ("~nobody/...": resolve_model_dir says what is wrong)
             path = Path(model).expanduser()
             if _is_dir(path) and not _is_regular(path / "config.json"):
-                if not _is_regular(path / "tokenizer.json"):
-                    raise ModelError(f"{path}: no tokenizer.json (nor config.json: not a model either)")
-                return hf_tokenizer(path, config)
+                tokenizer = _tokenizer_in(path, config)
+                if tokenizer is None:
+                    raise ModelError(f"{path}: no tokenizer.json, nor vocab.json and merges.txt (nor config.json: "
+                                     f"not a model either)")
+                return tokenizer
     model_dir = resolve_model_dir(model)
     config = config or ModelConfig.from_json(model_dir / "config.json")
-    if (model_dir / "tokenizer.json").exists():
-        return hf_tokenizer(model_dir, config)
+    tokenizer = _tokenizer_in(model_dir, config)
+    if tokenizer is not None:
+        return tokenizer
     if config.model_type == "gpt2":  # every GPT-2 uses the same tokenizer
         return gpt2_tokenizer()
-    raise ModelError(f"{model_dir}: no tokenizer.json")
+    raise ModelError(f"{model_dir}: no tokenizer.json (nor vocab.json and merges.txt)")
+
+
+def _tokenizer_in(model_dir: Path, config: ModelConfig) -> Tokenizer | None:
+    """The tokenizer a directory holds: its tokenizer.json, or an older save's vocab.json and
+    merges.txt (OPT's); None where it holds neither."""
+    if (model_dir / "tokenizer.json").exists():
+        return hf_tokenizer(model_dir, config)
+    if (model_dir / "vocab.json").exists() and (model_dir / "merges.txt").exists():
+        return hf_tokenizer(model_dir, config, slow=True)
+    return None
 
 
 # ----------------------------------------------------------------------------------------

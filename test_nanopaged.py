@@ -719,6 +719,31 @@ def test_opt_config_and_checkpoint_details(tmp_path, capsys):
     torch.testing.assert_close(forward_all(model, IDS), torch.tensor(expected["logits"]), rtol=1e-4, atol=1e-4)
 
 
+def test_an_opt_as_its_hub_files_are_served_end_to_end(tmp_path):
+    """An OPT directory shaped as the hub's (config.json, pytorch_model.bin, and the older
+    "slow" tokenizer files: vocab.json and merges.txt) serves a text prompt: </s> put before
+    it, the dense reference's greedy tokens, their text; and with the tokenizer files alone
+    in another directory (tokenizer=...), the same. Catches: a piece of the chain refused
+    (the pickle, the slow files, ids that do not follow merge order) or read otherwise."""
+    model_dir = tmp_path / "opt"
+    shutil.copytree(TESTDATA / "opt_tokenizer", model_dir)
+    c = json.loads((model_dir / "config.json").read_text())
+    torch.save(opt_tensors(c), model_dir / "pytorch_model.bin")
+    alone = tmp_path / "tokenizer"
+    alone.mkdir()
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, alone)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for tokenizer in (None, alone):
+        llm = LLM(model_dir, tokenizer=tokenizer, num_blocks=16)
+        out = llm.generate("Hello world, from OPT", params)[0]
+        assert out.prompt_token_ids == llm.get_tokenizer().encode("Hello world, from OPT")
+        assert out.prompt_token_ids[0] == 2 and len(out.prompt_token_ids) > 2
+        tokens = out.outputs[0].token_ids
+        assert tokens == reference_penalized_greedy(llm.model, out.prompt_token_ids, 8)
+        assert out.outputs[0].text == llm.get_tokenizer().decode(tokens)
+
+
 def reference_gpt_neox(c, w, ids):
     """HF's GPT-NeoX forward with the parallel residual (Pythia's), or Phi's (one LayerNorm
     before both branches, q/k/v apart, a biased LM head), written from the checkpoint names
@@ -1382,7 +1407,6 @@ def test_a_vocab_token_no_merge_makes_is_decoded_never_made(tmp_path):
     ({"type": "ByteLevel"}, {"type": "WordPiece"}, "'WordPiece' is not supported"),
     ({"type": "ByteLevel"}, {"byte_fallback": True}, "needs the 256 byte tokens <0x00>...<0xFF>; <0x00> is missing"),
     ({"type": "Metaspace"}, {}, "not byte-level"),
-    ({"type": "ByteLevel"}, {"merges": [["a", "b"], ["\u0120", "x"]]}, "do not follow merge order"),
 ])
 def test_unsupported_tokenizers(tmp_path, pre_tokenizer, model, message):
     vocab, _ = byte_vocab()
@@ -2341,16 +2365,24 @@ def test_tiny_tokenizer_dir_loads(tmp_path):
     assert tok.encode("abc<|x|>") == [256, ord("c"), 257]
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama3", "gpt_neox"])
-def test_qwen2_llama3_and_gpt_neox_shaped_tokenizers_encode_as_hugging_face_does(name):
+@pytest.mark.parametrize("name", ["qwen2", "llama3", "gpt_neox", "opt", "opt_saved"])
+def test_qwen2_llama3_gpt_neox_and_opt_shaped_tokenizers_encode_as_hugging_face_does(name):
     """Small BPEs set up as Qwen 2's (NFC, its Split regex, added tokens special or not),
-    Llama 3's (its regex, a BOS from the post-processor, TikTokenConverter-style merges) and
-    GPT-NeoX's (NFC, ByteLevel's own regex, runs of spaces as added normalized tokens), against
-    the ids Hugging Face's tokenizers gave (testdata/make_bpe_tokenizer_cases.py)."""
+    Llama 3's (its regex, a BOS from the post-processor, TikTokenConverter-style merges),
+    GPT-NeoX's (NFC, ByteLevel's own regex, runs of spaces as added normalized tokens) and OPT's
+    (token ids not in merge order, </s> before every text; as an older save's vocab.json and
+    merges.txt, and as the tokenizer.json transformers saves of them), against the ids Hugging
+    Face's tokenizers gave, and for OPT transformers' decode of them
+    (testdata/make_bpe_tokenizer_cases.py). Catches, for OPT: the ids taken as tiktoken's ranks
+    (wrong merges), a rank decoded as an id, add_bos_token or the special tokens of the slow
+    files not read."""
     tok = load_tokenizer(TESTDATA / f"{name}_tokenizer")
-    cases = [c for c in map(json.loads, (TESTDATA / "bpe_tokenizer_cases.jsonl").open()) if c["tokenizer"] == name]
+    cases = [c for c in map(json.loads, (TESTDATA / "bpe_tokenizer_cases.jsonl").open())
+             if c["tokenizer"] == name.removesuffix("_saved")]
     assert len(cases) == 160
     wrong = [c["text"] for c in cases if tok.encode(c["text"], c["add_special_tokens"]) != c["ids"]]
+    assert not wrong
+    wrong = [c["text"] for c in cases if "decoded" in c and tok.decode(c["ids"]) != c["decoded"]]
     assert not wrong
 
 
@@ -7147,7 +7179,8 @@ def test_a_tokenizer_from_another_directory(tmp_path, own_cache):
     assert llm.chat([{"role": "user", "content": "hi"}], params)[0].prompt == "<<hi>>"
     (tmp_path / "empty").mkdir()
     for tokenizer, message in ((tmp_path / "nope", "no such directory"),
-                               (tmp_path / "empty", "empty: no tokenizer.json \\(nor config.json"),
+                               (tmp_path / "empty",
+                                "empty: no tokenizer.json, nor vocab.json and merges.txt \\(nor config.json"),
                                (5, "model must be a path")):
         with pytest.raises(ModelError, match=f"^tokenizer=.*: .*{message}"):
             LLM(gguf, num_blocks=16, tokenizer=tokenizer)

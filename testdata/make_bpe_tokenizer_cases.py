@@ -1,6 +1,6 @@
-"""Make small Qwen 2, Llama 3 and GPT-NeoX shaped byte-level BPE tokenizers and their encode cases.
+"""Make small Qwen 2, Llama 3, GPT-NeoX and OPT shaped byte-level BPE tokenizers and their encode cases.
 
-Trains three byte-level BPEs (~500 merges each) with Hugging Face `tokenizers` on a small
+Trains four byte-level BPEs (~500 merges each) with Hugging Face `tokenizers` on a small
 built-in multilingual corpus and writes, next to this script:
   qwen2_tokenizer/   tokenizer.json set up as Qwen 2's (NFC; Split(regex, Isolated) +
                      ByteLevel(use_regex=False); ByteLevel post-processor and decoder; special
@@ -12,12 +12,20 @@ built-in multilingual corpus and writes, next to this script:
   gpt_neox_tokenizer/  set up as GPT-NeoX's (Pythia's): NFC; ByteLevel(use_regex=True) alone;
                      special <|endoftext|> <|padding|>, and runs of 2 to 8 spaces as added,
                      non-special, normalized tokens
+  opt_tokenizer/     set up as OPT's, an older save's "slow" files: vocab.json (fairseq's <s>
+                     <pad> </s> <unk> first, then the BPE's tokens renumbered at random: ids
+                     not in merge order), merges.txt, tokenizer_config.json (</s> its BOS, EOS
+                     and UNK, put before every text: add_bos_token), special_tokens_map.json
+  opt_saved_tokenizer/  the tokenizer.json transformers' save_pretrained writes of it
   bpe_tokenizer_cases.jsonl  {"tokenizer", "text", "add_special_tokens", "ids"} per line, ids
-                     from `tokenizers` (version printed at the end)
-Left out on purpose: Llama 3 text that starts with <|begin_of_text|> encoded with special
+                     from `tokenizers` (version printed at the end); OPT's from transformers'
+                     GPT2Tokenizer reading the slow files (its `tokenizers` backend), with
+                     "decoded", its decode of them
+Left out on purpose: Llama 3 and OPT text that starts with its BOS encoded with special
 tokens (nanopaged adds no second BOS), characters newer than the Unicode tables of either
 side (only old scripts are used), and very long whitespace runs.
-Usage: python make_bpe_tokenizer_cases.py   (deterministic: fixed seeds)
+Usage: python make_bpe_tokenizer_cases.py   (deterministic: fixed seeds; the OPT part needs
+transformers)
 """
 import json, random, unicodedata
 from pathlib import Path
@@ -155,11 +163,46 @@ def cases(name, hf, special, seed):
         texts.append("".join(rnd.choice(pool) for _ in range(rnd.randrange(1, 25))))
     out = []
     for k, t in enumerate(texts):
-        add = k % 2 == 1 and not (name == "llama3" and t.startswith("<|begin_of_text|>"))
+        add = k % 2 == 1 and not (name == "llama3" and t.startswith("<|begin_of_text|>")
+                                  or name == "opt" and t.startswith("</s>"))
         if hf.normalizer and unicodedata.normalize("NFC", t) != hf.normalizer.normalize_str(t):
             continue  # the two sides' Unicode versions differ (not expected with these pools)
         out.append({"tokenizer": name, "text": t, "add_special_tokens": add,
                     "ids": hf.encode(t, add_special_tokens=add).ids})
+    return out
+
+
+def opt():
+    """OPT's slow files, its cases from transformers, and the tokenizer.json it saves."""
+    import transformers
+    vocab, merges = train(None, False, 500)
+    tokens = sorted(vocab, key=vocab.get)
+    random.Random(5).shuffle(tokens)   # (fairseq numbered GPT-2's tokens by frequency)
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    d = OUT / "opt_tokenizer"
+    d.mkdir(exist_ok=True)
+    vocab_json = {t: i for i, t in enumerate(specials + tokens)}
+    (d / "vocab.json").write_text(json.dumps(vocab_json, ensure_ascii=False) + "\n")
+    (d / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    token = lambda c: {"content": c, "single_word": False, "lstrip": False, "rstrip": False, "normalized": True}
+    roles = {"bos_token": token("</s>"), "eos_token": token("</s>"), "unk_token": token("</s>"),
+             "pad_token": token("<pad>")}
+    (d / "tokenizer_config.json").write_text(json.dumps(roles | {
+        "errors": "replace", "add_prefix_space": False, "add_bos_token": True, "tokenizer_class": "GPT2Tokenizer"},
+        indent=1) + "\n")
+    (d / "special_tokens_map.json").write_text(json.dumps(roles, indent=1) + "\n")
+    config = {"model_type": "opt", "vocab_size": len(specials) + len(tokens), "hidden_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "ffn_dim": 64, "max_position_embeddings": 128, "bos_token_id": 2,
+              "eos_token_id": 2, "pad_token_id": 1}
+    (d / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    hf = transformers.AutoTokenizer.from_pretrained(d)
+    saved = OUT / "opt_saved_tokenizer"
+    hf.save_pretrained(saved)
+    (saved / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    out = cases("opt", hf.backend_tokenizer, ["</s>", "<pad>", "<s>", "<unk>"], seed=5)
+    for c in out:
+        assert hf(c["text"], add_special_tokens=c["add_special_tokens"])["input_ids"] == c["ids"]
+        c["decoded"] = hf.decode(c["ids"])
     return out
 
 
@@ -198,6 +241,7 @@ def main():
     hf = write("gpt_neox", None, True, False, vocab, merges, adds, neox_bl, neox_bl, eos=n)
     lines += cases("gpt_neox", hf, [c for c, _ in names], seed=4)
 
+    lines += opt()
     with open(OUT / "bpe_tokenizer_cases.jsonl", "w", encoding="utf-8") as f:
         for c in lines:
             f.write(json.dumps(c, ensure_ascii=False) + "\n")
