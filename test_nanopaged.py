@@ -341,13 +341,12 @@ def opt_tensors(c, seed=0):
         shapes |= {p + "final_layer_norm.weight": (C,), p + "final_layer_norm.bias": (C,)}
     if not c.get("tie_word_embeddings", True):
         shapes["lm_head.weight"] = (V, E)
-    for i in range(c["num_hidden_layers"]):
-        q = f"{p}layers.{i}."
-        for name, rows, cols in (("self_attn.q_proj", C, C), ("self_attn.k_proj", C, C), ("self_attn.v_proj", C, C),
-                                 ("self_attn.out_proj", C, C), ("fc1", I, C), ("fc2", C, I)):
-            shapes |= {q + name + ".weight": (rows, cols), q + name + ".bias": (rows,)}
-        for norm in ("self_attn_layer_norm", "final_layer_norm"):
-            shapes |= {q + norm + ".weight": (C,), q + norm + ".bias": (C,)}
+    layer = {"self_attn.q_proj.weight": (C, C), "self_attn.q_proj.bias": (C,), "self_attn.k_proj.weight": (C, C),
+             "self_attn.k_proj.bias": (C,), "self_attn.v_proj.weight": (C, C), "self_attn.v_proj.bias": (C,),
+             "self_attn.out_proj.weight": (C, C), "self_attn.out_proj.bias": (C,), "fc1.weight": (I, C),
+             "fc1.bias": (I,), "fc2.weight": (C, I), "fc2.bias": (C,), "self_attn_layer_norm.weight": (C,),
+             "self_attn_layer_norm.bias": (C,), "final_layer_norm.weight": (C,), "final_layer_norm.bias": (C,)}
+    shapes |= {f"{p}layers.{i}.{name}": shape for i in range(c["num_hidden_layers"]) for name, shape in layer.items()}
     return {n: (1 + 0.1 * torch.randn(s, generator=g)) if "layer_norm.weight" in n
             else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
 
