@@ -3198,9 +3198,10 @@ class PickledCheckpoint:
     def __init__(self, path: Path):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-        except pickle.UnpicklingError as e:   # (torch's lines past its first say what it refused)
-            why = [line for line in str(e).splitlines()[1:]
-                   if line.strip() and not line.startswith(("Please file", "Check the documentation"))]
+        except pickle.UnpicklingError as e:   # (what torch refused: past its first line, or its "error:")
+            what = str(e).partition("WeightsUnpickler error:")[2] or str(e).partition("\n")[2]
+            why = [line.strip() for line in what.splitlines()
+                   if line.strip() and not line.startswith("Check the documentation")]
             raise _unreadable(path, f"not loaded: a pickle of more than tensors, which could run code "
                                     f"({why[0] if why else e})") from None
         except Exception as e:   # (bytes that are no pickle fail anywhere in it: KeyError, EOFError...)

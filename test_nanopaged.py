@@ -1728,8 +1728,8 @@ def test_a_pytorch_checkpoint_loads_as_its_safetensors_twin(tmp_path):
     torch.testing.assert_close(forward_all(load_model(both), IDS), expected, rtol=1e-4, atol=1e-4)
     ran = tmp_path / "ran"
     for name, tensors, message in [
-            ("code", w | {"extra": _RunsCode(ran)}, "not loaded: a pickle of more than tensors, which could run code "
-                                                    r"\(Trying to load unsupported GLOBAL .*mkdir"),
+            ("code", w | {"extra": _RunsCode(ran)}, r"not loaded: a pickle of more than tensors, which could run code "
+                                                    r"\(.*GLOBAL .*mkdir"),
             ("int8", w | {"lm_head.weight": torch.zeros(101, 64, dtype=torch.int8)}, "'lm_head.weight' is stored as "
                                                                                      "torch.int8; nanopaged reads "),
             ("list", list(w.values()), r"pytorch_model.bin: not a state dict \(tensors by name\)$")]:
