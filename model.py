@@ -1,6 +1,7 @@
 """
-The models: GPT-2 and Llama as plain nn.Modules over a flat batch of tokens, their
-tokenizers, the safetensors loader, and the embedded default model (SmolLM2-135M-Instruct).
+The models: GPT-2 (and OPT on its module), Llama, GPT-NeoX and Phi as plain nn.Modules over a
+flat batch of tokens, their tokenizers, the checkpoint loader (safetensors, PyTorch pickles),
+and the embedded default model (SmolLM2-135M-Instruct).
 
 A forward pass sees one flat batch: the tokens of every scheduled sequence laid end to end,
 `input_ids [T]` with their `positions [T]`, and no padding. Only attention needs to know
@@ -13,11 +14,11 @@ and that object (nanopaged's PagedAttention: the torch path, its decode rows on 
 or the CUDA kernel; the tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
 context, or, for a layer with a sliding window W (Mistral, Ministral, Mixtral, Phi-3, some Qwen, SmolLM3, Gemma,
 OLMo 3 layers), to the last W positions up to each query. It also scales q.k (by ModelConfig.attn_scale: 1/sqrt(D),
-or Gemma's and Granite's own) and softcaps the scores (Gemma 2): the model never does. The model knows nothing
-about pages.
+Gemma's and Granite's own, or 1 for OPT, whose model scales q before the attention, as transformers does) and
+softcaps the scores (Gemma 2). The model knows nothing about pages.
 
 Chapters: config, tokenizers (the Tokenizer, chat templates, the tokenizers built from files),
-layers, Llama, GPT-2, loading, GGUF conversion.
+layers, Llama, GPT-2 and OPT, GPT-NeoX and Phi, loading, GGUF conversion.
 """
 
 import base64
@@ -624,7 +625,8 @@ def _opt_fields(d: dict) -> dict:
     """ModelConfig's fields for an OPT, as OPTConfig reads them: GPT-2's layers (a plain MLP
     ffn_dim wide), each LayerNorm before its branch or, where do_layer_norm_before is false (the
     350M), after its residual add; the final LayerNorm where the layers' come before and
-    _remove_final_layer_norm (an early conversion's flag) does not drop it. Refused:
+    _remove_final_layer_norm (kept for checkpoints fine-tuned before transformers 4.20.1) does
+    not drop it. Refused:
     enable_bias and layer_norm_elementwise_affine false (no biases, LayerNorms without weights:
     no released OPT has either)."""
     for key in ("enable_bias", "layer_norm_elementwise_affine"):
@@ -1804,9 +1806,9 @@ def _render_bounded(template: jinja2.Template, variables: dict) -> str:
 
 def bpe_tokenizer(name: str, pattern: str, ranks: dict[bytes, int], special: dict[str, int],
                   merge_order: list[bytes] | None = None, **kwargs) -> Tokenizer:
-    """A Tokenizer from byte-string ranks (= token ids) and special tokens. merge_order: where
-    the ids do not follow the merges' order, the tokens the merges make, in that order (see
-    RankedEncoding)."""
+    """A Tokenizer from ranks, byte string -> token id (tiktoken's rank as well, unless
+    merge_order is given), and special tokens. merge_order: where the ids do not follow the
+    merges' order, the tokens the merges make, in that order (see RankedEncoding)."""
     # tiktoken starts every piece from single bytes, so each byte needs a rank. Some vocabs
     # (SmolLM2) have no token for a few bytes that never occurred in training, and HF's BPE
     # drops such bytes. Give them ranks past the vocab; Tokenizer.encode drops them.
@@ -2114,7 +2116,7 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig, slow: bool = False) -> To
     normalizer = (tj.get("normalizer") or {}).get("type")
     if normalizer not in (None, "NFC"):
         raise ModelError(f"{path}: normalizer {normalizer!r} is not supported")
-    pattern = _hf_pattern(tj.get("pre_tokenizer"), path)
+    pattern = _hf_pattern(tj.get("pre_tokenizer"), model_dir / "tokenizer_config.json" if slow else path)
     # In tiktoken terms, the added tokens are special tokens; everything else in the vocab is
     # a byte string with its rank. An added token that is also a vocab token (same string, same id)
     # stays one where BPE can make it, a character or a merge's result: a single_word "dog"
@@ -2157,11 +2159,12 @@ def hf_tokenizer(model_dir: Path, config: ModelConfig, slow: bool = False) -> To
 
 
 def _slow_tokenizer_json(model_dir: Path) -> dict:
-    """The tokenizer.json transformers' GPT2Tokenizer builds from an older model's
-    vocab.json and merges.txt (OPT's, older GPT-2 fine-tunes'; "slow" files, from before
-    tokenizer.json): a byte-level BPE with GPT-2's pre-tokenizer, its bos, eos, unk and pad
-    tokens added as special ones (GPT2Tokenizer's "<|endoftext|>" for the first three
-    where tokenizer_config.json and special_tokens_map.json name none), and where
+    """The tokenizer.json transformers' GPT2Tokenizer builds from the older "slow" files,
+    vocab.json and merges.txt, of a model that ships no tokenizer.json (OPT's, older GPT-2
+    fine-tunes'): a byte-level BPE with GPT-2's pre-tokenizer, the special tokens the files
+    name added as special ones (bos, eos, unk, pad, and sep, cls, mask where named;
+    GPT2Tokenizer's "<|endoftext|>" for the first three where tokenizer_config.json and
+    special_tokens_map.json name none), and where
     tokenizer_config.json's add_bos_token / add_eos_token say, the BOS put before every text
     and the EOS after (OPT's "</s>" before)."""
     vocab = _read_json(model_dir / "vocab.json")
@@ -2457,7 +2460,8 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_new": gelu
 def final_logits(x: torch.Tensor, logits_indices: torch.Tensor | None, norm: Callable,
                  head: nn.Module) -> torch.Tensor:
     """The logits (N, V) of the N rows of x (T, C) in logits_indices (all T where None): the
-    final norm, then the LM head (head: its nn.Linear, or the embedding it is tied to). The
+    final norm (norm: what the head reads x through; OPT-350M's has no norm, only the
+    projection out), then the LM head (head: its nn.Linear, or the embedding it is tied to). The
     head is a step's biggest matmul (vocab_size rows): run only on the rows whose logits are
     wanted, the tokens whose next token is sampled (typically the last one of each sequence),
     and the prompt tokens scored for prompt_logprobs (the engine's sampled rows, then its
@@ -2760,7 +2764,7 @@ def _router_name(config: ModelConfig, p: str) -> str:
 
 # ----------------------------------------------------------------------------------------
 # GPT-2, and OPT (Meta's, 125M to 66B; vLLM's quick start runs opt-125m) on the same module:
-# learned positions, LayerNorms, a plain MLP, biases everywhere
+# learned positions, LayerNorms, a plain MLP, biases on every layer's linears and LayerNorms
 
 class GPT2Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -2832,9 +2836,10 @@ class GPT2(nn.Module):
         x = x + self.wpe(positions)                    # (T, C): learned positions, no RoPE
         for block in self.h:
             x = block(x, attn)
-        return final_logits(x, logits_indices, self.final_norm, self.wte if self.lm_head is None else self.lm_head)
+        head = self.wte if self.lm_head is None else self.lm_head
+        return final_logits(x, logits_indices, self.head_input, head)
 
-    def final_norm(self, x):
+    def head_input(self, x):
         """What the head reads: ln_f's output (x itself where there is no ln_f: OPT-350M's last
         layer ends with a LayerNorm), projected back to E wide where the layers are wider."""
         x = x if self.ln_f is None else self.ln_f(x)   # (N, C)
@@ -3056,7 +3061,7 @@ class Phi(GPTNeoX):
 
 
 # ----------------------------------------------------------------------------------------
-# loading: a Hugging Face layout directory (config.json + safetensors) -> a ready model
+# loading: a Hugging Face layout directory (config.json + safetensors, or PyTorch pickles) -> a ready model
 
 ARCHITECTURES = {"gpt2": GPT2, "opt": OPT, "gpt_neox": GPTNeoX, "phi": Phi} | dict.fromkeys(LLAMA_FAMILY, Llama)
 
@@ -3341,9 +3346,10 @@ def _read_checkpoint(model_dir: Path, where: dict[str, Path], shapes: dict, dtyp
     if unused:
         print(f"nanopaged: note: {model_dir} holds {len(unused)} tensor(s) this config has no place for, left out: "
               f"{', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}", file=sys.stderr)
-    # safetensors memory-maps the file (and so does torch.load, for a PickledCheckpoint): a
+    # safetensors memory-maps the file (and so does torch.load, for a PickledCheckpoint in
+    # torch.save's zip format; an older pickle is read into memory, each time it is opened): a
     # tensor on the CPU in its stored dtype is a view of the file, and its pages come in when
-    # first used. Nothing is read twice.
+    # first used.
     hf = {}
     for path, names in by_file.items():
         with _open_checkpoint(path) as f:

@@ -560,13 +560,15 @@ GPT_NEOX_VARIANTS = {
 OPT = {"model_type": "opt", "vocab_size": 101, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
        "ffn_dim": 96, "max_position_embeddings": 128, "word_embed_proj_dim": 64, "bos_token_id": 2, "eos_token_id": 2}
 OPT_VARIANTS = {
-    # opt-125m's config.json: LayerNorms before each branch, ReLU, a tied head; 2 heads of 32,
-    # whose scale 32^-1/2 is no power of two (its rounding shows in bfloat16, as the 2.7B's and 6.7B's)
+    # opt-125m's shape of config (here 2 heads of 32): LayerNorms before each branch, ReLU, a tied
+    # head; a head size whose scale 32^-1/2 is no power of two, as the 2.7B's and larger (D = 80,
+    # 128): its rounding shows in bfloat16
     "opt": OPT | {"do_layer_norm_before": True, "activation_function": "relu"},
     # opt-350m's: LayerNorms after the residual adds (and no final one), embeddings narrower
     # than the layers (16 of 64), projected in and out
     "opt_350m": OPT | {"do_layer_norm_before": False, "word_embed_proj_dim": 16, "num_attention_heads": 4},
-    # an untied head, GELU, and the final LayerNorm dropped by an early conversion's flag
+    # an untied head, GELU, and the final LayerNorm dropped by _remove_final_layer_norm (kept for
+    # checkpoints fine-tuned before transformers 4.20.1)
     "opt_untied": OPT | {"tie_word_embeddings": False, "activation_function": "gelu", "_remove_final_layer_norm": True},
 }
 FAMILY_VARIANTS = LLAMA_FAMILY_VARIANTS | GPT_NEOX_VARIANTS | OPT_VARIANTS
@@ -723,7 +725,9 @@ def test_an_opt_as_its_hub_files_are_served_end_to_end(tmp_path):
     "slow" tokenizer files: vocab.json and merges.txt) serves a text prompt: </s> put before
     it, the dense reference's greedy tokens, their text; and with the tokenizer files alone
     in another directory (tokenizer=...), the same. Catches: a piece of the chain refused
-    (the pickle, the slow files, ids that do not follow merge order) or read otherwise."""
+    (the pickle, the slow files, ids that do not follow merge order), or add_bos_token not
+    read. (Tokens or weights read otherwise are for the tokenizer cases and the logits tests
+    to catch: here the reference is the same model and tokenizer.)"""
     model_dir = tmp_path / "opt"
     shutil.copytree(TESTDATA / "opt_tokenizer", model_dir)
     c = json.loads((model_dir / "config.json").read_text())
@@ -741,6 +745,13 @@ def test_an_opt_as_its_hub_files_are_served_end_to_end(tmp_path):
         tokens = out.outputs[0].token_ids
         assert tokens == reference_penalized_greedy(llm.model, out.prompt_token_ids, 8)
         assert out.outputs[0].text == llm.get_tokenizer().decode(tokens)
+    # what the slow files may hold that nanopaged does not read: named by the file that says it
+    (alone / "tokenizer_config.json").write_text(json.dumps({"add_prefix_space": True}))
+    with pytest.raises(ModelError, match=r"tokenizer/tokenizer_config.json: ByteLevel add_prefix_space is not supported"):
+        load_tokenizer(alone, llm.model.config)
+    (alone / "merges.txt").write_text((model_dir / "merges.txt").read_text() + "a b c\n")
+    with pytest.raises(ModelError, match=r"merges.txt: merge #500 'a b c' is not a pair of tokens"):
+        load_tokenizer(alone, llm.model.config)
 
 
 def reference_gpt_neox(c, w, ids):
@@ -855,7 +866,8 @@ def test_bfloat16_rounds_as_transformers(tmp_path, variant):
     out with transformers' bits (here all of them, on torch 2.11 and 2.13; another torch's
     kernels may move them, as 2.5's move most). Catches: the scale kept in full precision, or
     the norms computed in bfloat16, or scaled before rounding (nn.RMSNorm), OLMo's scaled
-    after, or its RoPE tables rounded to bfloat16 (each changes about 80% of the logits)."""
+    after, or its RoPE tables rounded to bfloat16 (each changes about 80% of the logits), OPT's
+    q left unscaled (the attention scaling by D^-1/2 instead)."""
     c = FAMILY_VARIANTS[variant]
     expected = json.loads((TESTDATA / "llama_family_logits.json").read_text())[variant + "_bfloat16"]
     assert expected["config"] == c
