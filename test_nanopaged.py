@@ -747,7 +747,7 @@ def test_an_opt_as_its_hub_files_are_served_end_to_end(tmp_path):
         assert out.outputs[0].text == llm.get_tokenizer().decode(tokens)
     # what the slow files may hold that nanopaged does not read: named by the file that says it
     (alone / "tokenizer_config.json").write_text(json.dumps({"add_prefix_space": True}))
-    with pytest.raises(ModelError, match=r"tokenizer/tokenizer_config.json: ByteLevel add_prefix_space is not supported"):
+    with pytest.raises(ModelError, match="tokenizer/tokenizer_config.json: ByteLevel add_prefix_space is not"):
         load_tokenizer(alone, llm.model.config)
     (alone / "merges.txt").write_text((model_dir / "merges.txt").read_text() + "a b c\n")
     with pytest.raises(ModelError, match=r"merges.txt: merge #500 'a b c' is not a pair of tokens"):
