@@ -3205,10 +3205,12 @@ class PickledCheckpoint:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
         except pickle.UnpicklingError as e:   # (what torch refused: past its first line, or its "error:")
             what = str(e).partition("WeightsUnpickler error:")[2] or str(e).partition("\n")[2]
-            why = [line.strip() for line in what.splitlines()
-                   if line.strip() and not line.startswith("Check the documentation")]
-            raise _unreadable(path, f"not loaded: a pickle of more than tensors, which could run code "
-                                    f"({why[0] if why else e})") from None
+            why = ([line.strip() for line in what.splitlines()
+                    if line.strip() and not line.startswith("Check the documentation")] or [str(e)])[0]
+            if "GLOBAL" in why:   # (a function or class the pickle names: what it would have called)
+                raise ModelError(f"{path}: not loaded: a pickle of more than tensors, which could run code "
+                                 f"({why})") from None
+            raise _unreadable(path, f"not a readable PyTorch checkpoint ({why})") from None
         except Exception as e:   # (bytes that are no pickle fail anywhere in it: KeyError, EOFError...)
             raise _unreadable(path, f"not a readable PyTorch checkpoint ({type(e).__name__}"
                                     f"{': ' + str(e).splitlines()[0] if str(e) else ''})") from None

@@ -570,6 +570,9 @@ OPT_VARIANTS = {
     # an untied head, GELU, and the final LayerNorm dropped by _remove_final_layer_norm (kept for
     # checkpoints fine-tuned before transformers 4.20.1)
     "opt_untied": OPT | {"tie_word_embeddings": False, "activation_function": "gelu", "_remove_final_layer_norm": True},
+    # narrow embeddings with the LayerNorms before each branch (no released OPT has both; the
+    # config allows it): the final LayerNorm, then the projection out; an untied head, E wide
+    "opt_narrow": OPT | {"word_embed_proj_dim": 16, "tie_word_embeddings": False},
 }
 FAMILY_VARIANTS = LLAMA_FAMILY_VARIANTS | GPT_NEOX_VARIANTS | OPT_VARIANTS
 
@@ -1414,6 +1417,22 @@ def test_a_vocab_token_no_merge_makes_is_decoded_never_made(tmp_path):
     assert whole.encode("ab ab", add_special_tokens=False) == [257, 256, ord("b")]
 
 
+def test_token_ids_out_of_merge_order(tmp_path):
+    """A vocab whose ids do not follow its merges' order (OPT's): Hugging Face's BPE applies the
+    earliest merge whatever the ids, so "abc" is "a" + "bc" ("b c" is merged first), not "ab" +
+    "c" (the lower id); a byte the vocab lacks (0x04) is dropped before its piece merges
+    ("!\x04!" is "!!"), the slow path encoding that piece alone; decode gives the text back.
+    (Ids as Hugging Face's tokenizers 0.23.3 gives them, checked by hand.) Catches: ids taken
+    as tiktoken's ranks; the dropping path's ranks not translated to ids."""
+    vocab, char = byte_vocab()
+    del vocab[char[4]]
+    vocab |= {"ab": 256, "bc": 257, "!!": 258}
+    tok = load_tokenizer(write_tokenizer_json(tmp_path, {"type": "ByteLevel"}, vocab,
+                                              [["b", "c"], ["!", "!"], ["a", "b"]]))
+    assert tok.encode("abc !\x04! ab", add_special_tokens=False) == [ord("a"), 257, 32, 258, 32, 256]
+    assert tok.decode([ord("a"), 257, 32, 258]) == "abc !!"
+
+
 @pytest.mark.parametrize("pre_tokenizer, model, message", [
     ({"type": "ByteLevel"}, {"type": "WordPiece"}, "'WordPiece' is not supported"),
     ({"type": "ByteLevel"}, {"byte_fallback": True}, "needs the 256 byte tokens <0x00>...<0xFF>; <0x00> is missing"),
@@ -1710,10 +1729,13 @@ def test_a_pytorch_checkpoint_loads_as_its_safetensors_twin(tmp_path):
     """Where a model ships only PyTorch pickles (pytorch_model.bin, or the shards its index
     lists; torch.save's zip format or the older one), its tensors are read through torch.load's
     weights_only unpickler and give the logits transformers computed from the same weights;
-    safetensors win where both are there. A pickle that would run code as it loads is refused,
-    and nothing ran; a tensor of integers is refused by its dtype, a pickle of no state dict
-    by what it is. Catches: pickles read with the unrestricted unpickler; the index ignored;
-    the .bin preferred to safetensors."""
+    safetensors win where both are there; every float dtype gives what its safetensors twin
+    gives, and torch.save's zip format is memory-mapped (the weights a view of the file, as
+    safetensors'), not read. A pickle that would run code as it loads is refused, and nothing
+    ran; a tensor of integers is refused by its dtype, a pickle of no state dict (a list; a
+    number, a list or an int key among the tensors) by what it is, bytes that are no pickle as
+    such. Catches: pickles read with the unrestricted unpickler; the index ignored; the .bin
+    preferred to safetensors; a float dtype refused; the zip format read into memory."""
     c = OPT_VARIANTS["opt"]
     w = opt_tensors(c)
     expected = torch.tensor(json.loads((TESTDATA / "llama_family_logits.json").read_text())["opt"]["logits"])
@@ -1727,6 +1749,18 @@ def test_a_pytorch_checkpoint_loads_as_its_safetensors_twin(tmp_path):
 
     for d in (pickled("zip", w), pickled("legacy", w, _use_new_zipfile_serialization=False)):
         torch.testing.assert_close(forward_all(load_model(d), IDS), expected, rtol=1e-4, atol=1e-4)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        stored = {n: t.to(dtype) for n, t in w.items()}
+        twin = write_checkpoint(tmp_path / f"{dtype}_twin", c, stored)
+        torch.testing.assert_close(forward_all(load_model(pickled(str(dtype), stored)), IDS),
+                                   forward_all(load_model(twin), IDS), rtol=0, atol=0)
+    maps = Path("/proc/self/maps")
+    if maps.exists():   # (Linux: which file holds the embedding's memory; stored float32, asked float32)
+        model = load_model(tmp_path / "zip")   # (kept: its memory is unmapped when it goes)
+        where = model.wte.weight.data_ptr()
+        spans = [line.split() for line in maps.read_text().splitlines()]
+        assert [span[5:] for span in spans if int(span[0].split("-")[0], 16) <= where < int(span[0].split("-")[1], 16)
+                ] == [[str(tmp_path / "zip" / "pytorch_model.bin")]]
     sharded = tmp_path / "sharded"
     sharded.mkdir()
     (sharded / "config.json").write_text(json.dumps(c))
@@ -1744,10 +1778,16 @@ def test_a_pytorch_checkpoint_loads_as_its_safetensors_twin(tmp_path):
                                                     r"\(.*GLOBAL .*mkdir"),
             ("int8", w | {"lm_head.weight": torch.zeros(101, 64, dtype=torch.int8)}, "'lm_head.weight' is stored as "
                                                                                      "torch.int8; nanopaged reads "),
-            ("list", list(w.values()), r"pytorch_model.bin: not a state dict \(tensors by name\)$")]:
+            ("list", list(w.values()), r"pytorch_model.bin: not a state dict \(tensors by name\)$"),
+            ("number", w | {"step": 3}, r"not a state dict \(tensors by name\)$"),
+            ("value", w | {"model.decoder.embed_tokens.weight": [1.0, 2.0]}, r"not a state dict \(tensors by name\)$"),
+            ("key", w | {0: torch.zeros(1)}, r"not a state dict \(tensors by name\)$")]:
         with pytest.raises(ModelError, match=message):
             load_model(pickled(name, tensors))
     assert not ran.exists()
+    (tmp_path / "list" / "pytorch_model.bin").write_bytes(b"xyz garbage")
+    with pytest.raises(ModelError, match=r"pytorch_model.bin: not a readable PyTorch checkpoint \(.*120"):
+        load_model(tmp_path / "list")
 
 
 def test_a_tied_config_with_a_distinct_lm_head_unties_it_as_transformers_does(tmp_path, capsys):
@@ -2395,6 +2435,59 @@ def test_qwen2_llama3_gpt_neox_and_opt_shaped_tokenizers_encode_as_hugging_face_
     assert not wrong
     wrong = [c["text"] for c in cases if "decoded" in c and tok.decode(c["ids"]) != c["decoded"]]
     assert not wrong
+
+
+def test_slow_tokenizer_files_are_read_as_transformers_reads_them(tmp_path):
+    """testdata/opt_tokenizer's vocab.json and merges.txt, changed as other older saves have
+    them, read as transformers 5.25's GPT2Tokenizer reads them (each checked against it by
+    hand): every vocab token at its id; merges.txt with or without its "#version" header, but
+    no empty line inside; add_eos_token's EOS after the text, add_bos_token's BOS (bos_token's,
+    not eos_token's) before; where no file names the special tokens, GPT2Tokenizer's
+    "<|endoftext|>", added past the vocab, and no BOS; added tokens special (skip_special_tokens
+    leaves them out). A tokenizer.json wins over them, as in transformers; vocab.json alone is
+    no tokenizer; a GPT-2 directory's own files win over GPT-2's built-in tokenizer. Catches:
+    RankedEncoding's ids off by one, or a rank decoded as an id (get_vocab); each of those rules
+    dropped."""
+    def variant(name, config=None, merges=None, drop=()):
+        d = tmp_path / name
+        shutil.copytree(TESTDATA / "opt_tokenizer", d)
+        if config is not None:
+            (d / "tokenizer_config.json").write_text(json.dumps(config))
+        if merges is not None:
+            (d / "merges.txt").write_text(merges((d / "merges.txt").read_text()))
+        for file in drop:
+            (d / file).unlink()
+        return d
+
+    vocab = json.loads((TESTDATA / "opt_tokenizer" / "vocab.json").read_text())
+    opt = load_tokenizer(TESTDATA / "opt_tokenizer")
+    assert opt.get_vocab() == vocab == load_tokenizer(TESTDATA / "opt_saved_tokenizer").get_vocab()
+    text = "Hello world, from OPT"
+    plain = opt.encode(text, add_special_tokens=False)
+    assert opt.encode(text) == [2] + plain and opt.decode([2] + plain, skip_special_tokens=True) == text
+    headless = load_tokenizer(variant("headless", merges=lambda m: m.split("\n", 1)[1]))
+    assert headless.encode(text) == opt.encode(text)
+    both = variant("both", config={"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
+                                   "add_eos_token": True},
+                   drop=("special_tokens_map.json",))   # (whose bos_token, </s>, would win)
+    assert load_tokenizer(both).encode(text) == [0] + plain + [2]
+    bare = load_tokenizer(variant("bare", drop=("tokenizer_config.json", "special_tokens_map.json")))
+    assert (bare.encode(text), bare.encode("x<|endoftext|>"), len(bare)) == (
+        plain, opt.encode("x", add_special_tokens=False) + [len(vocab)], len(vocab) + 1)
+    with pytest.raises(ModelError, match=r"merges.txt: merge #4 '' is not a pair of tokens$"):
+        load_tokenizer(variant("blank", merges=lambda m: "\n".join(m.split("\n")[:5] + [""] + m.split("\n")[5:])))
+    snowman = variant("snowman")
+    (snowman / "vocab.json").write_text(json.dumps(vocab | {"\u2603": len(vocab)}))
+    with pytest.raises(ModelError, match=r"snowman/vocab.json: token '\u2603' is not in the byte-level alphabet"):
+        load_tokenizer(snowman)
+    shutil.copy(TESTDATA / "opt_saved_tokenizer" / "tokenizer.json", snowman)   # (which wins)
+    assert load_tokenizer(snowman).encode(text) == opt.encode(text)
+    half = variant("half", drop=("merges.txt",))
+    with pytest.raises(ModelError, match=r"half: no tokenizer.json \(nor vocab.json and merges.txt\)$"):
+        load_tokenizer(half)
+    gpt2 = variant("gpt2")
+    (gpt2 / "config.json").write_text(json.dumps(GPT2_CONFIG | {"vocab_size": len(vocab)}))
+    assert load_tokenizer(gpt2).encode(text) == opt.encode(text)
 
 
 LLAMA2_CASES = [json.loads(line) for line in (TESTDATA / "llama2_tokenizer_cases.jsonl").open(encoding="utf-8")]
@@ -10891,13 +10984,15 @@ def test_dummy_weights_have_unit_norms_and_small_biases(tmp_path):
     assert biases.numel() == 2 * (48 + 2 * 16) and 0.01 < biases.std() < 0.03 and biases.abs().max() < 0.2
 
 
-def test_gpt2_memory_check_counts_no_rope_tables(tmp_path, monkeypatch):
-    """GPT-2 has learned positions, no RoPE tables: a machine with just its weights' bytes
-    loads it. Catches: RoPE tables counted for GPT-2 in check_size."""
-    (tmp_path / "config.json").write_text(json.dumps(GPT2_CONFIG))
-    _, params, _ = model_module.checkpoint_size(model_module.GPT2, ModelConfig.from_dict(GPT2_CONFIG))
+@pytest.mark.parametrize("config", [GPT2_CONFIG, OPT_VARIANTS["opt"]])
+def test_gpt2_memory_check_counts_no_rope_tables(tmp_path, monkeypatch, config):
+    """GPT-2 (and OPT, on its module) has learned positions, no RoPE tables: a machine with
+    just its weights' bytes loads it. Catches: RoPE tables counted for GPT-2 or OPT in check_size."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    c = ModelConfig.from_dict(config)
+    _, params, _ = model_module.checkpoint_size(model_module.ARCHITECTURES[c.model_type], c)
     monkeypatch.setattr(model_module, "device_memory", lambda device: params * 4)
-    assert load_model(tmp_path, dummy=True).config.model_type == "gpt2"
+    assert load_model(tmp_path, dummy=True).config.model_type == c.model_type
     monkeypatch.setattr(model_module, "device_memory", lambda device: params * 4 - 1)
     with pytest.raises(ModelError, match="more than all"):
         load_model(tmp_path, dummy=True)
