@@ -2162,9 +2162,9 @@ def _slow_tokenizer_json(model_dir: Path) -> dict:
     """The tokenizer.json transformers' GPT2Tokenizer builds from the older "slow" files,
     vocab.json and merges.txt, of a model that ships no tokenizer.json (OPT's, older GPT-2
     fine-tunes'): a byte-level BPE with GPT-2's pre-tokenizer, the special tokens the files
-    name added as special ones (bos, eos, unk, pad, and sep, cls, mask where named;
-    GPT2Tokenizer's "<|endoftext|>" for the first three where tokenizer_config.json and
-    special_tokens_map.json name none), and where
+    name added as special ones (bos, eos, unk, pad, sep, cls, mask, then any other *_token,
+    then additional_special_tokens; GPT2Tokenizer's "<|endoftext|>" for bos, eos and unk where
+    tokenizer_config.json and special_tokens_map.json name none), and where
     tokenizer_config.json's add_bos_token / add_eos_token say, the BOS put before every text
     and the EOS after (OPT's "</s>" before)."""
     vocab = _read_json(model_dir / "vocab.json")
@@ -2174,10 +2174,17 @@ def _slow_tokenizer_json(model_dir: Path) -> dict:
     merges = _merge_pairs(lines[:-1] if lines and not lines[-1] else lines, vocab, path)
     config_path = model_dir / "tokenizer_config.json"
     config = _read_json(config_path) if config_path.exists() else {}
-    named = {"unk_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"} | {
-        key: value for key, value in _chat_template(model_dir)[2].items() if key in SPECIAL_TOKEN_NAMES}
+    named = {"unk_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"} | (
+        _chat_template(model_dir)[2])   # (the seven, any other *_token, extra_special_tokens')
+    # and an older save's list of more (strings or AddedToken objects)
+    listed, map_path = config.get("additional_special_tokens"), model_dir / "special_tokens_map.json"
+    if listed is None and map_path.exists():
+        listed = _read_json(map_path).get("additional_special_tokens")
+    listed = [t.get("content") if isinstance(t, dict) else t for t in listed] if isinstance(listed, list) else []
     added, next_id = {}, max(vocab.values(), default=-1) + 1
-    for content in dict.fromkeys(named[key] for key in SPECIAL_TOKEN_NAMES if key in named):
+    contents = ([named[key] for key in SPECIAL_TOKEN_NAMES if key in named]   # (in transformers' order)
+                + [value for key, value in named.items() if key not in SPECIAL_TOKEN_NAMES] + listed)
+    for content in dict.fromkeys(c for c in contents if isinstance(c, str) and c):
         if content not in vocab:   # (transformers adds it past the vocab)
             vocab[content], next_id = next_id, next_id + 1
         added[content] = {"id": vocab[content], "content": content, "special": True}

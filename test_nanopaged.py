@@ -2442,8 +2442,9 @@ def test_slow_tokenizer_files_are_read_as_transformers_reads_them(tmp_path):
     them, read as transformers 5.25's GPT2Tokenizer reads them (each checked against it by
     hand): every vocab token at its id; merges.txt with or without its "#version" header, but
     no empty line inside; add_eos_token's EOS after the text, add_bos_token's BOS (bos_token's,
-    not eos_token's) before; where no file names the special tokens, GPT2Tokenizer's
-    "<|endoftext|>", added past the vocab, and no BOS; added tokens special (skip_special_tokens
+    not eos_token's) before; the special tokens it names (the seven, then any other *_token,
+    then additional_special_tokens) added, past the vocab where it lacks them; where no file
+    names any, GPT2Tokenizer's "<|endoftext|>", and no BOS; added tokens special (skip_special_tokens
     leaves them out). A tokenizer.json wins over them, as in transformers; vocab.json alone is
     no tokenizer; a GPT-2 directory's own files win over GPT-2's built-in tokenizer. Catches:
     RankedEncoding's ids off by one, or a rank decoded as an id (get_vocab); each of those rules
@@ -2471,6 +2472,11 @@ def test_slow_tokenizer_files_are_read_as_transformers_reads_them(tmp_path):
                                    "add_eos_token": True},
                    drop=("special_tokens_map.json",))   # (whose bos_token, </s>, would win)
     assert load_tokenizer(both).encode(text) == [0] + plain + [2]
+    named = variant("named", config={"boi_token": "<boi>", "mask_token": "<mask>",
+                                     "additional_special_tokens": ["<unk>"]}, drop=("special_tokens_map.json",))
+    # (the seven first, <|endoftext|> for bos, eos and unk, then the others, past the vocab)
+    assert load_tokenizer(named).encode("<boi><mask><unk><|endoftext|>") == [
+        len(vocab) + 2, len(vocab) + 1, vocab["<unk>"], len(vocab)]
     bare = load_tokenizer(variant("bare", drop=("tokenizer_config.json", "special_tokens_map.json")))
     assert (bare.encode(text), bare.encode("x<|endoftext|>"), len(bare)) == (
         plain, opt.encode("x", add_special_tokens=False) + [len(vocab)], len(vocab) + 1)
