@@ -2168,6 +2168,8 @@ def _slow_tokenizer_json(model_dir: Path) -> dict:
     tokenizer_config.json's add_bos_token / add_eos_token say, the BOS put before every text
     and the EOS after (OPT's "</s>" before)."""
     vocab = _read_json(model_dir / "vocab.json")
+    if not all(map(_is_id, vocab.values())):
+        raise ModelError(f"{model_dir / 'vocab.json'}: a token's id is no integer in [0, 2^31)")
     path = model_dir / "merges.txt"
     lines = [line.removesuffix("\r") for line in _read_text(path).split("\n")]   # (as tokenizers reads it)
     lines = lines[1:] if lines[0].startswith("#version") else lines   # (its header)

@@ -2486,6 +2486,9 @@ def test_slow_tokenizer_files_are_read_as_transformers_reads_them(tmp_path):
     (snowman / "vocab.json").write_text(json.dumps(vocab | {"\u2603": len(vocab)}))
     with pytest.raises(ModelError, match=r"snowman/vocab.json: token '\u2603' is not in the byte-level alphabet"):
         load_tokenizer(snowman)
+    (snowman / "vocab.json").write_text(json.dumps(vocab | {"x": "7"}))
+    with pytest.raises(ModelError, match=r"snowman/vocab.json: a token's id is no integer in \[0, 2\^31\)$"):
+        load_tokenizer(snowman)
     shutil.copy(TESTDATA / "opt_saved_tokenizer" / "tokenizer.json", snowman)   # (which wins)
     assert load_tokenizer(snowman).encode(text) == opt.encode(text)
     half = variant("half", drop=("merges.txt",))
