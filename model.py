@@ -1,5 +1,5 @@
 """
-The models: GPT-2 (and OPT on its module), Llama, GPT-NeoX and Phi as plain nn.Modules over a
+The models: GPT-2 (and OPT on its module), Llama, GPT-NeoX (and Phi, GPT-J) as plain nn.Modules over a
 flat batch of tokens, their tokenizers, the checkpoint loader (safetensors, PyTorch pickles),
 and the embedded default model (SmolLM2-135M-Instruct).
 
@@ -18,7 +18,7 @@ Gemma's and Granite's own, or 1 for OPT, whose model scales q before the attenti
 softcaps the scores (Gemma 2). The model knows nothing about pages.
 
 Chapters: config, tokenizers (the Tokenizer, chat templates, the tokenizers built from files),
-layers, Llama, GPT-2 and OPT, GPT-NeoX and Phi, loading, GGUF conversion.
+layers, Llama, GPT-2 and OPT, GPT-NeoX with Phi and GPT-J, loading, GGUF conversion.
 """
 
 import base64
@@ -221,11 +221,12 @@ class LayersBut:
 
 @dataclass
 class ModelConfig:
-    """One config for the five architectures (GPT-2, OPT, Llama with its family, GPT-NeoX, Phi).
+    """One config for the six architectures (GPT-2, OPT, Llama with its family, GPT-NeoX, Phi, GPT-J).
     The fields HF's LlamaConfig has too keep its names (but norm_eps, its rms_norm_eps); the
     others are nanopaged's, one for each way the family differs. GPT-2's own names (n_embd,
-    n_layer, ...), OPT's (ffn_dim...) and GPT-NeoX's (rotary_pct...) are mapped onto them by from_dict."""
-    model_type: str                   # "gpt2", "opt", "gpt_neox", "phi" or one of LLAMA_FAMILY
+    n_layer, ...; GPT-J's too), OPT's (ffn_dim...) and GPT-NeoX's (rotary_pct...) are mapped onto
+    them by from_dict."""
+    model_type: str                   # "gpt2", "opt", "gpt_neox", "phi", "gptj" or one of LLAMA_FAMILY
     vocab_size: int
     hidden_size: int                  # C
     num_hidden_layers: int
@@ -448,6 +449,9 @@ class ModelConfig:
         elif model_type == "opt":
             d = OPT_DEFAULTS | d
             fields, default_token_id = _opt_fields(d), None
+        elif model_type == "gptj":
+            d = GPTJ_DEFAULTS | d
+            fields, default_token_id = _gptj_fields(d), 50256
         elif model_type == "gpt2":
             act = _activation(d, "activation_function", "gelu_new")
             # GPT-2 variants that change the math: refused, rather than run differently
@@ -614,6 +618,36 @@ def _phi_fields(d: dict) -> dict:
                 norm_eps=_positive(d, "layer_norm_eps", float), rope_theta=rope_theta, rope_scaling=rope_scaling,
                 partial_rotary_factor=partial, hidden_act=_activation(d, "hidden_act", "gelu_new"),
                 qkv_bias=True, o_bias=True, parallel_residual=True, shared_norm=True, lm_head_bias=True)
+
+
+# GPTJConfig's values where a config.json leaves a key out (its sizes are always written)
+GPTJ_DEFAULTS = {"rotary_dim": 64, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+                 "tie_word_embeddings": False}   # (and GPT-2's <|endoftext|> for BOS and EOS, as GPT-2's)
+
+
+def _gptj_fields(d: dict) -> dict:
+    """ModelConfig's fields for a GPT-J (EleutherAI's GPT-J-6B and its fine-tunes), as
+    GPTJConfig reads its GPT-2 names: Phi's layer (one LayerNorm before attention and MLP,
+    side by side; a biased LM head) without attention biases, RoPE on the first rotary_dim of
+    each head (GPT-J-6B: 64 of 256) at base 10000. A tied head is refused
+    (its bias would stay apart from the embeddings; no released GPT-J ties it)."""
+    if _flag(d, "tie_word_embeddings"):
+        raise ModelError("tie_word_embeddings = true is not supported for gptj (no released GPT-J sets it)")
+    hidden, heads = _positive(d, "n_embd"), _positive(d, "n_head")
+    if hidden % heads:
+        raise ModelError(f"n_embd {hidden} is not a multiple of n_head {heads}")
+    head_dim = hidden // heads
+    rotary = _positive(d, "rotary_dim")
+    if rotary % 2 or rotary > head_dim:
+        raise ModelError(f"rotary_dim {rotary} is not an even number of at most a head's {head_dim} dimensions")
+    return dict(hidden_size=hidden, num_hidden_layers=_positive(d, "n_layer"), num_attention_heads=heads,
+                num_key_value_heads=heads, head_dim=head_dim,
+                intermediate_size=_positive(d, "n_inner", default=4 * hidden),
+                max_position_embeddings=_positive(d, "n_positions"), norm_eps=_positive(d, "layer_norm_epsilon", float),
+                # (+ 0.5: rotary / D times D may fall a hair short of rotary, and rotary_dim rounds down)
+                partial_rotary_factor=(rotary + 0.5) / head_dim,
+                hidden_act=_activation(d, "activation_function", "gelu_new"),
+                parallel_residual=True, shared_norm=True, lm_head_bias=True)
 
 
 # OPTConfig's values where a config.json leaves a key out (its sizes are always written)
@@ -2950,7 +2984,8 @@ class OPT(GPT2):
 # of each head rotary_pct says (Pythia's: a quarter), and, where use_parallel_residual says
 # (Pythia's), the parallel residual.
 # And Phi (Microsoft's Phi-1.5 and Phi-2) on the same module: the parallel residual with one
-# LayerNorm for both branches, grouped-query attention, and a bias on its LM head.
+# LayerNorm for both branches, grouped-query attention, and a bias on its LM head; and GPT-J
+# (EleutherAI's GPT-J-6B), Phi's layer without attention biases, RoPE on neighbouring pairs.
 
 class GPTNeoXBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -3069,10 +3104,50 @@ class Phi(GPTNeoX):
         return state | {module_name(cls, name): hf.pop(name) for name in list(hf)}
 
 
+class GPTJ(Phi):
+    """GPT-J: Phi's module (one LayerNorm for both branches, a biased LM head) without attention
+    biases, under GPT-J's checkpoint names. Its RoPE turns each pair of neighbouring
+    dimensions (0 and 1, 2 and 3...), the module's turns dimension i with i + R/2: the same
+    rotation once each head's first R rows of q and k are reordered, evens then odds (and q.k
+    is the same sum, in another order). Done once at load, in from_checkpoint."""
+    HEAD, EMBEDDING = "lm_head.weight", "transformer.wte.weight"
+    RENAMES, PREFIX = {"transformer.wte.": "embed_in.", "transformer.ln_f.": "final_layer_norm.",
+                       "lm_head.": "embed_out.", "transformer.h.": "layers.", ".ln_1.": ".input_layernorm.",
+                       ".attn.out_proj.": ".attention.o_proj.", ".mlp.fc_in.": ".mlp.c_fc.",
+                       ".mlp.fc_out.": ".mlp.c_proj."}, ""
+
+    @staticmethod
+    def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple]:
+        """Every tensor of a HF GPTJForCausalLM checkpoint, with its shape."""
+        C, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+        shapes = {"transformer.wte.weight": (V, C), "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,),
+                  "lm_head.weight": (V, C), "lm_head.bias": (V,)}
+        for i in range(config.num_hidden_layers):
+            p = f"transformer.h.{i}."
+            shapes |= {p + "ln_1.weight": (C,), p + "ln_1.bias": (C,), p + "mlp.fc_in.weight": (I, C),
+                       p + "mlp.fc_in.bias": (I,), p + "mlp.fc_out.weight": (C, I), p + "mlp.fc_out.bias": (C,)}
+            shapes |= {p + f"attn.{n}_proj.weight": (C, C) for n in ("q", "k", "v", "out")}
+        return shapes
+
+    @classmethod
+    def from_checkpoint(cls, hf: dict, config: ModelConfig) -> dict:
+        """HF tensors -> this module's state dict: q and k's rows reordered (see the class),
+        q/k/v fused, the rest renamed."""
+        H, D, R = config.num_attention_heads, config.head_dim, config.rotary_dim
+        order = [*range(0, R, 2), *range(1, R, 2), *range(R, D)]   # a head's rows: the rotated evens, odds, the rest
+        state = {}
+        for i in range(config.num_hidden_layers):
+            p = f"transformer.h.{i}.attn."
+            q, k = (hf.pop(f"{p}{n}_proj.weight").view(H, D, -1)[:, order].reshape(H * D, -1) for n in "qk")
+            state[f"layers.{i}.attention.qkv_proj.weight"] = torch.cat([q, k, hf.pop(p + "v_proj.weight")])   # (3C, C)
+        return state | {module_name(cls, name): hf.pop(name) for name in list(hf)}
+
+
 # ----------------------------------------------------------------------------------------
 # loading: a Hugging Face layout directory (config.json + safetensors, or PyTorch pickles) -> a ready model
 
-ARCHITECTURES = {"gpt2": GPT2, "opt": OPT, "gpt_neox": GPTNeoX, "phi": Phi} | dict.fromkeys(LLAMA_FAMILY, Llama)
+ARCHITECTURES = ({"gpt2": GPT2, "opt": OPT, "gpt_neox": GPTNeoX, "phi": Phi, "gptj": GPTJ}
+                 | dict.fromkeys(LLAMA_FAMILY, Llama))
 
 
 def cache_dir() -> Path:

@@ -328,6 +328,22 @@ def phi_tensors(c, seed=0):
             else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
+def gptj_tensors(c, seed=0):
+    """Random weights under HF GPTJForCausalLM names (q, k, v and out_proj without biases; an
+    LM head with one)."""
+    g = torch.Generator().manual_seed(seed)
+    C, V = c["n_embd"], c["vocab_size"]
+    I = c.get("n_inner") or 4 * C
+    shapes = {"transformer.wte.weight": (V, C), "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,),
+              "lm_head.weight": (V, C), "lm_head.bias": (V,)}
+    layer = {"ln_1.weight": (C,), "ln_1.bias": (C,), "attn.q_proj.weight": (C, C), "attn.k_proj.weight": (C, C),
+             "attn.v_proj.weight": (C, C), "attn.out_proj.weight": (C, C), "mlp.fc_in.weight": (I, C),
+             "mlp.fc_in.bias": (I,), "mlp.fc_out.weight": (C, I), "mlp.fc_out.bias": (C,)}
+    shapes |= {f"transformer.h.{i}.{name}": shape for i in range(c["n_layer"]) for name, shape in layer.items()}
+    return {n: (1 + 0.1 * torch.randn(s, generator=g)) if "ln_" in n and n.endswith("weight")
+            else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
 def opt_tensors(c, seed=0):
     """Random weights under HF OPTForCausalLM names (q, k and v apart; the positions' table 2
     rows longer than max_position_embeddings, as fairseq kept them)."""
@@ -555,6 +571,14 @@ GPT_NEOX_VARIANTS = {
             "num_key_value_heads": 2, "intermediate_size": 96, "max_position_embeddings": 128, "layer_norm_eps": 1e-5,
             "hidden_act": "gelu_new", "partial_rotary_factor": 0.4, "rope_theta": 10000.0, "qk_layernorm": False,
             "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0},
+    # GPT-J (EleutherAI's GPT-J-6B) on the same module: Phi's layer without attention biases,
+    # its GPT-2 names; RoPE on neighbouring pairs of each head's first rotary_dim (GPT-J-6B's
+    # quarter: 4 of 16 here); then on whole heads, the exact GELU, an MLP of n_inner
+    "gptj": {"model_type": "gptj", "vocab_size": 101, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
+             "rotary_dim": 4, "bos_token_id": 0, "eos_token_id": 0},
+    "gptj_whole": {"model_type": "gptj", "vocab_size": 101, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
+                   "rotary_dim": 16, "n_inner": 96, "activation_function": "gelu", "bos_token_id": 0,
+                   "eos_token_id": 0},
 }
 # OPT, against transformers too, in the same file
 OPT = {"model_type": "opt", "vocab_size": 101, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -578,7 +602,7 @@ FAMILY_VARIANTS = LLAMA_FAMILY_VARIANTS | GPT_NEOX_VARIANTS | OPT_VARIANTS
 
 
 def variant_tensors(c, seed=0):
-    return {"gpt_neox": gpt_neox_tensors, "phi": phi_tensors, "opt": opt_tensors}.get(
+    return {"gpt_neox": gpt_neox_tensors, "phi": phi_tensors, "opt": opt_tensors, "gptj": gptj_tensors}.get(
         c["model_type"], llama_tensors)(c, seed)
 
 
@@ -683,6 +707,30 @@ def test_phi_config_details():
                             ({"hidden_act": "tanh"}, "hidden_act 'tanh' is not supported")]:
         with pytest.raises(ModelError, match=message):
             ModelConfig.from_dict(phi | change)
+
+
+def test_gptj_config_details():
+    """A GPT-J config as GPTJConfig reads its GPT-2 names: its defaults where keys are left
+    out (RoPE on 64 dimensions of each head, the tanh GELU, eps 1e-5, an MLP 4 x n_embd wide,
+    an untied head, GPT-2's <|endoftext|> for BOS and EOS where the vocabulary holds it); a
+    tied head and bad sizes refused by name. Catches: a default not transformers'; a tied head
+    run without its bias."""
+    sizes = {"model_type": "gptj", "vocab_size": 50400, "n_embd": 1024, "n_layer": 2, "n_head": 4, "n_positions": 2048}
+    c = ModelConfig.from_dict(sizes)
+    assert (c.rotary_dim, c.hidden_act, c.norm_eps, c.intermediate_size, c.tie_word_embeddings, c.bos_token_id,
+            c.eos_token_id, c.shared_norm, c.lm_head_bias, c.qkv_bias, c.o_bias, c.rope_theta) == (
+        64, "gelu_new", 1e-5, 4096, False, 50256, [50256], True, True, False, False, 10000.0)
+    assert ModelConfig.from_dict(sizes | {"vocab_size": 101}).bos_token_id is None   # (no such token)
+    # (30 of 44: 30 / 44 * 44 is 29.999..., which a factor of rotary / D would round down to 29)
+    assert [ModelConfig.from_dict(sizes | {"n_embd": 88, "n_head": 2, "rotary_dim": r}).rotary_dim
+            for r in (2, 30, 44)] == [2, 30, 44]
+    for change, message in [({"tie_word_embeddings": True}, "tie_word_embeddings = true is not supported for gptj"),
+                            ({"n_embd": 1023}, "n_embd 1023 is not a multiple of n_head 4"),
+                            ({"rotary_dim": 63}, "rotary_dim 63 is not an even number of at most a head's 256"),
+                            ({"rotary_dim": 258}, "rotary_dim 258 is not an even number of at most a head's 256"),
+                            ({"activation_function": "tanh"}, "activation_function 'tanh' is not supported")]:
+        with pytest.raises(ModelError, match=message):
+            ModelConfig.from_dict(sizes | change)
 
 
 def test_opt_config_and_checkpoint_details(tmp_path, capsys):
@@ -837,7 +885,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe", "qwen3_moe_window",
                      "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential", "gpt_neox_gelu_new", "phi",
-                     "opt", "opt_350m")
+                     "opt", "opt_350m", "gptj")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -1024,14 +1072,14 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
                                              ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None),
                                              ("stablelm", None), ("gpt_neox", None), ("gpt_neox_sequential", None),
-                                             ("phi", None), ("opt", None), ("opt_350m", None)])
+                                             ("phi", None), ("opt", None), ("opt_350m", None), ("gptj", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
     windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after), OLMo 3
     (three windowed layers in four, YaRN on the fourth alone), Granite (its multipliers) and
     mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE), StableLM (LayerNorms), GPT-NeoX
-    (parallel residual or not), Phi and OPT (LayerNorms before or after) through the paged engine:
+    (parallel residual or not), Phi, GPT-J and OPT (LayerNorms before or after) through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
     SmolLM3, Gemma), and do not shorten the context."""
@@ -1914,7 +1962,8 @@ def test_bad_config(tmp_path):
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
-                                            r"gpt2, gpt_neox, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, "
+                                            r"gpt2, gpt_neox, gptj, granite, llama, ministral, mistral, mixtral, "
+                                            r"olmo2, olmo3, "
                                             r"olmoe, opt, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
