@@ -728,6 +728,7 @@ def test_gptj_config_details():
                             ({"n_embd": 1023}, "n_embd 1023 is not a multiple of n_head 4"),
                             ({"rotary_dim": 63}, "rotary_dim 63 is not an even number of at most a head's 256"),
                             ({"rotary_dim": 258}, "rotary_dim 258 is not an even number of at most a head's 256"),
+                            ({"rotary_dim": None}, "rotary_dim null is not supported for gptj"),
                             ({"activation_function": "tanh"}, "activation_function 'tanh' is not supported")]:
         with pytest.raises(ModelError, match=message):
             ModelConfig.from_dict(sizes | change)
