@@ -637,7 +637,7 @@ def _gptj_fields(d: dict) -> dict:
     if hidden % heads:
         raise ModelError(f"n_embd {hidden} is not a multiple of n_head {heads}")
     head_dim = hidden // heads
-    if d["rotary_dim"] is None:   # (which older transformers read as the whole hidden size, not a head)
+    if d["rotary_dim"] is None:   # (transformers' GPT-J code would turn as many as the hidden size, not a head)
         raise ModelError("rotary_dim null is not supported for gptj (transformers 5 refuses it too)")
     rotary = _positive(d, "rotary_dim")
     if rotary % 2 or rotary > head_dim:
