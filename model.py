@@ -3140,6 +3140,7 @@ class GPTJ(Phi):
         state = {}
         for i in range(config.num_hidden_layers):
             p = f"transformer.h.{i}.attn."
+            # (H, D, C) -> each head's rows reordered -> (H * D, C)
             q, k = (hf.pop(f"{p}{n}_proj.weight").view(H, D, -1)[:, order].reshape(H * D, -1) for n in "qk")
             state[f"layers.{i}.attention.qkv_proj.weight"] = torch.cat([q, k, hf.pop(p + "v_proj.weight")])   # (3C, C)
         return state | {module_name(cls, name): hf.pop(name) for name in list(hf)}
