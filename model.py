@@ -3324,6 +3324,8 @@ class PickledCheckpoint:
 
     def get_tensor(self, name: str) -> torch.Tensor:
         return self.tensors[name]
+
+
 UNUSED_BUFFERS = (r"\.rotary_emb\.inv_freq$|(^|\.)(attn|attention)\.(masked_)?bias$"   # (GPT-2's and GPT-NeoX's masks)
                   r"|^(language_model\.)?(lm_head|embed_out)\.weight$")   # (a tied head's copy: see _untie_if_distinct)
 # and, of a Gemma 3 with a vision tower, the tower: nanopaged runs the text model alone
