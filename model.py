@@ -3510,7 +3510,7 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------
 # GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, Granite and OLMo 2
-# GGUF files
+# GGUF files, and the mixtures of experts Mixtral, Qwen 3 MoE and OLMoE
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
 # first load converts it once into an ordinary HF-layout directory in the cache: config.json,
@@ -3531,12 +3531,20 @@ HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}   # (Phi-3's fused ones)
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",   # (Phi-3's fused ones)
+              "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp"}   # (a mixture's router)
+# A mixture's experts: llama.cpp stacks each layer's E gate (up, down) weights into one tensor,
+# (E, I, C) (down: (E, C, I)); HF keeps one an expert, Mixtral's named w1, w3 and w2. (Mixtral
+# GGUFs converted before April 2024 hold one an expert too, blk.N.ffn_gate.E.weight..., which
+# llama.cpp has since stopped reading.)
+GGUF_EXPERT_NAMES = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
+                     "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
 # Gemma's four norms a layer (OLMo 2's two after): HF's post_attention_layernorm normalizes the
 # attention's output, and llama.cpp's ffn_norm is the MLP's input norm, HF's pre_feedforward_layernorm
 GGUF_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"}
-# GGUF's architectures: config.json's architectures entry for each. llama.cpp rotates
+# GGUF's architectures: config.json's architectures entry for each (a llama with experts: a
+# Mixtral, "MixtralForCausalLM"), and its model_type where that is another name. llama.cpp rotates
 # Llama's RoPE pairs as neighbours, so its converter permuted Llama's Q and K rows (see
 # _unpermute), and SmolLM3's and Granite's, which it converts as a Llama's; Qwen's, Phi-3's,
 # Gemma's and OLMo 2's it rotates as HF does ("NEOX"), and stores them as they are. (A
@@ -3544,7 +3552,10 @@ GGUF_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_
 # SmolLM3Config's default does.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                      "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                      "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+GGUF_MOE_ARCHITECTURES = ("llama", "qwen3moe", "olmoe")
 GGUF_PERMUTED = ("llama", "smollm3", "granite")
 # Granite's multipliers: the GGUF key each is read from (after "granite."; llama.cpp's
 # converter writes only those config.json sets to a nonzero number, leaving out one absent,
@@ -3561,6 +3572,10 @@ GGUF_CONFIG_KEYS = {"hidden_size": ("embedding_length", True), "intermediate_siz
                     "num_key_value_heads": ("attention.head_count_kv", False),
                     "head_dim": ("attention.key_length", False), "max_position_embeddings": ("context_length", True),
                     "rms_norm_eps": ("attention.layer_norm_rms_epsilon", True), "rope_theta": ("rope.freq_base", False)}
+# a mixture of experts' (all required): the expert count under either of its names (EXPERT_COUNT), the
+# experts a token is given, and Qwen 3 MoE's expert width
+GGUF_MOE_KEYS = {"num_local_experts": "expert_count", "num_experts": "expert_count",
+                 "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length"}
 
 
 @contextlib.contextmanager
@@ -3570,7 +3585,8 @@ def _gguf_keys_named(meta: dict, arch: str):
     try:
         yield
     except ModelError as e:
-        read = [f"{key} from {arch}.{name}" for key, (name, _) in GGUF_CONFIG_KEYS.items()
+        names = {key: name for key, (name, _) in GGUF_CONFIG_KEYS.items()} | GGUF_MOE_KEYS
+        read = [f"{key} from {arch}.{name}" for key, name in names.items()
                 if f"{arch}.{name}" in meta and re.search(rf"\b{key}\b", str(e))]
         raise ModelError(f"{e}" + (f" ({', '.join(read)})" if read else "")) from None
 
@@ -3761,13 +3777,19 @@ def _check_dequantizable(gguf_path: Path, t) -> None:
                          f"which the gguf package cannot dequantize") from None
 
 
-def _gguf_name(hf_name: str, post_norms: bool = False) -> str:
-    """A Llama tensor's GGUF name: model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight.
+def _gguf_name(hf_name: str, post_norms: bool = False, split_experts: bool = False) -> str:
+    """A Llama tensor's GGUF name: model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight;
+    an expert's, the stack it is a slice of: model.layers.3.mlp.experts.5.up_proj.weight ->
+    blk.3.ffn_up_exps.weight (split_experts: an early Mixtral GGUF's blk.3.ffn_up.5.weight).
     post_norms: Gemma's and OLMo 2's norms (ModelConfig.post_norms), which llama.cpp names
     after where they sit."""
     names = HF_TO_GGUF | GGUF_POST_NORM_NAMES if post_norms else HF_TO_GGUF
     base, kind = hf_name.rsplit(".", 1)
     layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
+    if layer and (expert := re.fullmatch(r"\w+\.experts\.(\d+)\.(\w+)", layer[2])):
+        stack = GGUF_EXPERT_NAMES[expert[2]]
+        return f"blk.{layer[1]}.{stack.removesuffix('_exps')}.{expert[1]}.{kind}" if split_experts else (
+            f"blk.{layer[1]}.{stack}.{kind}")
     return (f"blk.{layer[1]}.{names[layer[2]]}" if layer else names[base]) + "." + kind
 
 
@@ -3904,9 +3926,9 @@ def _read_gguf(gguf_path: Path):
         raise ModelError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
     # (Mixtral's GGUF says architecture llama: its experts' count is what tells it apart)
-    if experts := meta.get(f"{arch}.expert_count"):
-        raise ModelError(f"{gguf_path}: a mixture-of-experts model ({arch}.expert_count {experts!r}) is not "
-                         f"supported")
+    if (experts := meta.get(f"{arch}.expert_count")) and arch not in GGUF_MOE_ARCHITECTURES:
+        raise ModelError(f"{gguf_path}: a mixture-of-experts {arch} ({arch}.expert_count {experts!r}) is not "
+                         f"supported (supported: {', '.join(GGUF_MOE_ARCHITECTURES)})")
     tokenizer_model, pre = _gguf_need(gguf_path, meta, "tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
     if tokenizer_model not in ("gpt2", "llama"):
         raise ModelError(f"{gguf_path}: tokenizer {tokenizer_model!r} is not supported (supported: gpt2, "
@@ -3929,9 +3951,11 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
     tokens = _gguf_need(gguf_path, meta, "tokenizer.ggml.tokens")
     tensors = {t.name: t for t in reader.tensors}
     gemma = arch in ("gemma2", "gemma3")
+    mixtral = arch == "llama" and bool(meta.get("llama.expert_count"))
+    model_type = "mixtral" if mixtral else GGUF_MODEL_TYPES.get(arch, arch)
     # A GGUF writes no flag for tied embeddings (nor for biases): a missing tensor says it.
     config = {
-        "architectures": [GGUF_ARCHITECTURES[arch]], "model_type": "gemma3_text" if arch == "gemma3" else arch,
+        "architectures": ["MixtralForCausalLM" if mixtral else GGUF_ARCHITECTURES[arch]], "model_type": model_type,
         "vocab_size": len(tokens),
         # (llama.cpp writes 0 for Phi-4, which has no window)
         "sliding_window": meta.get(f"{arch}.attention.sliding_window") or None if arch == "phi3" else None,
@@ -3943,6 +3967,13 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
     for key, (name, required) in GGUF_CONFIG_KEYS.items():
         config[key] = _gguf_need(gguf_path, meta, f"{arch}.{name}") if required else meta.get(f"{arch}.{name}")
+    if model_type in MOES:
+        moe_keys = (EXPERT_COUNT[model_type][0], "num_experts_per_tok") + ("moe_intermediate_size",) * (
+            model_type == "qwen3_moe")
+        config |= {key: _gguf_need(gguf_path, meta, f"{arch}.{GGUF_MOE_KEYS[key]}") for key in moe_keys}
+        # (llama.cpp renormalizes the top-k weights of a Mixtral and a Qwen 3 MoE, whatever the
+        # original config said, and never an OLMoE's)
+        config["norm_topk_prob"] = model_type != "olmoe"
     if gemma:   # (its window and the layers it covers: _gguf_gemma, below; the family's default till then)
         del config["sliding_window"]
     else:
@@ -4056,27 +4087,35 @@ def _gguf_tokenizer(gguf_path: Path, meta: dict, config: dict) -> tuple[dict, di
 
 
 def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: str) -> dict[str, torch.Tensor]:
-    """The weights under HF's names, dequantized to float32 (in HF's RoPE layout, and Gemma's
-    norms as HF keeps them); every tensor's name and shape checked first, then `notice`."""
+    """The weights under HF's names, dequantized to float32 (in HF's RoPE layout, Gemma's
+    norms as HF keeps them, a mixture's experts one by one); every tensor's name and shape
+    checked first, then `notice`."""
     import gguf
     gemma = arch in ("gemma2", "gemma3")
     tensors = {t.name: t for t in reader.tensors}
     # Every tensor's name and shape checked before the slow part, dequantizing (to float32).
-    check_size(gguf_path, c, Llama, torch.float32, "cpu", stored_count=len(reader.tensors))
+    # (A stack of experts counts as the E tensors a HF checkpoint holds for it.)
+    check_size(gguf_path, c, Llama, torch.float32, "cpu",
+               stored_count=sum(c.num_experts if "_exps." in t.name else 1 for t in reader.tensors))
     shapes = Llama.checkpoint_shapes(c)
-    hf_name = {_gguf_name(name, post_norms=c.post_norms): name for name in shapes}
+    held = {}   # each GGUF tensor's HF tensors: one, or a stack's E experts, in their order
+    split_experts = "blk.0.ffn_down.0.weight" in tensors   # (an early Mixtral GGUF's)
+    for name in shapes:
+        held.setdefault(_gguf_name(name, post_norms=c.post_norms, split_experts=split_experts), []).append(name)
+    expected = {gname: (len(names), *shapes[names[0]]) if "_exps." in gname else shapes[names[0]]
+                for gname, names in held.items()}   # ((E, I, C) for a stack)
     for t in reader.tensors:
         if t.name in GGUF_ROPE_TENSORS:   # (read by _gguf_rope: config.json's numbers)
             continue
-        if t.name not in hf_name:
+        if t.name not in held:
             raise ModelError(f"{gguf_path}: unexpected tensor {t.name!r} (not in a {arch} of "
                              f"this config)")
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
-        if shape != shapes[hf_name[t.name]]:
+        if shape != expected[t.name]:
             raise ModelError(f"{gguf_path}: tensor {t.name!r} has shape {shape}, expected "
-                             f"{shapes[hf_name[t.name]]}")
+                             f"{expected[t.name]}")
         _check_dequantizable(gguf_path, t)
-    missing = [name for name in hf_name if name not in tensors]
+    missing = [gname for gname in held if gname not in tensors]
     if missing:
         raise ModelError(f"{gguf_path}: tensor {missing[0]!r} is missing")
     print(notice, file=sys.stderr)
@@ -4084,9 +4123,12 @@ def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: st
     for t in reader.tensors:
         if t.name in GGUF_ROPE_TENSORS:
             continue
-        name = hf_name[t.name]
-        w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name]),
+        w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(expected[t.name]),
                          dtype=torch.float32)
+        if "_exps." in t.name:   # (each expert a copy of its own: safetensors refuses tensors sharing memory)
+            weights |= {name: expert.clone() for name, expert in zip(held[t.name], w)}   # (I, C) or (C, I) each
+            continue
+        name, = held[t.name]
         if arch in GGUF_PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         if gemma and name.endswith("norm.weight"):

@@ -3490,7 +3490,8 @@ def llama2_gguf_vocab():
 
 def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extra=(), token_types=None,
                dtypes=None, pre="smollm", add_bos=None, pad=0, meta=(), block_count=None, merges=(),
-               sentencepiece=False, arch="llama", weights=None, window=None, alignment=None):
+               sentencepiece=False, arch="llama", weights=None, window=None, alignment=None, experts=0, experts_used=2,
+               split_experts=False):
     """A tiny Llama GGUF: the 256 byte tokens (and `pad` padding ones after them, as llama.cpp
     writes an embedding matrix longer than the vocab), random float32 weights (tied
     embeddings), less the tensors named in `skip`, plus (or replaced by) those in `extra`;
@@ -3501,7 +3502,10 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     sentencepiece: the SentencePiece tokenizer of testdata/llama2_tokenizer instead, with its
     scores and no merges, as llama.cpp writes a Llama 2. arch: another architecture's keys;
     weights: these HF-named tensors instead of random ones (and `extra`'s); window: a sliding window;
-    alignment: the tensor data's, written as general.alignment (else the default 32, unwritten)."""
+    alignment: the tensor data's, written as general.alignment (else the default 32, unwritten);
+    experts: a mixture of that many experts (`experts_used` a token; None: no such key) in place of
+    each layer's MLP, its router and experts' stacks as llama.cpp writes them (split_experts: the
+    same weights one tensor an expert, as its converter wrote a Mixtral before April 2024)."""
     import gguf
     vocab, _ = byte_vocab()
     writer = gguf.GGUFWriter(path, arch)
@@ -3516,6 +3520,10 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     writer.add_head_count(H)
     writer.add_head_count_kv(KVH)
     writer.add_layer_norm_rms_eps(1e-5)
+    if experts:
+        writer.add_expert_count(experts)
+        if experts_used is not None:
+            writer.add_expert_used_count(experts_used)
     if sentencepiece:
         tokens, types, scores = llama2_gguf_vocab()
         writer.add_tokenizer_model("llama")
@@ -3546,13 +3554,18 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
         shapes |= {f"blk.{i}.attn_norm.weight": (C,), f"blk.{i}.ffn_norm.weight": (C,),
                    f"blk.{i}.attn_q.weight": (H * D, C), f"blk.{i}.attn_k.weight": (KVH * D, C),
                    f"blk.{i}.attn_v.weight": (KVH * D, C),
-                   f"blk.{i}.attn_output.weight": (C, H * D), f"blk.{i}.ffn_gate.weight": (I, C),
-                   f"blk.{i}.ffn_up.weight": (I, C), f"blk.{i}.ffn_down.weight": (C, I)}
+                   f"blk.{i}.attn_output.weight": (C, H * D)}
+        shapes |= {f"blk.{i}.ffn_gate_inp.weight": (experts, C), f"blk.{i}.ffn_gate_exps.weight": (experts, I, C),
+                   f"blk.{i}.ffn_up_exps.weight": (experts, I, C), f"blk.{i}.ffn_down_exps.weight": (experts, C, I)
+                   } if experts else {f"blk.{i}.ffn_gate.weight": (I, C), f"blk.{i}.ffn_up.weight": (I, C),
+                                      f"blk.{i}.ffn_down.weight": (C, I)}
     shapes = {name: shape for name, shape in shapes.items() if name not in skip} | dict(extra)
     rng = np.random.default_rng(0)
     for name, shape in shapes.items() if weights is None else extra:
         array = shape if isinstance(shape, np.ndarray) else 0.02 * rng.standard_normal(shape)
-        writer.add_tensor(name, array.astype((dtypes or {}).get(name, np.float32)))
+        for name, array in ([(name.replace("_exps.", f".{e}."), part) for e, part in enumerate(array)]
+                            if split_experts and "_exps." in name else [(name, array)]):
+            writer.add_tensor(name, array.astype((dtypes or {}).get(name, np.float32)))
     for name, tensor in (weights or {}).items():
         writer.add_tensor(model_module._gguf_name(name), tensor.numpy())
     writer.write_header_to_file()
@@ -3562,26 +3575,36 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2", "mixtral", "qwen3moe", "olmoe"])
 def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     """GGUFs that llama.cpp's own converter wrote from tiny models: the weights (Qwen 2's q/k/v
     biases, its Q and K rows as HF's, its tied embeddings; Qwen 3's q/k norms and head_dim;
     Granite's Q and K rows permuted as a Llama's and its four multipliers, read back from
     granite.*_scale; OLMo 2's norms after attention and MLP, named as Gemma's, and its q/k norms
-    across all heads) give the logits transformers computed before the conversion, to
-    float16's rounding; the tokenizer (NFC, Qwen 2's regex, added tokens) encodes as Hugging
-    Face's does."""
+    across all heads; the mixtures' experts, stacked by the converter, each its own again, and
+    their routers: a Mixtral's, a llama with experts, its Q and K rows permuted; a Qwen 3 MoE's
+    narrower experts; an OLMoE's top-2 weights left unnormalized) give the logits transformers
+    computed before the conversion, to float16's rounding (the mixtures' weights were rounded to
+    float16 before theirs were computed: closer still); the tokenizer (NFC, Qwen 2's regex, added
+    tokens) encodes as Hugging Face's does."""
     path = TESTDATA / f"{name}-f16.gguf"
     model = load_model(path)
     c = model.config
     assert (c.model_type, c.qkv_bias, c.qk_norm, c.tie_word_embeddings, c.head_dim, c.post_norms) == {
         "qwen2": ("qwen2", True, None, True, 8, False), "qwen3": ("qwen3", False, "head", False, 16, False),
-        "granite": ("granite", False, None, True, 8, False), "olmo2": ("olmo2", False, "all", False, 8, True)}[name]
+        "granite": ("granite", False, None, True, 8, False), "olmo2": ("olmo2", False, "all", False, 8, True),
+        "mixtral": ("mixtral", False, None, False, 8, False), "qwen3moe": ("qwen3_moe", False, "head", True, 8, False),
+        "olmoe": ("olmoe", False, "all", False, 8, False)}[name]
     assert (c.embedding_multiplier, c.residual_multiplier, c.attn_scale, c.logits_scaling) == (
         (12.0, 0.22, 0.3, 4.0) if name == "granite" else (1.0, 1.0, c.head_dim ** -0.5, 1.0))
+    assert (c.num_experts, c.num_experts_per_tok, c.intermediate_size, c.norm_topk_prob) == {
+        "mixtral": (4, 2, 64, True), "qwen3moe": (4, 2, 24, True), "olmoe": (4, 2, 64, False)}.get(
+        name, (0, 0, 64, False))
     logits = forward_all(model, IDS)
+    # (OLMoE's differ by 4e-4: llama.cpp's converter writes its norms' epsilon as 1e-5, the model's is 1e-6)
+    atol = 1e-3 if c.num_experts else 2e-2
     for t, row in json.loads((TESTDATA / "llama_cpp_gguf_logits.json").read_text())[name].items():
-        torch.testing.assert_close(logits[int(t)], torch.tensor(row), rtol=0, atol=2e-2)
+        torch.testing.assert_close(logits[int(t)], torch.tensor(row), rtol=0, atol=atol)
     tok = load_tokenizer(path)
     # (the tiny vocab has no token of two digits: Llama 3's digit groups would encode it alike)
     assert tok.encoding._pat_str == load_tokenizer(TESTDATA / "qwen2_tokenizer").encoding._pat_str
@@ -3873,8 +3896,17 @@ def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, al
      "part 1 of a 2-file split GGUF \\(split.count 2\\): merge the parts into one file with llama.cpp's "
      "`llama-gguf-split --merge FIRST_PART.gguf MERGED.gguf`"),
     ({"meta": [("split.count", "2")]}, "GGUF metadata 'split.count' is '2', not a number of files"),
-    ({"meta": [("llama.expert_count", 4), ("llama.expert_used_count", 2)], "extra": [("blk.0.ffn_gate_inp.weight", (4, 16))]},
-     r"a mixture-of-experts model \(llama.expert_count 4\) is not supported"),
+    # a mixture of experts: Mixtral's (a llama with experts), Qwen 3 MoE's and OLMoE's, no other
+    ({"arch": "qwen2", "experts": 4}, r"a mixture-of-experts qwen2 \(qwen2.expert_count 4\) is not supported "
+                                      r"\(supported: llama, qwen3moe, olmoe\)"),
+    ({"experts": 4, "experts_used": None}, "GGUF metadata has no 'llama.expert_used_count'"),
+    ({"experts": 4, "experts_used": 5}, r"num_experts_per_tok 5 exceeds the 4 experts \(num_experts_per_tok from "
+                                        r"llama.expert_used_count\)$"),
+    ({"arch": "qwen3moe", "experts": 4}, "GGUF metadata has no 'qwen3moe.expert_feed_forward_length'"),
+    ({"arch": "olmoe"}, "GGUF metadata has no 'olmoe.expert_count'"),
+    ({"experts": 4, "extra": [("blk.0.ffn_down_exps.weight", (4, 32, 16))]},
+     r"tensor 'blk.0.ffn_down_exps.weight' has shape \(4, 32, 16\), expected \(4, 16, 32\)"),
+    ({"experts": 4, "skip": ["blk.0.ffn_up_exps.weight"]}, "tensor 'blk.0.ffn_up_exps.weight' is missing"),
     # llama.cpp converts OLMo 3 as an OLMo 2 with a window (and a pattern of windowed layers)
     ({"arch": "olmo2", "window": 4}, r"an OLMo 3 GGUF \(olmo2.attention.sliding_window\) is not supported"),
     ({"arch": "gemma2", "window": 0}, "gemma2.attention.sliding_window is 0, but a Gemma 2 windows every other layer"),
@@ -3982,12 +4014,20 @@ def test_gguf_conversion_details(tmp_path, own_cache, capsys, monkeypatch):
 
 
 def test_a_whole_dense_gguf_loads_whatever_its_split_and_expert_counts_say(tmp_path, own_cache):
-    """The refusals of split and mixture-of-experts GGUFs look at the counts, not the keys:
-    llama-gguf-split --merge writes split.count 0, a lone file may say 1, and dense models'
-    converters often write expert_count 0."""
+    """The refusals of split GGUFs and the reading of mixtures of experts look at the counts, not
+    the keys: llama-gguf-split --merge writes split.count 0, a lone file may say 1, and dense
+    models' converters often write expert_count 0 (a llama: no Mixtral). And a Mixtral's
+    stacks of experts count as the tensors a HF checkpoint holds for them (its layers' tensors,
+    counted before they are read: 3 stacks a layer for a checkpoint's 3 x 4)."""
     for meta in ([("split.count", 0)], [("split.count", 1), ("split.no", 0)], [("llama.expert_count", 0)]):
         path = write_gguf(tmp_path / f"{meta[0][0]}{meta[0][1]}.gguf", meta=meta)
-        assert load_model(path).config.num_hidden_layers == 1
+        assert load_model(path).config.num_hidden_layers == 1 and not load_model(path).config.num_experts
+    mixtral = load_model(write_gguf(tmp_path / "mixtral.gguf", L=3, experts=4))
+    c = mixtral.config
+    assert (c.model_type, c.num_hidden_layers, c.num_experts, c.num_experts_per_tok) == ("mixtral", 3, 4, 2)
+    # an early Mixtral GGUF (blk.N.ffn_gate.E.weight...): the same model
+    split = load_model(write_gguf(tmp_path / "split.gguf", L=3, experts=4, split_experts=True))
+    assert torch.equal(forward_all(split, IDS), forward_all(mixtral, IDS))
 
 
 def test_a_gguf_whose_tokenizer_cannot_be_used_is_named_and_not_cached(tmp_path, own_cache):

@@ -1,8 +1,10 @@
 """Writes <name>-f16.gguf and the name's entry in llama_cpp_gguf_logits.json for tiny random
 models: Qwen 2 (its q/k/v biases and tied embeddings), Qwen 3 (its q/k norms and a head_dim
 of its own), Granite (its four multipliers; Q and K rows permuted by the converter, as a
-Llama's) and OLMo 2 (its norms after attention and the MLP, its q/k norms across all
-heads), converted to GGUF by llama.cpp's own convert_hf_to_gguf.py, and the logits Hugging
+Llama's), OLMo 2 (its norms after attention and the MLP, its q/k norms across all
+heads) and three mixtures of 4 experts, 2 a token (Mixtral, written as a Llama with experts;
+Qwen 3 MoE, its experts narrower than intermediate_size; OLMoE, its top-2 weights not
+renormalized), converted to GGUF by llama.cpp's own convert_hf_to_gguf.py, and the logits Hugging
 Face transformers computes for token ids IDS before the conversion (at three positions). The
 tests convert the GGUFs back and compare. transformers and llama.cpp are needed only to
 remake them:
@@ -13,7 +15,8 @@ remake them:
 llama.cpp identifies a tokenizer's pre-tokenizer by hashing its output on a test text; the
 tiny tokenizer (qwen2_tokenizer/) is unknown to it, so make its get_vocab_base_pre return
 "qwen2" where it would raise NotImplementedError. Qwen's made with llama.cpp 0c1e570
-(2026-10-01); Granite's and OLMo 2's with the llama.cpp of llama-cpp-python 0.3.36's sdist.
+(2026-10-01); Granite's, OLMo 2's and the mixtures' with the llama.cpp of llama-cpp-python
+0.3.36's sdist (pip download llama-cpp-python==0.3.36 --no-binary :all: --no-deps).
 """
 import json
 import shutil
@@ -34,7 +37,13 @@ MODELS = {"qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
           "granite": (transformers.GraniteConfig, dict(tie_word_embeddings=True, embedding_multiplier=12.0,
                                                        residual_multiplier=0.22, attention_multiplier=0.3,
                                                        logits_scaling=4.0)),
-          "olmo2": (transformers.Olmo2Config, dict(tie_word_embeddings=False))}
+          "olmo2": (transformers.Olmo2Config, dict(tie_word_embeddings=False)),
+          "mixtral": (transformers.MixtralConfig, dict(tie_word_embeddings=False, num_local_experts=4,
+                                                       num_experts_per_tok=2)),
+          "qwen3moe": (transformers.Qwen3MoeConfig, dict(tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=24, norm_topk_prob=True)),
+          "olmoe": (transformers.OlmoeConfig, dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2))}
+MOES = ("mixtral", "qwen3moe", "olmoe")
 
 llama_cpp, names = Path(sys.argv[1]), sys.argv[2:] or list(MODELS)
 logits_file = HERE / "llama_cpp_gguf_logits.json"
@@ -51,6 +60,8 @@ for seed, (name, (config_class, extra)) in enumerate(MODELS.items()):
         for n, p in model.named_parameters():
             p.copy_((1 + 0.1 * torch.randn(p.shape, generator=g)) if "norm" in n
                     else 0.2 * torch.randn(p.shape, generator=g))
+            if name in MOES:   # as float16 holds them: a router's choice of experts, rounded, could flip
+                p.copy_(p.half().float())
         logits = model(torch.tensor([IDS])).logits[0]   # (T, V)
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
