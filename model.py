@@ -3509,7 +3509,7 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------
-# GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, Granite and OLMo 2
+# GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, Granite and OLMo 2/3
 # GGUF files, and the mixtures of experts Mixtral, Qwen 3 MoE and OLMoE
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
@@ -3543,8 +3543,8 @@ GGUF_EXPERT_NAMES = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": 
 # attention's output, and llama.cpp's ffn_norm is the MLP's input norm, HF's pre_feedforward_layernorm
 GGUF_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"}
-# GGUF's architectures: config.json's architectures entry for each (a llama with experts: a
-# Mixtral, "MixtralForCausalLM"), and its model_type where that is another name. llama.cpp rotates
+# GGUF's architectures: config.json's architectures entry for each, and its model_type where that
+# is another name (two more llama.cpp writes under another's name: _gguf_config). llama.cpp rotates
 # Llama's RoPE pairs as neighbours, so its converter permuted Llama's Q and K rows (see
 # _unpermute), and SmolLM3's and Granite's, which it converts as a Llama's; Qwen's, Phi-3's,
 # Gemma's and OLMo 2's it rotates as HF does ("NEOX"), and stores them as they are. (A
@@ -3576,6 +3576,7 @@ GGUF_CONFIG_KEYS = {"hidden_size": ("embedding_length", True), "intermediate_siz
 # experts a token is given, and Qwen 3 MoE's expert width
 GGUF_MOE_KEYS = {"num_local_experts": "expert_count", "num_experts": "expert_count",
                  "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length"}
+GGUF_WINDOW_KEYS = {"sliding_window": "attention.sliding_window", "layer_types": "attention.sliding_window_pattern"}
 
 
 @contextlib.contextmanager
@@ -3585,7 +3586,7 @@ def _gguf_keys_named(meta: dict, arch: str):
     try:
         yield
     except ModelError as e:
-        names = {key: name for key, (name, _) in GGUF_CONFIG_KEYS.items()} | GGUF_MOE_KEYS
+        names = {key: name for key, (name, _) in GGUF_CONFIG_KEYS.items()} | GGUF_MOE_KEYS | GGUF_WINDOW_KEYS
         read = [f"{key} from {arch}.{name}" for key, name in names.items()
                 if f"{arch}.{name}" in meta and re.search(rf"\b{key}\b", str(e))]
         raise ModelError(f"{e}" + (f" ({', '.join(read)})" if read else "")) from None
@@ -3816,6 +3817,25 @@ def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -
     return keys
 
 
+def _gguf_olmo3(gguf_path: Path, meta: dict) -> dict:
+    """config.json's OLMo 3 keys, as llama.cpp runs the OLMo 2 GGUF with a window that its
+    converter writes of one: the window; the windowed layers, a flag a layer
+    (sliding_window_pattern; by default, all but every 4th, as OLMo 3's own default); their RoPE
+    base, rope.freq_base_swa (by default, the full layers'; never scaled: _two_ropes). (A file
+    without rope.freq_base turns by llama.cpp's default base, 10,000, not OLMo 3's 500,000.)"""
+    keys = {"sliding_window": meta["olmo2.attention.sliding_window"],
+            "rope_theta": meta.get("olmo2.rope.freq_base", 10_000.0)}
+    pattern = meta.get("olmo2.attention.sliding_window_pattern", 4)
+    if isinstance(pattern, list) and all(isinstance(flag, bool) for flag in pattern):
+        keys["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    elif pattern != 4:
+        raise ModelError(f"{gguf_path}: olmo2.attention.sliding_window_pattern is {reprlib.repr(pattern)}, expected "
+                         f"a flag a layer, as llama.cpp's converter writes it (or 4, OLMo 3's default)")
+    if (base := meta.get("olmo2.rope.freq_base_swa")) is not None:
+        keys["rope_parameters"] = {"sliding_attention": {"rope_theta": _f32(base) if isinstance(base, float) else base}}
+    return keys
+
+
 def _write_hf_dir(gguf_path: Path, out: Path, notice: str) -> None:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json; print
     `notice` once the file has passed its checks, before the slow part (dequantizing)."""
@@ -3951,11 +3971,16 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
     tokens = _gguf_need(gguf_path, meta, "tokenizer.ggml.tokens")
     tensors = {t.name: t for t in reader.tensors}
     gemma = arch in ("gemma2", "gemma3")
-    mixtral = arch == "llama" and bool(meta.get("llama.expert_count"))
-    model_type = "mixtral" if mixtral else GGUF_MODEL_TYPES.get(arch, arch)
+    # (llama.cpp writes a Mixtral as a llama with experts, an OLMo 3 as an OLMo 2 with a window)
+    if arch == "llama" and meta.get("llama.expert_count"):
+        model_type, architecture = "mixtral", "MixtralForCausalLM"
+    elif arch == "olmo2" and meta.get("olmo2.attention.sliding_window"):
+        model_type, architecture = "olmo3", "Olmo3ForCausalLM"
+    else:
+        model_type, architecture = GGUF_MODEL_TYPES.get(arch, arch), GGUF_ARCHITECTURES[arch]
     # A GGUF writes no flag for tied embeddings (nor for biases): a missing tensor says it.
     config = {
-        "architectures": ["MixtralForCausalLM" if mixtral else GGUF_ARCHITECTURES[arch]], "model_type": model_type,
+        "architectures": [architecture], "model_type": model_type,
         "vocab_size": len(tokens),
         # (llama.cpp writes 0 for Phi-4, which has no window)
         "sliding_window": meta.get(f"{arch}.attention.sliding_window") or None if arch == "phi3" else None,
@@ -3981,9 +4006,8 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
     if arch == "granite":
         config |= {key: _f32(meta[f"granite.{name}"]) for key, name in GGUF_GRANITE_KEYS.items()
                    if f"granite.{name}" in meta}
-    if arch == "olmo2" and meta.get("olmo2.attention.sliding_window"):   # (llama.cpp converts OLMo 3 as an OLMo 2)
-        raise ModelError(f"{gguf_path}: an OLMo 3 GGUF (olmo2.attention.sliding_window) is not supported: "
-                         f"convert its Hugging Face checkpoint instead")
+    if model_type == "olmo3":
+        config |= _gguf_olmo3(gguf_path, meta)
     for key in GGUF_SPECIAL_TOKENS.values():
         if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None and i >= len(tokens):
             raise ModelError(f"{gguf_path}: tokenizer.ggml.{key}_token_id {i} is past the vocab ({len(tokens)} tokens)")

@@ -3575,13 +3575,14 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2", "mixtral", "qwen3moe", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2", "olmo3", "mixtral", "qwen3moe", "olmoe"])
 def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     """GGUFs that llama.cpp's own converter wrote from tiny models: the weights (Qwen 2's q/k/v
     biases, its Q and K rows as HF's, its tied embeddings; Qwen 3's q/k norms and head_dim;
     Granite's Q and K rows permuted as a Llama's and its four multipliers, read back from
     granite.*_scale; OLMo 2's norms after attention and MLP, named as Gemma's, and its q/k norms
-    across all heads; the mixtures' experts, stacked by the converter, each its own again, and
+    across all heads; OLMo 3's, written as an OLMo 2 with a window, its windowed layers a flag
+    a layer, its full layer's YaRN; the mixtures' experts, stacked by the converter, each its own again, and
     their routers: a Mixtral's, a llama with experts, its Q and K rows permuted; a Qwen 3 MoE's
     narrower experts; an OLMoE's top-2 weights left unnormalized) give the logits transformers
     computed before the conversion, to float16's rounding (the mixtures' weights were rounded to
@@ -3593,6 +3594,7 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     assert (c.model_type, c.qkv_bias, c.qk_norm, c.tie_word_embeddings, c.head_dim, c.post_norms) == {
         "qwen2": ("qwen2", True, None, True, 8, False), "qwen3": ("qwen3", False, "head", False, 16, False),
         "granite": ("granite", False, None, True, 8, False), "olmo2": ("olmo2", False, "all", False, 8, True),
+        "olmo3": ("olmo3", False, "all", False, 8, True),
         "mixtral": ("mixtral", False, None, False, 8, False), "qwen3moe": ("qwen3_moe", False, "head", True, 8, False),
         "olmoe": ("olmoe", False, "all", False, 8, False)}[name]
     assert (c.embedding_multiplier, c.residual_multiplier, c.attn_scale, c.logits_scaling) == (
@@ -3600,6 +3602,8 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     assert (c.num_experts, c.num_experts_per_tok, c.intermediate_size, c.norm_topk_prob) == {
         "mixtral": (4, 2, 64, True), "qwen3moe": (4, 2, 24, True), "olmoe": (4, 2, 64, False)}.get(
         name, (0, 0, 64, False))
+    assert (c.sliding_window, tuple(i for i in range(c.num_hidden_layers) if i in c.window_layers)) == (
+        (4, (0, 2, 3)) if name == "olmo3" else (None, ()))
     logits = forward_all(model, IDS)
     # (OLMoE's differ by 4e-4: llama.cpp's converter writes its norms' epsilon as 1e-5, the model's is 1e-6)
     atol = 1e-3 if c.num_experts else 2e-2
@@ -3907,8 +3911,11 @@ def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, al
     ({"experts": 4, "extra": [("blk.0.ffn_down_exps.weight", (4, 32, 16))]},
      r"tensor 'blk.0.ffn_down_exps.weight' has shape \(4, 32, 16\), expected \(4, 16, 32\)"),
     ({"experts": 4, "skip": ["blk.0.ffn_up_exps.weight"]}, "tensor 'blk.0.ffn_up_exps.weight' is missing"),
-    # llama.cpp converts OLMo 3 as an OLMo 2 with a window (and a pattern of windowed layers)
-    ({"arch": "olmo2", "window": 4}, r"an OLMo 3 GGUF \(olmo2.attention.sliding_window\) is not supported"),
+    # llama.cpp converts OLMo 3 as an OLMo 2 with a window, and a flag a layer for the windowed ones
+    ({"arch": "olmo2", "window": 4, "meta": [("olmo2.attention.sliding_window_pattern", 2)]},
+     "olmo2.attention.sliding_window_pattern is 2, expected a flag a layer, as llama.cpp's converter writes it"),
+    ({"arch": "olmo2", "window": 4, "meta": [("olmo2.attention.sliding_window_pattern", [True, False])]},
+     r"'layer_types' must name each of the 1 layers .* \(layer_types from olmo2.attention.sliding_window_pattern\)$"),
     ({"arch": "gemma2", "window": 0}, "gemma2.attention.sliding_window is 0, but a Gemma 2 windows every other layer"),
     # (llama.cpp's converters wrote no pre-tokenizer before 2024: was "pre-tokenizer 'default' is not supported";
     # a SentencePiece GGUF has none, and loads)
@@ -12597,6 +12604,24 @@ def test_yarn_mscale_without_mscale_all_dim_takes_the_default_attention_factor()
     assert c.rope_scaling["attention_factor"] == pytest.approx(0.1 * np.log(4.0) + 1)
     both = ModelConfig.from_dict(llama_config(rope_scaling=yarn | {"mscale_all_dim": 1.0}))
     assert both.rope_scaling["attention_factor"] == pytest.approx((0.1 * 0.707 * np.log(4.0) + 1) / (0.1 * np.log(4.0) + 1))
+
+
+def test_an_olmo3_gguf_windows_and_turns_as_llama_cpp_runs_it(tmp_path):
+    """An OLMo 2 GGUF with a window is an OLMo 3's: without sliding_window_pattern, its layers
+    windowed all but every 4th (llama.cpp's default, and OLMo 3's); its windowed layers turned by
+    rope.freq_base_swa where the file has one (else by the full layers' base, itself by default
+    llama.cpp's 10,000, not OLMo 3's 500,000); a window of 0, an OLMo 2. (testdata/olmo3-f16.gguf has the pattern as flags, and one base.)"""
+    def config(name, **kwargs):
+        path = write_gguf(tmp_path / f"{name}.gguf", arch="olmo2", L=8, **kwargs)
+        return model_module._gguf_config(path, *model_module._read_gguf(path))[1]
+
+    c = config("default", window=4)
+    assert (c.model_type, c.sliding_window, [i for i in range(8) if i in c.window_layers]) == (
+        "olmo3", 4, [0, 1, 2, 4, 5, 6])
+    assert c.rope_local_base_freq is None and c.rope_theta == 10_000.0   # (llama.cpp's default base)
+    c = config("base", window=4, meta=[("olmo2.rope.freq_base", 1e6), ("olmo2.rope.freq_base_swa", 1e4)])
+    assert (c.rope_theta, c.rope_local_base_freq) == (1e6, 1e4)
+    assert config("olmo2", window=0).model_type == "olmo2"
 
 
 def test_gguf_head_dim_is_the_key_length(tmp_path, own_cache):

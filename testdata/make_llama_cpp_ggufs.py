@@ -2,9 +2,10 @@
 models: Qwen 2 (its q/k/v biases and tied embeddings), Qwen 3 (its q/k norms and a head_dim
 of its own), Granite (its four multipliers; Q and K rows permuted by the converter, as a
 Llama's), OLMo 2 (its norms after attention and the MLP, its q/k norms across all
-heads) and three mixtures of 4 experts, 2 a token (Mixtral, written as a Llama with experts;
+heads), three mixtures of 4 experts, 2 a token (Mixtral, written as a Llama with experts;
 Qwen 3 MoE, its experts narrower than intermediate_size; OLMoE, its top-2 weights not
-renormalized), converted to GGUF by llama.cpp's own convert_hf_to_gguf.py, and the logits Hugging
+renormalized) and OLMo 3 (written as an OLMo 2 with a window: 4 layers, windowed but the
+second; its full layer's RoPE YaRN-scaled), converted to GGUF by llama.cpp's own convert_hf_to_gguf.py, and the logits Hugging
 Face transformers computes for token ids IDS before the conversion (at three positions). The
 tests convert the GGUFs back and compare. transformers and llama.cpp are needed only to
 remake them:
@@ -15,7 +16,7 @@ remake them:
 llama.cpp identifies a tokenizer's pre-tokenizer by hashing its output on a test text; the
 tiny tokenizer (qwen2_tokenizer/) is unknown to it, so make its get_vocab_base_pre return
 "qwen2" where it would raise NotImplementedError. Qwen's made with llama.cpp 0c1e570
-(2026-10-01); Granite's, OLMo 2's and the mixtures' with the llama.cpp of llama-cpp-python
+(2026-10-01); Granite's, OLMo 2's, the mixtures' and OLMo 3's with the llama.cpp of llama-cpp-python
 0.3.36's sdist (pip download llama-cpp-python==0.3.36 --no-binary :all: --no-deps).
 """
 import json
@@ -42,7 +43,13 @@ MODELS = {"qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
                                                        num_experts_per_tok=2)),
           "qwen3moe": (transformers.Qwen3MoeConfig, dict(tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
                                                          moe_intermediate_size=24, norm_topk_prob=True)),
-          "olmoe": (transformers.OlmoeConfig, dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2))}
+          "olmoe": (transformers.OlmoeConfig, dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2)),
+          # (rope_theta 500,000: transformers 5.25 turns OLMo 3's windowed layers by that, whatever the config says)
+          "olmo3": (transformers.Olmo3Config, dict(
+              tie_word_embeddings=False, num_hidden_layers=4, sliding_window=4, rope_theta=500_000.0,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                            "attention_factor": 1.2, "beta_fast": 16.0, "beta_slow": 2.0}))}
 MOES = ("mixtral", "qwen3moe", "olmoe")
 
 llama_cpp, names = Path(sys.argv[1]), sys.argv[2:] or list(MODELS)
@@ -51,9 +58,9 @@ out = json.loads(logits_file.read_text()) if logits_file.exists() else {}
 for seed, (name, (config_class, extra)) in enumerate(MODELS.items()):
     if name not in names:
         continue
-    config = config_class(vocab_size=763, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=4096,
-                          rms_norm_eps=1e-6, rope_theta=1e6, eos_token_id=758, **extra)
+    config = config_class(**dict(vocab_size=763, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=64, max_position_embeddings=4096,
+                                 rms_norm_eps=1e-6, rope_theta=1e6, eos_token_id=758) | extra)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():   # random, non-trivial values: norms near 1, biases too
