@@ -12610,7 +12610,8 @@ def test_an_olmo3_gguf_windows_and_turns_as_llama_cpp_runs_it(tmp_path):
     """An OLMo 2 GGUF with a window is an OLMo 3's: without sliding_window_pattern, its layers
     windowed all but every 4th (llama.cpp's default, and OLMo 3's); its windowed layers turned by
     rope.freq_base_swa where the file has one (else by the full layers' base, itself by default
-    llama.cpp's 10,000, not OLMo 3's 500,000); a window of 0, an OLMo 2. (testdata/olmo3-f16.gguf has the pattern as flags, and one base.)"""
+    llama.cpp's 10,000, not OLMo 3's 500,000); a window of 0, an OLMo 2. (testdata/olmo3-f16.gguf
+    has the pattern as flags, and one base.)"""
     def config(name, **kwargs):
         path = write_gguf(tmp_path / f"{name}.gguf", arch="olmo2", L=8, **kwargs)
         return model_module._gguf_config(path, *model_module._read_gguf(path))[1]
