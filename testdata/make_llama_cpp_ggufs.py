@@ -7,8 +7,8 @@ Qwen 3 MoE, its experts narrower than intermediate_size; OLMoE, its top-2 weight
 renormalized) and OLMo 3 (written as an OLMo 2 with a window: 4 layers, windowed but the
 second; its full layer's RoPE YaRN-scaled), converted to GGUF by llama.cpp's own
 convert_hf_to_gguf.py, and the logits Hugging Face transformers computes for token ids IDS
-before the conversion (at three positions). The tests convert the GGUFs back and compare. transformers and llama.cpp are needed only to
-remake them:
+before the conversion (at three positions). The tests convert the GGUFs back and compare.
+transformers and llama.cpp are needed only to remake them:
 
     pip install transformers sentencepiece   # (llama.cpp's converter imports sentencepiece)
     python testdata/make_llama_cpp_ggufs.py path/to/llama.cpp [name ...]   # (default: all)
