@@ -3553,7 +3553,7 @@ GGUF_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "stablelm": "StableLmForCausalLM"}
 GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 GGUF_MOE_ARCHITECTURES = ("llama", "qwen3moe", "olmoe")
 GGUF_PERMUTED = ("llama", "smollm3", "granite")
@@ -3576,7 +3576,9 @@ GGUF_CONFIG_KEYS = {"hidden_size": ("embedding_length", True), "intermediate_siz
 # experts a token is given, and Qwen 3 MoE's expert width
 GGUF_MOE_KEYS = {"num_local_experts": "expert_count", "num_experts": "expert_count",
                  "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length"}
-GGUF_WINDOW_KEYS = {"sliding_window": "attention.sliding_window", "layer_types": "attention.sliding_window_pattern"}
+# (and some architectures' only: Phi-3's and OLMo 3's window, OLMo 3's windowed layers, StableLM's LayerNorms)
+GGUF_MORE_KEYS = {"sliding_window": "attention.sliding_window", "layer_types": "attention.sliding_window_pattern",
+                  "layer_norm_eps": "attention.layer_norm_epsilon"}
 
 
 @contextlib.contextmanager
@@ -3586,7 +3588,7 @@ def _gguf_keys_named(meta: dict, arch: str):
     try:
         yield
     except ModelError as e:
-        names = {key: name for key, (name, _) in GGUF_CONFIG_KEYS.items()} | GGUF_MOE_KEYS | GGUF_WINDOW_KEYS
+        names = {key: name for key, (name, _) in GGUF_CONFIG_KEYS.items()} | GGUF_MOE_KEYS | GGUF_MORE_KEYS
         read = [f"{key} from {arch}.{name}" for key, name in names.items()
                 if f"{arch}.{name}" in meta and re.search(rf"\b{key}\b", str(e))]
         raise ModelError(f"{e}" + (f" ({', '.join(read)})" if read else "")) from None
@@ -3610,8 +3612,9 @@ GGUF_PRE_TOKENIZERS = {
     "qwen2": _split_then_bytes(QWEN2_PATTERN),
 }
 # (other names llama.cpp gives the same pre-tokenizers: DBRX's and OLMo 2's tokenizer splits
-# as Llama 3's, Refact's and Granite 3's as SmolLM's)
-GGUF_PRE_TOKENIZERS |= {"dbrx": GGUF_PRE_TOKENIZERS["llama-bpe"], "refact": GGUF_PRE_TOKENIZERS["smollm"]}
+# as Llama 3's, Refact's and Granite 3's as SmolLM's, StableLM 2's as Qwen 2's, without its NFC)
+GGUF_PRE_TOKENIZERS |= {"dbrx": GGUF_PRE_TOKENIZERS["llama-bpe"], "refact": GGUF_PRE_TOKENIZERS["smollm"],
+                        "stablelm2": GGUF_PRE_TOKENIZERS["qwen2"]}
 GGUF_NORMALIZERS = {"qwen2": {"type": "NFC"}}   # the rest have none
 GGUF_NORMAL, GGUF_UNKNOWN = 1, 2        # token types: a BPE's token; SentencePiece's <unk>
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # added tokens, matched before BPE
@@ -3703,7 +3706,7 @@ def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -
     the file holds."""
     import gguf
     config, dims = {}, meta.get(f"{arch}.rope.dimension_count", c.head_dim)
-    if dims != c.head_dim:
+    if dims != c.rotary_dim:   # (StableLM's config turns a quarter of each head by default: a file may turn all)
         if isinstance(dims, bool) or not isinstance(dims, int) or dims < 1:
             raise ModelError(f"{gguf_path}: {arch}.rope.dimension_count is {dims!r}, expected a number of dimensions")
         partial = dims / c.head_dim
@@ -3991,7 +3994,11 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
     for key, (name, required) in GGUF_CONFIG_KEYS.items():
+        if arch == "stablelm" and key == "rms_norm_eps":   # (its LayerNorms' epsilon: _gguf_stablelm)
+            continue
         config[key] = _gguf_need(gguf_path, meta, f"{arch}.{name}") if required else meta.get(f"{arch}.{name}")
+    if arch == "stablelm":
+        config |= _gguf_stablelm(gguf_path, meta, tensors)
     if model_type in MOES:
         moe_keys = (EXPERT_COUNT[model_type][0], "num_experts_per_tok") + ("moe_intermediate_size",) * (
             model_type == "qwen3_moe")
@@ -4021,8 +4028,21 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
     with _in_file(gguf_path), _gguf_keys_named(meta, arch):
         c = ModelConfig.from_dict(config)
     config |= {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-               "rms_norm_eps": _f32(c.norm_eps), "rope_theta": _f32(c.rope_theta)}
+               "layer_norm_eps" if arch == "stablelm" else "rms_norm_eps": _f32(c.norm_eps),
+               "rope_theta": _f32(c.rope_theta)}
     return config, c
+
+
+def _gguf_stablelm(gguf_path: Path, meta: dict, tensors: dict) -> dict:
+    """config.json's StableLM keys, as llama.cpp runs a StableLM GGUF: LayerNorms (their epsilon
+    under attention.layer_norm_epsilon, not RMSNorm's key), q/k/v biases where the file has them,
+    parallel layers where it has no norm before the MLP (StableLM 2 12B's, refused: the file's
+    use_parallel_residual flag is not what llama.cpp goes by, and its converter writes true where
+    the config said nothing). (Its converter writes no RoPE base: StableLM's default, 10,000, is
+    llama.cpp's too.)"""
+    return {"layer_norm_eps": _gguf_need(gguf_path, meta, "stablelm.attention.layer_norm_epsilon"),
+            "use_qkv_bias": "blk.0.attn_q.bias" in tensors,
+            "use_parallel_residual": "blk.0.ffn_norm.weight" not in tensors}
 
 
 def _gguf_tokenizer(gguf_path: Path, meta: dict, config: dict) -> tuple[dict, dict]:

@@ -3575,14 +3575,16 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2", "olmo3", "mixtral", "qwen3moe", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2", "olmo3", "stablelm", "mixtral", "qwen3moe",
+                                  "olmoe"])
 def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     """GGUFs that llama.cpp's own converter wrote from tiny models: the weights (Qwen 2's q/k/v
     biases, its Q and K rows as HF's, its tied embeddings; Qwen 3's q/k norms and head_dim;
     Granite's Q and K rows permuted as a Llama's and its four multipliers, read back from
     granite.*_scale; OLMo 2's norms after attention and MLP, named as Gemma's, and its q/k norms
     across all heads; OLMo 3's, written as an OLMo 2 with a window, its windowed layers a flag
-    a layer, its full layer's YaRN; the mixtures' experts, stacked by the converter, each its own again, and
+    a layer, its full layer's YaRN; StableLM 2's LayerNorms, their biases and epsilon, its q/k/v
+    biases, a quarter of each head turned; the mixtures' experts, stacked by the converter, each its own again, and
     their routers: a Mixtral's, a llama with experts, its Q and K rows permuted; a Qwen 3 MoE's
     narrower experts; an OLMoE's top-2 weights left unnormalized) give the logits transformers
     computed before the conversion, to float16's rounding (the mixtures' weights were rounded to
@@ -3594,7 +3596,7 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     assert (c.model_type, c.qkv_bias, c.qk_norm, c.tie_word_embeddings, c.head_dim, c.post_norms) == {
         "qwen2": ("qwen2", True, None, True, 8, False), "qwen3": ("qwen3", False, "head", False, 16, False),
         "granite": ("granite", False, None, True, 8, False), "olmo2": ("olmo2", False, "all", False, 8, True),
-        "olmo3": ("olmo3", False, "all", False, 8, True),
+        "olmo3": ("olmo3", False, "all", False, 8, True), "stablelm": ("stablelm", True, None, False, 8, False),
         "mixtral": ("mixtral", False, None, False, 8, False), "qwen3moe": ("qwen3_moe", False, "head", True, 8, False),
         "olmoe": ("olmoe", False, "all", False, 8, False)}[name]
     assert (c.embedding_multiplier, c.residual_multiplier, c.attn_scale, c.logits_scaling) == (
@@ -3604,6 +3606,8 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
         name, (0, 0, 64, False))
     assert (c.sliding_window, tuple(i for i in range(c.num_hidden_layers) if i in c.window_layers)) == (
         (4, (0, 2, 3)) if name == "olmo3" else (None, ()))
+    assert (c.layer_norm, c.rotary_dim, c.norm_eps) == ((True, 2, 1e-5) if name == "stablelm" else (
+        False, c.head_dim, 1e-5 if name == "olmoe" else 1e-6))
     logits = forward_all(model, IDS)
     # (OLMoE's differ by 4e-4: llama.cpp's converter writes its norms' epsilon as 1e-5, the model's is 1e-6)
     atol = 1e-3 if c.num_experts else 2e-2
@@ -3858,15 +3862,18 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     assert tok.encode("ab 12") == first + [97, 98, 32, 49, 50]
 
 
-@pytest.mark.parametrize("alias, twin", [("dbrx", "llama-bpe"), ("refact", "smollm")])
+@pytest.mark.parametrize("alias, twin", [("dbrx", "llama-bpe"), ("refact", "smollm"), ("stablelm2", "qwen2")])
 def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, alias, twin):
     """OLMo 2's GGUFs name their pre-tokenizer "dbrx" (its tokenizer hashes as DBRX's in
-    llama.cpp's converter), Granite 3's "refact": llama.cpp splits them with Llama 3's and
-    SmolLM's regexes, and so does the converted tokenizer; but a BOS is added by default for
-    llama-bpe alone, as llama.cpp does."""
+    llama.cpp's converter), Granite 3's "refact", StableLM 2's "stablelm2": llama.cpp splits them
+    with Llama 3's, SmolLM's and Qwen 2's regexes, and so does the converted tokenizer; but a BOS
+    is added by default for llama-bpe alone, as llama.cpp does, and Qwen 2's text is NFC-normalized
+    first, as its tokenizer.json says (llama.cpp normalizes neither)."""
     tok, same = (load_tokenizer(write_gguf(tmp_path / f"{pre}.gguf", pre=pre, bos=5)) for pre in (alias, twin))
     assert tok.encoding._pat_str == same.encoding._pat_str
     assert tok.encode("ab 12") == [97, 98, 32, 49, 50]
+    if alias == "stablelm2":
+        assert (tok.encode("e\u0301"), same.encode("e\u0301")) == ([101, 0xCC, 0x81], [0xC3, 0xA9])
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -3912,6 +3919,10 @@ def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, al
      r"tensor 'blk.0.ffn_down_exps.weight' has shape \(4, 32, 16\), expected \(4, 16, 32\)"),
     ({"experts": 4, "skip": ["blk.0.ffn_up_exps.weight"]}, "tensor 'blk.0.ffn_up_exps.weight' is missing"),
     # llama.cpp converts OLMo 3 as an OLMo 2 with a window, and a flag a layer for the windowed ones
+    # a StableLM's LayerNorms' epsilon; its 12B's parallel layers, without a norm before the MLP
+    ({"arch": "stablelm"}, "GGUF metadata has no 'stablelm.attention.layer_norm_epsilon'"),
+    ({"arch": "stablelm", "meta": [("stablelm.attention.layer_norm_epsilon", 1e-5)], "skip": ["blk.0.ffn_norm.weight"]},
+     "use_parallel_residual = true is not supported for stablelm"),
     ({"arch": "olmo2", "window": 4, "meta": [("olmo2.attention.sliding_window_pattern", 2)]},
      "olmo2.attention.sliding_window_pattern is 2, expected a flag a layer, as llama.cpp's converter writes it"),
     ({"arch": "olmo2", "window": 4, "meta": [("olmo2.attention.sliding_window_pattern", [True, False])]},
@@ -12623,6 +12634,18 @@ def test_an_olmo3_gguf_windows_and_turns_as_llama_cpp_runs_it(tmp_path):
     c = config("base", window=4, meta=[("olmo2.rope.freq_base", 1e6), ("olmo2.rope.freq_base_swa", 1e4)])
     assert (c.rope_theta, c.rope_local_base_freq) == (1e6, 1e4)
     assert config("olmo2", window=0).model_type == "olmo2"
+
+
+def test_a_stablelm_gguf_turns_as_much_of_each_head_as_it_says(tmp_path):
+    """StableLM's config turns a quarter of each head by default: a GGUF whose
+    rope.dimension_count is the whole head turns it whole (testdata/stablelm-f16.gguf turns a
+    quarter); one without the key too, as llama.cpp defaults to the head."""
+    for name, meta in (("whole", [("stablelm.rope.dimension_count", 8)]), ("default", [])):
+        path = write_gguf(tmp_path / f"{name}.gguf", arch="stablelm", C=32, H=4, KVH=4,
+                          meta=[("stablelm.attention.layer_norm_epsilon", 1e-5), *meta])
+        config, c = model_module._gguf_config(path, *model_module._read_gguf(path))
+        assert (c.model_type, c.head_dim, c.rotary_dim, c.rope_theta) == ("stablelm", 8, 8, 10_000.0)
+        assert (config["layer_norm_eps"], "rms_norm_eps" in config) == (1e-5, False)
 
 
 def test_gguf_head_dim_is_the_key_length(tmp_path, own_cache):

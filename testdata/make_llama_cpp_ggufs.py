@@ -4,8 +4,9 @@ of its own), Granite (its four multipliers; Q and K rows permuted by the convert
 Llama's), OLMo 2 (its norms after attention and the MLP, its q/k norms across all
 heads), three mixtures of 4 experts, 2 a token (Mixtral, written as a Llama with experts;
 Qwen 3 MoE, its experts narrower than intermediate_size; OLMoE, its top-2 weights not
-renormalized) and OLMo 3 (written as an OLMo 2 with a window: 4 layers, windowed but the
-second; its full layer's RoPE YaRN-scaled), converted to GGUF by llama.cpp's own
+renormalized), OLMo 3 (written as an OLMo 2 with a window: 4 layers, windowed but the
+second; its full layer's RoPE YaRN-scaled) and StableLM 2 (LayerNorms with biases, q/k/v
+biases, a quarter of each head turned), converted to GGUF by llama.cpp's own
 convert_hf_to_gguf.py, and the logits Hugging Face transformers computes for token ids IDS
 before the conversion (at three positions). The tests convert the GGUFs back and compare.
 transformers and llama.cpp are needed only to remake them:
@@ -16,7 +17,7 @@ transformers and llama.cpp are needed only to remake them:
 llama.cpp identifies a tokenizer's pre-tokenizer by hashing its output on a test text; the
 tiny tokenizer (qwen2_tokenizer/) is unknown to it, so make its get_vocab_base_pre return
 "qwen2" where it would raise NotImplementedError. Qwen's made with llama.cpp 0c1e570
-(2026-10-01); Granite's, OLMo 2's, the mixtures' and OLMo 3's with the llama.cpp of llama-cpp-python
+(2026-10-01); Granite's, OLMo 2's, the mixtures', OLMo 3's and StableLM's with the llama.cpp of llama-cpp-python
 0.3.36's sdist (pip download llama-cpp-python==0.3.36 --no-binary :all: --no-deps).
 """
 import json
@@ -49,7 +50,10 @@ MODELS = {"qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
               tie_word_embeddings=False, num_hidden_layers=4, sliding_window=4, rope_theta=500_000.0,
               layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
               rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                            "attention_factor": 1.2, "beta_fast": 16.0, "beta_slow": 2.0}))}
+                            "attention_factor": 1.2, "beta_fast": 16.0, "beta_slow": 2.0})),
+          # (rope_theta 10,000: llama.cpp's converter writes none for a StableLM, and llama.cpp's default is that)
+          "stablelm": (transformers.StableLmConfig, dict(tie_word_embeddings=False, use_qkv_bias=True, rope_theta=10_000.0,
+                                                         use_parallel_residual=False, layer_norm_eps=1e-5))}
 MOES = ("mixtral", "qwen3moe", "olmoe")
 
 llama_cpp, names = Path(sys.argv[1]), sys.argv[2:] or list(MODELS)
