@@ -52,8 +52,9 @@ MODELS = {"qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
               rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
                             "attention_factor": 1.2, "beta_fast": 16.0, "beta_slow": 2.0})),
           # (rope_theta 10,000: llama.cpp's converter writes none for a StableLM, and llama.cpp's default is that)
-          "stablelm": (transformers.StableLmConfig, dict(tie_word_embeddings=False, use_qkv_bias=True, rope_theta=10_000.0,
-                                                         use_parallel_residual=False, layer_norm_eps=1e-5))}
+          "stablelm": (transformers.StableLmConfig, dict(tie_word_embeddings=False, use_qkv_bias=True,
+                                                         rope_theta=10_000.0, use_parallel_residual=False,
+                                                         layer_norm_eps=1e-5))}
 MOES = ("mixtral", "qwen3moe", "olmoe")
 
 llama_cpp, names = Path(sys.argv[1]), sys.argv[2:] or list(MODELS)
