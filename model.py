@@ -3509,8 +3509,8 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------
-# GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, Granite and OLMo 2/3
-# GGUF files, and the mixtures of experts Mixtral, Qwen 3 MoE and OLMoE
+# GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-2/3, SmolLM3, Gemma 2/3, Granite, OLMo 2/3
+# and StableLM GGUF files, and the mixtures of experts Mixtral, Qwen 3 MoE and OLMoE
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
 # first load converts it once into an ordinary HF-layout directory in the cache: config.json,
@@ -3532,7 +3532,12 @@ HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",   # (Phi-3's fused ones)
-              "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp"}   # (a mixture's router)
+              "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",   # (a mixture's router)
+              "model.final_layernorm": "output_norm", "self_attn.dense": "attn_output",   # (Phi-2's names)
+              "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
+# q, k and v fused into one tensor (q's rows, k's, v's), as Phi-2 GGUFs converted before its HF
+# checkpoint (January 2024) hold them
+GGUF_FUSED_QKV = {"self_attn.q_proj": "attn_qkv", "self_attn.k_proj": "attn_qkv", "self_attn.v_proj": "attn_qkv"}
 # A mixture's experts: llama.cpp stacks each layer's E gate (up, down) weights into one tensor,
 # (E, I, C) (down: (E, C, I)); HF keeps one an expert, Mixtral's named w1, w3 and w2. (Mixtral
 # GGUFs converted before April 2024 hold one an expert too, blk.N.ffn_gate.E.weight..., which
@@ -3553,8 +3558,10 @@ GGUF_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "stablelm": "StableLmForCausalLM"}
-GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "stablelm": "StableLmForCausalLM",
+                      "phi2": "PhiForCausalLM"}
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "phi2": "phi"}
+GGUF_LAYER_NORMS = ("stablelm", "phi2")   # (LayerNorms, their epsilon under attention.layer_norm_epsilon)
 GGUF_MOE_ARCHITECTURES = ("llama", "qwen3moe", "olmoe")
 GGUF_PERMUTED = ("llama", "smollm3", "granite")
 # Granite's multipliers: the GGUF key each is read from (after "granite."; llama.cpp's
@@ -3576,7 +3583,7 @@ GGUF_CONFIG_KEYS = {"hidden_size": ("embedding_length", True), "intermediate_siz
 # experts a token is given, and Qwen 3 MoE's expert width
 GGUF_MOE_KEYS = {"num_local_experts": "expert_count", "num_experts": "expert_count",
                  "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length"}
-# (and some architectures' only: Phi-3's and OLMo 3's window, OLMo 3's windowed layers, StableLM's LayerNorms)
+# (and some architectures' only: Phi-3's and OLMo 3's window, OLMo 3's windowed layers, LayerNorms' epsilon)
 GGUF_MORE_KEYS = {"sliding_window": "attention.sliding_window", "layer_types": "attention.sliding_window_pattern",
                   "layer_norm_eps": "attention.layer_norm_epsilon"}
 
@@ -3612,9 +3619,10 @@ GGUF_PRE_TOKENIZERS = {
     "qwen2": _split_then_bytes(QWEN2_PATTERN),
 }
 # (other names llama.cpp gives the same pre-tokenizers: DBRX's and OLMo 2's tokenizer splits
-# as Llama 3's, Refact's and Granite 3's as SmolLM's, StableLM 2's as Qwen 2's, without its NFC)
+# as Llama 3's, Refact's and Granite 3's as SmolLM's, StableLM 2's as Qwen 2's, without its NFC,
+# Phi-2's as GPT-2's)
 GGUF_PRE_TOKENIZERS |= {"dbrx": GGUF_PRE_TOKENIZERS["llama-bpe"], "refact": GGUF_PRE_TOKENIZERS["smollm"],
-                        "stablelm2": GGUF_PRE_TOKENIZERS["qwen2"]}
+                        "stablelm2": GGUF_PRE_TOKENIZERS["qwen2"], "phi-2": GGUF_PRE_TOKENIZERS["gpt-2"]}
 GGUF_NORMALIZERS = {"qwen2": {"type": "NFC"}}   # the rest have none
 GGUF_NORMAL, GGUF_UNKNOWN = 1, 2        # token types: a BPE's token; SentencePiece's <unk>
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # added tokens, matched before BPE
@@ -3706,7 +3714,7 @@ def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -
     the file holds."""
     import gguf
     config, dims = {}, meta.get(f"{arch}.rope.dimension_count", c.head_dim)
-    if dims != c.rotary_dim:   # (StableLM's config turns a quarter of each head by default: a file may turn all)
+    if dims != c.head_dim:
         if isinstance(dims, bool) or not isinstance(dims, int) or dims < 1:
             raise ModelError(f"{gguf_path}: {arch}.rope.dimension_count is {dims!r}, expected a number of dimensions")
         partial = dims / c.head_dim
@@ -3781,13 +3789,12 @@ def _check_dequantizable(gguf_path: Path, t) -> None:
                          f"which the gguf package cannot dequantize") from None
 
 
-def _gguf_name(hf_name: str, post_norms: bool = False, split_experts: bool = False) -> str:
-    """A Llama tensor's GGUF name: model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight;
-    an expert's, the stack it is a slice of: model.layers.3.mlp.experts.5.up_proj.weight ->
-    blk.3.ffn_up_exps.weight (split_experts: an early Mixtral GGUF's blk.3.ffn_up.5.weight).
-    post_norms: Gemma's and OLMo 2's norms (ModelConfig.post_norms), which llama.cpp names
-    after where they sit."""
-    names = HF_TO_GGUF | GGUF_POST_NORM_NAMES if post_norms else HF_TO_GGUF
+def _gguf_name(hf_name: str, names: dict = HF_TO_GGUF, split_experts: bool = False) -> str:
+    """A tensor's GGUF name: model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight, the
+    names of its layer's parts from `names` (HF_TO_GGUF, or with GGUF_POST_NORM_NAMES or
+    GGUF_FUSED_QKV over it); an expert's, the stack it is a slice of:
+    model.layers.3.mlp.experts.5.up_proj.weight -> blk.3.ffn_up_exps.weight (split_experts: an
+    early Mixtral GGUF's blk.3.ffn_up.5.weight)."""
     base, kind = hf_name.rsplit(".", 1)
     layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
     if layer and (expert := re.fullmatch(r"\w+\.experts\.(\d+)\.(\w+)", layer[2])):
@@ -3994,11 +4001,13 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
     for key, (name, required) in GGUF_CONFIG_KEYS.items():
-        if arch == "stablelm" and key == "rms_norm_eps":   # (its LayerNorms' epsilon: _gguf_stablelm)
-            continue
+        if key == "rms_norm_eps" and arch in GGUF_LAYER_NORMS:
+            key, name = "layer_norm_eps", GGUF_MORE_KEYS["layer_norm_eps"]
         config[key] = _gguf_need(gguf_path, meta, f"{arch}.{name}") if required else meta.get(f"{arch}.{name}")
     if arch == "stablelm":
-        config |= _gguf_stablelm(gguf_path, meta, tensors)
+        config |= _gguf_stablelm(tensors)
+    if arch in ("stablelm", "phi2"):   # (their configs turn a quarter, a half of each head by default; llama.cpp
+        config["partial_rotary_factor"] = 1.0   # all of it, unless rope.dimension_count says less: _gguf_rope)
     if model_type in MOES:
         moe_keys = (EXPERT_COUNT[model_type][0], "num_experts_per_tok") + ("moe_intermediate_size",) * (
             model_type == "qwen3_moe")
@@ -4008,8 +4017,8 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
         config["norm_topk_prob"] = model_type != "olmoe"
     if gemma:   # (its window and the layers it covers: _gguf_gemma, below; the family's default till then)
         del config["sliding_window"]
-    else:
-        config["hidden_act"] = "silu"
+    else:   # (Phi-2's, transformers' gelu_new: llama.cpp's GELU, tanh's approximation)
+        config["hidden_act"] = "gelu_new" if arch == "phi2" else "silu"
     if arch == "granite":
         config |= {key: _f32(meta[f"granite.{name}"]) for key, name in GGUF_GRANITE_KEYS.items()
                    if f"granite.{name}" in meta}
@@ -4028,20 +4037,18 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
     with _in_file(gguf_path), _gguf_keys_named(meta, arch):
         c = ModelConfig.from_dict(config)
     config |= {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-               "layer_norm_eps" if arch == "stablelm" else "rms_norm_eps": _f32(c.norm_eps),
+               "layer_norm_eps" if arch in GGUF_LAYER_NORMS else "rms_norm_eps": _f32(c.norm_eps),
                "rope_theta": _f32(c.rope_theta)}
     return config, c
 
 
-def _gguf_stablelm(gguf_path: Path, meta: dict, tensors: dict) -> dict:
-    """config.json's StableLM keys, as llama.cpp runs a StableLM GGUF: LayerNorms (their epsilon
-    under attention.layer_norm_epsilon, not RMSNorm's key), q/k/v biases where the file has them,
+def _gguf_stablelm(tensors: dict) -> dict:
+    """config.json's StableLM keys, as llama.cpp runs a StableLM GGUF: q/k/v biases where the file has them,
     parallel layers where it has no norm before the MLP (StableLM 2 12B's, refused: the file's
     use_parallel_residual flag is not what llama.cpp goes by, and its converter writes true where
     the config said nothing). (Its converter writes no RoPE base: StableLM's default, 10,000, is
     llama.cpp's too.)"""
-    return {"layer_norm_eps": _gguf_need(gguf_path, meta, "stablelm.attention.layer_norm_epsilon"),
-            "use_qkv_bias": "blk.0.attn_q.bias" in tensors,
+    return {"use_qkv_bias": "blk.0.attn_q.bias" in tensors,
             "use_parallel_residual": "blk.0.ffn_norm.weight" not in tensors}
 
 
@@ -4132,22 +4139,26 @@ def _gguf_tokenizer(gguf_path: Path, meta: dict, config: dict) -> tuple[dict, di
 
 def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: str) -> dict[str, torch.Tensor]:
     """The weights under HF's names, dequantized to float32 (in HF's RoPE layout, Gemma's
-    norms as HF keeps them, a mixture's experts one by one); every tensor's name and shape
-    checked first, then `notice`."""
+    norms as HF keeps them, a mixture's experts one by one, an early Phi-2's q, k and v apart);
+    every tensor's name and shape checked first, then `notice`."""
     import gguf
-    gemma = arch in ("gemma2", "gemma3")
+    gemma, arch_class = arch in ("gemma2", "gemma3"), ARCHITECTURES[c.model_type]
     tensors = {t.name: t for t in reader.tensors}
     # Every tensor's name and shape checked before the slow part, dequantizing (to float32).
-    # (A stack of experts counts as the E tensors a HF checkpoint holds for it.)
-    check_size(gguf_path, c, Llama, torch.float32, "cpu",
-               stored_count=sum(c.num_experts if "_exps." in t.name else 1 for t in reader.tensors))
-    shapes = Llama.checkpoint_shapes(c)
-    held = {}   # each GGUF tensor's HF tensors: one, or a stack's E experts, in their order
+    # (A stack of experts counts as the E tensors a HF checkpoint holds for it, a fused q/k/v as 3.)
+    check_size(gguf_path, c, arch_class, torch.float32, "cpu",
+               stored_count=sum(c.num_experts if "_exps." in t.name else 3 if arch == "phi2" and ".attn_qkv." in t.name
+                                else 1 for t in reader.tensors))
+    shapes = arch_class.checkpoint_shapes(c)
+    names = (HF_TO_GGUF | (GGUF_POST_NORM_NAMES if c.post_norms else {})
+             | (GGUF_FUSED_QKV if arch == "phi2" and "blk.0.attn_qkv.weight" in tensors else {}))
+    held = {}   # each GGUF tensor's HF tensors: one, a stack's E experts or q, k and v, in their order
     split_experts = "blk.0.ffn_down.0.weight" in tensors   # (an early Mixtral GGUF's)
     for name in shapes:
-        held.setdefault(_gguf_name(name, post_norms=c.post_norms, split_experts=split_experts), []).append(name)
-    expected = {gname: (len(names), *shapes[names[0]]) if "_exps." in gname else shapes[names[0]]
-                for gname, names in held.items()}   # ((E, I, C) for a stack)
+        held.setdefault(_gguf_name(name, names, split_experts), []).append(name)
+    # a stack's shape (E, I, C); q, k and v's, one on top of the next, (q + 2 kv, C), or their biases'
+    expected = {gname: (len(hf), *shapes[hf[0]]) if "_exps." in gname else
+                (sum(shapes[n][0] for n in hf), *shapes[hf[0]][1:]) for gname, hf in held.items()}
     for t in reader.tensors:
         if t.name in GGUF_ROPE_TENSORS:   # (read by _gguf_rope: config.json's numbers)
             continue
@@ -4169,8 +4180,9 @@ def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: st
             continue
         w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(expected[t.name]),
                          dtype=torch.float32)
-        if "_exps." in t.name:   # (each expert a copy of its own: safetensors refuses tensors sharing memory)
-            weights |= {name: expert.clone() for name, expert in zip(held[t.name], w)}   # (I, C) or (C, I) each
+        if len(held[t.name]) > 1:   # (each part a copy of its own: safetensors refuses tensors sharing memory)
+            parts = w if "_exps." in t.name else w.split([shapes[name][0] for name in held[t.name]])
+            weights |= {name: part.clone() for name, part in zip(held[t.name], parts)}   # (I, C) an expert, (q, C)...
             continue
         name, = held[t.name]
         if arch in GGUF_PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -3575,8 +3575,29 @@ def write_gguf(path, C=16, H=4, KVH=2, L=1, I=32, bos=None, eos=1, skip=(), extr
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2", "olmo3", "stablelm", "mixtral", "qwen3moe",
-                                  "olmoe"])
+def rewrite_gguf(src, dst, change, meta=None):
+    """A copy of GGUF file `src` at `dst`, its metadata as it is but the values `meta` gives (of
+    the same types), its tensors (a dict of name -> numpy array, in HF's row-major order) as
+    change(tensors) returns them."""
+    import gguf
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            kind = gguf.GGUFValueType(field.types[0])
+            writer.add_key_value(key, (meta or {}).get(key, field.contents()), kind,
+                                 gguf.GGUFValueType(field.types[-1]) if kind == gguf.GGUFValueType.ARRAY else None)
+    for name, array in change({t.name: np.array(t.data) for t in reader.tensors}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2", "olmo3", "stablelm", "phi2", "mixtral",
+                                  "qwen3moe", "olmoe"])
 def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     """GGUFs that llama.cpp's own converter wrote from tiny models: the weights (Qwen 2's q/k/v
     biases, its Q and K rows as HF's, its tied embeddings; Qwen 3's q/k norms and head_dim;
@@ -3584,7 +3605,8 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     granite.*_scale; OLMo 2's norms after attention and MLP, named as Gemma's, and its q/k norms
     across all heads; OLMo 3's, written as an OLMo 2 with a window, its windowed layers a flag
     a layer, its full layer's YaRN; StableLM 2's LayerNorms, their biases and epsilon, its q/k/v
-    biases, a quarter of each head turned; the mixtures' experts, stacked by the converter, each its own again, and
+    biases, a quarter of each head turned; Phi-2's, on GPT-NeoX's module, 40% of each head turned,
+    its GELU tanh's; the mixtures' experts, stacked by the converter, each its own again, and
     their routers: a Mixtral's, a llama with experts, its Q and K rows permuted; a Qwen 3 MoE's
     narrower experts; an OLMoE's top-2 weights left unnormalized) give the logits transformers
     computed before the conversion, to float16's rounding (the mixtures' weights were rounded to
@@ -3597,17 +3619,19 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
         "qwen2": ("qwen2", True, None, True, 8, False), "qwen3": ("qwen3", False, "head", False, 16, False),
         "granite": ("granite", False, None, True, 8, False), "olmo2": ("olmo2", False, "all", False, 8, True),
         "olmo3": ("olmo3", False, "all", False, 8, True), "stablelm": ("stablelm", True, None, False, 8, False),
+        "phi2": ("phi", True, None, False, 10, False),
         "mixtral": ("mixtral", False, None, False, 8, False), "qwen3moe": ("qwen3_moe", False, "head", True, 8, False),
         "olmoe": ("olmoe", False, "all", False, 8, False)}[name]
     assert (c.embedding_multiplier, c.residual_multiplier, c.attn_scale, c.logits_scaling) == (
         (12.0, 0.22, 0.3, 4.0) if name == "granite" else (1.0, 1.0, c.head_dim ** -0.5, 1.0))
     assert (c.num_experts, c.num_experts_per_tok, c.intermediate_size, c.norm_topk_prob) == {
         "mixtral": (4, 2, 64, True), "qwen3moe": (4, 2, 24, True), "olmoe": (4, 2, 64, False)}.get(
-        name, (0, 0, 64, False))
+        name, (0, 0, 160 if name == "phi2" else 64, False))
     assert (c.sliding_window, tuple(i for i in range(c.num_hidden_layers) if i in c.window_layers)) == (
         (4, (0, 2, 3)) if name == "olmo3" else (None, ()))
-    assert (c.layer_norm, c.rotary_dim, c.norm_eps) == ((True, 2, 1e-5) if name == "stablelm" else (
-        False, c.head_dim, 1e-5 if name == "olmoe" else 1e-6))
+    assert (c.layer_norm, c.rotary_dim, c.norm_eps, c.hidden_act) == {
+        "stablelm": (True, 2, 1e-5, "silu"), "phi2": (False, 4, 1e-5, "gelu_new")}.get(
+        name, (False, c.head_dim, 1e-5 if name == "olmoe" else 1e-6, "silu"))
     logits = forward_all(model, IDS)
     # (OLMoE's differ by 4e-4: llama.cpp's converter writes its norms' epsilon as 1e-5, the model's is 1e-6)
     atol = 1e-3 if c.num_experts else 2e-2
@@ -3618,6 +3642,26 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     assert tok.encoding._pat_str == load_tokenizer(TESTDATA / "qwen2_tokenizer").encoding._pat_str
     cases = [c for c in map(json.loads, (TESTDATA / "bpe_tokenizer_cases.jsonl").open()) if c["tokenizer"] == "qwen2"]
     assert [tok.encode(c["text"], c["add_special_tokens"]) for c in cases] == [c["ids"] for c in cases]
+
+
+def test_an_early_phi2_gguf_with_q_k_v_fused_is_the_same_model(tmp_path, own_cache):
+    """Phi-2 GGUFs converted before its HF checkpoint existed (January 2024) hold each layer's
+    q, k and v as one tensor, attn_qkv (q's rows, then k's, then v's; their biases alike): the
+    same model as testdata/phi2-f16.gguf, which keeps them apart. (And one of 4 layers, the
+    first two twice: its fused tensors count as the 3 its HF checkpoint holds, where the size
+    check counts a layer's tensors.)"""
+    def fuse(tensors, layers=2):
+        for i, kind in itertools.product(range(2), ("weight", "bias")):
+            parts = [tensors.pop(f"blk.{i}.attn_{n}.{kind}") for n in "qkv"]
+            tensors[f"blk.{i}.attn_qkv.{kind}"] = np.concatenate(parts)   # (3 C, C), or (3 C,)
+        return tensors | {name.replace(f"blk.{i}.", f"blk.{i + 2}."): t for name, t in tensors.items()
+                          for i in range(layers - 2) if name.startswith(f"blk.{i}.")}
+
+    fused = load_model(rewrite_gguf(TESTDATA / "phi2-f16.gguf", tmp_path / "fused.gguf", fuse))
+    assert torch.equal(forward_all(fused, IDS), forward_all(load_model(TESTDATA / "phi2-f16.gguf"), IDS))
+    deeper = rewrite_gguf(TESTDATA / "phi2-f16.gguf", tmp_path / "deeper.gguf", functools.partial(fuse, layers=4),
+                          meta={"phi2.block_count": 4})
+    assert load_model(deeper).config.num_hidden_layers == 4
 
 
 def test_tiny_gguf_loads(tmp_path, own_cache):
@@ -3862,13 +3906,14 @@ def test_gguf_bos_as_llama_cpp_adds_it(tmp_path, own_cache, kwargs, first):
     assert tok.encode("ab 12") == first + [97, 98, 32, 49, 50]
 
 
-@pytest.mark.parametrize("alias, twin", [("dbrx", "llama-bpe"), ("refact", "smollm"), ("stablelm2", "qwen2")])
+@pytest.mark.parametrize("alias, twin", [("dbrx", "llama-bpe"), ("refact", "smollm"), ("stablelm2", "qwen2"),
+                                         ("phi-2", "gpt-2")])
 def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, alias, twin):
     """OLMo 2's GGUFs name their pre-tokenizer "dbrx" (its tokenizer hashes as DBRX's in
-    llama.cpp's converter), Granite 3's "refact", StableLM 2's "stablelm2": llama.cpp splits them
-    with Llama 3's, SmolLM's and Qwen 2's regexes, and so does the converted tokenizer; but a BOS
-    is added by default for llama-bpe alone, as llama.cpp does, and Qwen 2's text is NFC-normalized
-    first, as its tokenizer.json says (llama.cpp normalizes neither)."""
+    llama.cpp's converter), Granite 3's "refact", StableLM 2's "stablelm2", Phi-2's "phi-2":
+    llama.cpp splits them with Llama 3's, SmolLM's, Qwen 2's and GPT-2's regexes, and so does the
+    converted tokenizer; but a BOS is added by default for llama-bpe alone, as llama.cpp does, and
+    Qwen 2's text is NFC-normalized first, as its tokenizer.json says (llama.cpp normalizes neither)."""
     tok, same = (load_tokenizer(write_gguf(tmp_path / f"{pre}.gguf", pre=pre, bos=5)) for pre in (alias, twin))
     assert tok.encoding._pat_str == same.encoding._pat_str
     assert tok.encode("ab 12") == [97, 98, 32, 49, 50]

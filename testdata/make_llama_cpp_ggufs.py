@@ -5,8 +5,9 @@ Llama's), OLMo 2 (its norms after attention and the MLP, its q/k norms across al
 heads), three mixtures of 4 experts, 2 a token (Mixtral, written as a Llama with experts;
 Qwen 3 MoE, its experts narrower than intermediate_size; OLMoE, its top-2 weights not
 renormalized), OLMo 3 (written as an OLMo 2 with a window: 4 layers, windowed but the
-second; its full layer's RoPE YaRN-scaled) and StableLM 2 (LayerNorms with biases, q/k/v
-biases, a quarter of each head turned), converted to GGUF by llama.cpp's own
+second; its full layer's RoPE YaRN-scaled), StableLM 2 (LayerNorms with biases, q/k/v
+biases, a quarter of each head turned) and Phi-2 (GPT-NeoX's layer with one LayerNorm, 40%
+of each head turned, a biased LM head), converted to GGUF by llama.cpp's own
 convert_hf_to_gguf.py, and the logits Hugging Face transformers computes for token ids IDS
 before the conversion (at three positions). The tests convert the GGUFs back and compare.
 transformers and llama.cpp are needed only to remake them:
@@ -17,8 +18,9 @@ transformers and llama.cpp are needed only to remake them:
 llama.cpp identifies a tokenizer's pre-tokenizer by hashing its output on a test text; the
 tiny tokenizer (qwen2_tokenizer/) is unknown to it, so make its get_vocab_base_pre return
 "qwen2" where it would raise NotImplementedError. Qwen's made with llama.cpp 0c1e570
-(2026-10-01); Granite's, OLMo 2's, the mixtures', OLMo 3's and StableLM's with the llama.cpp of llama-cpp-python
-0.3.36's sdist (pip download llama-cpp-python==0.3.36 --no-binary :all: --no-deps).
+(2026-10-01); Granite's, OLMo 2's, the mixtures', OLMo 3's, StableLM's and Phi-2's with the
+llama.cpp of llama-cpp-python 0.3.36's sdist (pip download llama-cpp-python==0.3.36
+--no-binary :all: --no-deps).
 """
 import json
 import shutil
@@ -54,7 +56,10 @@ MODELS = {"qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
           # (rope_theta 10,000: llama.cpp's converter writes none for a StableLM, and llama.cpp's default is that)
           "stablelm": (transformers.StableLmConfig, dict(tie_word_embeddings=False, use_qkv_bias=True,
                                                          rope_theta=10_000.0, use_parallel_residual=False,
-                                                         layer_norm_eps=1e-5))}
+                                                         layer_norm_eps=1e-5)),
+          # (llama.cpp's converter writes 4 x hidden_size as a Phi's MLP width, and no RoPE base)
+          "phi2": (transformers.PhiConfig, dict(intermediate_size=160, partial_rotary_factor=0.4, rope_theta=10_000.0,
+                                                layer_norm_eps=1e-5, num_key_value_heads=4, hidden_size=40))}
 MOES = ("mixtral", "qwen3moe", "olmoe")
 
 llama_cpp, names = Path(sys.argv[1]), sys.argv[2:] or list(MODELS)
