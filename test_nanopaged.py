@@ -11333,6 +11333,7 @@ def test_check_fails_on_spill_loads_alone(monkeypatch, capsys):
     monkeypatch.setattr(build_ext.subprocess, "run", lambda cmd, **kw: (
         subprocess.CompletedProcess(cmd, 0, stdout="", stderr=log) if cmd[0].endswith("nvcc") else real_run(cmd, **kw)))
     monkeypatch.setattr(build_ext, "check_binding", lambda home, archs: "skipped")
+    monkeypatch.setattr(build_ext, "check_binding_syntax", lambda home: "skipped")
     assert build_ext.check(("80", "90")) == 1
     out, err = capsys.readouterr()
     assert "register spills in paged_attention_kernel<float> (sm_90)" in err and "C++ binding" not in out
