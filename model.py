@@ -160,10 +160,11 @@ MISTRALS = ("mistral", "ministral")
 # norms scaled in float32 (norm_layer), and RoPE tables kept in float32 (load_model).
 OLMOS = ("olmo2", "olmo3")
 # Granite (IBM's Granite 3) is Llama with four scalars of its own (ModelConfig's "Granite" fields).
-# Mixtral (Mistral's attention), Qwen 3 MoE (Qwen 3's) and OLMoE (Llama's norms, OLMo's q/k
-# norms, its q, k and v clipped where clip_qkv says) replace each layer's MLP by a mixture
-# of experts (SparseMoE).
-MOES = ("mixtral", "qwen3_moe", "olmoe")
+# Mixtral (Mistral's attention), Qwen 3 MoE (Qwen 3's), OLMoE (Llama's norms, OLMo's q/k
+# norms, its q, k and v clipped where clip_qkv says) and Granite MoE (Granite's, its experts
+# stacked in its checkpoint) replace each layer's MLP by a mixture of experts (SparseMoE).
+GRANITES = ("granite", "granitemoe")
+MOES = ("mixtral", "qwen3_moe", "olmoe", "granitemoe")
 
 # model_types that run on the Llama module below (with the differences ModelConfig notes),
 # and the values their HF config classes take where a config.json leaves a key out
@@ -178,6 +179,7 @@ LLAMA_FAMILY = {
               "num_key_value_heads": 32},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "granite": {"max_position_embeddings": 2048},
+    "granitemoe": {"max_position_embeddings": 2048, "num_experts_per_tok": 2},
     "stablelm": {"max_position_embeddings": 4096, "num_key_value_heads": 32, "layer_norm_eps": 1e-5,
                  "partial_rotary_factor": 0.25, "bos_token_id": 0, "eos_token_id": 0},
     "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
@@ -377,10 +379,10 @@ class ModelConfig:
             d = LLAMA_FAMILY[model_type] | d
             if model_type in GEMMAS:
                 extra, d_rope = _gemma_fields(d, model_type)
-            elif model_type == "granite":
-                extra, d_rope = _granite_fields(d), d
-            elif model_type in MOES:
-                extra, d_rope = _moe_fields(d, model_type), d
+            elif model_type in GRANITES or model_type in MOES:   # (Granite MoE: both)
+                extra = ((_granite_fields(d) if model_type in GRANITES else {})
+                         | (_moe_fields(d, model_type) if model_type in MOES else {}))
+                d_rope = d
             else:   # (OLMo 3's windowed layers turn by a RoPE of their own, as Gemma 3's)
                 extra, d_rope = _two_ropes(d, model_type) if model_type == "olmo3" else ({}, d)
             # (silu and swish: one function, in transformers)
@@ -406,11 +408,11 @@ class ModelConfig:
             rope_theta, rope_scaling, partial = _rope_config(d_rope, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
             # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's (MoE too), SmolLM3's,
-            # Gemma's, Granite's and OLMo's (OLMoE's) attention_bias gives all four one;
+            # Gemma's, Granite's (MoE too) and OLMo's (OLMoE's) attention_bias gives all four one;
             # StableLM's use_qkv_bias q, k and v; Mistral (Mixtral) has none. Llama's, SmolLM3's
             # and Granite's mlp_bias gives their MLP's three projections one. Qwen 3 and Gemma 3
             # normalize each head's q and k, OLMo (OLMoE) all of q and of k.
-            attention_bias = (model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "granite", "olmoe", *GEMMAS,
+            attention_bias = (model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", *GRANITES, "olmoe", *GEMMAS,
                                             *OLMOS) and _flag(d, "attention_bias"))
             mlp_bias = model_type in ("llama", "smollm3", "granite") and _flag(d, "mlp_bias")
             nope_layers = _nope_layers(d, model_type)
@@ -695,12 +697,14 @@ def _granite_fields(d: dict) -> dict:
 # hub configs say num_experts; transformers 5 saves them as num_local_experts).
 EXPERT_COUNT = {"mixtral": ("num_local_experts", "num_experts", 8),
                 "qwen3_moe": ("num_local_experts", "num_experts", 128),
-                "olmoe": ("num_experts", "num_local_experts", 64)}
+                "olmoe": ("num_experts", "num_local_experts", 64),
+                "granitemoe": ("num_local_experts", None, 8)}   # (GraniteMoeConfig: one name)
 
 
 def _moe_fields(d: dict, model_type: str) -> dict:
     """ModelConfig's mixture-of-experts fields, as transformers' config classes read them:
       MixtralConfig   num_local_experts of intermediate_size; top-k weights always renormalized
+      GraniteMoeConfig  the same (its weights a softmax over the top k's logits: one thing)
       Qwen3MoeConfig  num_experts of moe_intermediate_size; renormalized where norm_topk_prob
                       (false by default; its released models set it true)
       OlmoeConfig     num_experts of intermediate_size; renormalized where norm_topk_prob
@@ -722,7 +726,7 @@ def _moe_fields(d: dict, model_type: str) -> dict:
                          f"{reprlib.repr(d.get('mlp_only_layers'))} are not supported: nanopaged runs a mixture "
                          f"of experts in every layer (decoder_sparse_step 1, no mlp_only_layers)")
     return dict(num_experts=experts, num_experts_per_tok=k,
-                norm_topk_prob=model_type == "mixtral" or _flag(d, "norm_topk_prob"))
+                norm_topk_prob=model_type in ("mixtral", "granitemoe") or _flag(d, "norm_topk_prob"))
 
 
 def _two_ropes(d: dict, model_type: str) -> tuple[dict, dict]:
@@ -790,7 +794,7 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     on, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
     (Gemma 3: 6), OLMo 3's all but every 4th. Llama, Granite, OLMo 2, OLMoE and StableLM have no window."""
-    if (model_type in ("llama", "granite", "olmo2", "olmoe", "stablelm")
+    if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm")
             or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3")):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
@@ -2750,7 +2754,11 @@ class Llama(nn.Module):
             if config.model_type != "phi3" and not config.num_experts:
                 shapes |= {p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C)}
             if config.num_experts:
-                shapes[_router_name(config, p)] = (config.num_experts, C)
+                E = config.num_experts
+                shapes[_router_name(config, p)] = (E, C)
+                if config.model_type == "granitemoe":   # (its experts stacked: gate and up, then down)
+                    shapes |= {p + "block_sparse_moe.input_linear.weight": (E, 2 * I, C),
+                               p + "block_sparse_moe.output_linear.weight": (E, C, I)}
                 for _, (gate, up, down) in _mlp_names(config, p):
                     shapes |= {gate: (I, C), up: (I, C), down: (C, I)}
             if config.qkv_bias:
@@ -2785,6 +2793,11 @@ class Llama(nn.Module):
                 for name, (gate, up, down) in _mlp_names(config, p, kind):
                     state[f"layers.{i}.{name}.gate_up_proj.{kind}"] = torch.cat([hf.pop(gate), hf.pop(up)])  # (2 I, C)
                     state[f"layers.{i}.{name}.down_proj.{kind}"] = hf.pop(down)
+            if config.model_type == "granitemoe":   # each expert a slice of the stacks, as the module holds it
+                gate_up, down = (hf.pop(f"{p}block_sparse_moe.{n}_linear.weight") for n in ("input", "output"))
+                for e in range(config.num_experts):   # (2 I, C) and (C, I): views, no copy
+                    state |= {f"layers.{i}.mlp.experts.{e}.gate_up_proj.weight": gate_up[e],
+                              f"layers.{i}.mlp.experts.{e}.down_proj.weight": down[e]}
             if config.num_experts:
                 state[f"layers.{i}.mlp.gate.weight"] = hf.pop(_router_name(config, p))   # (E, C)
         # the rest keep their names: norms, o_proj, embeddings, lm_head (and all of Phi-3's layers)
@@ -2793,7 +2806,10 @@ class Llama(nn.Module):
 
 def _mlp_names(config: ModelConfig, p: str, kind: str = "weight") -> list[tuple[str, tuple[str, str, str]]]:
     """Layer p's MLPs, as (this module's name, the checkpoint's gate, up and down weights, or
-    biases): its MLP, or each of its experts (Mixtral names them w1, w3 and w2, under block_sparse_moe)."""
+    biases): its MLP, or each of its experts (Mixtral names them w1, w3 and w2, under
+    block_sparse_moe; Granite MoE stacks them: none apart)."""
+    if config.model_type == "granitemoe":
+        return []
     if not config.num_experts:
         return [("mlp", tuple(f"{p}mlp.{n}_proj.{kind}" for n in ("gate", "up", "down")))]
     moe, names = ("block_sparse_moe", ("w1", "w3", "w2")) if config.model_type == "mixtral" else (
@@ -2804,6 +2820,8 @@ def _mlp_names(config: ModelConfig, p: str, kind: str = "weight") -> list[tuple[
 
 def _router_name(config: ModelConfig, p: str) -> str:
     """Layer p's router weight in a checkpoint of a mixture of experts."""
+    if config.model_type == "granitemoe":
+        return p + "block_sparse_moe.router.layer.weight"
     return p + ("block_sparse_moe" if config.model_type == "mixtral" else "mlp") + ".gate.weight"
 
 

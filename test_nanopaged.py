@@ -195,6 +195,13 @@ def llama_tensors(c, seed=0):
             shapes |= {p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,), p + "mlp.down_proj.bias": (C,)}
         if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
+        if c["model_type"] == "granitemoe":   # a router and E MLPs, stacked: gate and up, then down
+            for n in ("gate", "up", "down"):
+                del shapes[p + f"mlp.{n}_proj.weight"]
+            E = c["num_local_experts"]
+            shapes |= {p + "block_sparse_moe.router.layer.weight": (E, C),
+                       p + "block_sparse_moe.input_linear.weight": (E, 2 * I, C),
+                       p + "block_sparse_moe.output_linear.weight": (E, C, I)}
         if c["model_type"] in ("mixtral", "qwen3_moe", "olmoe"):   # a router and E MLPs, not one (Mixtral's names)
             for n in ("gate", "up", "down"):
                 del shapes[p + f"mlp.{n}_proj.weight"]
@@ -532,6 +539,12 @@ LLAMA_FAMILY_VARIANTS = {
     # OLMoE: Llama's norms, q/k norms across all heads, 4 experts of 80, 3 a token, not
     # renormalized; q, k and v clipped to +-1.5
     "olmoe": llama_config(model_type="olmoe", tied=False, num_experts=4, num_experts_per_tok=3, clip_qkv=1.5),
+    # Granite MoE (IBM's Granite 3.0 1B-A400M and 3B-A800M): Granite's four multipliers, 4
+    # experts of 24, 2 a token, their weights renormalized; its experts stacked in its checkpoint;
+    # q/k/v/o biases
+    "granitemoe": llama_config(model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2,
+                               intermediate_size=24, embedding_multiplier=12.0, residual_multiplier=0.22,
+                               attention_multiplier=0.3, logits_scaling=4.0, attention_bias=True),
     # OLMo 2: norms on the attention's and the MLP's outputs only; q and k each normalized
     # across all heads (GQA: k over its 2 heads)
     "olmo2": llama_config(model_type="olmo2", tied=False),
@@ -886,7 +899,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe", "qwen3_moe_window",
                      "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential", "gpt_neox_gelu_new", "phi",
-                     "opt", "opt_350m", "gptj")
+                     "opt", "opt_350m", "gptj", "granitemoe")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -1072,14 +1085,14 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None),
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
                                              ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None),
-                                             ("stablelm", None), ("gpt_neox", None), ("gpt_neox_sequential", None),
+                                             ("granitemoe", None), ("stablelm", None), ("gpt_neox", None), ("gpt_neox_sequential", None),
                                              ("phi", None), ("opt", None), ("opt_350m", None), ("gptj", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
     windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after), OLMo 3
     (three windowed layers in four, YaRN on the fourth alone), Granite (its multipliers) and
-    mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE), StableLM (LayerNorms), GPT-NeoX
+    mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE, Granite MoE), StableLM (LayerNorms), GPT-NeoX
     (parallel residual or not), Phi, GPT-J and OPT (LayerNorms before or after) through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
@@ -1963,7 +1976,7 @@ def test_bad_config(tmp_path):
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
-                                            r"gpt2, gpt_neox, gptj, granite, llama, ministral, mistral, mixtral, "
+                                            r"gpt2, gpt_neox, gptj, granite, granitemoe, llama, ministral, mistral, mixtral, "
                                             r"olmo2, olmo3, "
                                             r"olmoe, opt, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm\)"):
             load_model(tmp_path)
@@ -2117,6 +2130,10 @@ def test_the_expert_count_under_either_of_its_names(tmp_path):
         assert ModelConfig.from_dict(base).num_experts == default
         with pytest.raises(ModelError, match=f"^{own} 6 and {alias} 4 disagree: they name one field"):
             ModelConfig.from_dict(base | {own: 6, alias: 4})
+    # (GraniteMoeConfig has one name, and no alias: num_experts is no field of it)
+    granite = llama_config(model_type="granitemoe")
+    assert [ModelConfig.from_dict(granite | keys).num_experts
+            for keys in ({}, {"num_local_experts": 6}, {"num_experts": 6})] == [8, 6, 8]
     config = LLAMA_FAMILY_VARIANTS["qwen3_moe"]
     tensors = llama_tensors(config)
     hub, saved = tmp_path / "hub", tmp_path / "saved"
