@@ -1085,7 +1085,8 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None),
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
                                              ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None),
-                                             ("granitemoe", None), ("stablelm", None), ("gpt_neox", None), ("gpt_neox_sequential", None),
+                                             ("granitemoe", None), ("stablelm", None), ("gpt_neox", None),
+                                             ("gpt_neox_sequential", None),
                                              ("phi", None), ("opt", None), ("opt_350m", None), ("gptj", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
@@ -1976,7 +1977,8 @@ def test_bad_config(tmp_path):
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
-                                            r"gpt2, gpt_neox, gptj, granite, granitemoe, llama, ministral, mistral, mixtral, "
+                                            r"gpt2, gpt_neox, gptj, granite, granitemoe, llama, ministral, mistral, "
+                                            r"mixtral, "
                                             r"olmo2, olmo3, "
                                             r"olmoe, opt, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm\)"):
             load_model(tmp_path)
