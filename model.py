@@ -3825,10 +3825,12 @@ def _gguf_name(hf_name: str, names: dict = HF_TO_GGUF, split_experts: bool = Fal
 def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -> dict:
     """config.json's Gemma keys, as llama.cpp runs a Gemma 2 or 3 GGUF: its converter writes
     the window, Gemma 2's softcaps and Gemma 3's full layers' rope base (rope.freq_base), and
-    llama.cpp takes the rest as given: every other layer windowed (Gemma 2), or all but every
-    6th, turning by a rope base of 10,000, unscaled (Gemma 3); softcaps of 50 and 30 where a
-    Gemma 2 file has none; the scores scaled by head_dim^-1/2, but by (C / H)^-1/2 in the 27B
-    (46 layers of Gemma 2, 62 of Gemma 3). A Gemma 3 file without a window (or 0) has none."""
+    llama.cpp takes the rest as given unless the file says otherwise: every other layer
+    windowed (Gemma 2), or all but every 6th, turning by a rope base of 10,000, unscaled (Gemma
+    3; the layers and the base may be given, sliding_window_pattern and rope.freq_base_swa, as
+    a file written from a transformers 5 config has them); softcaps of 50 and 30 where a Gemma 2
+    file has none; the scores scaled by head_dim^-1/2, but by (C / H)^-1/2 in the 27B (46 layers
+    of Gemma 2, 62 of Gemma 3). A Gemma 3 file without a window (or 0) has none."""
     # (a Gemma 2 file without one, from an early converter: llama.cpp's default, 4096)
     window = meta.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None) or None
     if arch == "gemma2" and window is None:
@@ -3841,24 +3843,38 @@ def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -
     keys |= {key: meta[f"{arch}.{key}"] for key in ("attn_logit_softcapping", "final_logit_softcapping")
              if f"{arch}.{key}" in meta}
     if arch == "gemma3":
-        keys |= {"sliding_window_pattern": 6 if window else 1, "rope_local_base_freq": 10_000.0}
-    return keys
+        keys |= {"sliding_window_pattern": 6 if window else 1,
+                 "rope_local_base_freq": meta.get("gemma3.rope.freq_base_swa", 10_000.0)}
+    elif meta.get("gemma2.rope.freq_base_swa", c.rope_theta) != c.rope_theta:
+        raise ModelError(f"gemma2.rope.freq_base_swa {meta['gemma2.rope.freq_base_swa']!r} is not gemma2.rope.freq_base: "
+                         f"a Gemma 2 turns all its layers by one base")
+    return keys | (_gguf_window_pattern(meta, arch, default=2 if arch == "gemma2" else 6) if window else {})
 
 
-def _gguf_olmo3(gguf_path: Path, meta: dict) -> dict:
-    """config.json's OLMo 3 keys, as llama.cpp runs the OLMo 2 GGUF with a window that its
-    converter writes of one: the window; the windowed layers, a flag a layer
-    (sliding_window_pattern; by default, all but every 4th, as OLMo 3's own default); their RoPE
-    base, rope.freq_base_swa (by default, the full layers'; never scaled: _two_ropes). (A file
-    without rope.freq_base turns by llama.cpp's default base, 10,000, not OLMo 3's 500,000.)"""
-    keys = {"sliding_window": meta["olmo2.attention.sliding_window"],
-            "rope_theta": meta.get("olmo2.rope.freq_base", 10_000.0)}
-    pattern = meta.get("olmo2.attention.sliding_window_pattern", 4)
+def _gguf_window_pattern(meta: dict, arch: str, default: int) -> dict:
+    """config.json's windowed layers as llama.cpp reads them from a GGUF's
+    sliding_window_pattern: a flag a layer (layer_types), or a number n, all but every n-th
+    layer windowed (by default the family's own n, which config.json need not say; another, a
+    Gemma 3's sliding_window_pattern)."""
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", default)
     if isinstance(pattern, list) and all(isinstance(flag, bool) for flag in pattern):
-        keys["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
-    elif pattern != 4:
-        raise ModelError(f"{gguf_path}: olmo2.attention.sliding_window_pattern is {reprlib.repr(pattern)}, expected "
-                         f"a flag a layer, as llama.cpp's converter writes it (or 4, OLMo 3's default)")
+        return {"layer_types": ["sliding_attention" if flag else "full_attention" for flag in pattern]}
+    if arch == "gemma3" and _is_id(pattern) and pattern > 0:
+        return {"sliding_window_pattern": pattern}
+    if pattern != default:
+        raise ModelError(f"{arch}.attention.sliding_window_pattern is {reprlib.repr(pattern)}, expected a flag a "
+                         f"layer, as llama.cpp's converter writes it (or {default}, llama.cpp's default)")
+    return {}
+
+
+def _gguf_olmo3(meta: dict) -> dict:
+    """config.json's OLMo 3 keys, as llama.cpp runs the OLMo 2 GGUF with a window that its
+    converter writes of one: the window; the windowed layers (_gguf_window_pattern; by default,
+    all but every 4th, as OLMo 3's own default); their RoPE base, rope.freq_base_swa (by
+    default, the full layers'; never scaled: _two_ropes). (A file without rope.freq_base turns
+    by llama.cpp's default base, 10,000, not OLMo 3's 500,000.)"""
+    keys = {"sliding_window": meta["olmo2.attention.sliding_window"],
+            "rope_theta": meta.get("olmo2.rope.freq_base", 10_000.0)} | _gguf_window_pattern(meta, "olmo2", default=4)
     if (base := meta.get("olmo2.rope.freq_base_swa")) is not None:
         keys["rope_parameters"] = {"sliding_attention": {"rope_theta": _f32(base) if isinstance(base, float) else base}}
     return keys
@@ -4041,7 +4057,8 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
         config |= {key: _f32(meta[f"granite.{name}"]) for key, name in GGUF_GRANITE_KEYS.items()
                    if f"granite.{name}" in meta}
     if model_type == "olmo3":
-        config |= _gguf_olmo3(gguf_path, meta)
+        with _in_file(gguf_path):
+            config |= _gguf_olmo3(meta)
     for key in GGUF_SPECIAL_TOKENS.values():
         if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None and i >= len(tokens):
             raise ModelError(f"{gguf_path}: tokenizer.ggml.{key}_token_id {i} is past the vocab ({len(tokens)} tokens)")

@@ -12748,6 +12748,31 @@ def test_gguf_gemma_27b_is_told_by_its_own_familys_layer_count(arch, layers, big
     assert keys["query_pre_attn_scalar"] == (48 // 6 if big else 16)
 
 
+def test_gguf_gemma_windowed_layers_and_their_base_as_llama_cpp_reads_them():
+    """Where a Gemma file says which layers are windowed (sliding_window_pattern: a flag a
+    layer, or all but every n-th; a Gemma 2 only its own n, 2) and by which base they turn
+    (rope.freq_base_swa; by default a Gemma 3's 10,000), llama.cpp goes by it, and so does
+    the converted config; a Gemma 2 has one base for all its layers. Catches: the pattern or
+    the base read for one family only, or not at all."""
+    def keys(arch, **meta):
+        c = ModelConfig.from_dict(llama_config(model_type="gemma3_text" if arch == "gemma3" else arch, head_dim=16,
+                                               sliding_window=4, query_pre_attn_scalar=16))
+        return model_module._gguf_gemma({f"{arch}.attention.sliding_window": 4} | {
+            f"{arch}.{key.replace('__', '.')}": value for key, value in meta.items()}, arch, c, 16)
+
+    for arch in ("gemma2", "gemma3"):
+        assert keys(arch, attention__sliding_window_pattern=[False, True])["layer_types"] == [
+            "full_attention", "sliding_attention"]
+    assert (keys("gemma3")["rope_local_base_freq"], "layer_types" in keys("gemma3")) == (10_000.0, False)
+    three = keys("gemma3", attention__sliding_window_pattern=3, rope__freq_base_swa=5e4)
+    assert (three["sliding_window_pattern"], three["rope_local_base_freq"]) == (3, 5e4)
+    assert "layer_types" not in keys("gemma2", attention__sliding_window_pattern=2, rope__freq_base_swa=10_000.0)
+    with pytest.raises(ModelError, match=r"^gemma2.attention.sliding_window_pattern is 3, expected a flag a layer"):
+        keys("gemma2", attention__sliding_window_pattern=3)
+    with pytest.raises(ModelError, match=r"^gemma2.rope.freq_base_swa 50000.0 is not gemma2.rope.freq_base"):
+        keys("gemma2", rope__freq_base_swa=5e4)
+
+
 def test_olmo3_windowed_layers_with_a_base_of_their_own_get_a_second_rope():
     """OLMo 3 unscaled, whose rope_parameters give the windowed layers another rope_theta
     than the full ones: the windowed layers turn by theirs (rope_local_base_freq), as
