@@ -3846,8 +3846,8 @@ def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -
         keys |= {"sliding_window_pattern": 6 if window else 1,
                  "rope_local_base_freq": meta.get("gemma3.rope.freq_base_swa", 10_000.0)}
     elif meta.get("gemma2.rope.freq_base_swa", c.rope_theta) != c.rope_theta:
-        raise ModelError(f"gemma2.rope.freq_base_swa {meta['gemma2.rope.freq_base_swa']!r} is not gemma2.rope.freq_base: "
-                         f"a Gemma 2 turns all its layers by one base")
+        raise ModelError(f"gemma2.rope.freq_base_swa {meta['gemma2.rope.freq_base_swa']!r} is not "
+                         f"gemma2.rope.freq_base: a Gemma 2 turns all its layers by one base")
     return keys | (_gguf_window_pattern(meta, arch, default=2 if arch == "gemma2" else 6) if window else {})
 
 
