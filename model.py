@@ -160,11 +160,12 @@ MISTRALS = ("mistral", "ministral")
 # norms scaled in float32 (norm_layer), and RoPE tables kept in float32 (load_model).
 OLMOS = ("olmo2", "olmo3")
 # Granite (IBM's Granite 3) is Llama with four scalars of its own (ModelConfig's "Granite" fields).
-# Mixtral (Mistral's attention), Qwen 3 MoE (Qwen 3's), OLMoE (Llama's norms, OLMo's q/k
-# norms, its q, k and v clipped where clip_qkv says) and Granite MoE (Granite's, its experts
-# stacked in its checkpoint) replace each layer's MLP by a mixture of experts (SparseMoE).
+# Mixtral (Mistral's attention), Qwen 2 MoE (Qwen 2's; a shared expert too), Qwen 3 MoE (Qwen
+# 3's), OLMoE (Llama's norms, OLMo's q/k norms, its q, k and v clipped where clip_qkv says) and
+# Granite MoE (Granite's, its experts stacked in its checkpoint) replace each layer's MLP by a
+# mixture of experts (SparseMoE).
 GRANITES = ("granite", "granitemoe")
-MOES = ("mixtral", "qwen3_moe", "olmoe", "granitemoe")
+MOES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 # model_types that run on the Llama module below (with the differences ModelConfig notes),
 # and the values their HF config classes take where a config.json leaves a key out
@@ -184,6 +185,9 @@ LLAMA_FAMILY = {
                  "partial_rotary_factor": 0.25, "bos_token_id": 0, "eos_token_id": 0},
     "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
                 "num_key_value_heads": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 16, "sliding_window": 4096,
+                  "max_window_layers": 28, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632},
     "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768},
     "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "intermediate_size": 2048,
@@ -291,12 +295,15 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # A mixture of experts in every layer (Mixtral, Qwen 3 MoE, OLMoE; 0: a plain MLP): num_experts
-    # MLPs of intermediate_size, of which a router picks num_experts_per_tok for each token,
-    # weighted by its probabilities for them (renormalized to sum to 1 where norm_topk_prob)
+    # A mixture of experts in every layer (Mixtral, Qwen 2/3 MoE, OLMoE, Granite MoE; 0: a plain
+    # MLP): num_experts MLPs of intermediate_size, of which a router picks num_experts_per_tok
+    # for each token, weighted by its probabilities for them (renormalized to sum to 1 where
+    # norm_topk_prob); and Qwen 2 MoE's shared expert, an MLP of shared_expert_size every token
+    # goes through, its output scaled by a gate of its own (0: none)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = False
+    shared_expert_size: int = 0
     nope_layers: range | tuple = ()   # the layers whose attention has no RoPE (SmolLM3: every 4th)
     # Sliding-window attention: the windowed layers' query at position p sees only positions
     # p - sliding_window + 1 ..= p (HF's masks); the other layers see all of 0 ..= p.
@@ -407,9 +414,9 @@ class ModelConfig:
             max_position = _positive(d, "max_position_embeddings", default=2048)
             rope_theta, rope_scaling, partial = _rope_config(d_rope, model_type, head_dim, max_position)
             # The family's differences from Llama, as HF's modeling files hard-code them:
-            # Qwen 2 gives q, k and v a bias (not o); Llama's, Qwen 3's (MoE too), SmolLM3's,
-            # Gemma's, Granite's (MoE too) and OLMo's (OLMoE's) attention_bias gives all four one;
-            # StableLM's use_qkv_bias q, k and v; Mistral (Mixtral) has none. Llama's, SmolLM3's
+            # Qwen 2 gives q, k and v a bias (not o; Qwen 2 MoE where qkv_bias, by default); Llama's,
+            # Qwen 3's (MoE too), SmolLM3's, Gemma's, Granite's (MoE too) and OLMo's (OLMoE's)
+            # attention_bias gives all four one; StableLM's use_qkv_bias q, k and v; Mistral (Mixtral) has none. Llama's, SmolLM3's
             # and Granite's mlp_bias gives their MLP's three projections one. Qwen 3 and Gemma 3
             # normalize each head's q and k, OLMo (OLMoE) all of q and of k.
             attention_bias = (model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", *GRANITES, "olmoe", *GEMMAS,
@@ -425,7 +432,7 @@ class ModelConfig:
             fields = dict(
                 hidden_size=hidden, num_hidden_layers=_positive(d, "num_hidden_layers"),
                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                intermediate_size=_positive(d, "moe_intermediate_size" if model_type == "qwen3_moe"
+                intermediate_size=_positive(d, "moe_intermediate_size" if model_type in ("qwen2_moe", "qwen3_moe")
                                             else "intermediate_size"),
                 max_position_embeddings=max_position,
                 norm_eps=_positive(d, "layer_norm_eps" if model_type == "stablelm" else "rms_norm_eps", float, 1e-6),
@@ -433,6 +440,7 @@ class ModelConfig:
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings"),
                 qkv_bias=(attention_bias or model_type == "qwen2"
+                          or model_type == "qwen2_moe" and _flag(d, "qkv_bias", True)
                           or model_type == "stablelm" and _flag(d, "use_qkv_bias")),
                 o_bias=attention_bias, mlp_bias=mlp_bias, layer_norm=model_type == "stablelm",
                 qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text")
@@ -696,6 +704,7 @@ def _granite_fields(d: dict) -> dict:
 # there. Its attribute_map makes them one field: a config.json may hold either (Qwen 3 MoE's
 # hub configs say num_experts; transformers 5 saves them as num_local_experts).
 EXPERT_COUNT = {"mixtral": ("num_local_experts", "num_experts", 8),
+                "qwen2_moe": ("num_experts", None, 60),   # (Qwen2MoeConfig: one name)
                 "qwen3_moe": ("num_local_experts", "num_experts", 128),
                 "olmoe": ("num_experts", "num_local_experts", 64),
                 "granitemoe": ("num_local_experts", None, 8)}   # (GraniteMoeConfig: one name)
@@ -707,11 +716,14 @@ def _moe_fields(d: dict, model_type: str) -> dict:
       GraniteMoeConfig  the same (its weights a softmax over the top k's logits: one thing)
       Qwen3MoeConfig  num_experts of moe_intermediate_size; renormalized where norm_topk_prob
                       (false by default; its released models set it true)
+      Qwen2MoeConfig  the same, and a shared expert of shared_expert_intermediate_size (its
+                      released models leave norm_topk_prob false)
       OlmoeConfig     num_experts of intermediate_size; renormalized where norm_topk_prob
                       (its released models leave it false)
     (the expert count under either of its names: EXPERT_COUNT). Refused: both names with
     different counts (transformers keeps one or the other, by class), Qwen 3 MoE configs whose
-    layers are not all MoE (decoder_sparse_step, mlp_only_layers: no released one)."""
+    layers are not all MoE (decoder_sparse_step, mlp_only_layers: no released one; Qwen 2 MoE's
+    neither)."""
     own, alias, default = EXPERT_COUNT[model_type]
     given = [key for key in (own, alias) if d.get(key) is not None]
     if len(given) == 2 and d[own] != d[alias]:
@@ -721,12 +733,13 @@ def _moe_fields(d: dict, model_type: str) -> dict:
     k = _positive(d, "num_experts_per_tok")
     if k > experts:
         raise ModelError(f"num_experts_per_tok {k} exceeds the {experts} experts")
-    if model_type == "qwen3_moe" and (d.get("decoder_sparse_step", 1) != 1 or d.get("mlp_only_layers")):
+    if model_type in ("qwen2_moe", "qwen3_moe") and (d.get("decoder_sparse_step", 1) != 1 or d.get("mlp_only_layers")):
         raise ModelError(f"decoder_sparse_step {d.get('decoder_sparse_step')!r} / mlp_only_layers "
                          f"{reprlib.repr(d.get('mlp_only_layers'))} are not supported: nanopaged runs a mixture "
                          f"of experts in every layer (decoder_sparse_step 1, no mlp_only_layers)")
     return dict(num_experts=experts, num_experts_per_tok=k,
-                norm_topk_prob=model_type in ("mixtral", "granitemoe") or _flag(d, "norm_topk_prob"))
+                norm_topk_prob=model_type in ("mixtral", "granitemoe") or _flag(d, "norm_topk_prob"),
+                shared_expert_size=_positive(d, "shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0)
 
 
 def _two_ropes(d: dict, model_type: str) -> tuple[dict, dict]:
@@ -791,7 +804,7 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     then), and SmolLM3 with it or
     wherever its layer_types names "sliding_attention" (transformers' masks follow them even
     without); then the layers layer_types names so (by default, Qwen's from max_window_layers
-    on, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
+    on, Qwen 2 MoE's every other one below it, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
     (Gemma 3: 6), OLMo 3's all but every 4th. Llama, Granite, OLMo 2, OLMoE and StableLM have no window."""
     if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm")
@@ -815,7 +828,8 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
         first = d.get("max_window_layers")
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ModelError(f"'max_window_layers' is {first!r}, expected an integer >= 0")
-        windowed = range(min(first, layers), layers)
+        # (Qwen2MoeConfig's own rule: every other layer, from the first, below max_window_layers)
+        windowed = range(0, min(first, layers), 2) if model_type == "qwen2_moe" else range(min(first, layers), layers)
     elif not isinstance(kinds, list):
         raise ModelError(f"'layer_types' is {kinds!r}, expected a list")
     elif len(kinds) != layers or not set(kinds) <= {"full_attention", "sliding_attention"}:
@@ -2602,11 +2616,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); Gemma's GeGLU takes the tanh GELU of the gate."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, width: int | None = None):
         super().__init__()
+        I = width or config.intermediate_size   # (Qwen 2 MoE's shared expert: a width of its own)
         # gate and up read the same input: fused into one matmul like q/k/v above.
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * I, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(I, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
@@ -2615,19 +2630,23 @@ class LlamaMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A mixture of experts in place of the MLP (Mixtral, Qwen 3 MoE, OLMoE): E MLPs, the experts,
+    """A mixture of experts in place of the MLP (Mixtral, Qwen 2/3 MoE, OLMoE, Granite MoE): E MLPs, the experts,
     of which a router (a linear layer scoring each token against each expert) picks k (top_k)
     for every token. A token's output is the sum of its k experts' outputs, weighted by the
     router's softmax probabilities for them (over all E, in float32; renormalized to sum to 1
     over the k where norm_topk_prob). So a token costs k MLPs of the E held: a layer keeps
     E / k times the MLP weights that any one token is computed with. Each expert runs once a
-    step, on the rows of the tokens that chose it (a gather, its MLP, a scatter)."""
+    step, on the rows of the tokens that chose it (a gather, its MLP, a scatter). Qwen 2 MoE adds
+    a shared expert, which every token goes through, scaled by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)   # the router
         self.experts = nn.ModuleList(LlamaMLP(config) for _ in range(config.num_experts))
+        if config.shared_expert_size:
+            self.shared_expert = LlamaMLP(config, config.shared_expert_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         # (transformers weighs Mixtral's experts in float32, Qwen's and OLMoE's in the model's
         # dtype. Done as it does, a bfloat16 model's outputs have transformers' bits; in a
         # float32 model the two ways are one)
@@ -2647,7 +2666,10 @@ class SparseMoE(nn.Module):
             y[rows, slot] = self.experts[e](x[rows])                     # (n, C)
         # weighted and summed likeliest first, in the weights' dtype, as transformers' default
         # (grouped_mm) sums them
-        return (y * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)        # (T, C)
+        out = (y * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)         # (T, C)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)   # (T, 1) * (T, C)
+        return out
 
 
 class LlamaBlock(nn.Module):
@@ -2761,6 +2783,10 @@ class Llama(nn.Module):
                                p + "block_sparse_moe.output_linear.weight": (E, C, I)}
                 for _, (gate, up, down) in _mlp_names(config, p):
                     shapes |= {gate: (I, C), up: (I, C), down: (C, I)}
+                if S := config.shared_expert_size:   # (Qwen 2 MoE's shared expert, and its gate)
+                    x = p + "mlp.shared_expert."
+                    shapes |= {x + "gate_proj.weight": (S, C), x + "up_proj.weight": (S, C),
+                               x + "down_proj.weight": (C, S), p + "mlp.shared_expert_gate.weight": (1, C)}
             if config.qkv_bias:
                 shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)}
@@ -2793,6 +2819,11 @@ class Llama(nn.Module):
                 for name, (gate, up, down) in _mlp_names(config, p, kind):
                     state[f"layers.{i}.{name}.gate_up_proj.{kind}"] = torch.cat([hf.pop(gate), hf.pop(up)])  # (2 I, C)
                     state[f"layers.{i}.{name}.down_proj.{kind}"] = hf.pop(down)
+            if config.shared_expert_size:   # (its gate keeps its name, below)
+                x = f"{p}mlp.shared_expert."
+                state[f"layers.{i}.mlp.shared_expert.gate_up_proj.weight"] = torch.cat(
+                    [hf.pop(x + "gate_proj.weight"), hf.pop(x + "up_proj.weight")])   # (2 S, C)
+                state[f"layers.{i}.mlp.shared_expert.down_proj.weight"] = hf.pop(x + "down_proj.weight")
             if config.model_type == "granitemoe":   # each expert a slice of the stacks, as the module holds it
                 gate_up, down = (hf.pop(f"{p}block_sparse_moe.{n}_linear.weight") for n in ("input", "output"))
                 for e in range(config.num_experts):   # (2 I, C) and (C, I): views, no copy

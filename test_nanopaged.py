@@ -186,7 +186,8 @@ def llama_tensors(c, seed=0):
                    p + "self_attn.v_proj.weight": (kv, C), p + "self_attn.o_proj.weight": (C, q),
                    p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
                    p + "mlp.down_proj.weight": (C, I)}
-        if c["model_type"] == "qwen2" or c.get("attention_bias") or c.get("use_qkv_bias"):
+        if (c["model_type"] == "qwen2" or c.get("attention_bias") or c.get("use_qkv_bias")
+                or c["model_type"] == "qwen2_moe" and c.get("qkv_bias", True)):
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
         if c.get("attention_bias"):
@@ -202,7 +203,7 @@ def llama_tensors(c, seed=0):
             shapes |= {p + "block_sparse_moe.router.layer.weight": (E, C),
                        p + "block_sparse_moe.input_linear.weight": (E, 2 * I, C),
                        p + "block_sparse_moe.output_linear.weight": (E, C, I)}
-        if c["model_type"] in ("mixtral", "qwen3_moe", "olmoe"):   # a router and E MLPs, not one (Mixtral's names)
+        if c["model_type"] in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):   # a router and E MLPs, not one
             for n in ("gate", "up", "down"):
                 del shapes[p + f"mlp.{n}_proj.weight"]
             mixtral = c["model_type"] == "mixtral"
@@ -214,6 +215,10 @@ def llama_tensors(c, seed=0):
                 x = f"{p}{moe}.experts.{e}."
                 shapes |= {x + gate + ".weight": (width, C), x + up + ".weight": (width, C),
                            x + down + ".weight": (C, width)}
+            if S := c.get("shared_expert_intermediate_size"):   # (Qwen 2 MoE's shared expert and its gate)
+                x = p + "mlp.shared_expert."
+                shapes |= {x + "gate_proj.weight": (S, C), x + "up_proj.weight": (S, C), x + "down_proj.weight": (C, S),
+                           p + "mlp.shared_expert_gate.weight": (1, C)}
         if olmo or c["model_type"] == "olmoe":   # (q and k normalized across all heads)
             shapes |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)}
         if c["model_type"] in ("gemma2", "gemma3_text"):
@@ -536,6 +541,16 @@ LLAMA_FAMILY_VARIANTS = {
                                      moe_intermediate_size=16, use_sliding_window=True, sliding_window=4),
     "mixtral": llama_config(model_type="mixtral", tied=False, num_local_experts=3, num_experts_per_tok=2,
                             sliding_window=5),
+    # Qwen 2 MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen 2's q/k/v biases, 5 experts of 16, 2 a
+    # token, not renormalized, and a shared expert of 40 every token goes through, gated; then
+    # windowed as its config class windows by default (every other layer below max_window_layers),
+    # without biases, renormalized
+    "qwen2_moe": llama_config(model_type="qwen2_moe", tied=False, num_experts=5, num_experts_per_tok=2,
+                              moe_intermediate_size=16, shared_expert_intermediate_size=40),
+    "qwen2_moe_window": llama_config(model_type="qwen2_moe", num_hidden_layers=4, num_experts=3, num_experts_per_tok=2,
+                                     moe_intermediate_size=16, shared_expert_intermediate_size=24, qkv_bias=False,
+                                     norm_topk_prob=True, use_sliding_window=True, sliding_window=4,
+                                     max_window_layers=3),
     # OLMoE: Llama's norms, q/k norms across all heads, 4 experts of 80, 3 a token, not
     # renormalized; q, k and v clipped to +-1.5
     "olmoe": llama_config(model_type="olmoe", tied=False, num_experts=4, num_experts_per_tok=3, clip_qkv=1.5),
@@ -899,7 +914,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe", "qwen3_moe_window",
                      "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential", "gpt_neox_gelu_new", "phi",
-                     "opt", "opt_350m", "gptj", "granitemoe")
+                     "opt", "opt_350m", "gptj", "granitemoe", "qwen2_moe")
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -1085,7 +1100,8 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("phi3_longrope_partial", None), ("gemma3", 10), ("gemma3_scaled", None),
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
                                              ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None),
-                                             ("granitemoe", None), ("stablelm", None), ("gpt_neox", None),
+                                             ("granitemoe", None), ("qwen2_moe_window", 10), ("stablelm", None),
+                                             ("gpt_neox", None),
                                              ("gpt_neox_sequential", None),
                                              ("phi", None), ("opt", None), ("opt_350m", None), ("gptj", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
@@ -1093,7 +1109,8 @@ def test_llama_family_in_the_engine(tmp_path, variant, window):
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
     windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after), OLMo 3
     (three windowed layers in four, YaRN on the fourth alone), Granite (its multipliers) and
-    mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE, Granite MoE), StableLM (LayerNorms), GPT-NeoX
+    mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE, Granite MoE, Qwen 2 MoE windowed, its shared
+    expert), StableLM (LayerNorms), GPT-NeoX
     (parallel residual or not), Phi, GPT-J and OPT (LayerNorms before or after) through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
@@ -1980,7 +1997,8 @@ def test_bad_config(tmp_path):
                                             r"gpt2, gpt_neox, gptj, granite, granitemoe, llama, ministral, mistral, "
                                             r"mixtral, "
                                             r"olmo2, olmo3, "
-                                            r"olmoe, opt, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm\)"):
+                                            r"olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, "
+                                            r"stablelm\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
@@ -2109,8 +2127,13 @@ def test_mixture_of_experts_configs_are_read_or_refused(tmp_path):
                          ({"decoder_sparse_step": 2}, "decoder_sparse_step 2 / mlp_only_layers None are not supported"),
                          ({"mlp_only_layers": [0]}, r"mlp_only_layers \[0\] are not supported"),
                          ({"num_experts": 0}, "'num_experts' is 0, expected a positive integer")]:
-        with pytest.raises(ModelError, match=message):
-            ModelConfig.from_dict(qwen | bad)
+        for config in (qwen, LLAMA_FAMILY_VARIANTS["qwen2_moe"] | {"num_experts": 4}):   # (Qwen 2 MoE's alike)
+            with pytest.raises(ModelError, match=message):
+                ModelConfig.from_dict(config | bad)
+    # Qwen 2 MoE's shared expert: its width required (its class's default where left out)
+    c = ModelConfig.from_dict({k: v for k, v in LLAMA_FAMILY_VARIANTS["qwen2_moe"].items()
+                               if k != "shared_expert_intermediate_size"})
+    assert (c.shared_expert_size, c.intermediate_size, c.qkv_bias, c.norm_topk_prob) == (5632, 16, True, False)
     start = time.perf_counter()
     with pytest.raises(ModelError, match=r"the weights \(3,504,000,012,416,000,009,744 parameters .* more than all"):
         load_model(tiny_llama_dir(tmp_path, **qwen | {"num_hidden_layers": 10**9, "num_experts": 10**9}), dummy=True)
@@ -2132,10 +2155,12 @@ def test_the_expert_count_under_either_of_its_names(tmp_path):
         assert ModelConfig.from_dict(base).num_experts == default
         with pytest.raises(ModelError, match=f"^{own} 6 and {alias} 4 disagree: they name one field"):
             ModelConfig.from_dict(base | {own: 6, alias: 4})
-    # (GraniteMoeConfig has one name, and no alias: num_experts is no field of it)
-    granite = llama_config(model_type="granitemoe")
-    assert [ModelConfig.from_dict(granite | keys).num_experts
-            for keys in ({}, {"num_local_experts": 6}, {"num_experts": 6})] == [8, 6, 8]
+    # (GraniteMoeConfig and Qwen2MoeConfig have one name each, and no alias)
+    for model_type, own, alias, default in (("granitemoe", "num_local_experts", "num_experts", 8),
+                                            ("qwen2_moe", "num_experts", "num_local_experts", 60)):
+        base = llama_config(model_type=model_type)
+        assert [ModelConfig.from_dict(base | keys).num_experts for keys in ({}, {own: 6}, {alias: 6})] == [
+            default, 6, default]
     config = LLAMA_FAMILY_VARIANTS["qwen3_moe"]
     tensors = llama_tensors(config)
     hub, saved = tmp_path / "hub", tmp_path / "saved"
