@@ -416,9 +416,10 @@ class ModelConfig:
             # The family's differences from Llama, as HF's modeling files hard-code them:
             # Qwen 2 gives q, k and v a bias (not o; Qwen 2 MoE where qkv_bias, by default); Llama's,
             # Qwen 3's (MoE too), SmolLM3's, Gemma's, Granite's (MoE too) and OLMo's (OLMoE's)
-            # attention_bias gives all four one; StableLM's use_qkv_bias q, k and v; Mistral (Mixtral) has none. Llama's, SmolLM3's
-            # and Granite's mlp_bias gives their MLP's three projections one. Qwen 3 and Gemma 3
-            # normalize each head's q and k, OLMo (OLMoE) all of q and of k.
+            # attention_bias gives all four one; StableLM's use_qkv_bias q, k and v; Mistral
+            # (Mixtral) has none. Llama's, SmolLM3's and Granite's mlp_bias gives their MLP's three
+            # projections one. Qwen 3 and Gemma 3 normalize each head's q and k, OLMo (OLMoE) all
+            # of q and of k.
             attention_bias = (model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", *GRANITES, "olmoe", *GEMMAS,
                                             *OLMOS) and _flag(d, "attention_bias"))
             mlp_bias = model_type in ("llama", "smollm3", "granite") and _flag(d, "mlp_bias")
