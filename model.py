@@ -3584,7 +3584,9 @@ HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",   # (Phi-3's fused ones)
               "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",   # (a mixture's router)
               "model.final_layernorm": "output_norm", "self_attn.dense": "attn_output",   # (Phi-2's names)
-              "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
+              "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",   # (Qwen 2
+              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}   # MoE's)
 # q, k and v fused into one tensor (q's rows, k's, v's), as Phi-2 GGUFs converted before its HF
 # checkpoint (January 2024) hold them
 GGUF_FUSED_QKV = {"self_attn.q_proj": "attn_qkv", "self_attn.k_proj": "attn_qkv", "self_attn.v_proj": "attn_qkv"}
@@ -3609,10 +3611,10 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "stablelm": "StableLmForCausalLM",
-                      "phi2": "PhiForCausalLM"}
-GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "phi2": "phi"}
+                      "phi2": "PhiForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "phi2": "phi", "qwen2moe": "qwen2_moe"}
 GGUF_LAYER_NORMS = ("stablelm", "phi2")   # (LayerNorms, their epsilon under attention.layer_norm_epsilon)
-GGUF_MOE_ARCHITECTURES = ("llama", "qwen3moe", "olmoe")
+GGUF_MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "olmoe")
 GGUF_PERMUTED = ("llama", "smollm3", "granite")
 # Granite's multipliers: the GGUF key each is read from (after "granite."; llama.cpp's
 # converter writes only those config.json sets to a nonzero number, leaving out one absent,
@@ -3630,9 +3632,10 @@ GGUF_CONFIG_KEYS = {"hidden_size": ("embedding_length", True), "intermediate_siz
                     "head_dim": ("attention.key_length", False), "max_position_embeddings": ("context_length", True),
                     "rms_norm_eps": ("attention.layer_norm_rms_epsilon", True), "rope_theta": ("rope.freq_base", False)}
 # a mixture of experts' (all required): the expert count under either of its names (EXPERT_COUNT), the
-# experts a token is given, and Qwen 3 MoE's expert width
+# experts a token is given, and Qwen 2 and 3 MoE's expert width, Qwen 2 MoE's shared expert's
 GGUF_MOE_KEYS = {"num_local_experts": "expert_count", "num_experts": "expert_count",
-                 "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length"}
+                 "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length",
+                 "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
 # (and some architectures' only: Phi-3's and OLMo 3's window, OLMo 3's windowed layers, LayerNorms' epsilon)
 GGUF_MORE_KEYS = {"sliding_window": "attention.sliding_window", "layer_types": "attention.sliding_window_pattern",
                   "layer_norm_eps": "attention.layer_norm_epsilon"}
@@ -4075,12 +4078,15 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
     if arch in ("stablelm", "phi2"):   # (their configs turn a quarter, a half of each head by default; llama.cpp
         config["partial_rotary_factor"] = 1.0   # all of it, unless rope.dimension_count says less: _gguf_rope)
     if model_type in MOES:
-        moe_keys = (EXPERT_COUNT[model_type][0], "num_experts_per_tok") + ("moe_intermediate_size",) * (
-            model_type == "qwen3_moe")
+        moe_keys = ((EXPERT_COUNT[model_type][0], "num_experts_per_tok")
+                    + ("moe_intermediate_size",) * (model_type in ("qwen2_moe", "qwen3_moe"))
+                    + ("shared_expert_intermediate_size",) * (model_type == "qwen2_moe"))
         config |= {key: _gguf_need(gguf_path, meta, f"{arch}.{GGUF_MOE_KEYS[key]}") for key in moe_keys}
         # (llama.cpp renormalizes the top-k weights of a Mixtral and a Qwen 3 MoE, whatever the
-        # original config said, and never an OLMoE's)
-        config["norm_topk_prob"] = model_type != "olmoe"
+        # original config said, and never an OLMoE's or a Qwen 2 MoE's)
+        config["norm_topk_prob"] = model_type not in ("olmoe", "qwen2_moe")
+        if model_type == "qwen2_moe":   # (q, k and v biases: Qwen 2's, where the file has them)
+            config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
     if gemma:   # (its window and the layers it covers: _gguf_gemma, below; the family's default till then)
         del config["sliding_window"]
     else:   # (Phi-2's, transformers' gelu_new: llama.cpp's GELU, tanh's approximation)

@@ -3641,7 +3641,7 @@ def rewrite_gguf(src, dst, change, meta=None):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2", "olmo3", "stablelm", "phi2", "mixtral",
-                                  "qwen3moe", "olmoe"])
+                                  "qwen2moe", "qwen3moe", "olmoe"])
 def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     """GGUFs that llama.cpp's own converter wrote from tiny models: the weights (Qwen 2's q/k/v
     biases, its Q and K rows as HF's, its tied embeddings; Qwen 3's q/k norms and head_dim;
@@ -3652,7 +3652,8 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     biases, a quarter of each head turned; Phi-2's, on GPT-NeoX's module, 40% of each head turned,
     its GELU tanh's; the mixtures' experts, stacked by the converter, each its own again, and
     their routers: a Mixtral's, a llama with experts, its Q and K rows permuted; a Qwen 3 MoE's
-    narrower experts; an OLMoE's top-2 weights left unnormalized) give the logits transformers
+    narrower experts; an OLMoE's top-2 weights left unnormalized; a Qwen 2 MoE's shared expert and its
+    gate, its q/k/v biases) give the logits transformers
     computed before the conversion, to float16's rounding (the mixtures' weights were rounded to
     float16 before theirs were computed: closer still); the tokenizer (NFC, Qwen 2's regex, added
     tokens) encodes as Hugging Face's does."""
@@ -3665,12 +3666,13 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
         "olmo3": ("olmo3", False, "all", False, 8, True), "stablelm": ("stablelm", True, None, False, 8, False),
         "phi2": ("phi", True, None, False, 10, False),
         "mixtral": ("mixtral", False, None, False, 8, False), "qwen3moe": ("qwen3_moe", False, "head", True, 8, False),
+        "qwen2moe": ("qwen2_moe", True, None, False, 8, False),
         "olmoe": ("olmoe", False, "all", False, 8, False)}[name]
     assert (c.embedding_multiplier, c.residual_multiplier, c.attn_scale, c.logits_scaling) == (
         (12.0, 0.22, 0.3, 4.0) if name == "granite" else (1.0, 1.0, c.head_dim ** -0.5, 1.0))
-    assert (c.num_experts, c.num_experts_per_tok, c.intermediate_size, c.norm_topk_prob) == {
-        "mixtral": (4, 2, 64, True), "qwen3moe": (4, 2, 24, True), "olmoe": (4, 2, 64, False)}.get(
-        name, (0, 0, 160 if name == "phi2" else 64, False))
+    assert (c.num_experts, c.num_experts_per_tok, c.intermediate_size, c.norm_topk_prob, c.shared_expert_size) == {
+        "mixtral": (4, 2, 64, True, 0), "qwen3moe": (4, 2, 24, True, 0), "olmoe": (4, 2, 64, False, 0),
+        "qwen2moe": (4, 2, 24, False, 40)}.get(name, (0, 0, 160 if name == "phi2" else 64, False, 0))
     assert (c.sliding_window, tuple(i for i in range(c.num_hidden_layers) if i in c.window_layers)) == (
         (4, (0, 2, 3)) if name == "olmo3" else (None, ()))
     assert (c.layer_norm, c.rotary_dim, c.norm_eps, c.hidden_act) == {
@@ -3998,7 +4000,9 @@ def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, al
     ({"meta": [("split.count", "2")]}, "GGUF metadata 'split.count' is '2', not a number of files"),
     # a mixture of experts: Mixtral's (a llama with experts), Qwen 3 MoE's and OLMoE's, no other
     ({"arch": "qwen2", "experts": 4}, r"a mixture-of-experts qwen2 \(qwen2.expert_count 4\) is not supported "
-                                      r"\(supported: llama, qwen3moe, olmoe\)"),
+                                      r"\(supported: llama, qwen2moe, qwen3moe, olmoe\)"),
+    ({"arch": "qwen2moe", "experts": 4, "meta": [("qwen2moe.expert_feed_forward_length", 32)]},
+     "GGUF metadata has no 'qwen2moe.expert_shared_feed_forward_length'"),
     ({"experts": 4, "experts_used": None}, "GGUF metadata has no 'llama.expert_used_count'"),
     ({"experts": 4, "experts_used": 5}, r"num_experts_per_tok 5 exceeds the 4 experts \(num_experts_per_tok from "
                                         r"llama.expert_used_count\)$"),
@@ -4125,7 +4129,7 @@ def test_a_whole_dense_gguf_loads_whatever_its_split_and_expert_counts_say(tmp_p
     the keys: llama-gguf-split --merge writes split.count 0, a lone file may say 1, and dense
     models' converters often write expert_count 0 (a llama: no Mixtral). And a Mixtral's
     stacks of experts count as the tensors a HF checkpoint holds for them (its layers' tensors,
-    counted before they are read: 3 stacks a layer for a checkpoint's 3 x 4)."""
+    counted before they are read: 3 stacks a layer for a checkpoint's 3 x 4). And a Qwen 2 MoE's."""
     for meta in ([("split.count", 0)], [("split.count", 1), ("split.no", 0)], [("llama.expert_count", 0)]):
         path = write_gguf(tmp_path / f"{meta[0][0]}{meta[0][1]}.gguf", meta=meta)
         assert load_model(path).config.num_hidden_layers == 1 and not load_model(path).config.num_experts
@@ -4135,6 +4139,13 @@ def test_a_whole_dense_gguf_loads_whatever_its_split_and_expert_counts_say(tmp_p
     # an early Mixtral GGUF (blk.N.ffn_gate.E.weight...): the same model
     split = load_model(write_gguf(tmp_path / "split.gguf", L=3, experts=4, split_experts=True))
     assert torch.equal(forward_all(split, IDS), forward_all(mixtral, IDS))
+    # a Qwen 2 MoE's shared expert (8 wide) and its gate; no q/k/v biases, which its config has by default
+    shared = [(f"blk.{i}.{name}.weight", shape) for i in range(2) for name, shape in (
+        ("ffn_gate_shexp", (8, 16)), ("ffn_up_shexp", (8, 16)), ("ffn_down_shexp", (16, 8)),
+        ("ffn_gate_inp_shexp", (1, 16)))]
+    c = load_model(write_gguf(tmp_path / "qwen2moe.gguf", arch="qwen2moe", L=2, experts=4, extra=shared, meta=[
+        ("qwen2moe.expert_feed_forward_length", 32), ("qwen2moe.expert_shared_feed_forward_length", 8)])).config
+    assert (c.model_type, c.qkv_bias, c.shared_expert_size, c.intermediate_size) == ("qwen2_moe", False, 8, 32)
 
 
 def test_a_gguf_whose_tokenizer_cannot_be_used_is_named_and_not_cached(tmp_path, own_cache):
