@@ -3585,8 +3585,9 @@ HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",   # (a mixture's router)
               "model.final_layernorm": "output_norm", "self_attn.dense": "attn_output",   # (Phi-2's names)
               "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
-              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",   # (Qwen 2
-              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}   # MoE's)
+              # (Qwen 2 MoE's shared expert, and its gate)
+              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 # q, k and v fused into one tensor (q's rows, k's, v's), as Phi-2 GGUFs converted before its HF
 # checkpoint (January 2024) hold them
 GGUF_FUSED_QKV = {"self_attn.q_proj": "attn_qkv", "self_attn.k_proj": "attn_qkv", "self_attn.v_proj": "attn_qkv"}
