@@ -24,11 +24,12 @@ binding with the host C++ compiler) and caches the result under
 or flag changes.
 
     python build_ext.py --check   # nvcc-only compile for sm_80 and sm_90, warnings
-                                  # as errors, a registers/smem/spills table; then the
+                                  # as errors, a registers/smem/spills table; the
                                   # binding: under a CUDA build of torch the real
-                                  # extension is built, linked and imported, else the
-                                  # binding is syntax-checked. No GPU needed (CI runs
-                                  # it under both torch builds)
+                                  # extension is built, linked and imported once nvcc
+                                  # passed, else the binding is syntax-checked beside
+                                  # the compiles. No GPU needed (CI runs it under both
+                                  # torch builds)
     python build_ext.py --build   # build and load the extension, timed
 
 load_kernels(emulate=True) builds the same kernels.cu and binding for the CPU
@@ -42,7 +43,7 @@ kernels_cpu.c, the CPU's decode kernel, is built apart, with the system's C comp
     kernel.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                             seqs, scale, out, window=None, softcap=None)
 
---check compiles it first, with warnings as errors.
+--check compiles it too, with warnings as errors.
 """
 
 import concurrent.futures
@@ -1190,6 +1191,7 @@ def check_cpu(pool: concurrent.futures.Executor) -> int:
         compiles = [pool.submit(compile_cpu_kernels, cc, str(Path(tmp) / f"kernels_cpu_{arch}.so"),
                                 [*CPU_CHECK_FLAGS, f"-march={arch}"])   # (a later -march overrides CPU_CFLAGS' own)
                     for arch in archs]
+        concurrent.futures.wait(compiles)   # (all of them done before their directory is removed)
         for arch, compiled in zip(archs, compiles):
             try:
                 compiled.result()

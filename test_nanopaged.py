@@ -1101,9 +1101,8 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
                                              ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None),
                                              ("granitemoe", None), ("qwen2_moe_window", 10), ("stablelm", None),
-                                             ("gpt_neox", None),
-                                             ("gpt_neox_sequential", None),
-                                             ("phi", None), ("opt", None), ("opt_350m", None), ("gptj", None)])
+                                             ("gpt_neox", None), ("gpt_neox_sequential", None), ("phi", None),
+                                             ("opt", None), ("opt_350m", None), ("gptj", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
     """Qwen 3 (q/k norms, biases), windowed models, SmolLM3 (a NoPE layer, windowed),
     LongRoPE on part of each head, Gemma 3 (its attention's own scale, a local RoPE in its
@@ -1995,10 +1994,8 @@ def test_bad_config(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
                                             r"gpt2, gpt_neox, gptj, granite, granitemoe, llama, ministral, mistral, "
-                                            r"mixtral, "
-                                            r"olmo2, olmo3, "
-                                            r"olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, "
-                                            r"stablelm\)"):
+                                            r"mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, "
+                                            r"qwen3_moe, smollm3, stablelm\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
@@ -2110,10 +2107,11 @@ def test_granite_config_takes_its_multipliers_as_transformers_does():
 
 def test_mixture_of_experts_configs_are_read_or_refused(tmp_path):
     """Qwen 3 MoE reads its experts' width from moe_intermediate_size and renormalizes only
-    with norm_topk_prob (its class's default: not); Mixtral always, its width intermediate_size.
-    Refused, by name: more experts a token than there are, layers without experts (Qwen's
-    decoder_sparse_step, mlp_only_layers); a config that claims a billion experts is refused by
-    its size at once, before a list of their tensors is made."""
+    with norm_topk_prob (its class's default: not); Mixtral always, its width intermediate_size;
+    Qwen 2 MoE as Qwen 3 MoE, with q/k/v biases and a shared expert by default. Refused, by name:
+    more experts a token than there are, layers without experts (Qwen's decoder_sparse_step,
+    mlp_only_layers); a config that claims a billion experts is refused by its size at once,
+    before a list of their tensors is made."""
     c = ModelConfig.from_dict(llama_config(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                                            moe_intermediate_size=24))
     assert (c.num_experts, c.num_experts_per_tok, c.intermediate_size, c.norm_topk_prob, c.qk_norm) == (
@@ -2130,7 +2128,7 @@ def test_mixture_of_experts_configs_are_read_or_refused(tmp_path):
         for config in (qwen, LLAMA_FAMILY_VARIANTS["qwen2_moe"] | {"num_experts": 4}):   # (Qwen 2 MoE's alike)
             with pytest.raises(ModelError, match=message):
                 ModelConfig.from_dict(config | bad)
-    # Qwen 2 MoE's shared expert: its width required (its class's default where left out)
+    # Qwen 2 MoE's shared expert: its width, its class's default (5632) where left out
     c = ModelConfig.from_dict({k: v for k, v in LLAMA_FAMILY_VARIANTS["qwen2_moe"].items()
                                if k != "shared_expert_intermediate_size"})
     assert (c.shared_expert_size, c.intermediate_size, c.qkv_bias, c.norm_topk_prob) == (5632, 16, True, False)
@@ -2144,7 +2142,8 @@ def test_the_expert_count_under_either_of_its_names(tmp_path):
     """transformers' MoE config classes take num_experts and num_local_experts as one field
     (attribute_map), and transformers 5 saves a Qwen 3 MoE's as num_local_experts (the hub's
     configs say num_experts): a checkpoint it saved loads, its logits those of the same
-    weights under the other name. Either name for each family; the class's default where
+    weights under the other name. Either name for each family that has two (Granite MoE's and
+    Qwen 2 MoE's classes have one: the other is no field of theirs); the class's default where
     neither is given; both with different counts refused, naming both."""
     for model_type, own, alias, default in (("qwen3_moe", "num_local_experts", "num_experts", 128),
                                             ("mixtral", "num_local_experts", "num_experts", 8),
@@ -3998,7 +3997,7 @@ def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, al
      "part 1 of a 2-file split GGUF \\(split.count 2\\): merge the parts into one file with llama.cpp's "
      "`llama-gguf-split --merge FIRST_PART.gguf MERGED.gguf`"),
     ({"meta": [("split.count", "2")]}, "GGUF metadata 'split.count' is '2', not a number of files"),
-    # a mixture of experts: Mixtral's (a llama with experts), Qwen 3 MoE's and OLMoE's, no other
+    # a mixture of experts: Mixtral's (a llama with experts), Qwen 2 and 3 MoE's and OLMoE's, no other
     ({"arch": "qwen2", "experts": 4}, r"a mixture-of-experts qwen2 \(qwen2.expert_count 4\) is not supported "
                                       r"\(supported: llama, qwen2moe, qwen3moe, olmoe\)"),
     ({"arch": "qwen2moe", "experts": 4, "meta": [("qwen2moe.expert_feed_forward_length", 32)]},
@@ -4011,11 +4010,11 @@ def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, al
     ({"experts": 4, "extra": [("blk.0.ffn_down_exps.weight", (4, 32, 16))]},
      r"tensor 'blk.0.ffn_down_exps.weight' has shape \(4, 32, 16\), expected \(4, 16, 32\)"),
     ({"experts": 4, "skip": ["blk.0.ffn_up_exps.weight"]}, "tensor 'blk.0.ffn_up_exps.weight' is missing"),
-    # llama.cpp converts OLMo 3 as an OLMo 2 with a window, and a flag a layer for the windowed ones
     # a StableLM's LayerNorms' epsilon; its 12B's parallel layers, without a norm before the MLP
     ({"arch": "stablelm"}, "GGUF metadata has no 'stablelm.attention.layer_norm_epsilon'"),
     ({"arch": "stablelm", "meta": [("stablelm.attention.layer_norm_epsilon", 1e-5)], "skip": ["blk.0.ffn_norm.weight"]},
      "use_parallel_residual = true is not supported for stablelm"),
+    # llama.cpp converts OLMo 3 as an OLMo 2 with a window, and a flag a layer for the windowed ones
     ({"arch": "olmo2", "window": 4, "meta": [("olmo2.attention.sliding_window_pattern", 2)]},
      "olmo2.attention.sliding_window_pattern is 2, expected a flag a layer, as llama.cpp's converter writes it"),
     ({"arch": "olmo2", "window": 4, "meta": [("olmo2.attention.sliding_window_pattern", [True, False])]},
@@ -4136,6 +4135,8 @@ def test_a_whole_dense_gguf_loads_whatever_its_split_and_expert_counts_say(tmp_p
     mixtral = load_model(write_gguf(tmp_path / "mixtral.gguf", L=3, experts=4))
     c = mixtral.config
     assert (c.model_type, c.num_hidden_layers, c.num_experts, c.num_experts_per_tok) == ("mixtral", 3, 4, 2)
+    # a stack of one expert (a Mixtral of 1, which its config allows): that expert, (I, C) as HF holds it
+    assert load_model(write_gguf(tmp_path / "one.gguf", experts=1, experts_used=1)).config.num_experts == 1
     # an early Mixtral GGUF (blk.N.ffn_gate.E.weight...): the same model
     split = load_model(write_gguf(tmp_path / "split.gguf", L=3, experts=4, split_experts=True))
     assert torch.equal(forward_all(split, IDS), forward_all(mixtral, IDS))
