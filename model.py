@@ -3560,7 +3560,7 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------
 # GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-2/3, SmolLM3, Gemma 2/3, Granite, OLMo 2/3
-# and StableLM GGUF files, and the mixtures of experts Mixtral, Qwen 2/3 MoE and OLMoE
+# and StableLM GGUF files, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
 # first load converts it once into an ordinary HF-layout directory in the cache: config.json,
@@ -3606,7 +3606,7 @@ GGUF_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_
 # model_type where that is another name (two more llama.cpp writes under another's name:
 # _gguf_config). llama.cpp rotates Llama's RoPE pairs as neighbours, so its converter permuted
 # Llama's Q and K rows (see _unpermute; a Mixtral's too, a llama file), and SmolLM3's and
-# Granite's, which it converts as a Llama's; Qwen's (MoE too), Phi-2's and Phi-3's, Gemma's,
+# Granite's (MoE too), which it converts as a Llama's; Qwen's (MoE too), Phi-2's and Phi-3's, Gemma's,
 # OLMo's, OLMoE's and StableLM's it rotates as HF does ("NEOX"), and stores them as they are.
 # (A SmolLM3 GGUF does not say which layers go without RoPE: llama.cpp takes every 4th, as
 # SmolLM3Config's default does.)
@@ -3614,11 +3614,12 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "stablelm": "StableLmForCausalLM",
-                      "phi2": "PhiForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}
+                      "phi2": "PhiForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                      "granitemoe": "GraniteMoeForCausalLM"}
 GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "phi2": "phi", "qwen2moe": "qwen2_moe"}
 GGUF_LAYER_NORMS = ("stablelm", "phi2")   # (LayerNorms, their epsilon under attention.layer_norm_epsilon)
-GGUF_MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "olmoe")
-GGUF_PERMUTED = ("llama", "smollm3", "granite")
+GGUF_MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "olmoe", "granitemoe")
+GGUF_PERMUTED = ("llama", "smollm3", "granite", "granitemoe")
 # Granite's multipliers: the GGUF key each is read from (after "granite."; llama.cpp's
 # converter writes only those config.json sets to a nonzero number, leaving out one absent,
 # null or 0 there; nanopaged takes one left out as 1.0, transformers' value for an absent key.
@@ -4101,9 +4102,9 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
         del config["sliding_window"]
     else:   # (Phi-2's, transformers' gelu_new: llama.cpp's GELU, tanh's approximation)
         config["hidden_act"] = "gelu_new" if arch == "phi2" else "silu"
-    if arch == "granite":
-        config |= {key: _f32(meta[f"granite.{name}"]) for key, name in GGUF_GRANITE_KEYS.items()
-                   if f"granite.{name}" in meta}
+    if arch in ("granite", "granitemoe"):
+        config |= {key: _f32_if_float(meta[f"{arch}.{name}"]) for key, name in GGUF_GRANITE_KEYS.items()
+                   if f"{arch}.{name}" in meta}
     if model_type == "olmo3":
         with _in_file(gguf_path):
             config |= _gguf_olmo3(meta)
@@ -4232,7 +4233,9 @@ def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: st
     check_size(gguf_path, c, arch_class, torch.float32, "cpu",
                stored_count=sum(c.num_experts if "_exps." in t.name else 3 if arch == "phi2" and ".attn_qkv." in t.name
                                 else 1 for t in reader.tensors))
-    shapes = arch_class.checkpoint_shapes(c)
+    # (llama.cpp writes a Granite MoE's experts as a Mixtral's, gate and up apart: read as a Mixtral's,
+    # then stacked as HF's Granite MoE checkpoint keeps them, _stack_granite_experts)
+    shapes = arch_class.checkpoint_shapes(replace(c, model_type="mixtral") if c.model_type == "granitemoe" else c)
     names = (HF_TO_GGUF | (GGUF_POST_NORM_NAMES if c.post_norms else {})
              | (GGUF_FUSED_QKV if arch == "phi2" and "blk.0.attn_qkv.weight" in tensors else {}))
     held = {}   # each GGUF tensor's HF tensors: one, a stack's E experts or q, k and v, in their order
@@ -4274,4 +4277,19 @@ def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: st
         if gemma and name.endswith("norm.weight"):
             w = w - 1   # (llama.cpp stores Gemma's norm weights as the 1 + weight they scale by)
         weights[name] = w
+    return _stack_granite_experts(weights, c) if c.model_type == "granitemoe" else weights
+
+
+def _stack_granite_experts(weights: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
+    """A Granite MoE's experts, read from its GGUF as a Mixtral's (w1, w3 and w2 an expert, the
+    router block_sparse_moe.gate), as HF's GraniteMoeForCausalLM keeps them: each layer's gate
+    and up rows, expert by expert, in one stack, its down weights in another, the router under
+    router.layer."""
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}.block_sparse_moe."
+        experts = [[weights.pop(f"{p}experts.{e}.{w}.weight") for w in ("w1", "w3", "w2")]   # E x (gate, up, down)
+                   for e in range(c.num_experts)]
+        weights[p + "input_linear.weight"] = torch.stack([torch.cat([g, u]) for g, u, _ in experts])  # (E, 2I, C)
+        weights[p + "output_linear.weight"] = torch.stack([down for _, _, down in experts])         # (E, C, I)
+        weights[p + "router.layer.weight"] = weights.pop(p + "gate.weight")                          # (E, C)
     return weights

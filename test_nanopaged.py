@@ -3640,7 +3640,7 @@ def rewrite_gguf(src, dst, change, meta=None):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2", "olmo3", "stablelm", "phi2", "mixtral",
-                                  "qwen2moe", "qwen3moe", "olmoe"])
+                                  "qwen2moe", "qwen3moe", "olmoe", "granitemoe"])
 def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     """GGUFs that llama.cpp's own converter wrote from tiny models: the weights (Qwen 2's q/k/v
     biases, its Q and K rows as HF's, its tied embeddings; Qwen 3's q/k norms and head_dim;
@@ -3652,7 +3652,8 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     its GELU tanh's; the mixtures' experts, stacked by the converter, each its own again, and
     their routers: a Mixtral's, a llama with experts, its Q and K rows permuted; a Qwen 3 MoE's
     narrower experts; an OLMoE's top-2 weights left unnormalized; a Qwen 2 MoE's shared expert and its
-    gate, its q/k/v biases) give the logits transformers
+    gate, its q/k/v biases; a Granite MoE's, written as a Mixtral's experts are, stacked again as
+    its checkpoint keeps them, and Granite's multipliers) give the logits transformers
     computed before the conversion, to float16's rounding (the mixtures' weights were rounded to
     float16 before theirs were computed: closer still); the tokenizer (NFC, Qwen 2's regex, added
     tokens) encodes as Hugging Face's does."""
@@ -3666,12 +3667,14 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
         "phi2": ("phi", True, None, False, 10, False),
         "mixtral": ("mixtral", False, None, False, 8, False), "qwen3moe": ("qwen3_moe", False, "head", True, 8, False),
         "qwen2moe": ("qwen2_moe", True, None, False, 8, False),
+        "granitemoe": ("granitemoe", False, None, True, 8, False),
         "olmoe": ("olmoe", False, "all", False, 8, False)}[name]
     assert (c.embedding_multiplier, c.residual_multiplier, c.attn_scale, c.logits_scaling) == (
-        (12.0, 0.22, 0.3, 4.0) if name == "granite" else (1.0, 1.0, c.head_dim ** -0.5, 1.0))
+        (12.0, 0.22, 0.3, 4.0) if name in ("granite", "granitemoe") else (1.0, 1.0, c.head_dim ** -0.5, 1.0))
     assert (c.num_experts, c.num_experts_per_tok, c.intermediate_size, c.norm_topk_prob, c.shared_expert_size) == {
         "mixtral": (4, 2, 64, True, 0), "qwen3moe": (4, 2, 24, True, 0), "olmoe": (4, 2, 64, False, 0),
-        "qwen2moe": (4, 2, 24, False, 40)}.get(name, (0, 0, 160 if name == "phi2" else 64, False, 0))
+        "qwen2moe": (4, 2, 24, False, 40), "granitemoe": (4, 2, 64, True, 0)}.get(
+        name, (0, 0, 160 if name == "phi2" else 64, False, 0))
     assert (c.sliding_window, tuple(i for i in range(c.num_hidden_layers) if i in c.window_layers)) == (
         (4, (0, 2, 3)) if name == "olmo3" else (None, ()))
     assert (c.layer_norm, c.rotary_dim, c.norm_eps, c.hidden_act) == {
@@ -3999,7 +4002,7 @@ def test_gguf_pre_tokenizers_that_llama_cpp_splits_alike(tmp_path, own_cache, al
     ({"meta": [("split.count", "2")]}, "GGUF metadata 'split.count' is '2', not a number of files"),
     # a mixture of experts: Mixtral's (a llama with experts), Qwen 2 and 3 MoE's and OLMoE's, no other
     ({"arch": "qwen2", "experts": 4}, r"a mixture-of-experts qwen2 \(qwen2.expert_count 4\) is not supported "
-                                      r"\(supported: llama, qwen2moe, qwen3moe, olmoe\)"),
+                                      r"\(supported: llama, qwen2moe, qwen3moe, olmoe, granitemoe\)"),
     ({"arch": "qwen2moe", "experts": 4, "meta": [("qwen2moe.expert_feed_forward_length", 32)]},
      "GGUF metadata has no 'qwen2moe.expert_shared_feed_forward_length'"),
     ({"experts": 4, "experts_used": None}, "GGUF metadata has no 'llama.expert_used_count'"),

@@ -2,15 +2,16 @@
 models: Qwen 2 (its q/k/v biases and tied embeddings), Qwen 3 (its q/k norms and a head_dim
 of its own), Granite (its four multipliers; Q and K rows permuted by the converter, as a
 Llama's), OLMo 2 (its norms after attention and the MLP, its q/k norms across all
-heads), four mixtures of 4 experts, 2 a token (Mixtral, written as a Llama with experts;
+heads), five mixtures of 4 experts, 2 a token (Mixtral, written as a Llama with experts;
 Qwen 3 MoE, its experts narrower than intermediate_size; OLMoE, its top-2 weights not
-renormalized; Qwen 2 MoE, its shared expert), OLMo 3 (written as an OLMo 2 with a window: 4 layers, windowed but the
-second; its full layer's RoPE YaRN-scaled), StableLM 2 (LayerNorms with biases, q/k/v
-biases, a quarter of each head turned) and Phi-2 (GPT-NeoX's layer with one LayerNorm, 40%
-of each head turned, a biased LM head), converted to GGUF by llama.cpp's own
-convert_hf_to_gguf.py, and the logits Hugging Face transformers computes for token ids IDS
-before the conversion (at three positions). The tests convert the GGUFs back and compare.
-transformers and llama.cpp are needed only to remake them:
+renormalized; Qwen 2 MoE, its shared expert; Granite MoE, its experts stacked, gate and up
+together, in its checkpoint, Granite's multipliers), OLMo 3 (written as an OLMo 2 with a
+window: 4 layers, windowed but the second; its full layer's RoPE YaRN-scaled), StableLM 2
+(LayerNorms with biases, q/k/v biases, a quarter of each head turned) and Phi-2 (GPT-NeoX's
+layer with one LayerNorm, 40% of each head turned, a biased LM head), converted to GGUF by
+llama.cpp's own convert_hf_to_gguf.py, and the logits Hugging Face transformers computes for
+token ids IDS before the conversion (at three positions). The tests convert the GGUFs back
+and compare. transformers and llama.cpp are needed only to remake them:
 
     pip install transformers sentencepiece   # (llama.cpp's converter imports sentencepiece)
     python testdata/make_llama_cpp_ggufs.py path/to/llama.cpp [name ...]   # (default: all)
@@ -50,6 +51,9 @@ MODELS = {"qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
           "qwen2moe": (transformers.Qwen2MoeConfig, dict(tie_word_embeddings=False, num_experts=4,
                                                          num_experts_per_tok=2, moe_intermediate_size=24,
                                                          shared_expert_intermediate_size=40)),
+          "granitemoe": (transformers.GraniteMoeConfig, dict(
+              tie_word_embeddings=True, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+              residual_multiplier=0.22, attention_multiplier=0.3, logits_scaling=4.0)),
           # (rope_theta 500,000: transformers 5.25 turns OLMo 3's windowed layers by that, whatever the config says)
           "olmo3": (transformers.Olmo3Config, dict(
               tie_word_embeddings=False, num_hidden_layers=4, sliding_window=4, rope_theta=500_000.0,
@@ -63,7 +67,7 @@ MODELS = {"qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
           # (llama.cpp's converter writes 4 x hidden_size as a Phi's MLP width, and no RoPE base)
           "phi2": (transformers.PhiConfig, dict(intermediate_size=160, partial_rotary_factor=0.4, rope_theta=10_000.0,
                                                 layer_norm_eps=1e-5, num_key_value_heads=4, hidden_size=40))}
-MOES = ("mixtral", "qwen3moe", "olmoe", "qwen2moe")
+MOES = ("mixtral", "qwen3moe", "olmoe", "qwen2moe", "granitemoe")
 
 llama_cpp, names = Path(sys.argv[1]), sys.argv[2:] or list(MODELS)
 logits_file = HERE / "llama_cpp_gguf_logits.json"
