@@ -4267,7 +4267,7 @@ def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: st
         w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type).reshape(expected[t.name]),
                          dtype=torch.float32)
         if "_exps." in t.name or len(held[t.name]) > 1:   # a stack of experts (of one, too), or q/k/v fused
-            # (each part a copy of its own: safetensors refuses tensors sharing memory)
+            # (each part a copy of its own: older safetensors refuse tensors sharing memory)
             parts = w if "_exps." in t.name else w.split([shapes[name][0] for name in held[t.name]])
             weights |= {name: part.clone() for name, part in zip(held[t.name], parts)}   # (I, C) an expert, (q, C)...
             continue

@@ -13,6 +13,7 @@ Chapters, in the order the code is built:
 """
 
 import collections
+import concurrent.futures
 import enum
 import functools
 import importlib.util
@@ -11000,6 +11001,17 @@ def test_family_defaults_are_their_transformers_config_classes():
     assert qwen2.max_position_embeddings == 32768
     qwen3 = ModelConfig.from_dict({"model_type": "qwen3"} | sizes)
     assert (qwen3.head_dim, qwen3.max_position_embeddings) == (128, 32768)
+    # Qwen2MoeConfig's: every other layer windowed from the first, below max_window_layers 28 (an even
+    # count: layer 28 not); 60 experts, 4 a token, of 1408, a shared expert of 5632; GraniteMoeConfig's
+    # 8 experts, 2 a token, and no window, as Granite's, whatever sliding_window and use_sliding_window say
+    qwen2_moe = ModelConfig.from_dict({"model_type": "qwen2_moe", "use_sliding_window": True} | sizes
+                                      | {"num_hidden_layers": 30})
+    assert [i for i in range(30) if qwen2_moe.layer_window(i)] == list(range(0, 28, 2))
+    assert (qwen2_moe.num_experts, qwen2_moe.num_experts_per_tok, qwen2_moe.intermediate_size,
+            qwen2_moe.shared_expert_size, qwen2_moe.num_key_value_heads) == (60, 4, 1408, 5632, 16)
+    granitemoe = ModelConfig.from_dict({"model_type": "granitemoe", "sliding_window": 4, "use_sliding_window": True}
+                                       | sizes)
+    assert (granitemoe.num_experts, granitemoe.num_experts_per_tok, granitemoe.sliding_window) == (8, 2, None)
     phi3 = ModelConfig.from_dict({"model_type": "phi3", "max_position_embeddings": 8192, "rope_scaling": {
         "type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}} | sizes)
     assert phi3.norm_eps == 1e-5 and phi3.rope_scaling["original_max_position_embeddings"] == 4096
@@ -11385,17 +11397,47 @@ def test_parse_ptxas_reads_registers_smem_stack_and_spills():
 
 def test_check_fails_on_spill_loads_alone(monkeypatch, capsys):
     """--check reports a kernel that spills, loads or stores alike, and fails (status 1)
-    before the binding's check. Catches: only spill stores counted."""
+    before the binding's check; each arch's nvcc (run side by side) reports its own kernels, and
+    fails the check alone. Catches: only spill stores counted; one arch's report or exit status
+    read for all."""
     log = PTXAS_LOG.replace("8 bytes spill stores", "0 bytes spill stores")
+    sm_80, sm_90 = log[:log.index("ptxas info    : Compiling entry function '_ZN12_GLOBAL__N_122")], log   # (by arch)
+    sm_90 = sm_90[len(sm_80):]
     monkeypatch.setattr(build_ext, "find_cuda_home", lambda: "/nowhere")
-    real_run = subprocess.run
-    monkeypatch.setattr(build_ext.subprocess, "run", lambda cmd, **kw: (
-        subprocess.CompletedProcess(cmd, 0, stdout="", stderr=log) if cmd[0].endswith("nvcc") else real_run(cmd, **kw)))
+    real_run, failing = subprocess.run, []
+
+    def nvcc(cmd, **kw):   # each arch its own part of the log; an arch in `failing` exits 2
+        if not cmd[0].endswith("nvcc"):
+            return real_run(cmd, **kw)
+        arch = "90" if "code=sm_90" in " ".join(cmd) else "80"
+        return subprocess.CompletedProcess(cmd, 2 if arch in failing else 0, stdout="",
+                                           stderr=sm_90 if arch == "90" else sm_80)
+    monkeypatch.setattr(build_ext.subprocess, "run", nvcc)
     monkeypatch.setattr(build_ext, "check_binding", lambda home, archs: "skipped")
     monkeypatch.setattr(build_ext, "check_binding_syntax", lambda home: "skipped")
     assert build_ext.check(("80", "90")) == 1
     out, err = capsys.readouterr()
     assert "register spills in paged_attention_kernel<float> (sm_90)" in err and "C++ binding" not in out
+    failing.append("90")
+    assert build_ext.check(("80", "90")) == 1
+    out, err = capsys.readouterr()
+    assert "code=sm_90" in err and "nvcc failed (exit 2)" in err and "code=sm_80" not in err
+
+
+def test_check_fails_on_either_cpu_march_alone(monkeypatch, capsys):
+    """--check compiles kernels_cpu.c for -march=native and for the instruction set's baseline
+    side by side: either failing fails the check, named. Catches: one compile's outcome read."""
+    archs = ["native"] + [a for a in [build_ext.CPU_BASELINE_ARCH.get(platform.machine())] if a]
+    monkeypatch.setattr(build_ext, "find_cc", lambda: "cc")   # (no compiler runs)
+    for bad in archs:
+        def compile_cpu(cc, lib, extra, bad=bad):
+            if f"-march={bad}" in extra:
+                raise build_ext.KernelsUnavailable("compiling kernels_cpu.c failed: boom")
+            return ""
+        monkeypatch.setattr(build_ext, "compile_cpu_kernels", compile_cpu)
+        with concurrent.futures.ThreadPoolExecutor() as pool:
+            assert build_ext.check_cpu(pool) == 1
+        assert f"build_ext --check: -march={bad}: compiling kernels_cpu.c failed: boom" in capsys.readouterr().err
 
 
 def test_load_kernels_builds_once_and_keeps_the_reason(monkeypatch):
@@ -12738,6 +12780,11 @@ def test_an_olmo3_gguf_windows_and_turns_as_llama_cpp_runs_it(tmp_path):
     assert c.rope_local_base_freq is None and c.rope_theta == 10_000.0   # (llama.cpp's default base)
     c = config("base", window=4, meta=[("olmo2.rope.freq_base", 1e6), ("olmo2.rope.freq_base_swa", 1e4)])
     assert (c.rope_theta, c.rope_local_base_freq) == (1e6, 1e4)
+    # a number for the pattern: llama.cpp's own, 4, as no pattern; another is refused (as a 2 in test_bad_gguf_...)
+    c = config("four", window=4, meta=[("olmo2.attention.sliding_window_pattern", 4)])
+    assert [i for i in range(8) if i in c.window_layers] == [0, 1, 2, 4, 5, 6]
+    with pytest.raises(ModelError, match="sliding_window_pattern is 3, expected a flag a layer"):
+        config("three", window=4, meta=[("olmo2.attention.sliding_window_pattern", 3)])
     assert config("olmo2", window=0).model_type == "olmo2"
 
 
@@ -12806,6 +12853,7 @@ def test_gguf_gemma_windowed_layers_and_their_base_as_llama_cpp_reads_them():
     assert (keys("gemma3")["rope_local_base_freq"], "layer_types" in keys("gemma3")) == (10_000.0, False)
     three = keys("gemma3", attention__sliding_window_pattern=3, rope__freq_base_swa=5e4)
     assert (three["sliding_window_pattern"], three["rope_local_base_freq"]) == (3, 5e4)
+    assert keys("gemma3", attention__sliding_window_pattern=1)["sliding_window_pattern"] == 1   # (none windowed)
     assert "layer_types" not in keys("gemma2", attention__sliding_window_pattern=2, rope__freq_base_swa=10_000.0)
     with pytest.raises(ModelError, match=r"^gemma2.attention.sliding_window_pattern is 3, expected a flag a layer"):
         keys("gemma2", attention__sliding_window_pattern=3)
