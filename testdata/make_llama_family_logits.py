@@ -6,6 +6,12 @@ Gemma 2 and 3, OLMo 2 and 3, Granite, StableLM, Qwen 2 and 3 MoE, Mixtral, OLMoE
 GPT-J and OPT) is needed only to remake the file:
 
     pip install transformers && python testdata/make_llama_family_logits.py
+
+The bfloat16 logits are transformers' bits on the CPU that ran it, which depend on the kernels
+its torch picks there (bfloat16_kernels): they are kept per kind of CPU, and a run adds (or
+remakes) its own kind's, keeping the others' where a variant's config is unchanged. (The
+"onednn-AVX512" set came from the machine of the sessions up to 2026-12-07, which had
+AVX-512 BF16 instructions; "aten-AVX2" from an AMD EPYC without AVX-512.)
 """
 import json
 import sys
@@ -17,11 +23,15 @@ import transformers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from test_nanopaged import BFLOAT16_VARIANTS, FAMILY_VARIANTS, IDS, variant_tensors, write_checkpoint  # noqa: E402
+from test_nanopaged import (BFLOAT16_VARIANTS, FAMILY_VARIANTS, IDS, bfloat16_kernels, variant_tensors,  # noqa: E402
+                            write_checkpoint)
 
+GOLDENS = HERE / "llama_family_logits.json"
+before = json.loads(GOLDENS.read_text()) if GOLDENS.exists() else {}
+kernels = bfloat16_kernels()
 out = {"transformers": transformers.__version__}
 # float32 for every variant; then bfloat16 for a few, under "<name>_bfloat16", kept exactly
-# (a bfloat16 number prints exactly in a few digits)
+# (a bfloat16 number prints exactly in a few digits), one set of logits for each kind of CPU
 runs = [(name, name, torch.float32) for name in FAMILY_VARIANTS]
 runs += [(name + "_bfloat16", name, torch.bfloat16) for name in BFLOAT16_VARIANTS]
 for key, name, dtype in runs:
@@ -34,7 +44,11 @@ for key, name, dtype in runs:
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         with torch.no_grad():
             logits = model(torch.tensor([IDS])).logits[0]   # (T, V)
-    rows = logits.tolist() if dtype == torch.bfloat16 else [[round(x, 6) for x in row] for row in logits.tolist()]
-    out[key] = {"config": config, "logits": rows}
-(HERE / "llama_family_logits.json").write_text(json.dumps(out) + "\n")
-print(f"wrote {HERE / 'llama_family_logits.json'} with transformers {transformers.__version__}")
+    if dtype == torch.bfloat16:
+        kept = before.get(key, {})
+        others = kept["logits"] if kept.get("config") == config else {}
+        out[key] = {"config": config, "logits": others | {kernels: logits.tolist()}}
+    else:
+        out[key] = {"config": config, "logits": [[round(x, 6) for x in row] for row in logits.tolist()]}
+GOLDENS.write_text(json.dumps(out) + "\n")
+print(f"wrote {GOLDENS} with transformers {transformers.__version__}, bfloat16 on {kernels}")
