@@ -146,7 +146,8 @@ def _is_id(x) -> bool:
 # ----------------------------------------------------------------------------------------
 # config
 
-GEMMAS = ("gemma2", "gemma3_text")   # (Gemma 3 with a vision tower, "gemma3", runs its gemma3_text)
+GEMMAS = ("gemma", "gemma2", "gemma3_text")   # (Gemma 3 with a vision tower, "gemma3", runs its gemma3_text)
+NO_FLOAT16 = ("gemma2", "gemma3_text")   # their activations overflow float16 (vLLM's list: not Gemma 1's)
 # Ministral (8B) is Mistral with its layers windowed as layer_types say, and MistralConfig's
 # defaults; transformers' AutoConfig reads a "mistral" config.json with layer_types as a
 # "ministral" one, and save_pretrained writes it so. (Left out, head_dim is hidden_size //
@@ -196,6 +197,9 @@ LLAMA_FAMILY = {
     "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "sliding_window": 4096},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
                 "rope_theta": 2_000_000.0, "num_key_value_heads": 4},
+    "gemma": {"vocab_size": 256_000, "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256, "max_position_embeddings": 8192,
+              "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh", "bos_token_id": 2, "eos_token_id": 1},
     "gemma2": {"vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
                "tie_word_embeddings": True, "sliding_window": 4096, "query_pre_attn_scalar": 256,
@@ -275,11 +279,11 @@ class ModelConfig:
     pre_norms: bool = True
     post_norms: bool = False
     layer_norm: bool = False          # LayerNorms (with biases) where Llama has RMSNorms (StableLM)
-    # Gemma (2, 3): its RMSNorms scale by (1 + weight), in float32, and its embeddings by
-    # sqrt(C): what this flag switches. Its other differences have fields of their own: norms
-    # after attention and the MLP as well as before (pre_norms, post_norms), a GELU-gated MLP
-    # (hidden_act), query_pre_attn_scalar, Gemma 2's softcaps of the scores and the logits,
-    # Gemma 3's windowed layers' RoPE base (rope_local_base_freq)
+    # Gemma (1, 2, 3): its RMSNorms scale by (1 + weight), in float32, and its embeddings by
+    # sqrt(C): what this flag switches. Its other differences have fields of their own: a
+    # GELU-gated MLP (hidden_act); Gemma 2's and 3's norms after attention and the MLP as well
+    # as before (pre_norms, post_norms), query_pre_attn_scalar, Gemma 2's softcaps of the scores
+    # and the logits, Gemma 3's windowed layers' RoPE base (rope_local_base_freq)
     gemma: bool = False
     hidden_act: str = "silu"          # the MLP's activation, an ACTIVATIONS key: Llama's gate "silu" (SwiGLU),
                                       # Gemma's "gelu_pytorch_tanh" (GeGLU); GPT-2's "gelu_new", or another
@@ -448,7 +452,8 @@ class ModelConfig:
                          else "all" if model_type in (*OLMOS, "olmoe") else None),
                 clip_qkv=(None if model_type != "olmoe" or d.get("clip_qkv") is None
                           else _positive(d, "clip_qkv", float)),
-                pre_norms=model_type not in OLMOS, post_norms=model_type in (*GEMMAS, *OLMOS), nope_layers=nope_layers,
+                pre_norms=model_type not in OLMOS, post_norms=model_type in ("gemma2", "gemma3_text", *OLMOS),
+                nope_layers=nope_layers,
                 sliding_window=window, window_layers=window_layers, **extra)
             default_token_id = None
         elif model_type == "gpt_neox":
@@ -544,21 +549,27 @@ def _gemma3_text_config(d: dict) -> dict:
 
 
 def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
-    """ModelConfig's Gemma fields, read as transformers' Gemma2Config and Gemma3TextConfig
-    read them, and d with its RoPE written as _rope_config reads a Llama's. Gemma 2 has one
+    """ModelConfig's Gemma fields, read as transformers' GemmaConfig, Gemma2Config and
+    Gemma3TextConfig read them, and d with its RoPE written as _rope_config reads a Llama's.
+    Gemma (1) is Llama with Gemma's norms, embedding scale and GELU-gated MLP, which it names
+    hidden_act: its config.json's "gelu" is read as the tanh GELU it was trained with (as
+    transformers reads it; the later ones' hidden_activation is not read). Gemma 2 has one
     RoPE, and softcaps its attention scores and its logits. Gemma 3 has per-head q/k norms
     instead of the scores' softcap, and two RoPEs (_two_ropes). Refused: the bidirectional
     attention of Gemma 3's embedding models."""
-    if d.get("hidden_activation") not in ("gelu_pytorch_tanh", "gelu_new"):   # (both the tanh GELU)
-        raise ModelError(f"hidden_activation {d.get('hidden_activation')!r} is not supported "
-                         f"(only the tanh GELU: 'gelu_pytorch_tanh')")
+    key = "hidden_act" if model_type == "gemma" else "hidden_activation"
+    act = "gelu_pytorch_tanh" if model_type == "gemma" and d.get(key) == "gelu" else d.get(key)
+    if act not in ("gelu_pytorch_tanh", "gelu_new"):   # (both the tanh GELU)
+        raise ModelError(f"{key} {d.get(key)!r} is not supported (only the tanh GELU: 'gelu_pytorch_tanh')")
     if _flag(d, "use_bidirectional_attention"):
         raise ModelError("use_bidirectional_attention (an embedding model's) is not supported: "
                          "a generating model's attention is causal")
+    if model_type == "gemma":   # (scores scaled by D^-1/2, nothing softcapped: GemmaConfig has no such keys)
+        return dict(gemma=True, hidden_act=act), d
     caps = {key: None if d.get(key) is None else _positive(d, key, float)
             for key in ("attn_logit_softcapping", "final_logit_softcapping")}
-    fields = dict(gemma=True, hidden_act=d["hidden_activation"],
-                  query_pre_attn_scalar=_positive(d, "query_pre_attn_scalar", float), **caps)
+    fields = dict(gemma=True, hidden_act=act, query_pre_attn_scalar=_positive(d, "query_pre_attn_scalar", float),
+                  **caps)
     if model_type == "gemma2":
         return fields, d
     fields["attn_logit_softcapping"] = None   # (Gemma 3's attention ignores it in transformers too)
@@ -807,8 +818,9 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     without); then the layers layer_types names so (by default, Qwen's from max_window_layers
     on, Qwen 2 MoE's every other one below it, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
-    (Gemma 3: 6), OLMo 3's all but every 4th. Llama, Granite, OLMo 2, OLMoE and StableLM have no window."""
-    if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm")
+    (Gemma 3: 6), OLMo 3's all but every 4th. Llama, Granite, OLMo 2, OLMoE, StableLM and Gemma (1) have
+    no window."""
+    if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm", "gemma")
             or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3")):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
@@ -2543,7 +2555,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 
 # ----------------------------------------------------------------------------------------
-# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 2/3, OLMo 2/3, Granite,
+# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 1/2/3, OLMo 2/3, Granite,
 # StableLM, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE)
 
 class RMSNorm(nn.Module):
@@ -3559,7 +3571,7 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------
-# GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-2/3, SmolLM3, Gemma 2/3, Granite, OLMo 2/3
+# GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-2/3, SmolLM3, Gemma 1/2/3, Granite, OLMo 2/3
 # and StableLM GGUF files, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
@@ -3611,12 +3623,14 @@ GGUF_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_
 # (A SmolLM3 GGUF does not say which layers go without RoPE: llama.cpp takes every 4th, as
 # SmolLM3Config's default does.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                      "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma": "GemmaForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "stablelm": "StableLmForCausalLM",
                       "phi2": "PhiForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                       "granitemoe": "GraniteMoeForCausalLM"}
 GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "phi2": "phi", "qwen2moe": "qwen2_moe"}
+GGUF_GEMMAS = ("gemma", "gemma2", "gemma3")   # (their norms stored as 1 + weight)
 GGUF_LAYER_NORMS = ("stablelm", "phi2")   # (LayerNorms, their epsilon under attention.layer_norm_epsilon)
 GGUF_MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "olmoe", "granitemoe")
 GGUF_PERMUTED = ("llama", "smollm3", "granite", "granitemoe")
@@ -3867,7 +3881,8 @@ def _gguf_name(hf_name: str, names: dict = HF_TO_GGUF, split_experts: bool = Fal
 
 
 def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -> dict:
-    """config.json's Gemma keys, as llama.cpp runs a Gemma 2 or 3 GGUF: its converter writes
+    """config.json's Gemma keys, as llama.cpp runs a Gemma GGUF: Gemma 1's head_dim alone (no
+    window, no softcap: llama.cpp reads none for it). For a Gemma 2 or 3 its converter writes
     the window, Gemma 2's softcaps and Gemma 3's full layers' rope base (rope.freq_base), and
     llama.cpp takes the rest as given unless the file says otherwise: every other layer
     windowed (Gemma 2), or all but every 6th, turning by a rope base of 10,000, unscaled (Gemma
@@ -3876,12 +3891,14 @@ def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -
     must be its one base); softcaps of 50 and 30 where a Gemma 2
     file has none; the scores scaled by head_dim^-1/2, but by (C / H)^-1/2 in the 27B (46 layers
     of Gemma 2, 62 of Gemma 3). A Gemma 3 file without a window (or 0) has none."""
+    head_dim = key_length or c.hidden_size // c.num_attention_heads   # (checked numbers: c's)
+    if arch == "gemma":
+        return {"head_dim": head_dim}
     # (a Gemma 2 file without one, from an early converter: llama.cpp's default, 4096)
     window = meta.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None) or None
     if arch == "gemma2" and window is None:
         raise ModelError(f"gemma2.attention.sliding_window is {meta['gemma2.attention.sliding_window']!r}, "
                          f"but a Gemma 2 windows every other layer")
-    head_dim = key_length or c.hidden_size // c.num_attention_heads   # (checked numbers: c's)
     big = c.num_hidden_layers == (46 if arch == "gemma2" else 62)   # (llama.cpp's test for the 27B)
     keys = {"head_dim": head_dim, "sliding_window": window,
             "query_pre_attn_scalar": c.hidden_size // c.num_attention_heads if big else head_dim}
@@ -4060,7 +4077,7 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
     arch = meta["general.architecture"]
     tokens = _gguf_need(gguf_path, meta, "tokenizer.ggml.tokens")
     tensors = {t.name: t for t in reader.tensors}
-    gemma = arch in ("gemma2", "gemma3")
+    gemma = arch in GGUF_GEMMAS
     # (llama.cpp writes a Mixtral as a llama with experts, an OLMo 3 as an OLMo 2 with a window)
     if arch == "llama" and meta.get("llama.expert_count"):
         model_type, architecture = "mixtral", "MixtralForCausalLM"
@@ -4226,7 +4243,7 @@ def _gguf_weights(gguf_path: Path, reader, arch: str, c: ModelConfig, notice: st
     norms as HF keeps them, a mixture's experts one by one, an early Phi-2's q, k and v apart);
     every tensor's name and shape checked first, then `notice`."""
     import gguf
-    gemma, arch_class = arch in ("gemma2", "gemma3"), ARCHITECTURES[c.model_type]
+    gemma, arch_class = arch in GGUF_GEMMAS, ARCHITECTURES[c.model_type]
     tensors = {t.name: t for t in reader.tensors}
     # Every tensor's name and shape checked before the slow part, dequantizing (to float32).
     # (A stack of experts counts as the E tensors a HF checkpoint holds for it, a fused q/k/v as 3.)

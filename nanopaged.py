@@ -43,7 +43,7 @@ try:   # (torch takes a second to import: a Ctrl-C then ends the command line as
 
     import build_ext
     from build_ext import check_softcap, check_window   # (every attention path's: the kernels' module has them)
-    from model import (GEMMAS, ModelConfig, ModelError, device_memory, load_model, load_tokenizer,
+    from model import (NO_FLOAT16, ModelConfig, ModelError, device_memory, load_model, load_tokenizer,
                        override_sampling_defaults, read_generation_config, resolve_model_dir, tanh_softcap, truncated)
     from scheduler import (BeamSearchParams, RequestOutputKind, SamplingParams, Scheduler, Status, cdiv,
                            check_priority, first_visible, hash_block, is_integer, is_one_of, stop_token_set,
@@ -1144,7 +1144,7 @@ class LLM:
         model_dir = resolve_model_dir(model)
         cfg = ModelConfig.from_json(model_dir / "config.json")
         dtype = dtype or auto_dtype(device, cfg)
-        if dtype == torch.float16 and cfg.model_type in GEMMAS:   # (vLLM refuses it too)
+        if dtype == torch.float16 and cfg.model_type in NO_FLOAT16:   # (vLLM refuses it too)
             raise ValueError(f"dtype = float16: {cfg.model_type}'s activations overflow float16 (past 65,504, "
                              "into NaN logits); use bfloat16 or float32")
         self.device, self.dtype = device, dtype
@@ -2653,11 +2653,11 @@ def _parse_device(device) -> torch.device:
 def auto_dtype(device, cfg: ModelConfig) -> torch.dtype:
     """dtype "auto" (or None): float32 on the CPU, where its matmuls are as fast as any and
     exact; on a GPU, as vLLM's "auto": the checkpoint's half precision, float16 or bfloat16
-    as stored, bfloat16 for a float32 checkpoint, and for Gemma (whose activations overflow
-    float16: vLLM refuses float16 for it)."""
+    as stored, bfloat16 for a float32 checkpoint, and for Gemma 2 and 3 (whose activations
+    overflow float16: vLLM refuses float16 for them)."""
     if device.type != "cuda":
         return torch.float32
-    return torch.float16 if cfg.torch_dtype == "float16" and cfg.model_type not in GEMMAS else torch.bfloat16
+    return torch.float16 if cfg.torch_dtype == "float16" and cfg.model_type not in NO_FLOAT16 else torch.bfloat16
 
 
 def _parse_dtype(dtype) -> torch.dtype:
@@ -2941,9 +2941,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "the earlier turns stay in the prompt, and their blocks in the prefix cache (Ctrl-C "
                          "stops an answer, Ctrl-D ends)")
     ap.add_argument("--model", help="a local Hugging Face layout directory (Llama, Mistral, Ministral, "
-                                    "Qwen 2/2.5/3, Phi-3/3.5/4-mini, SmolLM3, Gemma 2/3, OLMo 2/3, Granite 3, StableLM 2, "
-                                    "Mixtral, Qwen 2/3 MoE, OLMoE, Granite MoE, GPT-2, OPT, GPT-NeoX / Pythia, "
-                                    "Phi-1.5/2, GPT-J) or a Llama, Qwen, Phi-2/3, SmolLM3, Gemma, Granite, OLMo 2/3, "
+                                    "Qwen 2/2.5/3, Phi-3/3.5/4-mini, SmolLM3, Gemma 1/2/3, OLMo 2/3, Granite 3, "
+                                    "StableLM 2, Mixtral, Qwen 2/3 MoE, OLMoE, Granite MoE, GPT-2, OPT, "
+                                    "GPT-NeoX / Pythia, Phi-1.5/2, GPT-J) or a Llama, Qwen, Phi-2/3, SmolLM3, "
+                                    "Gemma, Granite, OLMo 2/3, "
                                     "StableLM, Mixtral, Qwen 2/3 MoE, OLMoE or Granite MoE GGUF file (a .gguf, or an "
                                     "Ollama blob) "
                                     "(default: SmolLM2-135M-Instruct)")

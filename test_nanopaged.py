@@ -222,7 +222,7 @@ def llama_tensors(c, seed=0):
                            p + "mlp.shared_expert_gate.weight": (1, C)}
         if olmo or c["model_type"] == "olmoe":   # (q and k normalized across all heads)
             shapes |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)}
-        if c["model_type"] in ("gemma2", "gemma3_text"):
+        if c["model_type"] in ("gemma2", "gemma3_text"):   # (Gemma 1 has Llama's two norms a layer)
             shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
         if olmo:
             shapes[p + "post_feedforward_layernorm.weight"] = (C,)
@@ -230,7 +230,7 @@ def llama_tensors(c, seed=0):
         shapes |= {n.removesuffix("weight") + "bias": s for n, s in shapes.items() if n.endswith("norm.weight")}
     tensors = {n: (1 + 0.1 * torch.randn(s, generator=g)) if n.endswith("norm.weight")
                else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
-    if c["model_type"] in ("gemma2", "gemma3_text"):   # Gemma's norm weights are offsets from 1
+    if c["model_type"] in ("gemma", "gemma2", "gemma3_text"):   # Gemma's norm weights are offsets from 1
         tensors = {n: t - 1 if n.endswith("norm.weight") else t for n, t in tensors.items()}
     if c["model_type"] == "phi3":   # HF's Phi-3 stores q/k/v and gate/up fused
         for i in range(c["num_hidden_layers"]):
@@ -516,6 +516,12 @@ LLAMA_FAMILY_VARIANTS = {
         pad_token_id=0).items() if k != "rope_theta"} | {"rope_parameters": {
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}},
+    # Gemma (1: 2B, 7B, CodeGemma): Llama with Gemma's norms of 1 + weight, its embeddings times
+    # sqrt(C), a GELU-gated MLP (its config.json's "gelu", read as the tanh GELU), no post-norms,
+    # scores scaled by D^-1/2; then with q/k/v/o biases and GQA, the GELU by its own name
+    "gemma": llama_config(model_type="gemma", kv_heads=6, head_dim=16, hidden_act="gelu", pad_token_id=0),
+    "gemma_bias": llama_config(model_type="gemma", head_dim=8, hidden_act="gelu_pytorch_tanh", attention_bias=True,
+                               pad_token_id=0),
     # Gemma 2: the attention scores softcapped (after scaling by 12^-1/2), and the logits; no
     # q/k norms; layer 0 windowed, layer 1 not (every other layer)
     "gemma2": llama_config(model_type="gemma2", head_dim=16, sliding_window=4, query_pre_attn_scalar=12,
@@ -913,9 +919,9 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 
 
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
-BFLOAT16_VARIANTS = ("gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe", "qwen3_moe_window",
-                     "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential", "gpt_neox_gelu_new", "phi",
-                     "opt", "opt_350m", "gptj", "granitemoe", "qwen2_moe")
+BFLOAT16_VARIANTS = ("gemma", "gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe",
+                     "qwen3_moe_window", "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential",
+                     "gpt_neox_gelu_new", "phi", "opt", "opt_350m", "gptj", "granitemoe", "qwen2_moe")
 
 
 def bfloat16_kernels() -> str:
@@ -2009,10 +2015,10 @@ def test_bad_config(tmp_path):
     # (Ministral 3 is no Ministral: its queries are scaled by position, Llama 4's way)
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
-        with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma2, gemma3, gemma3_text, "
-                                            r"gpt2, gpt_neox, gptj, granite, granitemoe, llama, ministral, mistral, "
-                                            r"mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, "
-                                            r"qwen3_moe, smollm3, stablelm\)"):
+        with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma, gemma2, gemma3, "
+                                            r"gemma3_text, gpt2, gpt_neox, gptj, granite, granitemoe, llama, "
+                                            r"ministral, mistral, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, "
+                                            r"qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
@@ -3857,38 +3863,42 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
     assert load_model(path).config.rotary_dim == 30
 
 
-@pytest.mark.parametrize("arch, layers", [("gemma3", 7), ("gemma3", 62), ("gemma2", 3), ("gemma2", 46)])
+@pytest.mark.parametrize("arch, layers", [("gemma3", 7), ("gemma3", 62), ("gemma2", 3), ("gemma2", 46), ("gemma", 2)])
 def test_gemma_gguf_loads_as_its_checkpoint(tmp_path, own_cache, arch, layers):
-    """A Gemma 2 or 3 GGUF as llama.cpp's converter writes one (tensor names from the gguf
+    """A Gemma (1, 2 or 3) GGUF as llama.cpp's converter writes one (tensor names from the gguf
     package's own map; norm weights stored as 1 + weight; the window, Gemma 2's softcaps,
     Gemma 3's full layers' rope base and linear scaling as metadata; SentencePiece's tokenizer
     without a space prefix) gives its checkpoint's logits, with what llama.cpp takes as
     given: every other layer windowed (Gemma 2) or all but every 6th, turning by 10,000
     (Gemma 3); scores scaled by head_dim^-1/2, but the 27B's (46 or 62 layers) by
-    (C / H)^-1/2. Its tokenizer encodes as Gemma's tokenizer.json does."""
+    (C / H)^-1/2. Gemma 1 has no window, no softcap, no norms after attention and the MLP.
+    Its tokenizer encodes as Gemma's tokenizer.json does."""
     import gguf
-    big = layers in (46, 62)
+    big, gemma1 = layers in (46, 62), arch == "gemma"
     c = llama_config(model_type="gemma3_text" if arch == "gemma3" else arch, head_dim=16, num_hidden_layers=layers,
-                     sliding_window=4, eos_token_id=2, vocab_size=1500, query_pre_attn_scalar=8 if big else 16)
+                     eos_token_id=2, vocab_size=1500)
+    if not gemma1:
+        c |= {"sliding_window": 4, "query_pre_attn_scalar": 8 if big else 16}
     if arch == "gemma3":
         c |= {"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
-    else:
+    elif arch == "gemma2":
         c |= {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0}
     w = llama_tensors(c)
     hf = load_model(write_checkpoint(tmp_path / "hf", c, w))
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.GEMMA3 if arch == "gemma3" else gguf.MODEL_ARCH.GEMMA2, layers)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], layers)
     writer = gguf.GGUFWriter(tmp_path / f"{arch}.gguf", arch)
     for add, value in ((writer.add_context_length, 128), (writer.add_embedding_length, 48),
                        (writer.add_block_count, layers), (writer.add_feed_forward_length, 80),
                        (writer.add_head_count, 6), (writer.add_head_count_kv, 2), (writer.add_key_length, 16),
-                       (writer.add_value_length, 16), (writer.add_layer_norm_rms_eps, 1e-5),
-                       (writer.add_sliding_window, 4)):
+                       (writer.add_value_length, 16), (writer.add_layer_norm_rms_eps, 1e-5)):
         add(value)
+    if not gemma1:
+        writer.add_sliding_window(4)
     if arch == "gemma3":
         writer.add_rope_freq_base(5e5)
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(2.0)
-    else:
+    elif arch == "gemma2":
         writer.add_attn_logit_softcapping(2.0)
         writer.add_final_logit_softcapping(5.0)
     tokens, types, scores = llama2_gguf_vocab()
@@ -3908,11 +3918,15 @@ def test_gemma_gguf_loads_as_its_checkpoint(tmp_path, own_cache, arch, layers):
     writer.close()
     model = load_model(tmp_path / f"{arch}.gguf")
     cfg = model.config
+    torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
+    assert cfg.attn_scale == (8 if big else 16) ** -0.5
+    if gemma1:
+        assert (cfg.model_type, cfg.sliding_window, cfg.post_norms, cfg.final_logit_softcapping) == (
+            "gemma", None, False, None)
+        return
     full = 1 if arch == "gemma2" else 5   # (the first layer without a window)
     assert (cfg.sliding_window, cfg.layer_window(full), cfg.layer_window(full + 1)) == (4, None, 4)
-    assert cfg.attn_scale == (8 if big else 16) ** -0.5
     assert (cfg.rope_local_base_freq, cfg.attn_logit_softcapping) == ((10_000, None) if arch == "gemma3" else (None, 2.0))
-    torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
     # a file without a window: Gemma 3 none, Gemma 2 llama.cpp's default (4096; a 0 written: refused); without
     # Gemma 2's softcaps: llama.cpp's defaults (Gemma2Config's too)
     keys = model_module._gguf_gemma({}, arch, cfg, 16)
@@ -10359,12 +10373,13 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
 def test_auto_dtype_follows_the_checkpoint_on_a_gpu_as_vllms(tmp_path):
     """dtype "auto" (None): float32 on the CPU; on a GPU the checkpoint's dtype as vLLM picks
     it (config.json's torch_dtype, or transformers 5's dtype): float16 or bfloat16 as stored,
-    bfloat16 for float32 or none said, and for Gemma stored in float16; float16 asked for a
-    Gemma is refused. Catches: bfloat16 for every checkpoint on a GPU (a float16 one ran in
-    another precision than in vLLM)."""
+    bfloat16 for float32 or none said, and for Gemma 2 and 3 stored in float16; float16 asked
+    for one is refused (not for Gemma 1: vLLM runs it). Catches: bfloat16 for every checkpoint
+    on a GPU (a float16 one ran in another precision than in vLLM); Gemma 1 refused with them."""
     gpu, cpu = torch.device("cuda"), torch.device("cpu")   # (no GPU needed to name one)
     for model_type, stored, want in (("llama", "float16", f16), ("llama", "bfloat16", bf16), ("qwen2", "float32", bf16),
-                                     ("llama", None, bf16), ("gemma3_text", "float16", bf16), ("gemma2", "float16", bf16)):
+                                     ("llama", None, bf16), ("gemma3_text", "float16", bf16),
+                                     ("gemma2", "float16", bf16), ("gemma", "float16", f16)):
         cfg = SimpleNamespace(model_type=model_type, torch_dtype=stored)
         assert nanopaged_module.auto_dtype(gpu, cfg) == want and nanopaged_module.auto_dtype(cpu, cfg) == f32
     for key in ("torch_dtype", "dtype"):   # (read from config.json, either name)
@@ -10377,6 +10392,8 @@ def test_auto_dtype_follows_the_checkpoint_on_a_gpu_as_vllms(tmp_path):
         with pytest.raises(ValueError, match=f"dtype = float16: {model_type}'s activations overflow float16"):
             LLM(model_dir, load_format="dummy", num_blocks=8, dtype="half")
         assert LLM(model_dir, load_format="dummy", num_blocks=8, dtype="bfloat16").dtype == bf16
+    assert LLM(tiny_llama_dir(tmp_path / "gemma", model_type="gemma"), load_format="dummy", num_blocks=8,
+               dtype="half").dtype == f16
 
 
 def test_reset_prefix_cache_frees_every_cached_block_but_only_while_none_is_held(tmp_path):
@@ -10989,7 +11006,7 @@ def test_a_beam_that_ends_in_an_eos_with_text_keeps_it_with_include_stop_str_in_
 def test_family_defaults_are_their_transformers_config_classes():
     """Where config.json is silent, each model_type takes its transformers config class's
     default (LlamaConfig, MistralConfig, MinistralConfig, Qwen2Config, Qwen3Config, Phi3Config,
-    SmolLM3Config, Gemma2Config, Gemma3TextConfig, GPT2Config), values written out here from
+    SmolLM3Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, GPT2Config), values written out here from
     those classes. Catches: a wrong default in LLAMA_FAMILY (Mistral's, Ministral's or Llama's
     context, Mistral's or Ministral's window, Qwen's max_window_layers, Qwen 3's head_dim,
     Phi-3's eps or original context, SmolLM3's NoPE interval or tied head, Gemma's
@@ -11035,6 +11052,17 @@ def test_family_defaults_are_their_transformers_config_classes():
     smol = ModelConfig.from_dict({"model_type": "smollm3"} | sizes | {"num_hidden_layers": 8})
     assert (list(smol.nope_layers), smol.tie_word_embeddings, smol.rope_theta,
             smol.max_position_embeddings) == ([3, 7], True, 2_000_000.0, 32768)
+    g1 = ModelConfig.from_dict({"model_type": "gemma"})   # (GemmaConfig's: gemma-7b's shape)
+    assert (g1.vocab_size, g1.hidden_size, g1.intermediate_size, g1.num_hidden_layers, g1.num_attention_heads,
+            g1.num_key_value_heads, g1.head_dim, g1.max_position_embeddings) == (
+        256000, 3072, 24576, 28, 16, 16, 256, 8192)
+    assert (g1.gemma, g1.hidden_act, g1.post_norms, g1.attn_scale, g1.window_layers, g1.bos_token_id, g1.eos_token_id,
+            g1.tie_word_embeddings) == (True, "gelu_pytorch_tanh", False, 256 ** -0.5, (), 2, [1], True)
+    # Gemma 2's keys are none of GemmaConfig's, nor read by its model: ignored, as transformers does
+    ignored = ModelConfig.from_dict({"model_type": "gemma", "query_pre_attn_scalar": 12, "sliding_window": 4,
+                                     "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0})
+    assert (ignored.attn_scale, ignored.window_layers, ignored.final_logit_softcapping,
+            ignored.attn_logit_softcapping) == (256 ** -0.5, (), None, None)
     g2 = ModelConfig.from_dict({"model_type": "gemma2"})
     assert (g2.vocab_size, g2.hidden_size, g2.intermediate_size, g2.num_hidden_layers, g2.num_attention_heads,
             g2.num_key_value_heads, g2.head_dim, g2.max_position_embeddings) == (256000, 2304, 9216, 26, 8, 4, 256, 8192)
@@ -11085,9 +11113,11 @@ def test_only_the_tanh_gelu_is_accepted_for_gemma_and_silu_for_llama():
     runs "gelu_new" (transformers' default, whose bfloat16 bits are its own). Gemma's
     hidden_activation may be spelled either name of the tanh GELU (gelu_pytorch_tanh,
     gelu_new), a Llama's SiLU either of its names (vLLM refuses other activations for both, and
-    Gemma's gelu_new too: transformers runs it).
+    Gemma's gelu_new too: transformers runs it). Gemma 1 names its activation hidden_act, and
+    its config.json's "gelu" is the tanh GELU, as transformers reads it (hidden_activation,
+    which its later config.json files add, is not read).
     Catches: "quick_gelu" accepted for GPT-2, or another default; "gelu_new" refused for Gemma;
-    "swish" refused."""
+    "swish" refused; Gemma 1's "gelu" refused, or run as the exact GELU; its hidden_activation read."""
     with pytest.raises(ModelError, match="activation_function 'quick_gelu' is not supported "
                                          r"\(supported: 'silu', 'swish', 'gelu', 'gelu_new', 'gelu_fast', 'gelu_pytorch_tanh', 'relu'\)"):
         ModelConfig.from_dict(GPT2_CONFIG | {"activation_function": "quick_gelu"})
@@ -11095,6 +11125,12 @@ def test_only_the_tanh_gelu_is_accepted_for_gemma_and_silu_for_llama():
     for name in ("gemma2", "gemma3"):
         c = ModelConfig.from_dict(LLAMA_FAMILY_VARIANTS[name] | {"hidden_activation": "gelu_new"})
         assert c.hidden_act == "gelu_new"
+    gemma = LLAMA_FAMILY_VARIANTS["gemma"]
+    for act, runs in (("gelu", "gelu_pytorch_tanh"), ("gelu_new", "gelu_new"),
+                      ("gelu_pytorch_tanh", "gelu_pytorch_tanh")):
+        assert ModelConfig.from_dict(gemma | {"hidden_act": act, "hidden_activation": "relu"}).hidden_act == runs
+    with pytest.raises(ModelError, match=r"hidden_act 'relu' is not supported \(only the tanh GELU"):
+        ModelConfig.from_dict(gemma | {"hidden_act": "relu", "hidden_activation": "gelu_pytorch_tanh"})
     # a Llama's SiLU may be spelled "swish" (transformers' name of the same function); no GELU
     assert ModelConfig.from_dict(llama_config(hidden_act="swish")).hidden_act == "silu"
     with pytest.raises(ModelError, match="hidden_act 'gelu' is not supported"):
