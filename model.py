@@ -182,6 +182,10 @@ LLAMA_FAMILY = {
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "granite": {"max_position_embeddings": 2048},
     "granitemoe": {"max_position_embeddings": 2048, "num_experts_per_tok": 2},
+    "starcoder2": {"vocab_size": 49152, "hidden_size": 3072, "intermediate_size": 12288, "num_hidden_layers": 30,
+                   "num_attention_heads": 24, "num_key_value_heads": 2, "hidden_act": "gelu_pytorch_tanh",
+                   "max_position_embeddings": 4096, "norm_epsilon": 1e-5, "tie_word_embeddings": True,
+                   "bos_token_id": 50256, "eos_token_id": 50256},
     "stablelm": {"max_position_embeddings": 4096, "num_key_value_heads": 32, "layer_norm_eps": 1e-5,
                  "partial_rotary_factor": 0.25, "bos_token_id": 0, "eos_token_id": 0},
     "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
@@ -278,7 +282,8 @@ class ModelConfig:
     # (Gemma's "sandwich")
     pre_norms: bool = True
     post_norms: bool = False
-    layer_norm: bool = False          # LayerNorms (with biases) where Llama has RMSNorms (StableLM)
+    layer_norm: bool = False          # LayerNorms (with biases) where Llama has RMSNorms (StableLM, StarCoder 2)
+    gated_mlp: bool = True            # the MLP's gate (SwiGLU, GeGLU); StarCoder 2's has none: down(act(up(x)))
     # Gemma (1, 2, 3): its RMSNorms scale by (1 + weight), in float32, and its embeddings by
     # sqrt(C): what this flag switches. Its other differences have fields of their own: a
     # GELU-gated MLP (hidden_act); Gemma 2's and 3's norms after attention and the MLP as well
@@ -394,10 +399,12 @@ class ModelConfig:
                 extra = ((_granite_fields(d) if model_type in GRANITES else {})
                          | (_moe_fields(d, model_type) if model_type in MOES else {}))
                 d_rope = d
+            elif model_type == "starcoder2":   # (its MLP GPT-2's: up, an activation, down; no gate)
+                extra, d_rope = {"hidden_act": _activation(d, "hidden_act", "gelu_pytorch_tanh"), "gated_mlp": False}, d
             else:   # (OLMo 3's windowed layers turn by a RoPE of their own, as Gemma 3's)
                 extra, d_rope = _two_ropes(d, model_type) if model_type == "olmo3" else ({}, d)
             # (silu and swish: one function, in transformers)
-            if model_type not in GEMMAS and d.get("hidden_act", "silu") not in ("silu", "swish"):
+            if model_type not in (*GEMMAS, "starcoder2") and d.get("hidden_act", "silu") not in ("silu", "swish"):
                 raise ModelError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu', or 'swish')")
             for key in ("use_parallel_residual", "qk_layernorm") if model_type == "stablelm" else ():
                 if _flag(d, key):   # (StableLM 2 12B's: attention and MLP side by side, a LayerNorm per head)
@@ -422,11 +429,13 @@ class ModelConfig:
             # Qwen 3's (MoE too), SmolLM3's, Gemma's, Granite's (MoE too) and OLMo's (OLMoE's)
             # attention_bias gives all four one; StableLM's use_qkv_bias q, k and v; Mistral
             # (Mixtral) has none. Llama's, SmolLM3's and Granite's mlp_bias gives their MLP's three
-            # projections one. Qwen 3 and Gemma 3 normalize each head's q and k, OLMo (OLMoE) all
-            # of q and of k.
-            attention_bias = (model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", *GRANITES, "olmoe", *GEMMAS,
-                                            *OLMOS) and _flag(d, "attention_bias"))
-            mlp_bias = model_type in ("llama", "smollm3", "granite") and _flag(d, "mlp_bias")
+            # projections one. StarCoder 2's use_bias (by default) gives all of them one. Qwen 3 and
+            # Gemma 3 normalize each head's q and k, OLMo (OLMoE) all of q and of k.
+            starcoder2_bias = model_type == "starcoder2" and _flag(d, "use_bias", True)
+            attention_bias = starcoder2_bias or (
+                model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", *GRANITES, "olmoe", *GEMMAS, *OLMOS)
+                and _flag(d, "attention_bias"))
+            mlp_bias = starcoder2_bias or model_type in ("llama", "smollm3", "granite") and _flag(d, "mlp_bias")
             nope_layers = _nope_layers(d, model_type)
             window, window_layers = _sliding_window(d, model_type, nope_layers)
             # A window as long as the context changes nothing. (Kept where it also says which
@@ -440,14 +449,15 @@ class ModelConfig:
                 intermediate_size=_positive(d, "moe_intermediate_size" if model_type in ("qwen2_moe", "qwen3_moe")
                                             else "intermediate_size"),
                 max_position_embeddings=max_position,
-                norm_eps=_positive(d, "layer_norm_eps" if model_type == "stablelm" else "rms_norm_eps", float, 1e-6),
+                norm_eps=_positive(d, {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon"}.get(
+                    model_type, "rms_norm_eps"), float, 1e-6),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings"),
                 qkv_bias=(attention_bias or model_type == "qwen2"
                           or model_type == "qwen2_moe" and _flag(d, "qkv_bias", True)
                           or model_type == "stablelm" and _flag(d, "use_qkv_bias")),
-                o_bias=attention_bias, mlp_bias=mlp_bias, layer_norm=model_type == "stablelm",
+                o_bias=attention_bias, mlp_bias=mlp_bias, layer_norm=model_type in ("stablelm", "starcoder2"),
                 qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text")
                          else "all" if model_type in (*OLMOS, "olmoe") else None),
                 clip_qkv=(None if model_type != "olmoe" or d.get("clip_qkv") is None
@@ -810,8 +820,8 @@ def _nope_layers(d: dict, model_type: str) -> range | tuple:
 
 def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tuple[int | None, range | tuple | LayersBut]:
     """The window and the layers that use it ((None, ()): every layer sees everything), read
-    as HF's config classes read them. Mistral (and Ministral, Mixtral) and Phi-3 window every
-    layer when sliding_window is set; a Mistral or Ministral with layer_types, the layers it names
+    as HF's config classes read them. Mistral (and Ministral, Mixtral), Phi-3 and StarCoder 2
+    window every layer when sliding_window is set; a Mistral or Ministral with layer_types, the layers it names
     "sliding_attention". Qwen windows only with use_sliding_window (Qwen 3 MoE: every layer
     then), and SmolLM3 with it or
     wherever its layer_types names "sliding_attention" (transformers' masks follow them even
@@ -824,7 +834,7 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
             or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3")):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
-    if model_type in ("phi3", "mixtral") or model_type in MISTRALS and d.get("layer_types") is None:
+    if model_type in ("phi3", "mixtral", "starcoder2") or model_type in MISTRALS and d.get("layer_types") is None:
         windowed = range(layers)
     elif model_type in (*GEMMAS, "olmo3") and d.get("layer_types") is None:
         # (windowed: Gemma 2's every other layer, Gemma 3's 5 of 6, OLMo 3's 3 of 4)
@@ -2556,7 +2566,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 # ----------------------------------------------------------------------------------------
 # Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 1/2/3, OLMo 2/3, Granite,
-# StableLM, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE)
+# StableLM, StarCoder 2, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE)
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, rounded as transformers rounds it: normalized in float32 and cast
@@ -2580,7 +2590,8 @@ class RMSNorm(nn.Module):
 
 
 def norm_layer(config: ModelConfig, dim: int) -> nn.Module:
-    """A norm of Llama's family: its RMSNorm (Gemma's, OLMo's ways too), or StableLM's LayerNorm."""
+    """A norm of Llama's family: its RMSNorm (Gemma's, OLMo's ways too), or StableLM's and StarCoder 2's
+    LayerNorm."""
     if config.layer_norm:
         return nn.LayerNorm(dim, eps=config.norm_eps)
     return RMSNorm(dim, config.norm_eps, gemma=config.gemma, scale_in_float32=config.model_type in OLMOS)
@@ -2627,17 +2638,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); Gemma's GeGLU takes the tanh GELU of the gate."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); Gemma's GeGLU takes the tanh GELU of the gate.
+    StarCoder 2's has no gate (gated_mlp false): down(gelu(up(x))), as GPT-2's MLP."""
 
     def __init__(self, config: ModelConfig, width: int | None = None):
         super().__init__()
         I = width or config.intermediate_size   # (Qwen 2 MoE's shared expert: a width of its own)
+        self.gated = config.gated_mlp
         # gate and up read the same input: fused into one matmul like q/k/v above.
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * I, bias=config.mlp_bias)
+        if self.gated:
+            self.gate_up_proj = nn.Linear(config.hidden_size, 2 * I, bias=config.mlp_bias)
+        else:
+            self.up_proj = nn.Linear(config.hidden_size, I, bias=config.mlp_bias)
         self.down_proj = nn.Linear(I, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
+        if not self.gated:
+            return self.down_proj(self.act(self.up_proj(x)))  # (T, C)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
         return self.down_proj(self.act(gate) * up)        # (T, C)
 
@@ -2776,7 +2794,7 @@ class Llama(nn.Module):
             # (in this order: dummy weights are drawn in it)
             shapes |= {p + "post_attention_layernorm.weight": (C,), p + "self_attn.o_proj.weight": (C, q)}
             if not config.num_experts:
-                shapes[p + "mlp.down_proj.weight"] = (C, I)
+                shapes[p + ("mlp.down_proj.weight" if config.gated_mlp else "mlp.c_proj.weight")] = (C, I)
             if config.post_norms:
                 shapes[p + "post_feedforward_layernorm.weight"] = (C,)
             if config.pre_norms and config.post_norms:
@@ -2786,7 +2804,9 @@ class Llama(nn.Module):
             else:
                 shapes |= {p + "self_attn.q_proj.weight": (q, C), p + "self_attn.k_proj.weight": (kv, C),
                            p + "self_attn.v_proj.weight": (kv, C)}
-            if config.model_type != "phi3" and not config.num_experts:
+            if not config.gated_mlp:   # (StarCoder 2's MLP: c_fc up, c_proj down)
+                shapes[p + "mlp.c_fc.weight"] = (I, C)
+            elif config.model_type != "phi3" and not config.num_experts:
                 shapes |= {p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C)}
             if config.num_experts:
                 E = config.num_experts
@@ -2806,12 +2826,14 @@ class Llama(nn.Module):
             if config.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (C,)
             if config.mlp_bias:
-                shapes |= {p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,), p + "mlp.down_proj.bias": (C,)}
+                shapes |= ({p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,),
+                            p + "mlp.down_proj.bias": (C,)} if config.gated_mlp
+                           else {p + "mlp.c_fc.bias": (I,), p + "mlp.c_proj.bias": (C,)})
             if config.qk_norm:
                 D = config.head_dim
                 shapes |= {p + "self_attn.q_norm.weight": (D,) if config.qk_norm == "head" else (q,),
                            p + "self_attn.k_norm.weight": (D,) if config.qk_norm == "head" else (kv,)}
-        if config.layer_norm:   # (StableLM's LayerNorms have biases)
+        if config.layer_norm:   # (StableLM's and StarCoder 2's LayerNorms have biases)
             shapes |= {name.removesuffix("weight") + "bias": shape for name, shape in shapes.items()
                        if name.endswith("norm.weight")}
         return shapes
@@ -2829,6 +2851,9 @@ class Llama(nn.Module):
                 state[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat(   # ((H + 2 KVH) * D, C), or its bias
                     [hf.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
             for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
+                if not config.gated_mlp:   # (StarCoder 2's c_fc and c_proj: up and down, no gate to fuse)
+                    state |= {f"layers.{i}.mlp.up_proj.{kind}": hf.pop(f"{p}mlp.c_fc.{kind}"),
+                              f"layers.{i}.mlp.down_proj.{kind}": hf.pop(f"{p}mlp.c_proj.{kind}")}
                 for name, (gate, up, down) in _mlp_names(config, p, kind):
                     state[f"layers.{i}.{name}.gate_up_proj.{kind}"] = torch.cat([hf.pop(gate), hf.pop(up)])  # (2 I, C)
                     state[f"layers.{i}.{name}.down_proj.{kind}"] = hf.pop(down)
@@ -2851,8 +2876,8 @@ class Llama(nn.Module):
 def _mlp_names(config: ModelConfig, p: str, kind: str = "weight") -> list[tuple[str, tuple[str, str, str]]]:
     """Layer p's MLPs, as (this module's name, the checkpoint's gate, up and down weights, or
     biases): its MLP, or each of its experts (Mixtral names them w1, w3 and w2, under
-    block_sparse_moe; Granite MoE stacks them: none apart)."""
-    if config.model_type == "granitemoe":
+    block_sparse_moe; Granite MoE stacks them, StarCoder 2 has no gate: none, their own names)."""
+    if config.model_type == "granitemoe" or not config.gated_mlp:
         return []
     if not config.num_experts:
         return [("mlp", tuple(f"{p}mlp.{n}_proj.{kind}" for n in ("gate", "up", "down")))]
@@ -3571,8 +3596,8 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------
-# GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-2/3, SmolLM3, Gemma 1/2/3, Granite, OLMo 2/3
-# and StableLM GGUF files, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE
+# GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-2/3, SmolLM3, Gemma 1/2/3, Granite, OLMo 2/3,
+# StableLM and StarCoder 2 GGUF files, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
 # first load converts it once into an ordinary HF-layout directory in the cache: config.json,
@@ -3598,6 +3623,7 @@ HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",   # (a mixture's router)
               "model.final_layernorm": "output_norm", "self_attn.dense": "attn_output",   # (Phi-2's names)
               "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+              "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",   # (StarCoder 2's)
               # (Qwen 2 MoE's shared expert, and its gate)
               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
@@ -3628,10 +3654,11 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "stablelm": "StableLmForCausalLM",
                       "phi2": "PhiForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                      "granitemoe": "GraniteMoeForCausalLM"}
+                      "granitemoe": "GraniteMoeForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
 GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "phi2": "phi", "qwen2moe": "qwen2_moe"}
 GGUF_GEMMAS = ("gemma", "gemma2", "gemma3")   # (their norms stored as 1 + weight)
-GGUF_LAYER_NORMS = ("stablelm", "phi2")   # (LayerNorms, their epsilon under attention.layer_norm_epsilon)
+# (LayerNorms, their epsilon under attention.layer_norm_epsilon: config.json's key for it)
+GGUF_LAYER_NORMS = {"stablelm": "layer_norm_eps", "phi2": "layer_norm_eps", "starcoder2": "norm_epsilon"}
 GGUF_MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "olmoe", "granitemoe")
 GGUF_PERMUTED = ("llama", "smollm3", "granite", "granitemoe")
 # Granite's multipliers: the GGUF key each is read from (after "granite."; llama.cpp's
@@ -3657,7 +3684,7 @@ GGUF_MOE_KEYS = {"num_local_experts": "expert_count", "num_experts": "expert_cou
 # (and some architectures' only: Phi-3's, Gemma's and OLMo 3's window, Gemma's and OLMo 3's windowed layers,
 # StableLM's and Phi-2's LayerNorms' epsilon)
 GGUF_MORE_KEYS = {"sliding_window": "attention.sliding_window", "layer_types": "attention.sliding_window_pattern",
-                  "layer_norm_eps": "attention.layer_norm_epsilon"}
+                  "layer_norm_eps": "attention.layer_norm_epsilon", "norm_epsilon": "attention.layer_norm_epsilon"}
 
 
 @contextlib.contextmanager
@@ -4099,7 +4126,8 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "float32"}
     for key, (name, required) in GGUF_CONFIG_KEYS.items():
         if key == "rms_norm_eps" and arch in GGUF_LAYER_NORMS:
-            key, name = "layer_norm_eps", GGUF_MORE_KEYS["layer_norm_eps"]
+            key = GGUF_LAYER_NORMS[arch]
+            name = GGUF_MORE_KEYS[key]
         config[key] = _gguf_need(gguf_path, meta, f"{arch}.{name}") if required else meta.get(f"{arch}.{name}")
     if arch == "stablelm":
         config |= _gguf_stablelm(tensors)
@@ -4117,8 +4145,10 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
             config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
     if gemma:   # (its window and the layers it covers: _gguf_gemma, below; the family's default till then)
         del config["sliding_window"]
-    else:   # (Phi-2's, transformers' gelu_new: llama.cpp's GELU, tanh's approximation)
-        config["hidden_act"] = "gelu_new" if arch == "phi2" else "silu"
+    else:   # (Phi-2's and StarCoder 2's: llama.cpp's GELU, tanh's approximation, as their configs name it)
+        config["hidden_act"] = {"phi2": "gelu_new", "starcoder2": "gelu_pytorch_tanh"}.get(arch, "silu")
+    if arch == "starcoder2":   # (biases where the file has them; no window: llama.cpp runs every layer over
+        config["use_bias"] = "blk.0.attn_q.bias" in tensors   # the whole context, whatever its config said)
     if arch in ("granite", "granitemoe"):
         config |= {key: _f32_if_float(meta[f"{arch}.{name}"]) for key, name in GGUF_GRANITE_KEYS.items()
                    if f"{arch}.{name}" in meta}
@@ -4138,7 +4168,7 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
     with _in_file(gguf_path), _gguf_keys_named(meta, arch):
         c = ModelConfig.from_dict(config)
     config |= {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-               "layer_norm_eps" if arch in GGUF_LAYER_NORMS else "rms_norm_eps": _f32(c.norm_eps),
+               GGUF_LAYER_NORMS.get(arch, "rms_norm_eps"): _f32(c.norm_eps),
                "rope_theta": _f32(c.rope_theta)}
     return config, c
 

@@ -226,7 +226,15 @@ def llama_tensors(c, seed=0):
             shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
         if olmo:
             shapes[p + "post_feedforward_layernorm.weight"] = (C,)
-    if c["model_type"] == "stablelm":   # (its LayerNorms have biases)
+        if c["model_type"] == "starcoder2":   # (its MLP GPT-2's, no gate; biases everywhere by default)
+            for n in ("gate", "up", "down"):
+                del shapes[p + f"mlp.{n}_proj.weight"]
+            shapes |= {p + "mlp.c_fc.weight": (I, C), p + "mlp.c_proj.weight": (C, I)}
+            if c.get("use_bias", True):
+                shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (C,),
+                           p + "mlp.c_fc.bias": (I,), p + "mlp.c_proj.bias": (C,)}
+    if c["model_type"] in ("stablelm", "starcoder2"):   # (their LayerNorms have biases)
         shapes |= {n.removesuffix("weight") + "bias": s for n, s in shapes.items() if n.endswith("norm.weight")}
     tensors = {n: (1 + 0.1 * torch.randn(s, generator=g)) if n.endswith("norm.weight")
                else 0.2 * torch.randn(s, generator=g) for n, s in shapes.items()}
@@ -539,6 +547,12 @@ LLAMA_FAMILY_VARIANTS = {
         model_type="stablelm", hidden_size=64, num_attention_heads=4, kv_heads=4, layer_norm_eps=1e-3, hidden_act="swish",
         tied=False).items() if k != "rope_theta"} | {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
                                                                          "partial_rotary_factor": 0.5}},
+    # StarCoder 2 (3B, 7B, 15B): LayerNorms with biases, an MLP without a gate (c_fc, the tanh
+    # GELU, c_proj), biases on every projection (use_bias, by default), every layer windowed;
+    # then without biases, the exact GELU, an untied head, no window
+    "starcoder2": llama_config(model_type="starcoder2", sliding_window=4, norm_epsilon=1e-5, bos_token_id=0),
+    "starcoder2_plain": llama_config(model_type="starcoder2", tied=False, kv_heads=6, use_bias=False, hidden_act="gelu",
+                                     norm_epsilon=1e-3, bos_token_id=0),
     # mixtures of experts: Qwen 3 MoE (4 experts of 24, 2 a token, their weights renormalized),
     # and with 5 experts, 3 a token, not renormalized (its config class's default), windowed;
     # Mixtral (3 experts of 80, 2 a token, windowed)
@@ -921,7 +935,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma", "gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe",
                      "qwen3_moe_window", "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential",
-                     "gpt_neox_gelu_new", "phi", "opt", "opt_350m", "gptj", "granitemoe", "qwen2_moe")
+                     "gpt_neox_gelu_new", "phi", "opt", "opt_350m", "gptj", "granitemoe", "qwen2_moe", "starcoder2")
 
 
 def bfloat16_kernels() -> str:
@@ -1124,6 +1138,7 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
                                              ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None),
                                              ("granitemoe", None), ("qwen2_moe_window", 10), ("stablelm", None),
+                                             ("starcoder2", 10),
                                              ("gpt_neox", None), ("gpt_neox_sequential", None), ("phi", None),
                                              ("opt", None), ("opt_350m", None), ("gptj", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
@@ -1132,7 +1147,7 @@ def test_llama_family_in_the_engine(tmp_path, variant, window):
     windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after), OLMo 3
     (three windowed layers in four, YaRN on the fourth alone), Granite (its multipliers) and
     mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE, Granite MoE, Qwen 2 MoE windowed, its shared
-    expert), StableLM (LayerNorms), GPT-NeoX
+    expert), StableLM (LayerNorms), StarCoder 2 (LayerNorms, no gate, windowed), GPT-NeoX
     (parallel residual or not), Phi, GPT-J and OPT (LayerNorms before or after) through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
@@ -2018,7 +2033,7 @@ def test_bad_config(tmp_path):
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma, gemma2, gemma3, "
                                             r"gemma3_text, gpt2, gpt_neox, gptj, granite, granitemoe, llama, "
                                             r"ministral, mistral, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, "
-                                            r"qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm\)"):
+                                            r"qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, starcoder2\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
@@ -3861,6 +3876,32 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
     path = write_gguf(tmp_path / "d44.gguf", C=44, H=1, KVH=1, L=2, I=80, arch="phi3", weights=llama_tensors(c),
                       meta=[("phi3.rope.dimension_count", 30)])
     assert load_model(path).config.rotary_dim == 30
+
+
+@pytest.mark.parametrize("variant", ["starcoder2", "starcoder2_plain"])
+def test_a_starcoder2_gguf_is_its_checkpoint(tmp_path, own_cache, variant):
+    """A StarCoder 2 GGUF (its tensors named by the gguf package's own map: c_fc as ffn_up,
+    c_proj as ffn_down; its LayerNorms' epsilon under attention.layer_norm_epsilon) gives its
+    checkpoint's logits: biases where the file has them, tied or not; the tanh GELU (llama.cpp's,
+    whatever the config said) and no window, as llama.cpp runs every layer of one. Catches: c_fc or c_proj unnamed; the
+    epsilon not read; biases assumed either way; a gated MLP expected."""
+    import gguf
+    c = {k: v for k, v in LLAMA_FAMILY_VARIANTS[variant].items() if k != "sliding_window"} | {
+        "vocab_size": 256, "max_position_embeddings": 64, "eos_token_id": 1, "hidden_act": "gelu_pytorch_tanh"}
+    w = llama_tensors(c)
+    hf = load_model(write_checkpoint(tmp_path / "hf", c, w))
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.STARCODER2, 2)
+    tensors = {f"{names.get_name(base)}.{kind}": t.numpy() for base, kind, t in
+               ((*name.rsplit(".", 1), t) for name, t in w.items())}
+    path = write_gguf(tmp_path / f"{variant}.gguf", C=48, H=6, KVH=c["num_key_value_heads"], L=2, I=80,
+                      arch="starcoder2", weights={}, extra=list(tensors.items()),
+                      meta=[("starcoder2.attention.layer_norm_epsilon", c["norm_epsilon"])])
+    model = load_model(path)
+    cfg = model.config
+    assert (cfg.model_type, cfg.layer_norm, cfg.gated_mlp, cfg.qkv_bias, cfg.mlp_bias, cfg.norm_eps, cfg.sliding_window,
+            cfg.tie_word_embeddings) == ("starcoder2", True, False, variant == "starcoder2", variant == "starcoder2",
+                                         pytest.approx(c["norm_epsilon"]), None, variant == "starcoder2")
+    torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch, layers", [("gemma3", 7), ("gemma3", 62), ("gemma2", 3), ("gemma2", 46), ("gemma", 2)])
@@ -11006,13 +11047,13 @@ def test_a_beam_that_ends_in_an_eos_with_text_keeps_it_with_include_stop_str_in_
 def test_family_defaults_are_their_transformers_config_classes():
     """Where config.json is silent, each model_type takes its transformers config class's
     default (LlamaConfig, MistralConfig, MinistralConfig, Qwen2Config, Qwen3Config, Phi3Config,
-    SmolLM3Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, GPT2Config), values written out here from
-    those classes. Catches: a wrong default in LLAMA_FAMILY (Mistral's, Ministral's or Llama's
-    context, Mistral's or Ministral's window, Qwen's max_window_layers, Qwen 3's head_dim,
-    Phi-3's eps or original context, SmolLM3's NoPE interval or tied head, Gemma's
-    query_pre_attn_scalar, window or BOS; Mistral's, Ministral's, Qwen's or SmolLM3's KV heads,
-    num_attention_heads: a checkpoint they made refused) or in from_dict's rms_norm_eps /
-    layer_norm_epsilon fallbacks."""
+    SmolLM3Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, Starcoder2Config, GPT2Config),
+    values written out here from those classes. Catches: a wrong default in LLAMA_FAMILY
+    (Mistral's, Ministral's or Llama's context, Mistral's or Ministral's window, Qwen's
+    max_window_layers, Qwen 3's head_dim, Phi-3's eps or original context, SmolLM3's NoPE
+    interval or tied head, Gemma's query_pre_attn_scalar, window or BOS; StarCoder 2's biases or
+    activation; Mistral's, Ministral's, Qwen's or SmolLM3's KV heads, num_attention_heads: a
+    checkpoint they made refused) or in from_dict's rms_norm_eps / layer_norm_epsilon fallbacks."""
     sizes = {"vocab_size": 101, "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 64,
              "intermediate_size": 80}
     llama = ModelConfig.from_dict({"model_type": "llama"} | sizes)
@@ -11063,6 +11104,20 @@ def test_family_defaults_are_their_transformers_config_classes():
                                      "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0})
     assert (ignored.attn_scale, ignored.window_layers, ignored.final_logit_softcapping,
             ignored.attn_logit_softcapping) == (256 ** -0.5, (), None, None)
+    # Starcoder2Config's (the 3B's widths): LayerNorms, an MLP without a gate, biases everywhere;
+    # its BOS and EOS 50256 are past its own vocabulary (the released configs say 0): refused
+    sc2 = ModelConfig.from_dict({"model_type": "starcoder2", "bos_token_id": 0, "eos_token_id": 0})
+    assert (sc2.vocab_size, sc2.hidden_size, sc2.intermediate_size, sc2.num_hidden_layers, sc2.num_attention_heads,
+            sc2.num_key_value_heads, sc2.max_position_embeddings, sc2.norm_eps) == (
+        49152, 3072, 12288, 30, 24, 2, 4096, 1e-5)
+    assert (sc2.hidden_act, sc2.gated_mlp, sc2.layer_norm, sc2.qkv_bias, sc2.o_bias, sc2.mlp_bias,
+            sc2.tie_word_embeddings, sc2.window_layers) == (
+        "gelu_pytorch_tanh", False, True, True, True, True, True, ())
+    with pytest.raises(ModelError, match=r"'bos_token_id' is 50256: 50256 is past the vocabulary \(vocab_size 49152\)"):
+        ModelConfig.from_dict({"model_type": "starcoder2"})
+    with pytest.raises(ModelError, match="hidden_act 'quick_gelu' is not supported"):
+        ModelConfig.from_dict({"model_type": "starcoder2", "bos_token_id": 0, "eos_token_id": 0,
+                               "hidden_act": "quick_gelu"})
     g2 = ModelConfig.from_dict({"model_type": "gemma2"})
     assert (g2.vocab_size, g2.hidden_size, g2.intermediate_size, g2.num_hidden_layers, g2.num_attention_heads,
             g2.num_key_value_heads, g2.head_dim, g2.max_position_embeddings) == (256000, 2304, 9216, 26, 8, 4, 256, 8192)
