@@ -148,6 +148,10 @@ def _is_id(x) -> bool:
 
 GEMMAS = ("gemma", "gemma2", "gemma3_text")   # (Gemma 3 with a vision tower, "gemma3", runs its gemma3_text)
 NO_FLOAT16 = ("gemma2", "gemma3_text")   # their activations overflow float16 (vLLM's list: not Gemma 1's)
+# Checkpoints of a text model with a vision tower (Gemma 3 4B and larger; Mistral Small 3.1 and
+# 3.2, model_type mistral3): nanopaged runs the text model alone, as vLLM does a prompt without
+# images. Each one's text_config, and its model_type (by default, as its config class's)
+MULTIMODAL = {"gemma3": "gemma3_text", "mistral3": "mistral"}
 # Ministral (8B) is Mistral with its layers windowed as layer_types say, and MistralConfig's
 # defaults; transformers' AutoConfig reads a "mistral" config.json with layer_types as a
 # "ministral" one, and save_pretrained writes it so. (Left out, head_dim is hidden_size //
@@ -389,8 +393,8 @@ class ModelConfig:
             raise ModelError(f"expected a JSON object, got {type(d).__name__}")
         _check_checkpoint_kind(d)
         model_type = d.get("model_type")
-        if model_type == "gemma3":   # Gemma 3 4B and larger: a vision tower and a text model
-            d, model_type = _gemma3_text_config(d), "gemma3_text"
+        if model_type in MULTIMODAL:   # a vision tower and a text model
+            d, model_type = _text_config(d, model_type), MULTIMODAL[model_type]
         if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
             d = LLAMA_FAMILY[model_type] | d
             if model_type in GEMMAS:
@@ -497,7 +501,7 @@ class ModelConfig:
             default_token_id = 50256  # <|endoftext|>
         else:
             raise ModelError(f"model_type {model_type!r} is not supported "
-                             f"(supported: {', '.join(sorted([*ARCHITECTURES, 'gemma3']))})")
+                             f"(supported: {', '.join(sorted([*ARCHITECTURES, *MULTIMODAL]))})")
         vocab_size = _positive(d, "vocab_size")
         bos = _token_ids(d, "bos_token_id", vocab_size, default_token_id, many=False)
         return cls(model_type=model_type, vocab_size=vocab_size, **fields,
@@ -541,21 +545,23 @@ def _flag(d: dict, key: str, default: bool = False) -> bool:
     return default if value is None else value
 
 
-def _gemma3_text_config(d: dict) -> dict:
-    """The text model's config of a Gemma 3 with a vision tower (4B and larger: model_type
-    gemma3, its text_config as a gemma3_text's; its BOS and EOS ids, which generation uses, at
-    the top, and whether its LM head is the embedding matrix). nanopaged runs the text model
-    alone, as vLLM does a prompt without images; the loader finds its weights under
-    language_model. (_checkpoint_name). As transformers' Gemma3ForConditionalGeneration, it
-    does not softcap the logits (its Gemma3ForCausalLM does; no Gemma 3 sets a cap)."""
-    text = d.get("text_config", {})
+def _text_config(d: dict, model_type: str) -> dict:
+    """The text model's config of a checkpoint with a vision tower (MULTIMODAL): its
+    text_config; the BOS and EOS ids, which generation uses, from the top where it has them
+    (Gemma 3's), and whether the LM head is tied, from the top (by default, yes: what
+    transformers 5's Gemma3ForConditionalGeneration and Mistral3ForConditionalGeneration
+    follow, whatever text_config says). nanopaged runs the text model alone, as vLLM does a
+    prompt without images; the loader finds its weights under language_model.
+    (_checkpoint_name). As transformers' Gemma3ForConditionalGeneration, it does not softcap
+    Gemma 3's logits (its Gemma3ForCausalLM does; no Gemma 3 sets a cap)."""
+    text, want = d.get("text_config", {}), MULTIMODAL[model_type]
     if not isinstance(text, dict | None):
         raise ModelError(f"'text_config' is {reprlib.repr(text)}, expected an object")
-    if (text or {}).get("model_type", "gemma3_text") != "gemma3_text":
-        raise ModelError(f"text_config's model_type is {text['model_type']!r}, expected 'gemma3_text'")
+    if (text or {}).get("model_type", want) != want:
+        raise ModelError(f"text_config's model_type is {text['model_type']!r}, expected {want!r}")
     top = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
-    return (text or {}) | top | {"model_type": "gemma3_text", "final_logit_softcapping": None,
-                                 "tie_word_embeddings": d.get("tie_word_embeddings", True)}
+    text = (text or {}) | top | {"model_type": want, "tie_word_embeddings": d.get("tie_word_embeddings", True)}
+    return text | {"final_logit_softcapping": None} if model_type == "gemma3" else text
 
 
 def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
@@ -3415,8 +3421,8 @@ class PickledCheckpoint:
 
 UNUSED_BUFFERS = (r"\.rotary_emb\.inv_freq$|(^|\.)(attn|attention)\.(masked_)?bias$"   # (GPT-2's and GPT-NeoX's masks)
                   r"|^(language_model\.)?(lm_head|embed_out)\.weight$")   # (a tied head's copy: see _untie_if_distinct)
-# and, of a Gemma 3 with a vision tower, the tower: nanopaged runs the text model alone
-VISION_TOWER = r"^(vision_tower|multi_modal_projector)\."
+# and, of a checkpoint with a vision tower (MULTIMODAL), the tower: nanopaged runs the text model alone
+VISION_TOWER = r"^(model\.)?(vision_tower|multi_modal_projector)\."
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
@@ -3578,8 +3584,11 @@ def _untie_if_distinct(model_dir: Path, where: dict[str, Path], config: ModelCon
 def _checkpoint_name(name: str, where: dict) -> str | None:
     """The name a *ForCausalLM tensor has in this checkpoint: its own; without the
     "transformer." / "model." prefix (saved from GPT2Model / LlamaModel); or under
-    "language_model." (the text model of Gemma 3's Gemma3ForConditionalGeneration)."""
-    for stored in (name, name.partition(".")[2], "language_model." + name):
+    "language_model." (the text model of a checkpoint with a vision tower, MULTIMODAL), or
+    with "model.language_model." for "model." (the same, as transformers 4.52 to 4.57 saved
+    it; vLLM maps those names too)."""
+    for stored in (name, name.partition(".")[2], "language_model." + name,
+                   re.sub(r"^model\.", "model.language_model.", name)):
         if stored in where:
             return stored
     return None

@@ -2032,8 +2032,9 @@ def test_bad_config(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma, gemma2, gemma3, "
                                             r"gemma3_text, gpt2, gpt_neox, gptj, granite, granitemoe, llama, "
-                                            r"ministral, mistral, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, "
-                                            r"qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, starcoder2\)"):
+                                            r"ministral, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, "
+                                            r"phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, "
+                                            r"starcoder2\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
@@ -2233,6 +2234,40 @@ def test_gemma3_with_a_vision_tower_runs_its_text_model(tmp_path, capsys):
                           (c | {"model_type": "gemma2"}, "text_config's model_type is 'gemma2'")]:
         with pytest.raises(ModelError, match=message):
             ModelConfig.from_dict(multimodal | {"text_config": text})
+
+
+def test_mistral3_runs_its_text_model_in_either_layout(tmp_path, capsys):
+    """Mistral Small 3.1 and 3.2 (model_type mistral3): its text_config read as a Mistral's, its
+    text weights under "language_model." or, as transformers 4.52 to 4.57 saved them (a Gemma
+    3's too), "model.language_model." with the head as "lm_head.", the vision tower's left out
+    without a note, in either layout: the logits transformers computed for the same Mistral.
+    The top level says whether the head is tied (by default, yes, as transformers 5's
+    Mistral3ForConditionalGeneration reads it): a head the checkpoint holds apart is used,
+    untied, with a note. Catches: the newer layout's names not found, or its vision tower noted
+    as unused; text_config's tie read instead of the top's; another text model accepted."""
+    c = LLAMA_FAMILY_VARIANTS["mistral"]   # (an untied head)
+    w = llama_tensors(c)
+    vision = {"vision_tower.transformer.layers.0.attention_norm.weight": torch.ones(8),
+              "multi_modal_projector.linear_1.weight": torch.zeros(8, 8)}
+    layouts = {"old": {"language_model." + name: t for name, t in w.items()} | vision,
+               "new": {re.sub(r"^model\.", "model.language_model.", name): t for name, t in w.items()}
+               | {"model." + name: t for name, t in vision.items()}}
+    assert "lm_head.weight" in layouts["new"] and "language_model.lm_head.weight" in layouts["old"]
+    expected = torch.tensor(json.loads((TESTDATA / "llama_family_logits.json").read_text())["mistral"]["logits"])
+    multimodal = {"model_type": "mistral3", "text_config": c, "tie_word_embeddings": False, "vision_config": {}}
+    capsys.readouterr()
+    for layout, tensors in layouts.items():
+        model = load_model(write_checkpoint(tmp_path / layout, multimodal, tensors))
+        assert model.config.model_type == "mistral" and not model.config.tie_word_embeddings
+        torch.testing.assert_close(forward_all(model, IDS), expected, rtol=1e-4, atol=1e-4)
+        assert capsys.readouterr().err == ""
+    default = {k: v for k, v in multimodal.items() if k != "tie_word_embeddings"}
+    assert ModelConfig.from_dict(default).tie_word_embeddings
+    untied = load_model(write_checkpoint(tmp_path / "default", default, layouts["old"]))
+    assert "language_model.lm_head.weight differs from them: it is used, untied" in capsys.readouterr().err
+    torch.testing.assert_close(forward_all(untied, IDS), expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ModelError, match="text_config's model_type is 'ministral3', expected 'mistral'"):
+        ModelConfig.from_dict(multimodal | {"text_config": c | {"model_type": "ministral3"}})
 
 
 def test_gemma_chats_through_the_engine(tmp_path):
