@@ -202,6 +202,10 @@ LLAMA_FAMILY = {
     "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "intermediate_size": 2048,
               "num_experts_per_tok": 8},
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    "exaone4": {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 2048,
+                "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 2, "sliding_window": 4096,
+                "sliding_window_pattern": 4},
     "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "sliding_window": 4096},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
                 "rope_theta": 2_000_000.0, "num_key_value_heads": 4},
@@ -441,7 +445,14 @@ class ModelConfig:
                 and _flag(d, "attention_bias"))
             mlp_bias = starcoder2_bias or model_type in ("llama", "smollm3", "granite") and _flag(d, "mlp_bias")
             nope_layers = _nope_layers(d, model_type)
+            if model_type == "exaone4":
+                d = _exaone4_layers(d)
             window, window_layers = _sliding_window(d, model_type, nope_layers)
+            # EXAONE 4 with a window set (its 32B) turns no RoPE in its full layers (Exaone4Attention):
+            # their attention sees no positions but the causal mask's order, as SmolLM3's NoPE layers
+            if model_type == "exaone4" and d.get("sliding_window") is not None:
+                nope_layers = window_layers.but if isinstance(window_layers, LayersBut) else tuple(
+                    i for i in range(_positive(d, "num_hidden_layers")) if i not in window_layers)
             # A window as long as the context changes nothing. (Kept where it also says which
             # layers take the local RoPE: Gemma 3's, a scaled OLMo 3's.)
             if (window and window >= _context_length(max_position, rope_scaling, model_type)
@@ -462,11 +473,12 @@ class ModelConfig:
                           or model_type == "qwen2_moe" and _flag(d, "qkv_bias", True)
                           or model_type == "stablelm" and _flag(d, "use_qkv_bias")),
                 o_bias=attention_bias, mlp_bias=mlp_bias, layer_norm=model_type in ("stablelm", "starcoder2"),
-                qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+                qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
                          else "all" if model_type in (*OLMOS, "olmoe") else None),
                 clip_qkv=(None if model_type != "olmoe" or d.get("clip_qkv") is None
                           else _positive(d, "clip_qkv", float)),
-                pre_norms=model_type not in OLMOS, post_norms=model_type in ("gemma2", "gemma3_text", *OLMOS),
+                pre_norms=model_type not in (*OLMOS, "exaone4"),
+                post_norms=model_type in ("gemma2", "gemma3_text", *OLMOS, "exaone4"),
                 nope_layers=nope_layers,
                 sliding_window=window, window_layers=window_layers, **extra)
             default_token_id = None
@@ -824,6 +836,23 @@ def _nope_layers(d: dict, model_type: str) -> range | tuple:
     return tuple(i for i, rotates in enumerate(flags) if not rotates)
 
 
+def _exaone4_layers(d: dict) -> dict:
+    """d with EXAONE 4's sliding_window_pattern, where it is a string of a letter a layer ("LLLG":
+    L windowed, G not, over and over) and layer_types does not say, written as layer_types.
+    (Exaone4Config documents the string, but its own layer_types rule takes a number alone.)"""
+    pattern = d.get("sliding_window_pattern")
+    if d.get("layer_types") is not None or not isinstance(pattern, str) or d.get("sliding_window") is None:
+        return d
+    if not pattern or set(pattern) - {"L", "G"}:
+        raise ModelError(f"'sliding_window_pattern' is {reprlib.repr(pattern)}, expected L (windowed) or G "
+                         f"(global) for each layer of the pattern, or a number")
+    layers = _positive(d, "num_hidden_layers")
+    if layers > 2**20:   # (a list of every layer: refused where a config claims millions)
+        raise ModelError(f"num_hidden_layers {layers} is too many for a sliding_window_pattern of letters")
+    return d | {"layer_types": ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+                                for i in range(layers)]}
+
+
 def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tuple[int | None, range | tuple | LayersBut]:
     """The window and the layers that use it ((None, ()): every layer sees everything), read
     as HF's config classes read them. Mistral (and Ministral, Mixtral), Phi-3 and StarCoder 2
@@ -834,19 +863,19 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     without); then the layers layer_types names so (by default, Qwen's from max_window_layers
     on, Qwen 2 MoE's every other one below it, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
-    (Gemma 3: 6), OLMo 3's all but every 4th. Llama, Granite, OLMo 2, OLMoE, StableLM and Gemma (1) have
-    no window."""
+    (Gemma 3: 6), OLMo 3's all but every 4th, EXAONE 4's all but every sliding_window_pattern-th
+    (4). Llama, Granite, OLMo 2, OLMoE, StableLM and Gemma (1) have no window."""
     if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm", "gemma")
             or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3")):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
     if model_type in ("phi3", "mixtral", "starcoder2") or model_type in MISTRALS and d.get("layer_types") is None:
         windowed = range(layers)
-    elif model_type in (*GEMMAS, "olmo3") and d.get("layer_types") is None:
-        # (windowed: Gemma 2's every other layer, Gemma 3's 5 of 6, OLMo 3's 3 of 4)
+    elif model_type in (*GEMMAS, "olmo3", "exaone4") and d.get("layer_types") is None:
+        # (windowed: Gemma 2's every other layer, Gemma 3's 5 of 6, OLMo 3's 3 of 4, EXAONE 4's 3 of 4)
         pattern = {"gemma2": 2, "olmo3": 4}.get(model_type) or _positive(d, "sliding_window_pattern", default=6)
         windowed = LayersBut(layers, range(pattern - 1, layers, pattern))
-    elif (not _flag(d, "use_sliding_window") and model_type not in (*GEMMAS, *MISTRALS, "olmo3")
+    elif (not _flag(d, "use_sliding_window") and model_type not in (*GEMMAS, *MISTRALS, "olmo3", "exaone4")
           and not (model_type == "smollm3" and d.get("layer_types") is not None)):
         return None, ()   # (SmolLM3's masks follow its layer_types even so, as transformers runs it)
     elif model_type == "qwen3_moe":   # (every layer: Qwen3MoeConfig has no max_window_layers)
@@ -2571,7 +2600,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 
 # ----------------------------------------------------------------------------------------
-# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 1/2/3, OLMo 2/3, Granite,
+# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 1/2/3, OLMo 2/3, EXAONE 4, Granite,
 # StableLM, StarCoder 2, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE)
 
 class RMSNorm(nn.Module):

@@ -181,7 +181,8 @@ def llama_tensors(c, seed=0):
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         olmo = c["model_type"] in ("olmo2", "olmo3")   # (norms after attention and the MLP, none before)
-        shapes |= {} if olmo else {p + "input_layernorm.weight": (C,)}
+        after = olmo or c["model_type"] == "exaone4"   # (EXAONE 4's too)
+        shapes |= {} if after else {p + "input_layernorm.weight": (C,)}
         shapes |= {p + "post_attention_layernorm.weight": (C,),
                    p + "self_attn.q_proj.weight": (q, C), p + "self_attn.k_proj.weight": (kv, C),
                    p + "self_attn.v_proj.weight": (kv, C), p + "self_attn.o_proj.weight": (C, q),
@@ -195,7 +196,7 @@ def llama_tensors(c, seed=0):
             shapes[p + "self_attn.o_proj.bias"] = (C,)
         if c.get("mlp_bias"):
             shapes |= {p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,), p + "mlp.down_proj.bias": (C,)}
-        if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
+        if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4"):
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
         if c["model_type"] == "granitemoe":   # a router and E MLPs, stacked: gate and up, then down
             for n in ("gate", "up", "down"):
@@ -224,7 +225,7 @@ def llama_tensors(c, seed=0):
             shapes |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)}
         if c["model_type"] in ("gemma2", "gemma3_text"):   # (Gemma 1 has Llama's two norms a layer)
             shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
-        if olmo:
+        if after:
             shapes[p + "post_feedforward_layernorm.weight"] = (C,)
         if c["model_type"] == "starcoder2":   # (its MLP GPT-2's, no gate; biases everywhere by default)
             for n in ("gate", "up", "down"):
@@ -553,6 +554,11 @@ LLAMA_FAMILY_VARIANTS = {
     "starcoder2": llama_config(model_type="starcoder2", sliding_window=4, norm_epsilon=1e-5, bos_token_id=0),
     "starcoder2_plain": llama_config(model_type="starcoder2", tied=False, kv_heads=6, use_bias=False, hidden_act="gelu",
                                      norm_epsilon=1e-3, bos_token_id=0),
+    # EXAONE 4 (LG's 1.2B and 32B): OLMo 2's norms after attention and the MLP, none before;
+    # Qwen 3's per-head q/k norms; its 32B's windows (here layer 0 of 2, sliding_window_pattern
+    # 2), its full layers turning no RoPE; then its 1.2B's config: no window, RoPE everywhere
+    "exaone4": llama_config(model_type="exaone4", tied=False, head_dim=16, sliding_window=3, sliding_window_pattern=2),
+    "exaone4_global": llama_config(model_type="exaone4", sliding_window=None, layer_types=["full_attention"] * 2),
     # mixtures of experts: Qwen 3 MoE (4 experts of 24, 2 a token, their weights renormalized),
     # and with 5 experts, 3 a token, not renormalized (its config class's default), windowed;
     # Mixtral (3 experts of 80, 2 a token, windowed)
@@ -2030,8 +2036,8 @@ def test_bad_config(tmp_path):
     # (Ministral 3 is no Ministral: its queries are scaled by position, Llama 4's way)
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
-        with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: gemma, gemma2, gemma3, "
-                                            r"gemma3_text, gpt2, gpt_neox, gptj, granite, granitemoe, llama, "
+        with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: exaone4, gemma, gemma2, "
+                                            r"gemma3, gemma3_text, gpt2, gpt_neox, gptj, granite, granitemoe, llama, "
                                             r"ministral, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, "
                                             r"phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, "
                                             r"starcoder2\)"):
@@ -3713,7 +3719,7 @@ def rewrite_gguf(src, dst, change, meta=None):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "olmo2", "olmo3", "stablelm", "phi2", "mixtral",
-                                  "qwen2moe", "qwen3moe", "olmoe", "granitemoe"])
+                                  "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "starcoder2"])
 def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     """GGUFs that llama.cpp's own converter wrote from tiny models: the weights (Qwen 2's q/k/v
     biases, its Q and K rows as HF's, its tied embeddings; Qwen 3's q/k norms and head_dim;
@@ -3726,7 +3732,8 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
     their routers: a Mixtral's, a llama with experts, its Q and K rows permuted; a Qwen 3 MoE's
     narrower experts; an OLMoE's top-2 weights left unnormalized; a Qwen 2 MoE's shared expert and its
     gate, its q/k/v biases; a Granite MoE's, written as a Mixtral's experts are, stacked again as
-    its checkpoint keeps them, and Granite's multipliers) give the logits transformers
+    its checkpoint keeps them, and Granite's multipliers; StarCoder 2's LayerNorms and MLP without
+    a gate, its biases everywhere, its GELU tanh's) give the logits transformers
     computed before the conversion, to float16's rounding (the mixtures' weights were rounded to
     float16 before theirs were computed: closer still); the tokenizer (NFC, Qwen 2's regex, added
     tokens) encodes as Hugging Face's does."""
@@ -3741,7 +3748,8 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
         "mixtral": ("mixtral", False, None, False, 8, False), "qwen3moe": ("qwen3_moe", False, "head", True, 8, False),
         "qwen2moe": ("qwen2_moe", True, None, False, 8, False),
         "granitemoe": ("granitemoe", False, None, True, 8, False),
-        "olmoe": ("olmoe", False, "all", False, 8, False)}[name]
+        "olmoe": ("olmoe", False, "all", False, 8, False),
+        "starcoder2": ("starcoder2", True, None, True, 8, False)}[name]
     assert (c.embedding_multiplier, c.residual_multiplier, c.attn_scale, c.logits_scaling) == (
         (12.0, 0.22, 0.3, 4.0) if name in ("granite", "granitemoe") else (1.0, 1.0, c.head_dim ** -0.5, 1.0))
     assert (c.num_experts, c.num_experts_per_tok, c.intermediate_size, c.norm_topk_prob, c.shared_expert_size) == {
@@ -3750,9 +3758,10 @@ def test_ggufs_written_by_llama_cpp_convert_back(own_cache, name):
         name, (0, 0, 160 if name == "phi2" else 64, False, 0))
     assert (c.sliding_window, tuple(i for i in range(c.num_hidden_layers) if i in c.window_layers)) == (
         (4, (0, 2, 3)) if name == "olmo3" else (None, ()))
-    assert (c.layer_norm, c.rotary_dim, c.norm_eps, c.hidden_act) == {
-        "stablelm": (True, 2, 1e-5, "silu"), "phi2": (False, 4, 1e-5, "gelu_new")}.get(
-        name, (False, c.head_dim, 1e-5 if name == "olmoe" else 1e-6, "silu"))
+    assert (c.layer_norm, c.rotary_dim, c.norm_eps, c.hidden_act, c.gated_mlp) == {
+        "stablelm": (True, 2, 1e-5, "silu", True), "phi2": (False, 4, 1e-5, "gelu_new", True),
+        "starcoder2": (True, 8, 1e-5, "gelu_pytorch_tanh", False)}.get(
+        name, (False, c.head_dim, 1e-5 if name == "olmoe" else 1e-6, "silu", True))
     logits = forward_all(model, IDS)
     # (OLMoE's differ by 4e-4: llama.cpp's converter writes its norms' epsilon as 1e-5, the model's is 1e-6)
     atol = 1e-3 if c.num_experts else 2e-2
@@ -11082,7 +11091,7 @@ def test_a_beam_that_ends_in_an_eos_with_text_keeps_it_with_include_stop_str_in_
 def test_family_defaults_are_their_transformers_config_classes():
     """Where config.json is silent, each model_type takes its transformers config class's
     default (LlamaConfig, MistralConfig, MinistralConfig, Qwen2Config, Qwen3Config, Phi3Config,
-    SmolLM3Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, Starcoder2Config, GPT2Config),
+    SmolLM3Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, Starcoder2Config, Exaone4Config, GPT2Config),
     values written out here from those classes. Catches: a wrong default in LLAMA_FAMILY
     (Mistral's, Ministral's or Llama's context, Mistral's or Ministral's window, Qwen's
     max_window_layers, Qwen 3's head_dim, Phi-3's eps or original context, SmolLM3's NoPE
@@ -11153,6 +11162,24 @@ def test_family_defaults_are_their_transformers_config_classes():
     with pytest.raises(ModelError, match="hidden_act 'quick_gelu' is not supported"):
         ModelConfig.from_dict({"model_type": "starcoder2", "bos_token_id": 0, "eos_token_id": 0,
                                "hidden_act": "quick_gelu"})
+    # Exaone4Config's (the 32B's layers: all but every 4th windowed, by 4096; the full ones turn no
+    # RoPE); its docstring's pattern of letters ("LLLG"); its default context (2048) within the
+    # window, which then changes nothing but the NoPE; no window: RoPE everywhere
+    ex = ModelConfig.from_dict({"model_type": "exaone4", "max_position_embeddings": 8192})
+    assert (ex.vocab_size, ex.hidden_size, ex.num_hidden_layers, ex.num_key_value_heads, ex.bos_token_id,
+            ex.eos_token_id, ex.tie_word_embeddings, ex.qk_norm, ex.pre_norms, ex.post_norms) == (
+        102400, 4096, 32, 32, 0, [2], False, "head", False, True)
+    assert [ex.layer_window(i) for i in range(5)] == [4096, 4096, 4096, None, 4096]
+    assert list(ex.nope_layers) == list(range(3, 32, 4))
+    letters = ModelConfig.from_dict({"model_type": "exaone4", "max_position_embeddings": 8192,
+                                     "sliding_window_pattern": "LLG", "num_hidden_layers": 6})
+    assert ([letters.layer_window(i) for i in range(6)], list(letters.nope_layers)) == (
+        [4096, 4096, None] * 2, [2, 5])
+    short = ModelConfig.from_dict({"model_type": "exaone4"})
+    assert short.window_layers == () and list(short.nope_layers) == list(range(3, 32, 4))
+    assert ModelConfig.from_dict({"model_type": "exaone4", "sliding_window": None}).nope_layers == ()
+    with pytest.raises(ModelError, match="'sliding_window_pattern' is 'LLXG', expected L"):
+        ModelConfig.from_dict({"model_type": "exaone4", "sliding_window_pattern": "LLXG"})
     g2 = ModelConfig.from_dict({"model_type": "gemma2"})
     assert (g2.vocab_size, g2.hidden_size, g2.intermediate_size, g2.num_hidden_layers, g2.num_attention_heads,
             g2.num_key_value_heads, g2.head_dim, g2.max_position_embeddings) == (256000, 2304, 9216, 26, 8, 4, 256, 8192)

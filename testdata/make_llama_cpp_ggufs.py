@@ -7,8 +7,9 @@ Qwen 3 MoE, its experts narrower than intermediate_size; OLMoE, its top-2 weight
 renormalized; Qwen 2 MoE, its shared expert; Granite MoE, its experts stacked, gate and up
 together, in its checkpoint, Granite's multipliers), OLMo 3 (written as an OLMo 2 with a
 window: 4 layers, windowed but the second; its full layer's RoPE YaRN-scaled), StableLM 2
-(LayerNorms with biases, q/k/v biases, a quarter of each head turned) and Phi-2 (GPT-NeoX's
-layer with one LayerNorm, 40% of each head turned, a biased LM head), converted to GGUF by
+(LayerNorms with biases, q/k/v biases, a quarter of each head turned), Phi-2 (GPT-NeoX's
+layer with one LayerNorm, 40% of each head turned, a biased LM head) and StarCoder 2 (LayerNorms,
+an MLP without a gate, biases everywhere), converted to GGUF by
 llama.cpp's own convert_hf_to_gguf.py, and the logits Hugging Face transformers computes for
 token ids IDS before the conversion (at three positions). The tests convert the GGUFs back
 and compare. transformers and llama.cpp are needed only to remake them:
@@ -19,7 +20,7 @@ and compare. transformers and llama.cpp are needed only to remake them:
 llama.cpp identifies a tokenizer's pre-tokenizer by hashing its output on a test text; the
 tiny tokenizer (qwen2_tokenizer/) is unknown to it, so make its get_vocab_base_pre return
 "qwen2" where it would raise NotImplementedError. Qwen's made with llama.cpp 0c1e570
-(2026-10-01); Granite's, OLMo 2's, the mixtures', OLMo 3's, StableLM's and Phi-2's with the
+(2026-10-01); Granite's, OLMo 2's, the mixtures', OLMo 3's, StableLM's, Phi-2's and StarCoder 2's with the
 llama.cpp of llama-cpp-python 0.3.36's sdist (pip download llama-cpp-python==0.3.36
 --no-binary :all: --no-deps).
 """
@@ -66,7 +67,10 @@ MODELS = {"qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
                                                          layer_norm_eps=1e-5)),
           # (llama.cpp's converter writes 4 x hidden_size as a Phi's MLP width, and no RoPE base)
           "phi2": (transformers.PhiConfig, dict(intermediate_size=160, partial_rotary_factor=0.4, rope_theta=10_000.0,
-                                                layer_norm_eps=1e-5, num_key_value_heads=4, hidden_size=40))}
+                                                layer_norm_eps=1e-5, num_key_value_heads=4, hidden_size=40)),
+          # (no window: llama.cpp runs a StarCoder 2 without one; BOS 0, Starcoder2Config's 50256 past this vocab)
+          "starcoder2": (transformers.Starcoder2Config, dict(tie_word_embeddings=True, use_bias=True,
+                                                             sliding_window=None, norm_epsilon=1e-5, bos_token_id=0))}
 MOES = ("mixtral", "qwen3moe", "olmoe", "qwen2moe", "granitemoe")
 
 llama_cpp, names = Path(sys.argv[1]), sys.argv[2:] or list(MODELS)
