@@ -162,7 +162,7 @@ MISTRALS = ("mistral", "ministral")
 # outputs, and normalizes q and k across all heads at once; OLMo 3 is OLMo 2 with three
 # layers in four windowed (transformers' Olmo3Config), its full layers' RoPE alone scaled.
 # Two more ways of theirs have no ModelConfig field, being keyed on OLMOS where they happen:
-# norms scaled in float32 (norm_layer), and RoPE tables kept in float32 (load_model).
+# norms scaled in float32 (norm_layer), and RoPE tables kept in float32 (load_model; Ernie 4.5's too).
 OLMOS = ("olmo2", "olmo3")
 # Granite (IBM's Granite 3) is Llama with four scalars of its own (ModelConfig's "Granite" fields).
 GRANITES = ("granite", "granitemoe")
@@ -202,6 +202,10 @@ LLAMA_FAMILY = {
     "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "intermediate_size": 2048,
               "num_experts_per_tok": 8},
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    "ernie4_5": {"vocab_size": 103424, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 18,
+                 "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128,
+                 "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0,
+                 "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
     "exaone4": {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 2048,
                 "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 2, "sliding_window": 4096,
@@ -262,6 +266,10 @@ class ModelConfig:
     rope_theta: float = 10000.0       # RoPE's base (all but GPT-2)
     rope_scaling: dict | None = None  # RoPE's scaling (the same): None, or linear, llama3, yarn or longrope parameters
     partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim of each head's D (Phi-4-mini: 0.75, Pythia: 0.25)
+    # RoPE on neighbouring pairs of dimensions (0 and 1, 2 and 3...: Ernie 4.5's), not on i and
+    # i + R/2: the module turns the latter, once q's and k's rows are reordered at load
+    # (_pairs_to_halves, which GPT-J's module does for its own)
+    rope_pairs: bool = False
     tie_word_embeddings: bool = False  # LM head shares the token embedding matrix
     qkv_bias: bool = False            # q/k/v projections have biases (Qwen 2; attention_bias)
     o_bias: bool = False              # o_proj has a bias (attention_bias)
@@ -437,13 +445,14 @@ class ModelConfig:
             # Qwen 3's (MoE too), SmolLM3's, Gemma's, Granite's (MoE too) and OLMo's (OLMoE's)
             # attention_bias gives all four one; StableLM's use_qkv_bias q, k and v; Mistral
             # (Mixtral) has none. Llama's, SmolLM3's and Granite's mlp_bias gives their MLP's three
-            # projections one. StarCoder 2's use_bias (by default) gives all of them one. Qwen 3 and
-            # Gemma 3 normalize each head's q and k, OLMo (OLMoE) all of q and of k.
-            starcoder2_bias = model_type == "starcoder2" and _flag(d, "use_bias", True)
-            attention_bias = starcoder2_bias or (
+            # projections one. StarCoder 2's use_bias (by default) gives all seven one, Ernie 4.5's
+            # too (not by default). Qwen 3 and Gemma 3 normalize each head's q and k, OLMo (OLMoE)
+            # all of q and of k.
+            use_bias = model_type in ("starcoder2", "ernie4_5") and _flag(d, "use_bias", model_type == "starcoder2")
+            attention_bias = use_bias or (
                 model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", *GRANITES, "olmoe", *GEMMAS, *OLMOS)
                 and _flag(d, "attention_bias"))
-            mlp_bias = starcoder2_bias or model_type in ("llama", "smollm3", "granite") and _flag(d, "mlp_bias")
+            mlp_bias = use_bias or model_type in ("llama", "smollm3", "granite") and _flag(d, "mlp_bias")
             nope_layers = _nope_layers(d, model_type)
             if model_type == "exaone4":
                 d = _exaone4_layers(d)
@@ -473,6 +482,7 @@ class ModelConfig:
                           or model_type == "qwen2_moe" and _flag(d, "qkv_bias", True)
                           or model_type == "stablelm" and _flag(d, "use_qkv_bias")),
                 o_bias=attention_bias, mlp_bias=mlp_bias, layer_norm=model_type in ("stablelm", "starcoder2"),
+                rope_pairs=model_type == "ernie4_5",
                 qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
                          else "all" if model_type in (*OLMOS, "olmoe") else None),
                 clip_qkv=(None if model_type != "olmoe" or d.get("clip_qkv") is None
@@ -864,8 +874,8 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     on, Qwen 2 MoE's every other one below it, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
     (Gemma 3: 6), OLMo 3's all but every 4th, EXAONE 4's all but every sliding_window_pattern-th
-    (4). Llama, Granite, OLMo 2, OLMoE, StableLM and Gemma (1) have no window."""
-    if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm", "gemma")
+    (4). Llama, Granite, OLMo 2, OLMoE, StableLM, Gemma (1) and Ernie 4.5 have no window."""
+    if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm", "gemma", "ernie4_5")
             or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3")):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
@@ -2600,8 +2610,8 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 
 # ----------------------------------------------------------------------------------------
-# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 1/2/3, OLMo 2/3, EXAONE 4, Granite,
-# StableLM, StarCoder 2, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE)
+# Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 1/2/3, OLMo 2/3, EXAONE 4, Ernie 4.5,
+# Granite, StableLM, StarCoder 2, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE)
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, rounded as transformers rounds it: normalized in float32 and cast
@@ -2880,11 +2890,15 @@ class Llama(nn.Module):
         once fused, keeping peak memory near one copy of the model."""
         state = {}
         unfused = 0 if config.model_type == "phi3" else config.num_hidden_layers   # (Phi-3's come fused)
+        heads = {"q": config.num_attention_heads, "k": config.num_key_value_heads}
         for i in range(unfused):
             p = f"model.layers.{i}."
             for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
-                state[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat(   # ((H + 2 KVH) * D, C), or its bias
-                    [hf.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
+                q, k, v = (hf.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv")
+                if config.rope_pairs:   # (Ernie 4.5's: see _pairs_to_halves)
+                    q, k = (_pairs_to_halves(w, heads[n], config.head_dim, config.rotary_dim)
+                            for n, w in zip("qk", (q, k)))
+                state[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v])   # ((H + 2 KVH) * D, C), or bias
             for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
                 if not config.gated_mlp:   # (StarCoder 2's c_fc and c_proj: up and down, no gate to fuse)
                     state |= {f"layers.{i}.mlp.up_proj.{kind}": hf.pop(f"{p}mlp.c_fc.{kind}"),
@@ -2906,6 +2920,14 @@ class Llama(nn.Module):
                 state[f"layers.{i}.mlp.gate.weight"] = hf.pop(_router_name(config, p))   # (E, C)
         # the rest keep their names: norms, o_proj, embeddings, lm_head (and all of Phi-3's layers)
         return state | {name.removeprefix("model."): hf.pop(name) for name in list(hf)}
+
+
+def _pairs_to_halves(w: torch.Tensor, heads: int, D: int, R: int) -> torch.Tensor:
+    """q's or k's weight (heads * D, C) or bias (heads * D,), each head's first R rows reordered,
+    the evens then the odds: a RoPE that turns neighbouring pairs (Ernie 4.5's, GPT-J's) is then
+    the module's, which turns row i with i + R/2 (q.k is the same sum, in another order)."""
+    order = [*range(0, R, 2), *range(1, R, 2), *range(R, D)]   # a head's rows: the rotated evens, odds, the rest
+    return w.view(heads, D, *w.shape[1:])[:, order].reshape(w.shape)   # (heads, D, ...) reordered -> as w
 
 
 def _mlp_names(config: ModelConfig, p: str, kind: str = "weight") -> list[tuple[str, tuple[str, str, str]]]:
@@ -3258,12 +3280,10 @@ class GPTJ(Phi):
         """HF tensors -> this module's state dict: q and k's rows reordered (see the class),
         q/k/v fused, the rest renamed."""
         H, D, R = config.num_attention_heads, config.head_dim, config.rotary_dim
-        order = [*range(0, R, 2), *range(1, R, 2), *range(R, D)]   # a head's rows: the rotated evens, odds, the rest
         state = {}
         for i in range(config.num_hidden_layers):
             p = f"transformer.h.{i}.attn."
-            # (H, D, C) -> each head's rows reordered -> (H * D, C)
-            q, k = (hf.pop(f"{p}{n}_proj.weight").view(H, D, -1)[:, order].reshape(H * D, -1) for n in "qk")
+            q, k = (_pairs_to_halves(hf.pop(f"{p}{n}_proj.weight"), H, D, R) for n in "qk")   # (C, C) each
             state[f"layers.{i}.attention.qkv_proj.weight"] = torch.cat([q, k, hf.pop(p + "v_proj.weight")])   # (3C, C)
         return state | {module_name(cls, name): hf.pop(name) for name in list(hf)}
 
@@ -3373,8 +3393,10 @@ def load_model(model=None, dtype=torch.float32, device="cpu", dummy=False, max_m
     net.load_state_dict(arch.from_checkpoint(hf, config), assign=True)
     # moves what isn't a weight, the RoPE tables (and Gemma's embed_scale), and casts them to
     # dtype: made in float32, used in the model's dtype, as HF casts cos and sin to q's. (But
-    # OLMo's: it rotates q and k in float32, rounding only the result, so its tables stay so.)
-    tables = {n: b for n, b in net.named_buffers() if n.startswith("rope_")} if config.model_type in OLMOS else {}
+    # OLMo's and Ernie 4.5's: they rotate q and k in float32, rounding only the result, so their
+    # tables stay so.)
+    tables = ({n: b for n, b in net.named_buffers() if n.startswith("rope_")}
+              if config.model_type in (*OLMOS, "ernie4_5") else {})
     net.to(device=device, dtype=dtype)
     for name, table in tables.items():
         setattr(net, name, table.to(device))   # (the buffer, replaced)

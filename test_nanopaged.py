@@ -194,7 +194,10 @@ def llama_tensors(c, seed=0):
                        p + "self_attn.v_proj.bias": (kv,)}
         if c.get("attention_bias"):
             shapes[p + "self_attn.o_proj.bias"] = (C,)
-        if c.get("mlp_bias"):
+        if c["model_type"] == "ernie4_5" and c.get("use_bias"):   # (all seven projections')
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (C,)}
+        if c.get("mlp_bias") or c["model_type"] == "ernie4_5" and c.get("use_bias"):
             shapes |= {p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,), p + "mlp.down_proj.bias": (C,)}
         if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4"):
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
@@ -554,6 +557,10 @@ LLAMA_FAMILY_VARIANTS = {
     "starcoder2": llama_config(model_type="starcoder2", sliding_window=4, norm_epsilon=1e-5, bos_token_id=0),
     "starcoder2_plain": llama_config(model_type="starcoder2", tied=False, kv_heads=6, use_bias=False, hidden_act="gelu",
                                      norm_epsilon=1e-3, bos_token_id=0),
+    # Ernie 4.5 (Baidu's 0.3B): RoPE on neighbouring pairs of each head's dimensions, in float32;
+    # biases on all seven projections (use_bias); then without them, untied
+    "ernie4_5": llama_config(model_type="ernie4_5", head_dim=16, use_bias=True, rope_theta=500.0),
+    "ernie4_5_plain": llama_config(model_type="ernie4_5", tied=False, kv_heads=6, head_dim=8),
     # EXAONE 4 (LG's 1.2B and 32B): OLMo 2's norms after attention and the MLP, none before;
     # Qwen 3's per-head q/k norms; its 32B's windows (here layer 0 of 2, sliding_window_pattern
     # 2), its full layers turning no RoPE; then its 1.2B's config: no window, RoPE everywhere
@@ -941,7 +948,8 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 # these round as transformers does in bfloat16 (its file holds these logits as "<name>_bfloat16")
 BFLOAT16_VARIANTS = ("gemma", "gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe",
                      "qwen3_moe_window", "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential",
-                     "gpt_neox_gelu_new", "phi", "opt", "opt_350m", "gptj", "granitemoe", "qwen2_moe", "starcoder2")
+                     "gpt_neox_gelu_new", "phi", "opt", "opt_350m", "gptj", "granitemoe", "qwen2_moe", "starcoder2",
+                     "ernie4_5", "exaone4")
 
 
 def bfloat16_kernels() -> str:
@@ -2036,10 +2044,10 @@ def test_bad_config(tmp_path):
     # (Ministral 3 is no Ministral: its queries are scaled by position, Llama 4's way)
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
-        with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: exaone4, gemma, gemma2, "
-                                            r"gemma3, gemma3_text, gpt2, gpt_neox, gptj, granite, granitemoe, llama, "
-                                            r"ministral, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, "
-                                            r"phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, "
+        with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: ernie4_5, exaone4, gemma, "
+                                            r"gemma2, gemma3, gemma3_text, gpt2, gpt_neox, gptj, granite, granitemoe, "
+                                            r"llama, ministral, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, "
+                                            r"phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, "
                                             r"starcoder2\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
@@ -11091,7 +11099,8 @@ def test_a_beam_that_ends_in_an_eos_with_text_keeps_it_with_include_stop_str_in_
 def test_family_defaults_are_their_transformers_config_classes():
     """Where config.json is silent, each model_type takes its transformers config class's
     default (LlamaConfig, MistralConfig, MinistralConfig, Qwen2Config, Qwen3Config, Phi3Config,
-    SmolLM3Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, Starcoder2Config, Exaone4Config, GPT2Config),
+    SmolLM3Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, Starcoder2Config, Exaone4Config, Ernie4_5Config,
+    GPT2Config),
     values written out here from those classes. Catches: a wrong default in LLAMA_FAMILY
     (Mistral's, Ministral's or Llama's context, Mistral's or Ministral's window, Qwen's
     max_window_layers, Qwen 3's head_dim, Phi-3's eps or original context, SmolLM3's NoPE
@@ -11180,6 +11189,11 @@ def test_family_defaults_are_their_transformers_config_classes():
     assert ModelConfig.from_dict({"model_type": "exaone4", "sliding_window": None}).nope_layers == ()
     with pytest.raises(ModelError, match="'sliding_window_pattern' is 'LLXG', expected L"):
         ModelConfig.from_dict({"model_type": "exaone4", "sliding_window_pattern": "LLXG"})
+    ernie = ModelConfig.from_dict({"model_type": "ernie4_5"})   # (Ernie4_5Config's: the 0.3B's)
+    assert (ernie.vocab_size, ernie.hidden_size, ernie.num_hidden_layers, ernie.num_key_value_heads, ernie.head_dim,
+            ernie.rope_theta, ernie.tie_word_embeddings, ernie.qkv_bias, ernie.mlp_bias, ernie.rope_pairs,
+            ernie.bos_token_id, ernie.eos_token_id) == (
+        103424, 1024, 18, 2, 128, 500_000.0, True, False, False, True, 1, [2])
     g2 = ModelConfig.from_dict({"model_type": "gemma2"})
     assert (g2.vocab_size, g2.hidden_size, g2.intermediate_size, g2.num_hidden_layers, g2.num_attention_heads,
             g2.num_key_value_heads, g2.head_dim, g2.max_position_embeddings) == (256000, 2304, 9216, 26, 8, 4, 256, 8192)
