@@ -3657,7 +3657,8 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------
 # GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-2/3, SmolLM3, Gemma 1/2/3, Granite, OLMo 2/3,
-# StableLM and StarCoder 2 GGUF files, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE
+# StableLM, StarCoder 2 and Ernie 4.5 GGUF files, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and
+# Granite MoE
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
 # first load converts it once into an ordinary HF-layout directory in the cache: config.json,
@@ -3714,7 +3715,8 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "stablelm": "StableLmForCausalLM",
                       "phi2": "PhiForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                      "granitemoe": "GraniteMoeForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
+                      "granitemoe": "GraniteMoeForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
+                      "ernie4_5": "Ernie4_5ForCausalLM"}
 GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "phi2": "phi", "qwen2moe": "qwen2_moe"}
 GGUF_GEMMAS = ("gemma", "gemma2", "gemma3")   # (their norms stored as 1 + weight)
 # (LayerNorms, their epsilon under attention.layer_norm_epsilon: config.json's key for it)
@@ -4207,8 +4209,8 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
         del config["sliding_window"]
     else:   # (Phi-2's and StarCoder 2's: llama.cpp's GELU, tanh's approximation, as their configs name it)
         config["hidden_act"] = {"phi2": "gelu_new", "starcoder2": "gelu_pytorch_tanh"}.get(arch, "silu")
-    if arch == "starcoder2":   # (biases where the file has them; no window: llama.cpp runs every layer over
-        config["use_bias"] = "blk.0.attn_q.bias" in tensors   # the whole context, whatever its config said)
+    if arch in ("starcoder2", "ernie4_5"):   # (biases where the file has them; a StarCoder 2 without a window:
+        config["use_bias"] = "blk.0.attn_q.bias" in tensors   # llama.cpp runs every layer over the whole context)
     if arch in ("granite", "granitemoe"):
         config |= {key: _f32_if_float(meta[f"{arch}.{name}"]) for key, name in GGUF_GRANITE_KEYS.items()
                    if f"{arch}.{name}" in meta}

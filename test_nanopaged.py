@@ -3930,29 +3930,41 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
     assert load_model(path).config.rotary_dim == 30
 
 
-@pytest.mark.parametrize("variant", ["starcoder2", "starcoder2_plain"])
-def test_a_starcoder2_gguf_is_its_checkpoint(tmp_path, own_cache, variant):
-    """A StarCoder 2 GGUF (its tensors named by the gguf package's own map: c_fc as ffn_up,
-    c_proj as ffn_down; its LayerNorms' epsilon under attention.layer_norm_epsilon) gives its
-    checkpoint's logits: biases where the file has them, tied or not; the tanh GELU (llama.cpp's,
-    whatever the config said) and no window, as llama.cpp runs every layer of one. Catches: c_fc or c_proj unnamed; the
-    epsilon not read; biases assumed either way; a gated MLP expected."""
+@pytest.mark.parametrize("variant", ["starcoder2", "starcoder2_plain", "ernie4_5", "ernie4_5_plain"])
+def test_a_starcoder2_or_ernie_gguf_is_its_checkpoint(tmp_path, own_cache, variant):
+    """A StarCoder 2 or Ernie 4.5 GGUF (its tensors named by the gguf package's own map: StarCoder
+    2's c_fc as ffn_up, c_proj as ffn_down; its LayerNorms' epsilon under
+    attention.layer_norm_epsilon) gives its checkpoint's logits: biases where the file has them,
+    tied or not; StarCoder 2's with the tanh GELU (llama.cpp's, whatever the config said) and no
+    window, as llama.cpp runs every layer of one; Ernie 4.5's q and k rows as its checkpoint's
+    (llama.cpp turns neighbouring pairs, as Ernie does: nothing permuted), its head_dim from
+    key_length, its RoPE base from the file or else llama.cpp's 10,000 (not Ernie4_5Config's
+    500,000). Catches: c_fc or c_proj unnamed; the epsilon not read; biases assumed either way;
+    a gated MLP expected; Ernie's rows unpermuted as a Llama's, or its config's defaults taken."""
     import gguf
+    arch = variant.removesuffix("_plain")
     c = {k: v for k, v in LLAMA_FAMILY_VARIANTS[variant].items() if k != "sliding_window"} | {
-        "vocab_size": 256, "max_position_embeddings": 64, "eos_token_id": 1, "hidden_act": "gelu_pytorch_tanh"}
+        "vocab_size": 256, "max_position_embeddings": 64, "eos_token_id": 1}
+    if arch == "starcoder2":
+        c["hidden_act"] = "gelu_pytorch_tanh"
     w = llama_tensors(c)
     hf = load_model(write_checkpoint(tmp_path / "hf", c, w))
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.STARCODER2, 2)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], 2)
     tensors = {f"{names.get_name(base)}.{kind}": t.numpy() for base, kind, t in
                ((*name.rsplit(".", 1), t) for name, t in w.items())}
+    meta = ([(f"{arch}.attention.layer_norm_epsilon", c["norm_epsilon"])] if arch == "starcoder2" else
+            [(f"{arch}.attention.key_length", 16), (f"{arch}.attention.value_length", 16),
+             (f"{arch}.rope.freq_base", 500.0)] if variant == "ernie4_5" else [])   # (the plain Ernie: C / H = 8)
     path = write_gguf(tmp_path / f"{variant}.gguf", C=48, H=6, KVH=c["num_key_value_heads"], L=2, I=80,
-                      arch="starcoder2", weights={}, extra=list(tensors.items()),
-                      meta=[("starcoder2.attention.layer_norm_epsilon", c["norm_epsilon"])])
+                      arch=arch, weights={}, extra=list(tensors.items()), meta=meta)
     model = load_model(path)
     cfg = model.config
-    assert (cfg.model_type, cfg.layer_norm, cfg.gated_mlp, cfg.qkv_bias, cfg.mlp_bias, cfg.norm_eps, cfg.sliding_window,
-            cfg.tie_word_embeddings) == ("starcoder2", True, False, variant == "starcoder2", variant == "starcoder2",
-                                         pytest.approx(c["norm_epsilon"]), None, variant == "starcoder2")
+    biased, tied = variant in ("starcoder2", "ernie4_5"), variant != "starcoder2_plain" and variant != "ernie4_5_plain"
+    assert (cfg.model_type, cfg.layer_norm, cfg.gated_mlp, cfg.qkv_bias, cfg.mlp_bias, cfg.sliding_window,
+            cfg.tie_word_embeddings, cfg.rope_pairs) == (arch, arch == "starcoder2", arch != "starcoder2", biased,
+                                                         biased, None, tied, arch == "ernie4_5")
+    assert cfg.norm_eps == pytest.approx(c.get("norm_epsilon", 1e-5))
+    assert (cfg.head_dim, cfg.rope_theta) == ((16, 500.0) if variant == "ernie4_5" else (8, 10000.0))
     torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
 
 
