@@ -12,10 +12,10 @@ layer hands its q, k, v to the `attn` object it was given,
 
 and that object (nanopaged's PagedAttention: the torch path, its decode rows on kernels_cpu.c,
 or the CUDA kernel; the tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
-context, or, for a layer with a sliding window W (Mistral, Ministral, Mixtral, Phi-3, some Qwen, SmolLM3, Gemma,
-OLMo 3 layers), to the last W positions up to each query. It also scales q.k (by ModelConfig.attn_scale: 1/sqrt(D),
-Gemma's and Granite's own, or 1 for OPT, whose model scales q before the attention, as transformers does) and
-softcaps the scores (Gemma 2). The model knows nothing about pages.
+context, or, for a layer with a sliding window W (Mistral, Ministral, Mixtral, Phi-3, StarCoder 2, some Qwen,
+SmolLM3, Gemma 2/3, OLMo 3, EXAONE 4 layers), to the last W positions up to each query. It also scales q.k
+(by ModelConfig.attn_scale: 1/sqrt(D), Gemma's and Granite's own, or 1 for OPT, whose model scales q before
+the attention, as transformers does) and softcaps the scores (Gemma 2). The model knows nothing about pages.
 
 Chapters: config, tokenizers (the Tokenizer, chat templates, the tokenizers built from files),
 layers, Llama, GPT-2 and OPT, GPT-NeoX with Phi and GPT-J, loading, GGUF conversion.
@@ -416,7 +416,7 @@ class ModelConfig:
                          | (_moe_fields(d, model_type) if model_type in MOES else {}))
                 d_rope = d
             elif model_type == "starcoder2":   # (its MLP GPT-2's: up, an activation, down; no gate)
-                extra, d_rope = {"hidden_act": _activation(d, "hidden_act", "gelu_pytorch_tanh"), "gated_mlp": False}, d
+                extra, d_rope = {"hidden_act": _activation(d, "hidden_act"), "gated_mlp": False}, d
             else:   # (OLMo 3's windowed layers turn by a RoPE of their own, as Gemma 3's)
                 extra, d_rope = _two_ropes(d, model_type) if model_type == "olmo3" else ({}, d)
             # (silu and swish: one function, in transformers)
@@ -581,6 +581,8 @@ def _text_config(d: dict, model_type: str) -> dict:
         raise ModelError(f"'text_config' is {reprlib.repr(text)}, expected an object")
     if (text or {}).get("model_type", want) != want:
         raise ModelError(f"text_config's model_type is {text['model_type']!r}, expected {want!r}")
+    if not text and model_type == "mistral3":   # (a Mistral's sizes have no defaults here: see LLAMA_FAMILY)
+        raise ModelError("'text_config' is missing: a mistral3 config.json holds its text model's sizes there")
     top = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
     text = (text or {}) | top | {"model_type": want, "tie_word_embeddings": d.get("tie_word_embeddings", True)}
     return text | {"final_logit_softcapping": None} if model_type == "gemma3" else text
@@ -615,7 +617,7 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
     return fields | local, d
 
 
-def _activation(d: dict, key: str, default: str) -> str:
+def _activation(d: dict, key: str, default: str | None = None) -> str:
     """d[key], an activation as transformers names it: an ACTIVATIONS key."""
     act = d.get(key, default)
     if act not in ACTIVATIONS:
@@ -2754,9 +2756,9 @@ class LlamaBlock(nn.Module):
         C = config.hidden_size
         self.self_attn = LlamaAttention(config, layer_idx)
         self.mlp = SparseMoE(config) if config.num_experts else LlamaMLP(config)
-        # Llama's post_attention_layernorm normalizes the MLP's input. Gemma's and OLMo's (HF's
-        # names) normalize the attention's output, and post_feedforward_layernorm the MLP's;
-        # Gemma also normalizes both inputs (a "sandwich" of norms), OLMo neither.
+        # Llama's post_attention_layernorm normalizes the MLP's input. Gemma 2's and 3's, OLMo's and
+        # EXAONE 4's (HF's names) normalize the attention's output, and post_feedforward_layernorm
+        # the MLP's; Gemma 2 and 3 also normalize both inputs (a "sandwich" of norms), the others neither.
         self.post_norms, self.residual_multiplier = config.post_norms, config.residual_multiplier
         self.input_layernorm = norm_layer(config, C) if config.pre_norms else None
         self.post_attention_layernorm = norm_layer(config, C)
@@ -3697,7 +3699,7 @@ GGUF_FUSED_QKV = {"self_attn.q_proj": "attn_qkv", "self_attn.k_proj": "attn_qkv"
 # llama.cpp has since stopped reading.)
 GGUF_EXPERT_NAMES = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
                      "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
-# Gemma's four norms a layer (OLMo 2's two after): HF's post_attention_layernorm normalizes the
+# Gemma 2's and 3's four norms a layer (OLMo 2's two after): HF's post_attention_layernorm normalizes the
 # attention's output, and llama.cpp's ffn_norm is the MLP's input norm, HF's pre_feedforward_layernorm
 GGUF_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"}
@@ -3706,7 +3708,8 @@ GGUF_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_
 # _gguf_config). llama.cpp rotates Llama's RoPE pairs as neighbours, so its converter permuted
 # Llama's Q and K rows (see _unpermute; a Mixtral's too, a llama file), and SmolLM3's and
 # Granite's (MoE too), which it converts as a Llama's; Qwen's (MoE too), Phi-2's and Phi-3's, Gemma's,
-# OLMo's, OLMoE's and StableLM's it rotates as HF does ("NEOX"), and stores them as they are.
+# OLMo's, OLMoE's, StableLM's and StarCoder 2's it rotates as HF does ("NEOX"), and Ernie 4.5's as
+# neighbours, as Ernie does: all stored as they are.
 # (A SmolLM3 GGUF does not say which layers go without RoPE: llama.cpp takes every 4th, as
 # SmolLM3Config's default does.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -3744,7 +3747,7 @@ GGUF_MOE_KEYS = {"num_local_experts": "expert_count", "num_experts": "expert_cou
                  "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length",
                  "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
 # (and some architectures' only: Phi-3's, Gemma's and OLMo 3's window, Gemma's and OLMo 3's windowed layers,
-# StableLM's and Phi-2's LayerNorms' epsilon)
+# StableLM's, Phi-2's and StarCoder 2's LayerNorms' epsilon)
 GGUF_MORE_KEYS = {"sliding_window": "attention.sliding_window", "layer_types": "attention.sliding_window_pattern",
                   "layer_norm_eps": "attention.layer_norm_epsilon", "norm_epsilon": "attention.layer_norm_epsilon"}
 
@@ -3970,8 +3973,8 @@ def _gguf_name(hf_name: str, names: dict = HF_TO_GGUF, split_experts: bool = Fal
 
 
 def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -> dict:
-    """config.json's Gemma keys, as llama.cpp runs a Gemma GGUF: Gemma 1's head_dim alone (no
-    window, no softcap: llama.cpp reads none for it). For a Gemma 2 or 3 its converter writes
+    """config.json's Gemma keys, as llama.cpp runs a Gemma 2 or 3 GGUF (Gemma 1 has none of
+    them: no window, no softcap, the scores scaled by head_dim^-1/2): its converter writes
     the window, Gemma 2's softcaps and Gemma 3's full layers' rope base (rope.freq_base), and
     llama.cpp takes the rest as given unless the file says otherwise: every other layer
     windowed (Gemma 2), or all but every 6th, turning by a rope base of 10,000, unscaled (Gemma
@@ -3981,8 +3984,6 @@ def _gguf_gemma(meta: dict, arch: str, c: ModelConfig, key_length: int | None) -
     file has none; the scores scaled by head_dim^-1/2, but by (C / H)^-1/2 in the 27B (46 layers
     of Gemma 2, 62 of Gemma 3). A Gemma 3 file without a window (or 0) has none."""
     head_dim = key_length or c.hidden_size // c.num_attention_heads   # (checked numbers: c's)
-    if arch == "gemma":
-        return {"head_dim": head_dim}
     # (a Gemma 2 file without one, from an early converter: llama.cpp's default, 4096)
     window = meta.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None) or None
     if arch == "gemma2" and window is None:
@@ -4223,7 +4224,7 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
     # A config.json's checks, before anything is computed from it; then the defaults filled in.
     with _in_file(gguf_path), _gguf_keys_named(meta, arch):
         c = ModelConfig.from_dict(config)
-    if gemma:
+    if arch in ("gemma2", "gemma3"):
         with _in_file(gguf_path):
             config |= _gguf_gemma(meta, arch, c, config["head_dim"])
     config |= _gguf_rope(gguf_path, reader, meta, arch, c)

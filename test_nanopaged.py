@@ -953,14 +953,18 @@ BFLOAT16_VARIANTS = ("gemma", "gemma3", "gemma3_scaled", "qwen3", "mistral", "ol
 
 
 def bfloat16_kernels() -> str:
-    """The kind of CPU kernels this torch computes bfloat16 with: its matmuls' (oneDNN's where
-    the CPU has AVX-512 BF16 or AMX instructions, else ATen's own) and ATen's vector width
-    (its CPU capability). Each sums in an order of its own, so transformers' bits on one kind
-    are not its bits on another (30-68% of the goldens' logits moved between an AVX-512 BF16
-    machine and an AVX2 one, and as many between AVX2 and no vectors): the goldens keep a set
-    for each kind."""
-    onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return f"{'onednn' if onednn else 'aten'}-{torch.backends.cpu.get_cpu_capability()}"
+    """The kind of CPU kernels this torch computes bfloat16 with: its matmuls' (oneDNN's where it
+    takes bfloat16 on this CPU, AVX-512 at least; with the CPU's own bfloat16 instructions, AMX or
+    AVX-512 BF16, or without; else ATen's own) and ATen's vector width (its CPU capability).
+    Each sums in an order of its own, so transformers' bits on one kind are not its bits on
+    another (30-68% of the goldens' logits moved between an AVX-512 BF16 machine and an AVX2
+    one, and as many between AVX2 and no vectors): the goldens keep a set for each kind."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        matmuls = "aten"
+    else:
+        matmuls = ("onednn-amx" if torch.cpu._is_amx_tile_supported() else
+                   "onednn-bf16" if torch.cpu._is_avx512_bf16_supported() else "onednn")
+    return f"{matmuls}-{torch.backends.cpu.get_cpu_capability()}"
 
 
 def paged_forward_all(model, ids, block_size=4):
@@ -2282,6 +2286,8 @@ def test_mistral3_runs_its_text_model_in_either_layout(tmp_path, capsys):
     torch.testing.assert_close(forward_all(untied, IDS), expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(ModelError, match="text_config's model_type is 'ministral3', expected 'mistral'"):
         ModelConfig.from_dict(multimodal | {"text_config": c | {"model_type": "ministral3"}})
+    with pytest.raises(ModelError, match="'text_config' is missing: a mistral3 config.json holds its text model's"):
+        ModelConfig.from_dict({"model_type": "mistral3"})
 
 
 def test_gemma_chats_through_the_engine(tmp_path):
@@ -3964,6 +3970,10 @@ def test_a_starcoder2_or_ernie_gguf_is_its_checkpoint(tmp_path, own_cache, varia
             cfg.tie_word_embeddings, cfg.rope_pairs) == (arch, arch == "starcoder2", arch != "starcoder2", biased,
                                                          biased, None, tied, arch == "ernie4_5")
     assert cfg.norm_eps == pytest.approx(c.get("norm_epsilon", 1e-5))
+    # (the converted config.json names the epsilon as the family's config.json does)
+    saved = json.loads((model_module.convert_gguf(path) / "config.json").read_text())
+    assert ("norm_epsilon" in saved, "layer_norm_eps" in saved, "rms_norm_eps" in saved) == (
+        arch == "starcoder2", False, arch == "ernie4_5")
     assert (cfg.head_dim, cfg.rope_theta) == ((16, 500.0) if variant == "ernie4_5" else (8, 10000.0))
     torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
 

@@ -11,8 +11,10 @@ the file:
 The bfloat16 logits are transformers' bits on the CPU that ran it, which depend on the kernels
 its torch picks there (bfloat16_kernels): they are kept per kind of CPU, and a run adds (or
 remakes) its own kind's, keeping the others' where a variant's config is unchanged. (The
-"onednn-AVX512" set came from the machine of the sessions up to 2026-12-07, which had
-AVX-512 BF16 instructions; "aten-AVX2" from an AMD EPYC without AVX-512.)
+"onednn-bf16-AVX512" set came from the machine of the sessions up to 2026-12-07, which had
+AVX-512 BF16 instructions: a label given afterwards, from that, not read there; had it AMX too,
+its kind reads "onednn-amx-AVX512", and those tests skip there, naming it. "aten-AVX2" came from
+an AMD EPYC without AVX-512.)
 """
 import json
 import sys
