@@ -405,7 +405,7 @@ class ModelConfig:
             raise ModelError(f"expected a JSON object, got {type(d).__name__}")
         _check_checkpoint_kind(d)
         model_type = d.get("model_type")
-        if model_type in MULTIMODAL:   # a vision tower and a text model
+        if isinstance(model_type, str) and model_type in MULTIMODAL:   # a vision tower and a text model
             d, model_type = _text_config(d, model_type), MULTIMODAL[model_type]
         if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
             d = LLAMA_FAMILY[model_type] | d

@@ -11382,11 +11382,12 @@ def test_a_checkpoint_more_than_a_layer_short_is_refused_by_count(tmp_path):
 def test_mlp_bias_is_read_where_transformers_reads_it():
     """mlp_bias gives the MLP's gate, up and down projections biases in a Llama, SmolLM3 or
     Granite (the config classes of transformers 5.25 that have the field); the family's others
-    ignore it, as transformers does. Catches: mlp_bias read for every family, or not for one of
-    the three."""
+    ignore it, as transformers does (StarCoder 2's and Ernie 4.5's read use_bias instead).
+    Catches: mlp_bias read for every family, or not for one of the three."""
     for model_type in model_module.LLAMA_FAMILY:
         c = ModelConfig.from_dict(llama_config(model_type=model_type, mlp_bias=True, num_experts=2,
-                                               num_local_experts=2, num_experts_per_tok=1))
+                                               num_local_experts=2, num_experts_per_tok=1, use_bias=False,
+                                               bos_token_id=0))
         assert c.mlp_bias == (model_type in ("llama", "smollm3", "granite")), model_type
 
 
