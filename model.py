@@ -3659,8 +3659,8 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------
 # GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-2/3, SmolLM3, Gemma 1/2/3, Granite, OLMo 2/3,
-# StableLM, StarCoder 2 and Ernie 4.5 GGUF files, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and
-# Granite MoE
+# StableLM, StarCoder 2, Ernie 4.5 and EXAONE 4 GGUF files, and the mixtures of experts Mixtral, Qwen 2/3 MoE,
+# OLMoE and Granite MoE
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
 # first load converts it once into an ordinary HF-layout directory in the cache: config.json,
@@ -3719,7 +3719,7 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "stablelm": "StableLmForCausalLM",
                       "phi2": "PhiForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                       "granitemoe": "GraniteMoeForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
-                      "ernie4_5": "Ernie4_5ForCausalLM"}
+                      "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM"}
 GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "phi2": "phi", "qwen2moe": "qwen2_moe"}
 GGUF_GEMMAS = ("gemma", "gemma2", "gemma3")   # (their norms stored as 1 + weight)
 # (LayerNorms, their epsilon under attention.layer_norm_epsilon: config.json's key for it)
@@ -4007,16 +4007,31 @@ def _gguf_window_pattern(meta: dict, arch: str, default: int) -> dict:
     """config.json's windowed layers as llama.cpp reads them from a GGUF's
     sliding_window_pattern: a flag a layer (layer_types), or a number n, all but every n-th
     layer windowed (by default the family's own n, which config.json need not say; another, a
-    Gemma 3's sliding_window_pattern)."""
+    Gemma 3's or EXAONE 4's sliding_window_pattern)."""
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern", default)
     if isinstance(pattern, list) and all(isinstance(flag, bool) for flag in pattern):
         return {"layer_types": ["sliding_attention" if flag else "full_attention" for flag in pattern]}
-    if arch == "gemma3" and _is_id(pattern) and pattern > 0:
+    if arch in ("gemma3", "exaone4") and _is_id(pattern) and pattern > 0:
         return {"sliding_window_pattern": pattern}
     if pattern != default:
         raise ModelError(f"{arch}.attention.sliding_window_pattern is {reprlib.repr(pattern)}, expected a flag a "
                          f"layer, as llama.cpp's converter writes it (or {default}, llama.cpp's default)")
     return {}
+
+
+def _gguf_exaone4(meta: dict, c: ModelConfig) -> dict:
+    """config.json's EXAONE 4 window, as llama.cpp runs an EXAONE 4 GGUF: a file of 64 layers (the
+    32B, which llama.cpp tells by that) has one, the file's (or 4096), over the layers its
+    sliding_window_pattern says (_gguf_window_pattern; by default all but every 4th), the full
+    ones turning no RoPE; any other file none, every layer turning RoPE, whatever it says. The
+    windowed layers' base (rope.freq_base_swa) must be the model's one."""
+    if c.num_hidden_layers != 64:
+        return {"sliding_window": None}
+    if meta.get("exaone4.rope.freq_base_swa", c.rope_theta) != c.rope_theta:
+        raise ModelError(f"exaone4.rope.freq_base_swa {meta['exaone4.rope.freq_base_swa']!r} is not "
+                         f"exaone4.rope.freq_base: EXAONE 4 turns all its layers by one base")
+    return ({"sliding_window": meta.get("exaone4.attention.sliding_window", 4096)}
+            | _gguf_window_pattern(meta, "exaone4", default=4))
 
 
 def _gguf_olmo3(meta: dict) -> dict:
@@ -4227,6 +4242,9 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
     if arch in ("gemma2", "gemma3"):
         with _in_file(gguf_path):
             config |= _gguf_gemma(meta, arch, c, config["head_dim"])
+    if arch == "exaone4":
+        with _in_file(gguf_path):
+            config |= _gguf_exaone4(meta, c)
     config |= _gguf_rope(gguf_path, reader, meta, arch, c)
     with _in_file(gguf_path), _gguf_keys_named(meta, arch):
         c = ModelConfig.from_dict(config)

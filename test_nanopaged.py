@@ -3936,6 +3936,42 @@ def test_phi3_gguf_loads_as_its_checkpoint(tmp_path, own_cache):
     assert load_model(path).config.rotary_dim == 30
 
 
+def gguf_named(weights, arch, layers):
+    """HF-named tensors as (name, array) under the names the gguf package's own map gives them
+    for arch, as llama.cpp's converter names them (write_gguf's `extra`)."""
+    import gguf
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], layers)
+    return [(f"{names.get_name(base)}.{kind}", t.numpy())
+            for base, kind, t in ((*name.rsplit(".", 1), t) for name, t in weights.items())]
+
+
+@pytest.mark.parametrize("layers", [2, 64])
+def test_an_exaone4_gguf_is_windowed_only_as_llama_cpp_runs_it(tmp_path, own_cache, layers):
+    """An EXAONE 4 GGUF (norms after attention and the MLP, per-head q/k norms) gives its
+    checkpoint's logits as llama.cpp runs it: a file of 64 layers (the 32B, which llama.cpp
+    tells by that) windowed by its sliding_window over all but every 4th layer (no pattern
+    written), those turning no RoPE; any other (the 1.2B's 30 layers; here 2) without a
+    window, every layer turning RoPE, though the file names one. Catches: the window read for
+    every EXAONE 4 file, or for none; the full layers turning RoPE; the post norms misnamed."""
+    window = ({"sliding_window": 3, "sliding_window_pattern": 4} if layers == 64 else
+              {"sliding_window": None, "layer_types": ["full_attention"] * layers})
+    c = llama_config(model_type="exaone4", tied=False, head_dim=16, num_hidden_layers=layers, vocab_size=256,
+                     max_position_embeddings=64, eos_token_id=1) | window
+    w = llama_tensors(c)
+    hf = load_model(write_checkpoint(tmp_path / "hf", c, w))
+    meta = [("exaone4.attention.key_length", 16), ("exaone4.attention.value_length", 16),
+            ("exaone4.attention.sliding_window", 3)]
+    gguf_file = functools.partial(write_gguf, C=48, H=6, KVH=2, L=layers, I=80, arch="exaone4", weights={},
+                                  extra=gguf_named(w, "exaone4", layers))
+    cfg = (model := load_model(gguf_file(tmp_path / "exaone4.gguf", meta=meta))).config
+    assert (cfg.sliding_window, list(cfg.nope_layers)) == ((3, list(range(3, 64, 4))) if layers == 64 else (None, []))
+    torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
+    if layers == 64:   # (a windowed layer's own base, llama.cpp's rope.freq_base_swa, is not EXAONE 4's)
+        bad = gguf_file(tmp_path / "swa.gguf", meta=meta + [("exaone4.rope.freq_base_swa", 5.0)])
+        with pytest.raises(ModelError, match="exaone4.rope.freq_base_swa 5.0 is not exaone4.rope.freq_base"):
+            load_model(bad)
+
+
 @pytest.mark.parametrize("variant", ["starcoder2", "starcoder2_plain", "ernie4_5", "ernie4_5_plain"])
 def test_a_starcoder2_or_ernie_gguf_is_its_checkpoint(tmp_path, own_cache, variant):
     """A StarCoder 2 or Ernie 4.5 GGUF (its tensors named by the gguf package's own map: StarCoder
@@ -3947,7 +3983,6 @@ def test_a_starcoder2_or_ernie_gguf_is_its_checkpoint(tmp_path, own_cache, varia
     key_length, its RoPE base from the file or else llama.cpp's 10,000 (not Ernie4_5Config's
     500,000). Catches: c_fc or c_proj unnamed; the epsilon not read; biases assumed either way;
     a gated MLP expected; Ernie's rows unpermuted as a Llama's, or its config's defaults taken."""
-    import gguf
     arch = variant.removesuffix("_plain")
     c = {k: v for k, v in LLAMA_FAMILY_VARIANTS[variant].items() if k != "sliding_window"} | {
         "vocab_size": 256, "max_position_embeddings": 64, "eos_token_id": 1}
@@ -3955,14 +3990,11 @@ def test_a_starcoder2_or_ernie_gguf_is_its_checkpoint(tmp_path, own_cache, varia
         c["hidden_act"] = "gelu_pytorch_tanh"
     w = llama_tensors(c)
     hf = load_model(write_checkpoint(tmp_path / "hf", c, w))
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], 2)
-    tensors = {f"{names.get_name(base)}.{kind}": t.numpy() for base, kind, t in
-               ((*name.rsplit(".", 1), t) for name, t in w.items())}
     meta = ([(f"{arch}.attention.layer_norm_epsilon", c["norm_epsilon"])] if arch == "starcoder2" else
             [(f"{arch}.attention.key_length", 16), (f"{arch}.attention.value_length", 16),
              (f"{arch}.rope.freq_base", 500.0)] if variant == "ernie4_5" else [])   # (the plain Ernie: C / H = 8)
     path = write_gguf(tmp_path / f"{variant}.gguf", C=48, H=6, KVH=c["num_key_value_heads"], L=2, I=80,
-                      arch=arch, weights={}, extra=list(tensors.items()), meta=meta)
+                      arch=arch, weights={}, extra=gguf_named(w, arch, 2), meta=meta)
     model = load_model(path)
     cfg = model.config
     biased, tied = variant in ("starcoder2", "ernie4_5"), variant != "starcoder2_plain" and variant != "ernie4_5_plain"
