@@ -206,6 +206,9 @@ LLAMA_FAMILY = {
                  "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128,
                  "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0,
                  "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
+    "seed_oss": {"vocab_size": 155136, "hidden_size": 4096, "intermediate_size": 27648, "num_hidden_layers": 64,
+                 "num_attention_heads": 80, "num_key_value_heads": 8, "head_dim": 128,
+                 "max_position_embeddings": 524288, "bos_token_id": 0, "eos_token_id": 2, "attention_bias": True},
     "exaone4": {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 2048,
                 "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 2, "sliding_window": 4096,
@@ -446,13 +449,15 @@ class ModelConfig:
             # attention_bias gives all four one; StableLM's use_qkv_bias q, k and v; Mistral
             # (Mixtral) has none. Llama's, SmolLM3's and Granite's mlp_bias gives their MLP's three
             # projections one. StarCoder 2's use_bias (by default) gives all seven one, Ernie 4.5's
-            # too (not by default). Qwen 3 and Gemma 3 normalize each head's q and k, OLMo (OLMoE)
-            # all of q and of k.
+            # too (not by default). Seed-OSS's attention_bias (by default) gives q, k and v one, its
+            # attention_out_bias o, its mlp_bias the MLP's. Qwen 3 and Gemma 3 normalize each head's q
+            # and k, OLMo (OLMoE) all of q and of k.
             use_bias = model_type in ("starcoder2", "ernie4_5") and _flag(d, "use_bias", model_type == "starcoder2")
             attention_bias = use_bias or (
                 model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", *GRANITES, "olmoe", *GEMMAS, *OLMOS)
                 and _flag(d, "attention_bias"))
-            mlp_bias = use_bias or model_type in ("llama", "smollm3", "granite") and _flag(d, "mlp_bias")
+            mlp_bias = use_bias or model_type in ("llama", "smollm3", "granite", "seed_oss") and _flag(d, "mlp_bias")
+            seed_oss = model_type == "seed_oss"
             nope_layers = _nope_layers(d, model_type)
             if model_type == "exaone4":
                 d = _exaone4_layers(d)
@@ -478,10 +483,11 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings"),
-                qkv_bias=(attention_bias or model_type == "qwen2"
+                qkv_bias=(attention_bias or model_type == "qwen2" or seed_oss and _flag(d, "attention_bias")
                           or model_type == "qwen2_moe" and _flag(d, "qkv_bias", True)
                           or model_type == "stablelm" and _flag(d, "use_qkv_bias")),
-                o_bias=attention_bias, mlp_bias=mlp_bias, layer_norm=model_type in ("stablelm", "starcoder2"),
+                o_bias=attention_bias or seed_oss and _flag(d, "attention_out_bias"), mlp_bias=mlp_bias,
+                layer_norm=model_type in ("stablelm", "starcoder2"),
                 rope_pairs=model_type == "ernie4_5",
                 qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
                          else "all" if model_type in (*OLMOS, "olmoe") else None),
@@ -876,8 +882,8 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     on, Qwen 2 MoE's every other one below it, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
     (Gemma 3: 6), OLMo 3's all but every 4th, EXAONE 4's all but every sliding_window_pattern-th
-    (4). Llama, Granite, OLMo 2, OLMoE, StableLM, Gemma (1) and Ernie 4.5 have no window."""
-    if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm", "gemma", "ernie4_5")
+    (4). Llama, Granite, OLMo 2, OLMoE, StableLM, Gemma (1), Ernie 4.5 and Seed-OSS have no window."""
+    if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm", "gemma", "ernie4_5", "seed_oss")
             or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3")):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
@@ -2613,7 +2619,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 # ----------------------------------------------------------------------------------------
 # Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 1/2/3, OLMo 2/3, EXAONE 4, Ernie 4.5,
-# Granite, StableLM, StarCoder 2, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE)
+# Seed-OSS, Granite, StableLM, StarCoder 2, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE)
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, rounded as transformers rounds it: normalized in float32 and cast

@@ -192,8 +192,8 @@ def llama_tensors(c, seed=0):
                 or c["model_type"] == "qwen2_moe" and c.get("qkv_bias", True)):
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
-        if c.get("attention_bias"):
-            shapes[p + "self_attn.o_proj.bias"] = (C,)
+        if c.get("attention_bias") and c["model_type"] != "seed_oss" or c.get("attention_out_bias"):
+            shapes[p + "self_attn.o_proj.bias"] = (C,)   # (Seed-OSS's o bias: attention_out_bias)
         if c["model_type"] == "ernie4_5" and c.get("use_bias"):   # (all seven projections')
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (C,)}
@@ -561,6 +561,11 @@ LLAMA_FAMILY_VARIANTS = {
     # biases on all seven projections (use_bias); then without them, untied
     "ernie4_5": llama_config(model_type="ernie4_5", head_dim=16, use_bias=True, rope_theta=500.0),
     "ernie4_5_plain": llama_config(model_type="ernie4_5", tied=False, kv_heads=6, head_dim=8),
+    # Seed-OSS (ByteDance's 36B): Llama with q/k/v biases (attention_bias, by default) but none on
+    # o (its attention_out_bias, by default false), the MLP's where mlp_bias says; then o's alone
+    "seed_oss": llama_config(model_type="seed_oss", tied=False, head_dim=16, attention_bias=True, mlp_bias=True),
+    "seed_oss_out_bias": llama_config(model_type="seed_oss", head_dim=8, attention_bias=False,
+                                      attention_out_bias=True),
     # EXAONE 4 (LG's 1.2B and 32B): OLMo 2's norms after attention and the MLP, none before;
     # Qwen 3's per-head q/k norms; its 32B's windows (here layer 0 of 2, sliding_window_pattern
     # 2), its full layers turning no RoPE; then its 1.2B's config: no window, RoPE everywhere
@@ -2051,8 +2056,8 @@ def test_bad_config(tmp_path):
         with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: ernie4_5, exaone4, gemma, "
                                             r"gemma2, gemma3, gemma3_text, gpt2, gpt_neox, gptj, granite, granitemoe, "
                                             r"llama, ministral, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, "
-                                            r"phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, "
-                                            r"starcoder2\)"):
+                                            r"phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, "
+                                            r"stablelm, starcoder2\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
@@ -11154,7 +11159,7 @@ def test_family_defaults_are_their_transformers_config_classes():
     """Where config.json is silent, each model_type takes its transformers config class's
     default (LlamaConfig, MistralConfig, MinistralConfig, Qwen2Config, Qwen3Config, Phi3Config,
     SmolLM3Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, Starcoder2Config, Exaone4Config, Ernie4_5Config,
-    GPT2Config),
+    SeedOssConfig, GPT2Config),
     values written out here from those classes. Catches: a wrong default in LLAMA_FAMILY
     (Mistral's, Ministral's or Llama's context, Mistral's or Ministral's window, Qwen's
     max_window_layers, Qwen 3's head_dim, Phi-3's eps or original context, SmolLM3's NoPE
@@ -11248,6 +11253,10 @@ def test_family_defaults_are_their_transformers_config_classes():
             ernie.rope_theta, ernie.tie_word_embeddings, ernie.qkv_bias, ernie.mlp_bias, ernie.rope_pairs,
             ernie.bos_token_id, ernie.eos_token_id) == (
         103424, 1024, 18, 2, 128, 500_000.0, True, False, False, True, 1, [2])
+    seed = ModelConfig.from_dict({"model_type": "seed_oss"})   # (SeedOssConfig's: the 36B's)
+    assert (seed.vocab_size, seed.num_hidden_layers, seed.num_attention_heads, seed.num_key_value_heads, seed.head_dim,
+            seed.max_position_embeddings, seed.qkv_bias, seed.o_bias, seed.mlp_bias, seed.tie_word_embeddings,
+            seed.bos_token_id, seed.eos_token_id) == (155136, 64, 80, 8, 128, 524288, True, False, False, False, 0, [2])
     g2 = ModelConfig.from_dict({"model_type": "gemma2"})
     assert (g2.vocab_size, g2.hidden_size, g2.intermediate_size, g2.num_hidden_layers, g2.num_attention_heads,
             g2.num_key_value_heads, g2.head_dim, g2.max_position_embeddings) == (256000, 2304, 9216, 26, 8, 4, 256, 8192)
@@ -11414,13 +11423,13 @@ def test_a_checkpoint_more_than_a_layer_short_is_refused_by_count(tmp_path):
 def test_mlp_bias_is_read_where_transformers_reads_it():
     """mlp_bias gives the MLP's gate, up and down projections biases in a Llama, SmolLM3 or
     Granite (the config classes of transformers 5.25 that have the field); the family's others
-    ignore it, as transformers does (StarCoder 2's and Ernie 4.5's read use_bias instead).
-    Catches: mlp_bias read for every family, or not for one of the three."""
+    ignore it, as transformers does (StarCoder 2's and Ernie 4.5's read use_bias instead;
+    Seed-OSS's reads it too). Catches: mlp_bias read for every family, or not for one of the four."""
     for model_type in model_module.LLAMA_FAMILY:
         c = ModelConfig.from_dict(llama_config(model_type=model_type, mlp_bias=True, num_experts=2,
                                                num_local_experts=2, num_experts_per_tok=1, use_bias=False,
                                                bos_token_id=0))
-        assert c.mlp_bias == (model_type in ("llama", "smollm3", "granite")), model_type
+        assert c.mlp_bias == (model_type in ("llama", "smollm3", "granite", "seed_oss")), model_type
 
 
 def test_a_llama_gguf_with_attention_biases_is_refused(tmp_path, own_cache):
