@@ -209,6 +209,10 @@ LLAMA_FAMILY = {
     "seed_oss": {"vocab_size": 155136, "hidden_size": 4096, "intermediate_size": 27648, "num_hidden_layers": 64,
                  "num_attention_heads": 80, "num_key_value_heads": 8, "head_dim": 128,
                  "max_position_embeddings": 524288, "bos_token_id": 0, "eos_token_id": 2, "attention_bias": True},
+    "cohere": {"vocab_size": 256000, "hidden_size": 8192, "intermediate_size": 22528, "num_hidden_layers": 40,
+               "num_attention_heads": 64, "max_position_embeddings": 8192, "layer_norm_eps": 1e-5,
+               "rope_theta": 500_000.0, "logit_scale": 0.0625, "tie_word_embeddings": True, "bos_token_id": 5,
+               "eos_token_id": 255001},
     "exaone4": {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 2048,
                 "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 2, "sliding_window": 4096,
@@ -280,7 +284,8 @@ class ModelConfig:
     # GPT-NeoX's "parallel residual" (use_parallel_residual): attention and MLP both read the
     # block's input, x + attn(ln1(x)) + mlp(ln2(x)); else the MLP reads x + attn(ln1(x)), as Llama's
     parallel_residual: bool = False
-    shared_norm: bool = False         # Phi: one LayerNorm before both attention and MLP (parallel, as above)
+    shared_norm: bool = False         # Phi, Cohere: one LayerNorm before both attention and MLP (parallel, as above;
+                                      # the Llama module's one parallel layout)
     lm_head_bias: bool = False        # Phi: its LM head has a bias
     # OPT's differences from GPT-2 (on its module). OPT-350M's LayerNorms come after the residual
     # adds, x = ln(x + f(x)), the original Transformer's "post-LN" (do_layer_norm_before false),
@@ -323,6 +328,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    logit_scale: float = 1.0          # Cohere's: the logits times it
     # A mixture of experts in every layer (Mixtral, Qwen 2/3 MoE, OLMoE, Granite MoE; 0: a plain
     # MLP): num_experts MLPs of intermediate_size, of which a router picks num_experts_per_tok
     # for each token, weighted by its probabilities for them (renormalized to sum to 1 where
@@ -420,6 +426,8 @@ class ModelConfig:
                 d_rope = d
             elif model_type == "starcoder2":   # (its MLP GPT-2's: up, an activation, down; no gate)
                 extra, d_rope = {"hidden_act": _activation(d, "hidden_act"), "gated_mlp": False}, d
+            elif model_type == "cohere":
+                extra, d_rope = _cohere_fields(d), d
             else:   # (OLMo 3's windowed layers turn by a RoPE of their own, as Gemma 3's)
                 extra, d_rope = _two_ropes(d, model_type) if model_type == "olmo3" else ({}, d)
             # (silu and swish: one function, in transformers)
@@ -454,7 +462,7 @@ class ModelConfig:
             # and k, OLMo (OLMoE) all of q and of k.
             use_bias = model_type in ("starcoder2", "ernie4_5") and _flag(d, "use_bias", model_type == "starcoder2")
             attention_bias = use_bias or (
-                model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", *GRANITES, "olmoe", *GEMMAS, *OLMOS)
+                model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", *GRANITES, "olmoe", *GEMMAS, *OLMOS, "cohere")
                 and _flag(d, "attention_bias"))
             mlp_bias = use_bias or model_type in ("llama", "smollm3", "granite", "seed_oss") and _flag(d, "mlp_bias")
             seed_oss = model_type == "seed_oss"
@@ -478,7 +486,8 @@ class ModelConfig:
                 intermediate_size=_positive(d, "moe_intermediate_size" if model_type in ("qwen2_moe", "qwen3_moe")
                                             else "intermediate_size"),
                 max_position_embeddings=max_position,
-                norm_eps=_positive(d, {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon"}.get(
+                norm_eps=_positive(d, {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon",
+                                       "cohere": "layer_norm_eps"}.get(
                     model_type, "rms_norm_eps"), float, 1e-6),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
@@ -487,8 +496,8 @@ class ModelConfig:
                           or model_type == "qwen2_moe" and _flag(d, "qkv_bias", True)
                           or model_type == "stablelm" and _flag(d, "use_qkv_bias")),
                 o_bias=attention_bias or seed_oss and _flag(d, "attention_out_bias"), mlp_bias=mlp_bias,
-                layer_norm=model_type in ("stablelm", "starcoder2"),
-                rope_pairs=model_type == "ernie4_5",
+                layer_norm=model_type in ("stablelm", "starcoder2", "cohere"),
+                rope_pairs=model_type in ("ernie4_5", "cohere"),
                 qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
                          else "all" if model_type in (*OLMOS, "olmoe") else None),
                 clip_qkv=(None if model_type != "olmoe" or d.get("clip_qkv") is None
@@ -621,6 +630,16 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
     fields["attn_logit_softcapping"] = None   # (Gemma 3's attention ignores it in transformers too)
     local, d = _two_ropes(d, model_type)
     return fields | local, d
+
+
+def _cohere_fields(d: dict) -> dict:
+    """ModelConfig's Cohere fields (Command R, Aya 23 and Aya Expanse), as CohereConfig reads them:
+    one LayerNorm (no bias) before attention and the MLP, which run side by side (a parallel
+    residual, as GPT-NeoX's), the logits times logit_scale, RoPE on neighbouring pairs of each
+    head (rope_pairs). Refused: use_qk_norm (Command R+'s LayerNorm of each head's q and k)."""
+    if _flag(d, "use_qk_norm"):
+        raise ModelError("use_qk_norm = true is not supported for cohere (Command R+'s norms of each head's q and k)")
+    return {"logit_scale": _positive(d, "logit_scale", float), "parallel_residual": True, "shared_norm": True}
 
 
 def _activation(d: dict, key: str, default: str | None = None) -> str:
@@ -882,8 +901,8 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     on, Qwen 2 MoE's every other one below it, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
     (Gemma 3: 6), OLMo 3's all but every 4th, EXAONE 4's all but every sliding_window_pattern-th
-    (4). Llama, Granite, OLMo 2, OLMoE, StableLM, Gemma (1), Ernie 4.5 and Seed-OSS have no window."""
-    if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm", "gemma", "ernie4_5", "seed_oss")
+    (4). Llama, Granite, OLMo 2, OLMoE, StableLM, Gemma (1), Ernie 4.5, Seed-OSS and Cohere have no window."""
+    if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm", "gemma", "ernie4_5", "seed_oss", "cohere")
             or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3")):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
@@ -2619,7 +2638,8 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 # ----------------------------------------------------------------------------------------
 # Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 1/2/3, OLMo 2/3, EXAONE 4, Ernie 4.5,
-# Seed-OSS, Granite, StableLM, StarCoder 2, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and Granite MoE)
+# Seed-OSS, Cohere, Granite, StableLM, StarCoder 2, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and
+# Granite MoE)
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, rounded as transformers rounds it: normalized in float32 and cast
@@ -2644,9 +2664,9 @@ class RMSNorm(nn.Module):
 
 def norm_layer(config: ModelConfig, dim: int) -> nn.Module:
     """A norm of Llama's family: its RMSNorm (Gemma's, OLMo's ways too), or StableLM's and StarCoder 2's
-    LayerNorm."""
+    LayerNorm (Cohere's without a bias)."""
     if config.layer_norm:
-        return nn.LayerNorm(dim, eps=config.norm_eps)
+        return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.model_type != "cohere")
     return RMSNorm(dim, config.norm_eps, gemma=config.gemma, scale_in_float32=config.model_type in OLMOS)
 
 
@@ -2655,6 +2675,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_idx, self.window = layer_idx, config.layer_window(layer_idx)
         self.rotates = layer_idx not in config.nope_layers   # (SmolLM3's NoPE layers do not)
+        # (Cohere rotates q and k in float32 by tables rounded to the model's dtype, as transformers
+        # does: one rounding, of the result)
+        self.rotates_in_float32 = config.model_type == "cohere"
         self.H, self.KVH, self.D = (config.num_attention_heads, config.num_key_value_heads,
                                     config.head_dim)
         # q_proj, k_proj and v_proj all read the same input, so the loader stacks their
@@ -2681,7 +2704,10 @@ class LlamaAttention(nn.Module):
         q, k = q.view(T, H, D), k.view(T, KVH, D)                              # (T, H, D), (T, KVH, D)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotates:
+        if self.rotates and self.rotates_in_float32:
+            q = apply_rope(q.float(), cos, sin).type_as(q)   # (T, H, D)
+            k = apply_rope(k.float(), cos, sin).type_as(k)   # (T, KVH, D)
+        elif self.rotates:
             q = apply_rope(q, cos, sin)                # (T, H, D)
             k = apply_rope(k, cos, sin)                # (T, KVH, D)
         v = v.view(T, KVH, D)                          # (T, KVH, D), a view into qkv (or its clamp): no copy
@@ -2766,13 +2792,17 @@ class LlamaBlock(nn.Module):
         # EXAONE 4's (HF's names) normalize the attention's output, and post_feedforward_layernorm
         # the MLP's; Gemma 2 and 3 also normalize both inputs (a "sandwich" of norms), the others neither.
         self.post_norms, self.residual_multiplier = config.post_norms, config.residual_multiplier
+        self.parallel = config.parallel_residual   # (Cohere's: one norm, attention and MLP side by side)
         self.input_layernorm = norm_layer(config, C) if config.pre_norms else None
-        self.post_attention_layernorm = norm_layer(config, C)
+        self.post_attention_layernorm = None if self.parallel else norm_layer(config, C)
         if self.post_norms:
             self.pre_feedforward_layernorm = norm_layer(config, C) if config.pre_norms else None
             self.post_feedforward_layernorm = norm_layer(config, C)
 
     def forward(self, x, cos, sin, attn):
+        if self.parallel:   # x + attn(norm(x)) + mlp(norm(x)), summed in transformers' order
+            h = self.input_layernorm(x)
+            return x + self.self_attn(h, cos, sin, attn) + self.mlp(h)
         if self.residual_multiplier != 1.0:   # Granite's (pre-norms alone, as Llama's)
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn) * self.residual_multiplier
             return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
@@ -2829,6 +2859,8 @@ class Llama(nn.Module):
             logits = tanh_softcap(logits, cap)
         if self.config.logits_scaling != 1.0:   # Granite's
             logits = logits / self.config.logits_scaling
+        if self.config.logit_scale != 1.0:   # Cohere's
+            logits = logits * self.config.logit_scale
         return logits
 
     @staticmethod
@@ -2845,7 +2877,9 @@ class Llama(nn.Module):
             if config.pre_norms:
                 shapes[p + "input_layernorm.weight"] = (C,)
             # (in this order: dummy weights are drawn in it)
-            shapes |= {p + "post_attention_layernorm.weight": (C,), p + "self_attn.o_proj.weight": (C, q)}
+            if not config.parallel_residual:   # (Cohere's one norm a layer: input_layernorm)
+                shapes[p + "post_attention_layernorm.weight"] = (C,)
+            shapes[p + "self_attn.o_proj.weight"] = (C, q)
             if not config.num_experts:
                 shapes[p + ("mlp.down_proj.weight" if config.gated_mlp else "mlp.c_proj.weight")] = (C, I)
             if config.post_norms:
@@ -2886,7 +2920,7 @@ class Llama(nn.Module):
                 D = config.head_dim
                 shapes |= {p + "self_attn.q_norm.weight": (D,) if config.qk_norm == "head" else (q,),
                            p + "self_attn.k_norm.weight": (D,) if config.qk_norm == "head" else (kv,)}
-        if config.layer_norm:   # (StableLM's and StarCoder 2's LayerNorms have biases)
+        if config.layer_norm and config.model_type != "cohere":   # (StableLM's and StarCoder 2's have biases)
             shapes |= {name.removesuffix("weight") + "bias": shape for name, shape in shapes.items()
                        if name.endswith("norm.weight")}
         return shapes

@@ -230,6 +230,8 @@ def llama_tensors(c, seed=0):
             shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
         if after:
             shapes[p + "post_feedforward_layernorm.weight"] = (C,)
+        if c["model_type"] == "cohere":   # (one norm a layer, before attention and the MLP side by side)
+            del shapes[p + "post_attention_layernorm.weight"]
         if c["model_type"] == "starcoder2":   # (its MLP GPT-2's, no gate; biases everywhere by default)
             for n in ("gate", "up", "down"):
                 del shapes[p + f"mlp.{n}_proj.weight"]
@@ -566,6 +568,12 @@ LLAMA_FAMILY_VARIANTS = {
     "seed_oss": llama_config(model_type="seed_oss", tied=False, head_dim=16, attention_bias=True, mlp_bias=True),
     "seed_oss_out_bias": llama_config(model_type="seed_oss", head_dim=8, attention_bias=False,
                                       attention_out_bias=True),
+    # Cohere (Command R, Aya 23, Aya Expanse): one LayerNorm (no bias) before attention and the
+    # MLP side by side, the logits times logit_scale, RoPE on neighbouring pairs (in float32);
+    # then q/k/v/o biases, GQA, a scale no power of two
+    "cohere": llama_config(model_type="cohere", layer_norm_eps=1e-5, logit_scale=0.25, bos_token_id=0),
+    "cohere_bias": llama_config(model_type="cohere", head_dim=16, kv_heads=6, attention_bias=True, logit_scale=0.3,
+                                layer_norm_eps=1e-3, bos_token_id=0, tied=False),
     # EXAONE 4 (LG's 1.2B and 32B): OLMo 2's norms after attention and the MLP, none before;
     # Qwen 3's per-head q/k norms; its 32B's windows (here layer 0 of 2, sliding_window_pattern
     # 2), its full layers turning no RoPE; then its 1.2B's config: no window, RoPE everywhere
@@ -954,7 +962,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 BFLOAT16_VARIANTS = ("gemma", "gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe",
                      "qwen3_moe_window", "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential",
                      "gpt_neox_gelu_new", "phi", "opt", "opt_350m", "gptj", "granitemoe", "qwen2_moe", "starcoder2",
-                     "ernie4_5", "exaone4")
+                     "ernie4_5", "exaone4", "cohere_bias")
 
 
 def bfloat16_kernels() -> str:
@@ -2053,11 +2061,11 @@ def test_bad_config(tmp_path):
     # (Ministral 3 is no Ministral: its queries are scaled by position, Llama 4's way)
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
-        with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: ernie4_5, exaone4, gemma, "
-                                            r"gemma2, gemma3, gemma3_text, gpt2, gpt_neox, gptj, granite, granitemoe, "
-                                            r"llama, ministral, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, "
-                                            r"phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, "
-                                            r"stablelm, starcoder2\)"):
+        with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: cohere, ernie4_5, "
+                                            r"exaone4, gemma, gemma2, gemma3, gemma3_text, gpt2, gpt_neox, gptj, "
+                                            r"granite, granitemoe, llama, ministral, mistral, mistral3, mixtral, "
+                                            r"olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, "
+                                            r"qwen3_moe, seed_oss, smollm3, stablelm, starcoder2\)"):
             load_model(tmp_path)
     for rope, message in [({"model_type": "gemma3_text", "head_dim": 16, "rope_local_base_freq": 1e-300},
                            "rope_local_base_freq 1e-300 and rope_scaling None give RoPE frequencies that are not"),
@@ -11159,7 +11167,7 @@ def test_family_defaults_are_their_transformers_config_classes():
     """Where config.json is silent, each model_type takes its transformers config class's
     default (LlamaConfig, MistralConfig, MinistralConfig, Qwen2Config, Qwen3Config, Phi3Config,
     SmolLM3Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, Starcoder2Config, Exaone4Config, Ernie4_5Config,
-    SeedOssConfig, GPT2Config),
+    SeedOssConfig, CohereConfig, GPT2Config),
     values written out here from those classes. Catches: a wrong default in LLAMA_FAMILY
     (Mistral's, Ministral's or Llama's context, Mistral's or Ministral's window, Qwen's
     max_window_layers, Qwen 3's head_dim, Phi-3's eps or original context, SmolLM3's NoPE
@@ -11257,6 +11265,13 @@ def test_family_defaults_are_their_transformers_config_classes():
     assert (seed.vocab_size, seed.num_hidden_layers, seed.num_attention_heads, seed.num_key_value_heads, seed.head_dim,
             seed.max_position_embeddings, seed.qkv_bias, seed.o_bias, seed.mlp_bias, seed.tie_word_embeddings,
             seed.bos_token_id, seed.eos_token_id) == (155136, 64, 80, 8, 128, 524288, True, False, False, False, 0, [2])
+    cohere = ModelConfig.from_dict({"model_type": "cohere"})   # (CohereConfig's: Command R's)
+    assert (cohere.vocab_size, cohere.hidden_size, cohere.num_hidden_layers, cohere.num_key_value_heads,
+            cohere.rope_theta, cohere.logit_scale, cohere.norm_eps, cohere.tie_word_embeddings, cohere.bos_token_id,
+            cohere.eos_token_id, cohere.parallel_residual, cohere.rope_pairs, cohere.layer_norm) == (
+        256000, 8192, 40, 64, 500_000.0, 0.0625, 1e-5, True, 5, [255001], True, True, True)
+    with pytest.raises(ModelError, match="use_qk_norm = true is not supported for cohere"):
+        ModelConfig.from_dict({"model_type": "cohere", "use_qk_norm": True})
     g2 = ModelConfig.from_dict({"model_type": "gemma2"})
     assert (g2.vocab_size, g2.hidden_size, g2.intermediate_size, g2.num_hidden_layers, g2.num_attention_heads,
             g2.num_key_value_heads, g2.head_dim, g2.max_position_embeddings) == (256000, 2304, 9216, 26, 8, 4, 256, 8192)
