@@ -1169,7 +1169,8 @@ def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
                                              ("gemma2", 6), ("olmo2", None), ("olmo3", 10), ("granite", None),
                                              ("qwen3_moe", None), ("mixtral", 10), ("olmoe", None),
                                              ("granitemoe", None), ("qwen2_moe_window", 10), ("stablelm", None),
-                                             ("starcoder2", 10),
+                                             ("starcoder2", 10), ("cohere", None), ("exaone4", None),
+                                             ("ernie4_5", None),
                                              ("gpt_neox", None), ("gpt_neox_sequential", None), ("phi", None),
                                              ("opt", None), ("opt_350m", None), ("gptj", None)])
 def test_llama_family_in_the_engine(tmp_path, variant, window):
@@ -1178,7 +1179,8 @@ def test_llama_family_in_the_engine(tmp_path, variant, window):
     windowed layer), Gemma 2 (softcapped attention scores), OLMo 2 (norms after), OLMo 3
     (three windowed layers in four, YaRN on the fourth alone), Granite (its multipliers) and
     mixtures of experts (Qwen 3 MoE, Mixtral windowed, OLMoE, Granite MoE, Qwen 2 MoE windowed, its shared
-    expert), StableLM (LayerNorms), StarCoder 2 (LayerNorms, no gate, windowed), GPT-NeoX
+    expert), StableLM (LayerNorms), StarCoder 2 (LayerNorms, no gate, windowed), Cohere (attention and MLP
+    side by side), EXAONE 4 (a windowed layer, a full one without RoPE), Ernie 4.5 (RoPE on pairs), GPT-NeoX
     (parallel residual or not), Phi, GPT-J and OPT (LayerNorms before or after) through the paged engine:
     chunked prefill, decode, prefix hits; the same greedy tokens as dense forward passes.
     Windows end mid-block and inside chunks, in every layer (Mistral) or one only (Qwen 2,
