@@ -13,7 +13,7 @@ layer hands its q, k, v to the `attn` object it was given,
 and that object (nanopaged's PagedAttention: the torch path, its decode rows on kernels_cpu.c,
 or the CUDA kernel; the tests pass a dense reference) writes k, v into the KV cache and attends: to the whole
 context, or, for a layer with a sliding window W (Mistral, Ministral, Mixtral, Phi-3, StarCoder 2, some Qwen,
-SmolLM3, Gemma 2/3, OLMo 3, EXAONE 4 layers), to the last W positions up to each query. It also scales q.k
+SmolLM3, Gemma 2/3, OLMo 3, EXAONE 4, Cohere 2 layers), to the last W positions up to each query. It also scales q.k
 (by ModelConfig.attn_scale: 1/sqrt(D), Gemma's and Granite's own, or 1 for OPT, whose model scales q before
 the attention, as transformers does) and softcaps the scores (Gemma 2). The model knows nothing about pages.
 
@@ -171,6 +171,9 @@ GRANITES = ("granite", "granitemoe")
 # Granite MoE (Granite's, its experts stacked in its checkpoint) replace each layer's MLP by a
 # mixture of experts (SparseMoE).
 MOES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+# Cohere (Command R, Aya) and Cohere 2 (Command R7B, Command A): one LayerNorm (no bias) before
+# attention and the MLP side by side, the logits scaled, RoPE on neighbouring pairs (_cohere_fields)
+COHERES = ("cohere", "cohere2")
 
 # model_types that run on the Llama module below (with the differences ModelConfig notes),
 # and the values their HF config classes take where a config.json leaves a key out
@@ -213,6 +216,10 @@ LLAMA_FAMILY = {
                "num_attention_heads": 64, "max_position_embeddings": 8192, "layer_norm_eps": 1e-5,
                "rope_theta": 500_000.0, "logit_scale": 0.0625, "tie_word_embeddings": True, "bos_token_id": 5,
                "eos_token_id": 255001},
+    "cohere2": {"vocab_size": 256000, "hidden_size": 8192, "intermediate_size": 22528, "num_hidden_layers": 40,
+                "num_attention_heads": 64, "max_position_embeddings": 8192, "layer_norm_eps": 1e-5,
+                "logit_scale": 0.0625, "tie_word_embeddings": True, "bos_token_id": 5, "eos_token_id": 255001,
+                "sliding_window": 4096, "sliding_window_pattern": 4},
     "exaone4": {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 2048,
                 "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 2, "sliding_window": 4096,
@@ -418,6 +425,8 @@ class ModelConfig:
             d, model_type = _text_config(d, model_type), MULTIMODAL[model_type]
         if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
             d = LLAMA_FAMILY[model_type] | d
+            if model_type == "cohere2":   # (Cohere2Config sets head_dim to hidden_size // num_attention_heads, whatever
+                d = d | {"head_dim": None}   # config.json says)
             if model_type in GEMMAS:
                 extra, d_rope = _gemma_fields(d, model_type)
             elif model_type in GRANITES or model_type in MOES:   # (Granite MoE: both)
@@ -426,7 +435,7 @@ class ModelConfig:
                 d_rope = d
             elif model_type == "starcoder2":   # (its MLP GPT-2's: up, an activation, down; no gate)
                 extra, d_rope = {"hidden_act": _activation(d, "hidden_act"), "gated_mlp": False}, d
-            elif model_type == "cohere":
+            elif model_type in COHERES:
                 extra, d_rope = _cohere_fields(d), d
             else:   # (OLMo 3's windowed layers turn by a RoPE of their own, as Gemma 3's)
                 extra, d_rope = _two_ropes(d, model_type) if model_type == "olmo3" else ({}, d)
@@ -462,7 +471,7 @@ class ModelConfig:
             # and k, OLMo (OLMoE) all of q and of k.
             use_bias = model_type in ("starcoder2", "ernie4_5") and _flag(d, "use_bias", model_type == "starcoder2")
             attention_bias = use_bias or (
-                model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", *GRANITES, "olmoe", *GEMMAS, *OLMOS, "cohere")
+                model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", *GRANITES, "olmoe", *GEMMAS, *OLMOS, *COHERES)
                 and _flag(d, "attention_bias"))
             mlp_bias = use_bias or model_type in ("llama", "smollm3", "granite", "seed_oss") and _flag(d, "mlp_bias")
             seed_oss = model_type == "seed_oss"
@@ -470,11 +479,14 @@ class ModelConfig:
             if model_type == "exaone4":
                 d = _exaone4_layers(d)
             window, window_layers = _sliding_window(d, model_type, nope_layers)
-            # EXAONE 4 with a window set (its 32B) turns no RoPE in its full layers (Exaone4Attention):
-            # their attention sees no positions but the causal mask's order, as SmolLM3's NoPE layers
-            if model_type == "exaone4" and d.get("sliding_window") is not None:
+            # EXAONE 4 with a window set (its 32B) and Cohere 2 turn no RoPE in their full layers
+            # (Exaone4Attention, Cohere2Attention): their attention sees no positions but the causal
+            # mask's order, as SmolLM3's NoPE layers; Cohere 2 without a window, in none of its layers
+            if model_type in ("exaone4", "cohere2") and d.get("sliding_window") is not None:
                 nope_layers = window_layers.but if isinstance(window_layers, LayersBut) else tuple(
                     i for i in range(_positive(d, "num_hidden_layers")) if i not in window_layers)
+            elif model_type == "cohere2":
+                nope_layers = range(_positive(d, "num_hidden_layers"))
             # A window as long as the context changes nothing. (Kept where it also says which
             # layers take the local RoPE: Gemma 3's, a scaled OLMo 3's.)
             if (window and window >= _context_length(max_position, rope_scaling, model_type)
@@ -487,7 +499,7 @@ class ModelConfig:
                                             else "intermediate_size"),
                 max_position_embeddings=max_position,
                 norm_eps=_positive(d, {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon",
-                                       "cohere": "layer_norm_eps"}.get(
+                                       "cohere": "layer_norm_eps", "cohere2": "layer_norm_eps"}.get(
                     model_type, "rms_norm_eps"), float, 1e-6),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling, partial_rotary_factor=partial,
@@ -496,8 +508,8 @@ class ModelConfig:
                           or model_type == "qwen2_moe" and _flag(d, "qkv_bias", True)
                           or model_type == "stablelm" and _flag(d, "use_qkv_bias")),
                 o_bias=attention_bias or seed_oss and _flag(d, "attention_out_bias"), mlp_bias=mlp_bias,
-                layer_norm=model_type in ("stablelm", "starcoder2", "cohere"),
-                rope_pairs=model_type in ("ernie4_5", "cohere"),
+                layer_norm=model_type in ("stablelm", "starcoder2", *COHERES),
+                rope_pairs=model_type in ("ernie4_5", *COHERES),
                 qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
                          else "all" if model_type in (*OLMOS, "olmoe") else None),
                 clip_qkv=(None if model_type != "olmoe" or d.get("clip_qkv") is None
@@ -633,7 +645,8 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
 
 
 def _cohere_fields(d: dict) -> dict:
-    """ModelConfig's Cohere fields (Command R, Aya 23 and Aya Expanse), as CohereConfig reads them:
+    """ModelConfig's Cohere fields (Command R, Aya 23 and Aya Expanse; Cohere 2's too, Command R7B and
+    Command A, whose windows and NoPE layers are EXAONE 4's), as CohereConfig reads them:
     one LayerNorm (no bias) before attention and the MLP, which run side by side (a parallel
     residual, as GPT-NeoX's), the logits times logit_scale, RoPE on neighbouring pairs of each
     head (rope_pairs). Refused: use_qk_norm (Command R+'s LayerNorm of each head's q and k)."""
@@ -900,19 +913,20 @@ def _sliding_window(d: dict, model_type: str, nope_layers: range | tuple) -> tup
     without); then the layers layer_types names so (by default, Qwen's from max_window_layers
     on, Qwen 2 MoE's every other one below it, SmolLM3's NoPE layers). Gemma windows the layers layer_types names
     so, by default all but every other one (Gemma 2) or every sliding_window_pattern-th
-    (Gemma 3: 6), OLMo 3's all but every 4th, EXAONE 4's all but every sliding_window_pattern-th
-    (4). Llama, Granite, OLMo 2, OLMoE, StableLM, Gemma (1), Ernie 4.5, Seed-OSS and Cohere have no window."""
+    (Gemma 3: 6), OLMo 3's all but every 4th, EXAONE 4's and Cohere 2's all but every
+    sliding_window_pattern-th (4). Llama, Granite, OLMo 2, OLMoE, StableLM, Gemma (1), Ernie 4.5,
+    Seed-OSS and Cohere have no window."""
     if (model_type in ("llama", *GRANITES, "olmo2", "olmoe", "stablelm", "gemma", "ernie4_5", "seed_oss", "cohere")
             or d.get("sliding_window") is None and model_type not in (*GEMMAS, "olmo3")):
         return None, ()   # (Gemma's and OLMo 3's layer_types or pattern window layers: they need a window, below)
     layers = _positive(d, "num_hidden_layers")
     if model_type in ("phi3", "mixtral", "starcoder2") or model_type in MISTRALS and d.get("layer_types") is None:
         windowed = range(layers)
-    elif model_type in (*GEMMAS, "olmo3", "exaone4") and d.get("layer_types") is None:
-        # (windowed: Gemma 2's every other layer, Gemma 3's 5 of 6, OLMo 3's 3 of 4, EXAONE 4's 3 of 4)
+    elif model_type in (*GEMMAS, "olmo3", "exaone4", "cohere2") and d.get("layer_types") is None:
+        # (windowed: Gemma 2's every other layer, Gemma 3's 5 of 6, OLMo 3's, EXAONE 4's and Cohere 2's 3 of 4)
         pattern = {"gemma2": 2, "olmo3": 4}.get(model_type) or _positive(d, "sliding_window_pattern", default=6)
         windowed = LayersBut(layers, range(pattern - 1, layers, pattern))
-    elif (not _flag(d, "use_sliding_window") and model_type not in (*GEMMAS, *MISTRALS, "olmo3", "exaone4")
+    elif (not _flag(d, "use_sliding_window") and model_type not in (*GEMMAS, *MISTRALS, "olmo3", "exaone4", "cohere2")
           and not (model_type == "smollm3" and d.get("layer_types") is not None)):
         return None, ()   # (SmolLM3's masks follow its layer_types even so, as transformers runs it)
     elif model_type == "qwen3_moe":   # (every layer: Qwen3MoeConfig has no max_window_layers)
@@ -2638,7 +2652,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 
 # ----------------------------------------------------------------------------------------
 # Llama (and its family: Mistral, Ministral, Qwen 2/3, Phi-3, SmolLM3, Gemma 1/2/3, OLMo 2/3, EXAONE 4, Ernie 4.5,
-# Seed-OSS, Cohere, Granite, StableLM, StarCoder 2, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and
+# Seed-OSS, Cohere 1/2, Granite, StableLM, StarCoder 2, and the mixtures of experts Mixtral, Qwen 2/3 MoE, OLMoE and
 # Granite MoE)
 
 class RMSNorm(nn.Module):
@@ -2666,7 +2680,7 @@ def norm_layer(config: ModelConfig, dim: int) -> nn.Module:
     """A norm of Llama's family: its RMSNorm (Gemma's, OLMo's ways too), or StableLM's and StarCoder 2's
     LayerNorm (Cohere's without a bias)."""
     if config.layer_norm:
-        return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.model_type != "cohere")
+        return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.model_type not in COHERES)
     return RMSNorm(dim, config.norm_eps, gemma=config.gemma, scale_in_float32=config.model_type in OLMOS)
 
 
@@ -2677,7 +2691,7 @@ class LlamaAttention(nn.Module):
         self.rotates = layer_idx not in config.nope_layers   # (SmolLM3's NoPE layers do not)
         # (Cohere rotates q and k in float32 by tables rounded to the model's dtype, as transformers
         # does: one rounding, of the result)
-        self.rotates_in_float32 = config.model_type == "cohere"
+        self.rotates_in_float32 = config.model_type in COHERES
         self.H, self.KVH, self.D = (config.num_attention_heads, config.num_key_value_heads,
                                     config.head_dim)
         # q_proj, k_proj and v_proj all read the same input, so the loader stacks their
@@ -2920,7 +2934,7 @@ class Llama(nn.Module):
                 D = config.head_dim
                 shapes |= {p + "self_attn.q_norm.weight": (D,) if config.qk_norm == "head" else (q,),
                            p + "self_attn.k_norm.weight": (D,) if config.qk_norm == "head" else (kv,)}
-        if config.layer_norm and config.model_type != "cohere":   # (StableLM's and StarCoder 2's have biases)
+        if config.layer_norm and config.model_type not in COHERES:   # (StableLM's and StarCoder 2's have biases)
             shapes |= {name.removesuffix("weight") + "bias": shape for name, shape in shapes.items()
                        if name.endswith("norm.weight")}
         return shapes

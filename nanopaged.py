@@ -2942,7 +2942,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "stops an answer, Ctrl-D ends)")
     ap.add_argument("--model", help="a local Hugging Face layout directory (Llama, Mistral (Small 3.1/3.2 too), "
                                     "Ministral, Qwen 2/2.5/3, Phi-3/3.5/4-mini, SmolLM3, Gemma 1/2/3, OLMo 2/3, "
-                                    "EXAONE 4, Ernie 4.5, Seed-OSS, Cohere, Granite 3, StableLM 2, StarCoder 2, "
+                                    "EXAONE 4, Ernie 4.5, Seed-OSS, Cohere 1/2, Granite 3, StableLM 2, StarCoder 2, "
                                     "Mixtral, Qwen 2/3 MoE, OLMoE, Granite MoE, GPT-2, OPT, GPT-NeoX / Pythia, "
                                     "Phi-1.5/2, GPT-J) or a Llama, Qwen, Phi-2/3, SmolLM3, Gemma, Granite, OLMo 2/3, "
                                     "EXAONE 4, StarCoder 2, Ernie 4.5, StableLM, Mixtral, Qwen 2/3 MoE, OLMoE or "

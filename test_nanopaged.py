@@ -230,7 +230,7 @@ def llama_tensors(c, seed=0):
             shapes |= {p + "pre_feedforward_layernorm.weight": (C,), p + "post_feedforward_layernorm.weight": (C,)}
         if after:
             shapes[p + "post_feedforward_layernorm.weight"] = (C,)
-        if c["model_type"] == "cohere":   # (one norm a layer, before attention and the MLP side by side)
+        if c["model_type"] in ("cohere", "cohere2"):   # (one norm a layer, before attention and the MLP side by side)
             del shapes[p + "post_attention_layernorm.weight"]
         if c["model_type"] == "starcoder2":   # (its MLP GPT-2's, no gate; biases everywhere by default)
             for n in ("gate", "up", "down"):
@@ -574,6 +574,14 @@ LLAMA_FAMILY_VARIANTS = {
     "cohere": llama_config(model_type="cohere", layer_norm_eps=1e-5, logit_scale=0.25, bos_token_id=0),
     "cohere_bias": llama_config(model_type="cohere", head_dim=16, kv_heads=6, attention_bias=True, logit_scale=0.3,
                                 layer_norm_eps=1e-3, bos_token_id=0, tied=False),
+    # Cohere 2 (Command R7B, Command A): Cohere's layer; windows over all but every
+    # sliding_window_pattern-th layer (here layer 0 of 2), the full layers turning no RoPE; then
+    # as layer_types say, q/k/v/o biases (head_dim always hidden_size // num_attention_heads)
+    "cohere2": llama_config(model_type="cohere2", sliding_window=3, sliding_window_pattern=2, logit_scale=0.25,
+                            bos_token_id=0),
+    "cohere2_layer_types": llama_config(model_type="cohere2", kv_heads=6, sliding_window=4, attention_bias=True,
+                                        layer_types=["full_attention", "sliding_attention"], logit_scale=0.5,
+                                        layer_norm_eps=1e-3, bos_token_id=0, tied=False),
     # EXAONE 4 (LG's 1.2B and 32B): OLMo 2's norms after attention and the MLP, none before;
     # Qwen 3's per-head q/k norms; its 32B's windows (here layer 0 of 2, sliding_window_pattern
     # 2), its full layers turning no RoPE; then its 1.2B's config: no window, RoPE everywhere
@@ -962,7 +970,7 @@ def test_a_mistral_with_layer_types_that_transformers_saved_loads(tmp_path):
 BFLOAT16_VARIANTS = ("gemma", "gemma3", "gemma3_scaled", "qwen3", "mistral", "olmo2", "granite", "qwen3_moe",
                      "qwen3_moe_window", "mixtral", "olmoe", "stablelm", "gpt_neox", "gpt_neox_sequential",
                      "gpt_neox_gelu_new", "phi", "opt", "opt_350m", "gptj", "granitemoe", "qwen2_moe", "starcoder2",
-                     "ernie4_5", "exaone4", "cohere_bias")
+                     "ernie4_5", "exaone4", "cohere_bias", "cohere2")
 
 
 def bfloat16_kernels() -> str:
@@ -2063,9 +2071,9 @@ def test_bad_config(tmp_path):
     # (Ministral 3 is no Ministral: its queries are scaled by position, Llama 4's way)
     for model_type in ("mamba", "ministral3"):
         (tmp_path / "config.json").write_text(json.dumps({**llama_config(), "model_type": model_type}))
-        with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: cohere, ernie4_5, "
-                                            r"exaone4, gemma, gemma2, gemma3, gemma3_text, gpt2, gpt_neox, gptj, "
-                                            r"granite, granitemoe, llama, ministral, mistral, mistral3, mixtral, "
+        with pytest.raises(ModelError, match=rf"'{model_type}' is not supported \(supported: cohere, cohere2, "
+                                            r"ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, gpt2, gpt_neox, "
+                                            r"gptj, granite, granitemoe, llama, ministral, mistral, mistral3, mixtral, "
                                             r"olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, "
                                             r"qwen3_moe, seed_oss, smollm3, stablelm, starcoder2\)"):
             load_model(tmp_path)
@@ -11169,7 +11177,7 @@ def test_family_defaults_are_their_transformers_config_classes():
     """Where config.json is silent, each model_type takes its transformers config class's
     default (LlamaConfig, MistralConfig, MinistralConfig, Qwen2Config, Qwen3Config, Phi3Config,
     SmolLM3Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, Starcoder2Config, Exaone4Config, Ernie4_5Config,
-    SeedOssConfig, CohereConfig, GPT2Config),
+    SeedOssConfig, CohereConfig, Cohere2Config, GPT2Config),
     values written out here from those classes. Catches: a wrong default in LLAMA_FAMILY
     (Mistral's, Ministral's or Llama's context, Mistral's or Ministral's window, Qwen's
     max_window_layers, Qwen 3's head_dim, Phi-3's eps or original context, SmolLM3's NoPE
@@ -11274,6 +11282,12 @@ def test_family_defaults_are_their_transformers_config_classes():
         256000, 8192, 40, 64, 500_000.0, 0.0625, 1e-5, True, 5, [255001], True, True, True)
     with pytest.raises(ModelError, match="use_qk_norm = true is not supported for cohere"):
         ModelConfig.from_dict({"model_type": "cohere", "use_qk_norm": True})
+    # Cohere2Config's (Command A's): 3 windowed layers of 4, the 4th without RoPE; head_dim hidden_size //
+    # num_attention_heads whatever config.json says; no window: no RoPE in any layer (Cohere2Attention's)
+    c2 = ModelConfig.from_dict({"model_type": "cohere2", "head_dim": 16, "max_position_embeddings": 8193})
+    assert (c2.head_dim, c2.logit_scale, c2.rope_theta, c2.parallel_residual, [c2.layer_window(i) for i in range(5)],
+            list(c2.nope_layers)[:3]) == (128, 0.0625, 10000.0, True, [4096, 4096, 4096, None, 4096], [3, 7, 11])
+    assert list(ModelConfig.from_dict({"model_type": "cohere2", "sliding_window": None}).nope_layers) == list(range(40))
     g2 = ModelConfig.from_dict({"model_type": "gemma2"})
     assert (g2.vocab_size, g2.hidden_size, g2.intermediate_size, g2.num_hidden_layers, g2.num_attention_heads,
             g2.num_key_value_heads, g2.head_dim, g2.max_position_embeddings) == (256000, 2304, 9216, 26, 8, 4, 256, 8192)

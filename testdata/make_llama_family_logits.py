@@ -2,7 +2,7 @@
 logits that Hugging Face transformers computes for the token ids IDS from the checkpoint the
 tests build (variant_tensors, seed 0). The tests compare nanopaged's logits with these, so
 transformers (an independent implementation of Qwen 2, Qwen 3, Mistral, Ministral, Phi-3, SmolLM3,
-Gemma 1, 2 and 3, StarCoder 2, OLMo 2 and 3, EXAONE 4, Ernie 4.5, Seed-OSS, Cohere, Granite,
+Gemma 1, 2 and 3, StarCoder 2, OLMo 2 and 3, EXAONE 4, Ernie 4.5, Seed-OSS, Cohere 1 and 2, Granite,
 StableLM, Qwen 2 and 3 MoE, Mixtral, OLMoE, Granite MoE, Llama, GPT-NeoX, Phi, GPT-J and OPT) is
 needed only to remake the file:
 
