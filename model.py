@@ -3713,8 +3713,8 @@ def _random_weights(shapes: dict, dtype, device) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------
 # GGUF conversion: the embedded default model, and Llama, Qwen 2/3, Phi-2/3, SmolLM3, Gemma 1/2/3, Granite, OLMo 2/3,
-# StableLM, StarCoder 2, Ernie 4.5 and EXAONE 4 GGUF files, and the mixtures of experts Mixtral, Qwen 2/3 MoE,
-# OLMoE and Granite MoE
+# StableLM, StarCoder 2, Ernie 4.5, EXAONE 4 and Cohere 1/2 GGUF files, and the mixtures of experts Mixtral,
+# Qwen 2/3 MoE, OLMoE and Granite MoE
 #
 # A GGUF file (llama.cpp's format) holds config, tokenizer and (quantized) weights. Its
 # first load converts it once into an ordinary HF-layout directory in the cache: config.json,
@@ -3773,11 +3773,14 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "stablelm": "StableLmForCausalLM",
                       "phi2": "PhiForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                       "granitemoe": "GraniteMoeForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
-                      "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM"}
-GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "phi2": "phi", "qwen2moe": "qwen2_moe"}
+                      "ernie4_5": "Ernie4_5ForCausalLM", "exaone4": "Exaone4ForCausalLM",
+                      "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"}
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "phi2": "phi", "qwen2moe": "qwen2_moe",
+                    "command-r": "cohere"}
 GGUF_GEMMAS = ("gemma", "gemma2", "gemma3")   # (their norms stored as 1 + weight)
 # (LayerNorms, their epsilon under attention.layer_norm_epsilon: config.json's key for it)
-GGUF_LAYER_NORMS = {"stablelm": "layer_norm_eps", "phi2": "layer_norm_eps", "starcoder2": "norm_epsilon"}
+GGUF_LAYER_NORMS = {"stablelm": "layer_norm_eps", "phi2": "layer_norm_eps", "starcoder2": "norm_epsilon",
+                    "command-r": "layer_norm_eps", "cohere2": "layer_norm_eps"}
 GGUF_MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "olmoe", "granitemoe")
 GGUF_PERMUTED = ("llama", "smollm3", "granite", "granitemoe")
 # Granite's multipliers: the GGUF key each is read from (after "granite."; llama.cpp's
@@ -4061,11 +4064,11 @@ def _gguf_window_pattern(meta: dict, arch: str, default: int) -> dict:
     """config.json's windowed layers as llama.cpp reads them from a GGUF's
     sliding_window_pattern: a flag a layer (layer_types), or a number n, all but every n-th
     layer windowed (by default the family's own n, which config.json need not say; another, a
-    Gemma 3's or EXAONE 4's sliding_window_pattern)."""
+    Gemma 3's, EXAONE 4's or Cohere 2's sliding_window_pattern)."""
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern", default)
     if isinstance(pattern, list) and all(isinstance(flag, bool) for flag in pattern):
         return {"layer_types": ["sliding_attention" if flag else "full_attention" for flag in pattern]}
-    if arch in ("gemma3", "exaone4") and _is_id(pattern) and pattern > 0:
+    if arch in ("gemma3", "exaone4", "cohere2") and _is_id(pattern) and pattern > 0:
         return {"sliding_window_pattern": pattern}
     if pattern != default:
         raise ModelError(f"{arch}.attention.sliding_window_pattern is {reprlib.repr(pattern)}, expected a flag a "
@@ -4281,6 +4284,13 @@ def _gguf_config(gguf_path: Path, reader, meta: dict) -> tuple[dict, ModelConfig
         config["hidden_act"] = {"phi2": "gelu_new", "starcoder2": "gelu_pytorch_tanh"}.get(arch, "silu")
     if arch in ("starcoder2", "ernie4_5"):   # (biases where the file has them; a StarCoder 2 without a window:
         config["use_bias"] = "blk.0.attn_q.bias" in tensors   # llama.cpp runs every layer over the whole context)
+    if arch in ("command-r", "cohere2"):   # (Cohere's: its logits scaled where the file says, as llama.cpp
+        config["logit_scale"] = meta.get(f"{arch}.logit_scale") or 1.0   # does, not by CohereConfig's default)
+        config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors   # (Command R+'s: refused)
+    if arch == "cohere2":   # (its window, which llama.cpp needs, over the layers its pattern says: all but every 4th)
+        config["sliding_window"] = _gguf_need(gguf_path, meta, "cohere2.attention.sliding_window")
+        with _in_file(gguf_path):
+            config |= _gguf_window_pattern(meta, "cohere2", default=4)
     if arch in ("granite", "granitemoe"):
         config |= {key: _f32_if_float(meta[f"{arch}.{name}"]) for key, name in GGUF_GRANITE_KEYS.items()
                    if f"{arch}.{name}" in meta}

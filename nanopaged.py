@@ -2945,8 +2945,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "EXAONE 4, Ernie 4.5, Seed-OSS, Cohere 1/2, Granite 3, StableLM 2, StarCoder 2, "
                                     "Mixtral, Qwen 2/3 MoE, OLMoE, Granite MoE, GPT-2, OPT, GPT-NeoX / Pythia, "
                                     "Phi-1.5/2, GPT-J) or a Llama, Qwen, Phi-2/3, SmolLM3, Gemma, Granite, OLMo 2/3, "
-                                    "EXAONE 4, StarCoder 2, Ernie 4.5, StableLM, Mixtral, Qwen 2/3 MoE, OLMoE or "
-                                    "Granite MoE GGUF file (a .gguf, or an Ollama blob) "
+                                    "EXAONE 4, StarCoder 2, Ernie 4.5, Cohere 1/2, StableLM, Mixtral, Qwen 2/3 MoE, "
+                                    "OLMoE or Granite MoE GGUF file (a .gguf, or an Ollama blob) "
                                     "(default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to generate, at most (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0,

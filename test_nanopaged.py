@@ -3963,7 +3963,7 @@ def gguf_named(weights, arch, layers):
     """HF-named tensors as (name, array) under the names the gguf package's own map gives them
     for arch, as llama.cpp's converter names them (write_gguf's `extra`)."""
     import gguf
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], layers)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], layers)
     return [(f"{names.get_name(base)}.{kind}", t.numpy())
             for base, kind, t in ((*name.rsplit(".", 1), t) for name, t in weights.items())]
 
@@ -3993,6 +3993,49 @@ def test_an_exaone4_gguf_is_windowed_only_as_llama_cpp_runs_it(tmp_path, own_cac
         bad = gguf_file(tmp_path / "swa.gguf", meta=meta + [("exaone4.rope.freq_base_swa", 5.0)])
         with pytest.raises(ModelError, match="exaone4.rope.freq_base_swa 5.0 is not exaone4.rope.freq_base"):
             load_model(bad)
+
+
+@pytest.mark.parametrize("arch, variant", [("command-r", "cohere"), ("command-r", "cohere_bias"),
+                                           ("cohere2", "cohere2")])
+def test_a_cohere_gguf_is_its_checkpoint(tmp_path, own_cache, arch, variant):
+    """A Command R (llama.cpp's command-r) or Cohere 2 GGUF (named by the gguf package's map) gives
+    its checkpoint's logits: the logits scaled by the file's logit_scale (none where it has
+    none, as llama.cpp, not CohereConfig's 1/16), the LayerNorms' epsilon, q and k as they are
+    (llama.cpp turns neighbouring pairs, as Cohere does); Cohere 2's window over the layers its
+    pattern flags say, the others without RoPE. Biases (not in llama.cpp's Cohere) and Command
+    R+'s q/k norms are refused by name. Catches: the scale's default CohereConfig's; Cohere's rows
+    unpermuted as a Llama's; the window or its layers not read."""
+    c = LLAMA_FAMILY_VARIANTS[variant] | {"vocab_size": 256, "max_position_embeddings": 64, "eos_token_id": 1,
+                                          "tie_word_embeddings": True}   # (the gguf package names no untied head)
+    w = llama_tensors(c)
+    eps = c.get("layer_norm_eps", 1e-5)   # (CohereConfig's default)
+    meta = [(f"{arch}.attention.layer_norm_epsilon", eps), (f"{arch}.logit_scale", c["logit_scale"])]
+    if D := c.get("head_dim"):
+        meta += [(f"{arch}.attention.key_length", D), (f"{arch}.attention.value_length", D)]
+    if arch == "cohere2":
+        meta += [("cohere2.attention.sliding_window", 3), ("cohere2.attention.sliding_window_pattern", [True, False])]
+    gguf_file = functools.partial(write_gguf, C=48, H=6, KVH=c["num_key_value_heads"], L=2, I=80, arch=arch,
+                                  weights={}, extra=gguf_named(w, arch, 2))
+    if variant == "cohere_bias":   # (llama.cpp's command-r has no biases)
+        with pytest.raises(ModelError, match=r"unexpected tensor 'blk\.0\.attn_\w+\.bias'"):
+            load_model(gguf_file(tmp_path / "bias.gguf", meta=meta))
+        return
+    hf = load_model(write_checkpoint(tmp_path / "hf", c, w))
+    cfg = (model := load_model(gguf_file(tmp_path / f"{variant}.gguf", meta=meta))).config
+    assert (cfg.model_type, cfg.logit_scale, cfg.norm_eps, cfg.rope_pairs, cfg.sliding_window,
+            list(cfg.nope_layers)) == (
+        variant, c["logit_scale"], pytest.approx(eps), True, 3 if arch == "cohere2" else None,
+        [1] if arch == "cohere2" else [])
+    torch.testing.assert_close(forward_all(model, IDS), forward_all(hf, IDS), rtol=1e-5, atol=1e-5)
+    unscaled = load_model(gguf_file(tmp_path / "unscaled.gguf", meta=meta[:1] + meta[2:]))
+    assert unscaled.config.logit_scale == 1.0
+    torch.testing.assert_close(forward_all(unscaled, IDS) * c["logit_scale"], forward_all(hf, IDS),
+                               rtol=1e-5, atol=1e-5)
+    if arch == "command-r":   # (Command R+'s norms of each head's q and k)
+        qk = gguf_file(tmp_path / "qk.gguf", meta=meta, extra=gguf_named(w, arch, 2) + [
+            ("blk.0.attn_q_norm.weight", np.ones((6, 8), np.float32))])
+        with pytest.raises(ModelError, match="use_qk_norm = true is not supported for cohere"):
+            load_model(qk)
 
 
 @pytest.mark.parametrize("variant", ["starcoder2", "starcoder2_plain", "ernie4_5", "ernie4_5_plain"])
