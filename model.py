@@ -291,8 +291,8 @@ class ModelConfig:
     # GPT-NeoX's "parallel residual" (use_parallel_residual): attention and MLP both read the
     # block's input, x + attn(ln1(x)) + mlp(ln2(x)); else the MLP reads x + attn(ln1(x)), as Llama's
     parallel_residual: bool = False
-    shared_norm: bool = False         # Phi, Cohere: one LayerNorm before both attention and MLP (parallel, as above;
-                                      # the Llama module's one parallel layout)
+    shared_norm: bool = False         # Phi: one LayerNorm before both attention and MLP (parallel, as above; the
+                                      # Llama module's parallel layer, Cohere's, always shares its one norm)
     lm_head_bias: bool = False        # Phi: its LM head has a bias
     # OPT's differences from GPT-2 (on its module). OPT-350M's LayerNorms come after the residual
     # adds, x = ln(x + f(x)), the original Transformer's "post-LN" (do_layer_norm_before false),
@@ -425,8 +425,6 @@ class ModelConfig:
             d, model_type = _text_config(d, model_type), MULTIMODAL[model_type]
         if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
             d = LLAMA_FAMILY[model_type] | d
-            if model_type == "cohere2":   # (Cohere2Config sets head_dim to hidden_size // num_attention_heads, whatever
-                d = d | {"head_dim": None}   # config.json says)
             if model_type in GEMMAS:
                 extra, d_rope = _gemma_fields(d, model_type)
             elif model_type in GRANITES or model_type in MOES:   # (Granite MoE: both)
@@ -436,7 +434,7 @@ class ModelConfig:
             elif model_type == "starcoder2":   # (its MLP GPT-2's: up, an activation, down; no gate)
                 extra, d_rope = {"hidden_act": _activation(d, "hidden_act"), "gated_mlp": False}, d
             elif model_type in COHERES:
-                extra, d_rope = _cohere_fields(d), d
+                extra, d_rope = _cohere_fields(d, model_type), d
             else:   # (OLMo 3's windowed layers turn by a RoPE of their own, as Gemma 3's)
                 extra, d_rope = _two_ropes(d, model_type) if model_type == "olmo3" else ({}, d)
             # (silu and swish: one function, in transformers)
@@ -644,15 +642,20 @@ def _gemma_fields(d: dict, model_type: str) -> tuple[dict, dict]:
     return fields | local, d
 
 
-def _cohere_fields(d: dict) -> dict:
+def _cohere_fields(d: dict, model_type: str) -> dict:
     """ModelConfig's Cohere fields (Command R, Aya 23 and Aya Expanse; Cohere 2's too, Command R7B and
     Command A, whose windows and NoPE layers are EXAONE 4's), as CohereConfig reads them:
     one LayerNorm (no bias) before attention and the MLP, which run side by side (a parallel
     residual, as GPT-NeoX's), the logits times logit_scale, RoPE on neighbouring pairs of each
-    head (rope_pairs). Refused: use_qk_norm (Command R+'s LayerNorm of each head's q and k)."""
+    head (rope_pairs). Refused: use_qk_norm (Command R+'s LayerNorm of each head's q and k), and
+    a Cohere 2 whose layer_types names windowed layers without a sliding_window."""
     if _flag(d, "use_qk_norm"):
         raise ModelError("use_qk_norm = true is not supported for cohere (Command R+'s norms of each head's q and k)")
-    return {"logit_scale": _positive(d, "logit_scale", float), "parallel_residual": True, "shared_norm": True}
+    kinds = d.get("layer_types") or []
+    if model_type == "cohere2" and d.get("sliding_window") is None and "sliding_attention" in kinds:
+        raise ModelError("layer_types names sliding_attention layers but sliding_window is null: their window? "
+                         "(transformers' Cohere2 cannot run it either)")
+    return {"logit_scale": _positive(d, "logit_scale", float), "parallel_residual": True}
 
 
 def _activation(d: dict, key: str, default: str | None = None) -> str:

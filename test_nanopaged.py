@@ -576,7 +576,7 @@ LLAMA_FAMILY_VARIANTS = {
                                 layer_norm_eps=1e-3, bos_token_id=0, tied=False),
     # Cohere 2 (Command R7B, Command A): Cohere's layer; windows over all but every
     # sliding_window_pattern-th layer (here layer 0 of 2), the full layers turning no RoPE; then
-    # as layer_types say, q/k/v/o biases (head_dim always hidden_size // num_attention_heads)
+    # as layer_types say, q/k/v/o biases
     "cohere2": llama_config(model_type="cohere2", sliding_window=3, sliding_window_pattern=2, logit_scale=0.25,
                             bos_token_id=0),
     "cohere2_layer_types": llama_config(model_type="cohere2", kv_heads=6, sliding_window=4, attention_bias=True,
@@ -1157,6 +1157,9 @@ def test_yarn_and_linear_scaling_stretch_the_context_served(tmp_path):
     ({"model_type": "gemma3_text", "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]},
      (None, 64)),
     ({"model_type": "gemma3_text", "sliding_window": 500}, (500, 500)),
+    # no window, whatever its config says, for those whose config classes have none
+    *[({"model_type": model_type, "sliding_window": 64, "use_sliding_window": True, "bos_token_id": 0}, (None, None))
+      for model_type in ("seed_oss", "cohere", "ernie4_5", "gemma")],
 ])
 def test_sliding_windows_are_read_as_transformers_reads_them(change, windows):
     """Which layers attend through a sliding window, and how wide: as transformers' config
@@ -11325,12 +11328,17 @@ def test_family_defaults_are_their_transformers_config_classes():
         256000, 8192, 40, 64, 500_000.0, 0.0625, 1e-5, True, 5, [255001], True, True, True)
     with pytest.raises(ModelError, match="use_qk_norm = true is not supported for cohere"):
         ModelConfig.from_dict({"model_type": "cohere", "use_qk_norm": True})
-    # Cohere2Config's (Command A's): 3 windowed layers of 4, the 4th without RoPE; head_dim hidden_size //
-    # num_attention_heads whatever config.json says; no window: no RoPE in any layer (Cohere2Attention's)
-    c2 = ModelConfig.from_dict({"model_type": "cohere2", "head_dim": 16, "max_position_embeddings": 8193})
+    # Cohere2Config's (Command A's): 3 windowed layers of 4, the 4th without RoPE; no window: no RoPE
+    # in any layer (Cohere2Attention's), where no layer_types names a windowed layer (transformers
+    # cannot run one that does: refused)
+    c2 = ModelConfig.from_dict({"model_type": "cohere2", "max_position_embeddings": 8193})
     assert (c2.head_dim, c2.logit_scale, c2.rope_theta, c2.parallel_residual, [c2.layer_window(i) for i in range(5)],
             list(c2.nope_layers)[:3]) == (128, 0.0625, 10000.0, True, [4096, 4096, 4096, None, 4096], [3, 7, 11])
     assert list(ModelConfig.from_dict({"model_type": "cohere2", "sliding_window": None}).nope_layers) == list(range(40))
+    assert ModelConfig.from_dict({"model_type": "cohere2", "head_dim": 16}).head_dim == 16   # (config.json's, if given)
+    with pytest.raises(ModelError, match="layer_types names sliding_attention layers but sliding_window is null"):
+        ModelConfig.from_dict({"model_type": "cohere2", "sliding_window": None, "num_hidden_layers": 2,
+                               "layer_types": ["sliding_attention", "full_attention"]})
     g2 = ModelConfig.from_dict({"model_type": "gemma2"})
     assert (g2.vocab_size, g2.hidden_size, g2.intermediate_size, g2.num_hidden_layers, g2.num_attention_heads,
             g2.num_key_value_heads, g2.head_dim, g2.max_position_embeddings) == (256000, 2304, 9216, 26, 8, 4, 256, 8192)
