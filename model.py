@@ -246,9 +246,9 @@ LLAMA_FAMILY = {
 
 @dataclass(frozen=True)
 class LayersBut:
-    """The layers 0 .. n - 1 but those in `but`: Gemma's and OLMo 3's windowed layers, all but
-    every 6th (Gemma 3), every other (Gemma 2) or every 4th (OLMo 3), held without a list of
-    every layer (a config may claim billions)."""
+    """The layers 0 .. n - 1 but those in `but`: Gemma's, OLMo 3's, EXAONE 4's and Cohere 2's
+    windowed layers, all but every 6th (Gemma 3), every other (Gemma 2) or every 4th (the others,
+    by default), held without a list of every layer (a config may claim billions)."""
     n: int
     but: range
 
@@ -313,7 +313,8 @@ class ModelConfig:
     # (Gemma's "sandwich")
     pre_norms: bool = True
     post_norms: bool = False
-    layer_norm: bool = False          # LayerNorms (with biases) where Llama has RMSNorms (StableLM, StarCoder 2)
+    layer_norm: bool = False          # LayerNorms where Llama has RMSNorms (StableLM's, StarCoder 2's: with biases;
+                                      # Cohere's: without)
     gated_mlp: bool = True            # the MLP's gate (SwiGLU, GeGLU); StarCoder 2's has none: down(act(up(x)))
     # Gemma (1, 2, 3): its RMSNorms scale by (1 + weight), in float32, and its embeddings by
     # sqrt(C): what this flag switches. Its other differences have fields of their own: a
