@@ -820,6 +820,9 @@ CPU_CHECK_FLAGS = ["-Wall", "-Wextra", "-Werror"]
 # without AVX-512 (or NEON's narrower registers) compiles the same vectors another way
 CPU_BASELINE_ARCH = {"x86_64": "x86-64", "AMD64": "x86-64", "aarch64": "armv8-a", "arm64": "armv8-a"}
 CPU_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}   # F32, BF16, F16 in kernels_cpu.c
+# a KV cache's besides (LLM's kv_cache_dtype): E4M3, E5M2; or bfloat16 under another dtype
+CPU_KV_DTYPES = {"bfloat16": 1, "float8_e4m3fn": 3, "float8_e5m2": 4}
+CPU_WIDEN_ROWS = 16   # kernels_cpu.c's WIDEN_ROWS
 # the per-thread stack the kernel's (group, head_dim) state and a block's scores may take
 CPU_STACK_LIMIT = 256 << 10
 
@@ -859,7 +862,8 @@ class DecodeArgs(ctypes.Structure):
                 ("seqs", ctypes.c_void_p), ("n", ctypes.c_int64), ("out", ctypes.c_void_p),
                 ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
                 ("block_size", ctypes.c_int32), ("window", ctypes.c_int32), ("dtype", ctypes.c_int32),
-                ("num_threads", ctypes.c_int32), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("kv_dtype", ctypes.c_int32), ("num_threads", ctypes.c_int32), ("scale", ctypes.c_float),
+                ("softcap", ctypes.c_float),
                 ("partition_size", ctypes.c_int64), ("bad", ctypes.c_int64), ("work_items", ctypes.c_int64)]
 
 
@@ -870,7 +874,9 @@ CPU_REFUSALS = {1: "sequence {bad} of seqs is not in the batch",
                 4: "block_tables[{bad}] holds a block id outside the cache, in the positions it reads",
                 5: "this compiler has no _Float16: float16 is not supported",
                 6: "no memory for the list of work items, or for the partitions' partial results",
-                7: "sequence {bad} of seqs does not have exactly one query row (query_start_loc): the kernel decodes one each"}
+                7: "sequence {bad} of seqs does not have exactly one query row (query_start_loc): the kernel "
+                   "decodes one each",
+                8: "q's or the caches' dtype is not one the kernel knows"}
 
 
 class CpuKernels:
@@ -885,8 +891,10 @@ class CpuKernels:
         self.dtypes = [d for d in CPU_DTYPES if d != "float16" or lib.paged_decode_has_float16()]
         self.work_items = 0   # the last call's (split-K makes more than its sequences x kv heads)
 
-    def unsupported(self, dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
-        """Why a model of these shapes cannot use the kernel, or None."""
+    def unsupported(self, dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    kv_dtype=None) -> str | None:
+        """Why a model of these shapes cannot use the kernel, or None (kv_dtype: its KV
+        cache's, where it is another than dtype)."""
         name = str(dtype).removeprefix("torch.")
         if name not in self.dtypes:
             return f"the CPU kernel is built for {', '.join(self.dtypes)}, not {name}"
@@ -895,7 +903,9 @@ class CpuKernels:
         # past it the kernel's threads overflowed theirs, a segfault)
         stack = openmp_stack_bytes()
         limit = CPU_STACK_LIMIT if stack is None else min(CPU_STACK_LIMIT, stack // 2)
-        if 4 * (2 * group * head_dim + 2 * group + block_size) > limit:
+        # (and a float8 cache's rows, widened to float32 WIDEN_ROWS at a time, K's and V's)
+        widened = 2 * CPU_WIDEN_ROWS * head_dim if str(kv_dtype).startswith("torch.float8") else 0
+        if 4 * (2 * group * head_dim + 2 * group + block_size + widened) > limit:
             return (f"the CPU kernel keeps a GQA group's state on the stack: {group} heads x head_dim {head_dim} "
                     f"with block_size {block_size} is too large" +
                     (f" for OpenMP's threads' stacks of {stack >> 10} KiB (OMP_STACKSIZE)" if limit < CPU_STACK_LIMIT else ""))
@@ -910,7 +920,9 @@ class CpuKernels:
         how many items the call made."""
         import torch
         T, H, D = q.shape
-        checks = [("q", q, q.dtype, 3), ("k_cache", k_cache, q.dtype, 4), ("v_cache", v_cache, q.dtype, 4),
+        # the caches: q's dtype, or a narrower one (kv_cache_dtype), widened as they are read
+        kv_dtype = k_cache.dtype if str(k_cache.dtype).removeprefix("torch.") in CPU_KV_DTYPES else q.dtype
+        checks = [("q", q, q.dtype, 3), ("k_cache", k_cache, kv_dtype, 4), ("v_cache", v_cache, kv_dtype, 4),
                   ("block_tables", block_tables, torch.int32, 2), ("seq_lens", seq_lens, torch.int32, 1),
                   ("query_start_loc", query_start_loc, torch.int32, 1), ("seqs", seqs, torch.int64, 1),
                   ("out", out, q.dtype, 3)]
@@ -930,7 +942,7 @@ class CpuKernels:
         if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_tables.shape[0] != seq_lens.shape[0]:
             raise ValueError(f"seq_lens ({seq_lens.shape[0]}), query_start_loc ({query_start_loc.shape[0]}) and "
                              f"block_tables ({block_tables.shape[0]} rows) disagree on the number of sequences")
-        reason = self.unsupported(q.dtype, H, kvh, D, block_size)
+        reason = self.unsupported(q.dtype, H, kvh, D, block_size, kv_dtype)
         if reason:
             raise ValueError(reason)
         check_window(window)
@@ -942,7 +954,8 @@ class CpuKernels:
                           block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
                           query_start_loc.data_ptr(), seq_lens.shape[0], T, seqs.data_ptr(), seqs.shape[0],
                           out.data_ptr(), H, kvh, D, block_size, window,
-                          CPU_DTYPES[str(q.dtype).removeprefix("torch.")], torch.get_num_threads(),
+                          CPU_DTYPES[str(q.dtype).removeprefix("torch.")],
+                          {**CPU_DTYPES, **CPU_KV_DTYPES}[str(kv_dtype).removeprefix("torch.")], torch.get_num_threads(),
                           scale, softcap or 0.0, partition_size)
         rc = self.lib.paged_decode(ctypes.byref(args))
         if rc:

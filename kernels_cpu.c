@@ -18,6 +18,9 @@
  * (split-K, as kernels.cu does). Online softmax, one block's run of positions at a time, in base 2 (as
  * kernels.cu): q is scaled by scale * log2(e) once, so each score costs one 2^x, and 2^x
  * is a polynomial the compiler vectorizes (libm's expf would be a call per score).
+ *
+ * K and V may be stored narrower than q (LLM's kv_cache_dtype): bfloat16 under a float32
+ * model, or float8, which is widened to float32 a few rows at a time as they are read.
  */
 
 #include <math.h>
@@ -25,7 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };   /* storage of q, K/V and out; the math is float32 */
+/* storage of q, K/V and out (E4M3, E5M2: torch's float8_e4m3fn and float8_e5m2, for a KV
+ * cache only: LLM's kv_cache_dtype); the math is float32 */
+enum { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4 };
 
 struct DecodeArgs {            /* shapes on each field; T tokens, B sequences in the step */
   const void* q;               /* (T, H, D), q_stride elements from one token to the next */
@@ -44,7 +49,8 @@ struct DecodeArgs {            /* shapes on each field; T tokens, B sequences in
   void* out;                   /* (T, H, D) contiguous; only the n decode rows written */
   int32_t num_heads, num_kv_heads, head_dim, block_size;
   int32_t window;              /* 0: none; else a query at position p sees p - window + 1 .. p */
-  int32_t dtype;               /* F32, BF16 or F16 */
+  int32_t dtype;               /* q's and out's: F32, BF16 or F16 */
+  int32_t kv_dtype;            /* the caches': dtype, BF16, E4M3 or E5M2 */
   int32_t num_threads;
   float scale;
   float softcap;               /* 0: none; else scores become softcap * tanh(s / softcap) */
@@ -54,7 +60,8 @@ struct DecodeArgs {            /* shapes on each field; T tokens, B sequences in
 };
 
 /* What paged_decode returns: 0, or why it refused the call (before reading anything). */
-enum { OK = 0, BAD_SEQ = 1, BAD_LEN = 2, BAD_ROW = 3, BAD_BLOCK = 4, NO_F16 = 5, NO_MEMORY = 6, NOT_DECODE = 7 };
+enum { OK = 0, BAD_SEQ = 1, BAD_LEN = 2, BAD_ROW = 3, BAD_BLOCK = 4, NO_F16 = 5, NO_MEMORY = 6, NOT_DECODE = 7,
+       BAD_DTYPE = 8 };
 
 int paged_decode_has_float16(void) {
 #ifdef __FLT16_MAX__   /* _Float16: gcc 12+ and clang, on x86-64 and arm64 */
@@ -67,6 +74,37 @@ int paged_decode_has_float16(void) {
 /* ---- loads and stores: a switch on a constant, which inlining folds away ---- */
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* float8 (torch's float8_e4m3fn and float8_e5m2) to float32: a table of each one's 256
+ * values, which the compiler works out from these formulas. A byte is a sign s, E exponent
+ * bits e and M mantissa bits m (e4m3: 4 and 3; e5m2: 5 and 2), its exponent biased by
+ * 2^(E-1) - 1: (2^M + m) x 2^(e - bias - M), or m x 2^(1 - bias - M) where e = 0 (subnormal).
+ * e4m3fn has no inf: its all-ones byte (0x7f) is NaN; e5m2's top exponent is float16's, m = 0
+ * inf, else NaN. Constant tables: no setup, nothing shared to race on. (Widening by
+ * arithmetic needs lane comparisons, which GCC does one lane at a time on x86-64's baseline:
+ * 10x slower than the lookup there, measured.) */
+#define FP8_BIAS(E) ((1 << ((E) - 1)) - 1)
+#define FP8(E, M, s, e, m)                                                                         \
+  (((s) ? -1.0f : 1.0f) *                                                                          \
+   ((e) == (1 << (E)) - 1 && ((E) == 5 || (m) == (1 << (M)) - 1) ? ((m) ? NAN : INFINITY)          \
+    : (e) ? (float)((1 << (M)) + (m)) * (float)(1ull << (e)) / (float)(1ull << (FP8_BIAS(E) + (M))) \
+          : (float)(m) / (float)(1ull << (FP8_BIAS(E) + (M) - 1))))
+#define E4M3_AT(b) FP8(4, 3, (b) & 0x80, ((b) >> 3) & 15, (b) & 7)
+#define E5M2_AT(b) FP8(5, 2, (b) & 0x80, ((b) >> 2) & 31, (b) & 3)
+#define TABLE4(f, b) f(b), f(b + 1), f(b + 2), f(b + 3)
+#define TABLE16(f, b) TABLE4(f, b), TABLE4(f, b + 4), TABLE4(f, b + 8), TABLE4(f, b + 12)
+#define TABLE64(f, b) TABLE16(f, b), TABLE16(f, b + 16), TABLE16(f, b + 32), TABLE16(f, b + 48)
+#define TABLE256(f) TABLE64(f, 0), TABLE64(f, 64), TABLE64(f, 128), TABLE64(f, 192)
+static const float e4m3_values[256] = {TABLE256(E4M3_AT)};
+static const float e5m2_values[256] = {TABLE256(E5M2_AT)};
+
+/* cnt rows of D float8 values, the first at element `base` of cache, `stride` elements
+ * apart, widened into out (cnt, D). (Not inlined: one copy serves every attend.) */
+static void widen_rows(const uint8_t* cache, int64_t base, int64_t stride, int cnt, int D, int dtype, float* out) {
+  const float* values = dtype == E4M3 ? e4m3_values : e5m2_values;
+  for (int j = 0; j < cnt; j++)
+    for (int d = 0; d < D; d++) out[j * D + d] = values[cache[base + j * stride + d]];
+}
 
 /* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest
  * even, as torch does, and keeps a NaN a NaN. */
@@ -102,6 +140,8 @@ INLINE void store(void* p, int64_t i, float x, int dtype) {
     default: ((float*)p)[i] = x;
   }
 }
+
+INLINE int64_t bytes_of(int dtype) { return dtype == F32 ? 4 : dtype == E4M3 || dtype == E5M2 ? 1 : 2; }
 
 /* element i of a tensor of this dtype, as a pointer (to hand a row to the loops below) */
 INLINE const void* at(const void* p, int64_t i, int dtype) {
@@ -242,13 +282,15 @@ INLINE float exp2_neg(float x) {
 
 /* ---- one work item: a kv head's group of G query heads over a run of one context ---- */
 
+enum { WIDEN_ROWS = 16 };   /* a float8 cache's rows widened at a time (see attend) */
+
 /* Positions t0 .. t1 - 1 of decode sequence b, kv head h (D: the head_dim, a constant in
  * the copies paged_decode makes for common ones). partial NULL: the run is every position
  * the query sees, and the output is written to out. Else, per query head g, (2 + D) floats at
  * partial + g * (2 + D): the running max m (base 2), l = sum of 2^(score - m), and acc =
  * sum of those weights times V, for merge() to combine with the other partitions. */
 INLINE void attend(const struct DecodeArgs* a, int64_t b, int h, int64_t t0, int64_t t1, float* partial, int D,
-                   int dtype) {
+                   int dtype, int kv_dtype) {
   const int H = a->num_heads, KVH = a->num_kv_heads, bs = a->block_size;
   const int G = H / KVH;
   const int64_t row = a->query_start_loc[b];
@@ -256,6 +298,11 @@ INLINE void attend(const struct DecodeArgs* a, int64_t b, int h, int64_t t0, int
   const float log2e = 1.44269504f, qscale = a->scale * log2e;
 
   float qs[G][D], acc[G][D], m[G], l[G], p[bs];          /* the group's running state */
+  /* A float8 cache (served by the F32 copy of this function: its loops read float32) has
+   * its rows widened once, WIDEN_ROWS at a time, for all G heads to read: widening costs
+   * more than the math it feeds, and each head widening its own would do it G times. */
+  const int narrow = a->kv_dtype == E4M3 || a->kv_dtype == E5M2;
+  float kw[narrow ? WIDEN_ROWS : 1][D], vw[narrow ? WIDEN_ROWS : 1][D];
   for (int g = 0; g < G; g++) {
     const int64_t q0 = row * a->q_stride + (int64_t)(h * G + g) * D;
     for (int d = 0; d < D; d++) {
@@ -268,23 +315,32 @@ INLINE void attend(const struct DecodeArgs* a, int64_t b, int h, int64_t t0, int
   for (int64_t t = t0; t < t1;) {
     /* positions t .. t + cnt - 1 lie in one block, consecutive in its slots */
     const int64_t blk = t / bs, off = t % bs;
-    const int cnt = (int)(t1 - t < bs - off ? t1 - t : bs - off);
+    int cnt = (int)(t1 - t < bs - off ? t1 - t : bs - off);
+    cnt = narrow && cnt > WIDEN_ROWS ? WIDEN_ROWS : cnt;
     const int64_t base = ((int64_t)a->block_tables[b * a->max_blocks + blk] * bs + off) * slot_stride + (int64_t)h * D;
-    if (t + cnt < t1) {
+    if (off + cnt == bs && t + cnt < t1) {
       /* Ask for the next block's rows now: blocks lie anywhere in the cache, so no hardware
        * prefetcher guesses where the next one is, and its loads would wait on memory. */
       const int64_t next = (int64_t)a->block_tables[b * a->max_blocks + blk + 1] * bs * slot_stride + (int64_t)h * D;
-      const int64_t bytes = dtype == F32 ? 4 : 2;
+      const int64_t bytes = bytes_of(a->kv_dtype);
       for (int j = 0; j < bs; j++)
         for (int64_t c = 0; c < D * bytes; c += 64) {   /* a cache line at a time */
           __builtin_prefetch((const char*)a->k_cache + (next + j * slot_stride) * bytes + c);
           __builtin_prefetch((const char*)a->v_cache + (next + j * slot_stride) * bytes + c);
         }
     }
+    /* the rows the heads read: the cache's, or their widened copies (float32, D apart) */
+    const void *k = a->k_cache, *v = a->v_cache;
+    int64_t at0 = base, stride = slot_stride;
+    if (narrow) {
+      widen_rows(a->k_cache, base, slot_stride, cnt, D, a->kv_dtype, &kw[0][0]);
+      widen_rows(a->v_cache, base, slot_stride, cnt, D, a->kv_dtype, &vw[0][0]);
+      k = kw, v = vw, at0 = 0, stride = D;
+    }
     for (int g = 0; g < G; g++) {
       float mx = m[g];
       for (int j = 0; j < cnt; j++) {
-        float s = dot(qs[g], at(a->k_cache, base + j * slot_stride, dtype), D, dtype);
+        float s = dot(qs[g], at(k, at0 + j * stride, kv_dtype), D, kv_dtype);
         if (a->softcap > 0)   /* in natural-log units, then back to base 2 */
           s = a->softcap * tanhf(s / log2e / a->softcap) * log2e;
         p[j] = s;
@@ -300,7 +356,7 @@ INLINE void attend(const struct DecodeArgs* a, int64_t b, int h, int64_t t0, int
       }
       l[g] = l[g] * corr + sum;
       m[g] = mx;
-      accumulate(acc[g], corr, p, a->v_cache, base, slot_stride, cnt, D, dtype);
+      accumulate(acc[g], corr, p, v, at0, stride, cnt, D, kv_dtype);
     }
     t += cnt;
   }
@@ -368,16 +424,19 @@ INLINE int64_t first_visible(const struct DecodeArgs* a, int64_t len) {
 }
 
 /* Each case its own copy of the function, dtype a constant in it (per call or work item,
- * not per element). */
-#define BY_DTYPE(dtype, call)   \
-  switch (dtype) {              \
+ * not per element). attend's copies are made per K/V dtype, which its loops read (q is
+ * read once, out written once: their dtype's switch is left in); a float8 cache's is the
+ * F32 one (it widens the rows to float32 before its loops read them). */
+#define BY_DTYPE(dtype, call)     \
+  switch (dtype) {                \
     case BF16: call(BF16); break; \
-    case F16: call(F16); break; \
-    default: call(F32);         \
+    case F16: call(F16); break;   \
+    default: call(F32);           \
   }
 
 int paged_decode(struct DecodeArgs* a) {
-  if (a->dtype == F16 && !paged_decode_has_float16()) return NO_F16;
+  if ((a->dtype == F16 || a->kv_dtype == F16) && !paged_decode_has_float16()) return NO_F16;
+  if (a->dtype > F16 || a->kv_dtype > E5M2 || a->dtype < 0 || a->kv_dtype < 0) return BAD_DTYPE;
   /* First, serially, what the engine promises: every read below stays inside the tensors,
    * whatever seqs, seq_lens, query_start_loc and block_tables hold (the sizes in DecodeArgs
    * are trusted: CpuKernels.decode_attention takes them from the tensors and checks them).
@@ -430,13 +489,13 @@ int paged_decode(struct DecodeArgs* a) {
     float* partial = parts > 1 ? partials + w * partial_floats : NULL;
     /* and per common head_dim: a constant D lets the compiler unroll the vector loops of
      * dot and accumulate completely (1.17-1.20x, measured); any other is run as given */
-#define ATTEND(dt)                                              \
-  switch (a->head_dim) {                                        \
-    case 64: attend(a, b, h, t0, t1, partial, 64, dt); break;   \
-    case 128: attend(a, b, h, t0, t1, partial, 128, dt); break; \
-    default: attend(a, b, h, t0, t1, partial, a->head_dim, dt); \
+#define ATTEND(kv)                                                        \
+  switch (a->head_dim) {                                                  \
+    case 64: attend(a, b, h, t0, t1, partial, 64, a->dtype, kv); break;   \
+    case 128: attend(a, b, h, t0, t1, partial, 128, a->dtype, kv); break; \
+    default: attend(a, b, h, t0, t1, partial, a->head_dim, a->dtype, kv); \
   }
-    BY_DTYPE(a->dtype, ATTEND)
+    BY_DTYPE(a->kv_dtype == E4M3 || a->kv_dtype == E5M2 ? F32 : a->kv_dtype, ATTEND)
   }
   if (partials) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(a->num_threads)

@@ -352,10 +352,29 @@ class BlockTable:
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
-    """Store this step's k, v (T, KVH, D) into their slots: slot = block * block_size + offset."""
+    """Store this step's k, v (T, KVH, D) into their slots: slot = block * block_size + offset.
+    A cache of another dtype than the model's (LLM's kv_cache_dtype) stores them rounded to
+    it (to_cache_dtype)."""
     kvh, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)  # cache seen as (slots, KVH, D)
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        x = to_cache_dtype(x, cache.dtype)
+        if cache.dtype.itemsize == 1:   # (torch's CPU index_copy_ has no float8: their bytes are copied)
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, kvh, d).index_copy_(0, slot_mapping, x)  # cache seen as (slots, KVH, D)
+
+
+def to_cache_dtype(x, dtype):
+    """x rounded to the KV cache's dtype. A float8 cache saturates: a value past the format's
+    largest (448 for e4m3, 57,344 for e5m2) is stored as that largest, as vLLM's kernels store
+    it, where torch's own cast makes e5m2's inf. No scale divides it first: vLLM's default
+    scale of 1.0, which K and V, a few units in size, fit (what float8 costs is precision: 3
+    mantissa bits in e4m3, 2 in e5m2, against bfloat16's 7)."""
+    if x.dtype == dtype:
+        return x
+    if dtype.itemsize == 1:
+        big = torch.finfo(dtype).max
+        x = x.clamp(-big, big)
+    return x.to(dtype)
 
 
 def copy_blocks(src_caches, dst_caches, pairs):
@@ -563,11 +582,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         decode_kernel.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                        plan.decode_seqs, scale, out, window, softcap)
     if plan.decode_buckets and plan.workspace is None:
-        plan.workspace = k_cache.new_empty(2, plan.workspace_rows, kvh, D)
+        plan.workspace = q.new_empty(2, plan.workspace_rows, kvh, D)
     for rows, slots, mask, n, L in plan.decode_buckets:
         kd, vd = plan.workspace[0, :n * L], plan.workspace[1, :n * L]
-        torch.index_select(k_flat, 0, slots, out=kd)                   # (n * L, KVH, D)
-        torch.index_select(v_flat, 0, slots, out=vd)
+        gather_slots(k_flat, slots, kd)                                # (n * L, KVH, D)
+        gather_slots(v_flat, slots, vd)
         # GQA without copying K/V: the `group` query heads that share a kv head become
         # `group` query rows of that kv head: (n, KVH, group, D) against (n, KVH, L, D).
         od = attend(q[rows].view(n, kvh, group, D), kd.view(n, L, kvh, D).transpose(1, 2),
@@ -575,11 +594,21 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         out.index_copy_(0, rows, od.reshape(n, H, D))                  # (n, KVH, group, D) -> (n, H, D)
     for start, end, slots, mask in plan.prefills:
         qp = q[start:end].transpose(0, 1)[None]                        # (1, H, q_len, D)
-        kp = k_flat[slots].transpose(0, 1)[None]                       # (1, KVH, len(slots), D)
-        vp = v_flat[slots].transpose(0, 1)[None]
+        kp = k_flat[slots].to(q.dtype).transpose(0, 1)[None]           # (1, KVH, len(slots), D)
+        vp = v_flat[slots].to(q.dtype).transpose(0, 1)[None]
         op = attend(qp, kp, vp, mask, scale, softcap)                  # (1, H, q_len, D)
         out[start:end] = op[0].transpose(0, 1)                         # (q_len, H, D)
     return out
+
+
+def gather_slots(cache_flat, slots, out):
+    """out = cache_flat[slots], (slots, KVH, D), in out's dtype: a cache of another dtype than
+    the model's (kv_cache_dtype) is widened as it is gathered. (Every float8 value is exact in
+    float16, bfloat16 and float32 alike, a bfloat16 one in float32: only the store rounds.)"""
+    if cache_flat.dtype == out.dtype:
+        torch.index_select(cache_flat, 0, slots, out=out)   # (into the workspace: no temporary)
+    else:
+        out.copy_(cache_flat[slots])
 
 
 SOFTCAP_ROWS = 256   # query rows per block of scores where attention is written out (softcap)
@@ -998,7 +1027,8 @@ VLLM_ONLY_OPTIONS = {
     "pipeline_parallel_size": ((1,), "nanopaged runs on one device: no pipeline parallelism"),
     "data_parallel_size": ((1,), "nanopaged runs one engine: no data parallelism"),
     "quantization": ((None,), "nanopaged has no quantized weights (a GGUF's are dequantized as it is converted)"),
-    "kv_cache_dtype": (("auto",), "nanopaged stores K and V in the model's dtype: no quantized KV cache"),
+    "calculate_kv_scales": ((False,), "nanopaged's float8 KV cache has no scales (vLLM's default, 1.0): "
+                                      "K and V are stored as they are, saturated at the format's largest value"),
     "enable_lora": ((False,), "nanopaged has no LoRA adapters"),
     "speculative_config": ((None,), "nanopaged has no speculative decoding"),
     # (either value: False only allows CUDA graphs, True only permits a model's own code)
@@ -1037,6 +1067,12 @@ VLLM_ONLY_OPTIONS = {
     "spec_model": ((None,), "nanopaged has no speculative decoding"),
     "spec_tokens": ((None,), "nanopaged has no speculative decoding"),
 }
+# vLLM's kv_cache_dtype: what the KV cache stores ("auto": the model's dtype). float8 halves a
+# bfloat16 cache (quarters a float32 one): twice the blocks, so twice the tokens, in the same
+# memory, each K and V rounded to 3 mantissa bits (e4m3) or 2 (e5m2, which reaches further).
+# (vLLM's fp8_inc and fp8_ds_mla are Intel Gaudi's and DeepSeek MLA's own layouts.)
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
 # vLLM's names for two of nanopaged's options: vLLM's option -> nanopaged's
 VLLM_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory", "num_gpu_blocks_override": "num_blocks"}
 MAX_LOGPROBS = 20   # vLLM's default max_logprobs: the most top tokens a request may ask for
@@ -1083,7 +1119,8 @@ class LLM:
                  attn_backend: str = "auto", load_format: str = "auto", generation_config: str = "auto",
                  preemption_mode: str = "recompute", swap_space: float = 4, seed: int | None = 0,
                  max_logprobs: int = MAX_LOGPROBS, tokenizer=None, override_generation_config: dict | None = None,
-                 chat_template: str | Path | None = None, scheduling_policy: str = "fcfs", **vllm_options):
+                 chat_template: str | Path | None = None, scheduling_policy: str = "fcfs",
+                 kv_cache_dtype: str = "auto", **vllm_options):
         """In order: the arguments checked that need no model file; the model's config (and
         the arguments checked against it), its sampling advice, tokenizer and weights; the KV
         cache (the BlockPool, and the swap space); the Scheduler, and the PagedAttention
@@ -1133,6 +1170,9 @@ class LLM:
             raise ValueError(f"unknown scheduling_policy {scheduling_policy!r}: use fcfs (first come, first served) "
                              f"or priority (lower priority values first, then first come)")
         self.scheduling_policy = scheduling_policy
+        if not is_one_of(kv_cache_dtype, ("auto", *KV_CACHE_DTYPES)):
+            raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}: use auto (the model's dtype), bfloat16, "
+                             f"fp8 (fp8_e4m3) or fp8_e5m2")
         if not (isinstance(swap_space, numbers.Real) and not isinstance(swap_space, bool) and 0 < swap_space < 2**40):
             raise ValueError(f"swap_space must be a number of GiB > 0, got {swap_space!r}")
         if not is_one_of(generation_config, ("auto", "vllm")) and not (isinstance(generation_config, (str, os.PathLike))
@@ -1148,6 +1188,10 @@ class LLM:
             raise ValueError(f"dtype = float16: {cfg.model_type}'s activations overflow float16 (past 65,504, "
                              "into NaN logits); use bfloat16 or float32")
         self.device, self.dtype = device, dtype
+        self.kv_cache_dtype = dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
+        if self.kv_cache_dtype == torch.bfloat16 and dtype == torch.float16:
+            raise ValueError("kv_cache_dtype = bfloat16 with dtype = float16: a cache no smaller, less precise, and "
+                             "of another range (past float16's 65,504): use auto or fp8")
         # What a request without SamplingParams samples with (vLLM's rule): the model's advice in
         # generation_config.json, such as a temperature, where generation_config is "auto" (or
         # another directory's, whose EOS ids also end requests), with override_generation_config's
@@ -1183,7 +1227,7 @@ class LLM:
 
         # The KV cache: sized by a block count, or by a memory budget in bytes.
         self.bytes_per_block = BlockPool.bytes_per_block(cfg.num_hidden_layers, block_size,
-                                                         cfg.num_key_value_heads, cfg.head_dim, dtype)
+                                                         cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype)
         asked = (f"num_blocks = {num_blocks}" if num_blocks is not None else
                  None if kv_cache_memory is None else f"kv_cache_memory = {kv_cache_memory} bytes")
         if num_blocks is None:
@@ -1201,7 +1245,7 @@ class LLM:
             raise ValueError(f"{asked}: a KV cache of {num_blocks} blocks x {block_size} tokens ({size / 2**30:,.1f} "
                              f"GiB) is more than all {memory / 2**30:,.1f} GiB of the {device.type} memory")
         self.pool = BlockPool(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                              cfg.head_dim, dtype, device)
+                              cfg.head_dim, self.kv_cache_dtype, device)
         # The swap space (vLLM's swap_space, in GiB): a second pool, in CPU memory, that
         # preemption copies a sequence's blocks to instead of dropping them
         self.swap_pool = None
@@ -1215,7 +1259,7 @@ class LLM:
                                  f"of the CPU memory")
             try:
                 self.swap_pool = BlockPool(num_cpu_blocks, block_size, cfg.num_hidden_layers,
-                                           cfg.num_key_value_heads, cfg.head_dim, dtype, "cpu")
+                                           cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype, "cpu")
             except ValueError as e:
                 raise ValueError(f"swap_space = {swap_space} GiB: {e}") from None
         # The token budget of a step. On the CPU, 1024 measured best on the benchmark workload
@@ -1235,9 +1279,9 @@ class LLM:
             print(f"nanopaged: note: max_num_batched_tokens {max_num_batched_tokens} -> "
                   f"{self.scheduler.max_num_batched_tokens}, so that a step's chunk and the sliding window of "
                   f"{cfg.window_everywhere} tokens fit the pool of {self.pool.num_blocks} blocks", file=sys.stderr)
-        self.attn = PagedAttention(self.pool, cfg.attn_scale, _pick_kernels(attn_backend, device, cfg, block_size, dtype),
-                                   softcap=cfg.attn_logit_softcapping,
-                                   decode_kernel=_pick_cpu_kernel(attn_backend, device, cfg, block_size, dtype))
+        kernel_args = (attn_backend, device, cfg, block_size, dtype, self.kv_cache_dtype)
+        self.attn = PagedAttention(self.pool, cfg.attn_scale, _pick_kernels(*kernel_args),
+                                   softcap=cfg.attn_logit_softcapping, decode_kernel=_pick_cpu_kernel(*kernel_args))
         # The draws of requests without a seed of their own come from this generator, seeded once
         # (vLLM's LLM(seed=0), its default: a script's sampled output is the same each run it
         # makes the same calls); seed=None leaves them to torch's global generator.
@@ -1278,12 +1322,14 @@ class LLM:
 
     def describe_kv_cache(self) -> str:
         c, pool = self.config, self.pool
-        per_token = self.bytes_per_block // pool.block_size
+        per_token, kv_bytes = self.bytes_per_block // pool.block_size, self.kv_cache_dtype.itemsize
         return (f"KV cache: {pool.num_blocks} blocks x {pool.block_size} tokens = "
                 f"{pool.num_blocks * pool.block_size} token slots, "
                 f"{pool.num_blocks * self.bytes_per_block / 2**20:.1f} MiB; "
                 f"{per_token} bytes/token = {c.num_hidden_layers} layers x 2 (K,V) x {c.num_key_value_heads} kv heads "
-                f"x {c.head_dim} dims x {self.dtype.itemsize} bytes; {self.bytes_per_block} bytes/block; "
+                f"x {c.head_dim} dims x {kv_bytes} byte{'s' if kv_bytes > 1 else ''}"
+                + (f" ({str(self.kv_cache_dtype).removeprefix('torch.')})" if self.kv_cache_dtype != self.dtype else "")
+                + f"; {self.bytes_per_block} bytes/block; "
                 + (f"swap space: {self.swap_pool.num_blocks} blocks in CPU memory; " if self.swap_pool else "")
                 + f"attention backend: {self.attn.backend}")
 
@@ -2680,7 +2726,7 @@ def _default_kv_cache_memory(device) -> int:
     return 2 << 30
 
 
-def _pick_kernels(backend: str, device, cfg, block_size: int, dtype: torch.dtype):
+def _pick_kernels(backend: str, device, cfg, block_size: int, dtype: torch.dtype, kv_cache_dtype=None):
     """The CUDA kernel's ops when attention should run on it, else None (the torch path)."""
     if backend == "torch" or device.type != "cuda":
         return None
@@ -2692,6 +2738,9 @@ def _pick_kernels(backend: str, device, cfg, block_size: int, dtype: torch.dtype
     dtype_name = str(dtype).removeprefix("torch.")
     if ops is not None and dtype_name not in build_ext.SUPPORTED_DTYPES:
         ops, reason = None, f"the kernel is built for {build_ext.SUPPORTED_DTYPES}, not {dtype_name}"
+    if ops is not None and kv_cache_dtype not in (None, dtype):
+        kv_name = str(kv_cache_dtype).removeprefix("torch.")
+        ops, reason = None, f"the kernel reads a KV cache of the model's dtype, not {kv_name}"
     if ops is not None and cfg.head_dim not in build_ext.SUPPORTED_HEAD_DIMS:
         ops, reason = None, (f"the kernel is built for head_dim {build_ext.SUPPORTED_HEAD_DIMS}, "
                              f"not {cfg.head_dim}")
@@ -2704,13 +2753,15 @@ def _pick_kernels(backend: str, device, cfg, block_size: int, dtype: torch.dtype
     return ops
 
 
-def _pick_cpu_kernel(backend: str, device, cfg, block_size: int, dtype: torch.dtype):
-    """kernels_cpu.c's decode attention when it should serve the decode rows, else None."""
+def _pick_cpu_kernel(backend: str, device, cfg, block_size: int, dtype: torch.dtype, kv_cache_dtype=None):
+    """kernels_cpu.c's decode attention when it should serve the decode rows, else None. (It
+    reads every KV cache dtype LLM's kv_cache_dtype makes.)"""
     if backend not in ("auto", "cpu") or device.type != "cpu":
         return None
     kernel = build_ext.load_cpu_kernels()   # the first use on a machine compiles it (a few seconds)
     reason = build_ext.cpu_unavailable_reason() if kernel is None else \
-        kernel.unsupported(dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, block_size)
+        kernel.unsupported(dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, block_size,
+                           kv_cache_dtype)
     if reason is None:
         return kernel
     if backend == "cpu":
@@ -2973,6 +3024,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "for Gemma, which refuses float16)")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
+                    help="what the KV cache stores: auto (the model's dtype), bfloat16, fp8 (fp8_e4m3) or fp8_e5m2, "
+                         "which hold twice a bfloat16 cache's tokens in the same memory")
     ap.add_argument("--max-model-len", type=int, help="the longest prompt + output served (default: the model's "
                                                       "context). One no longer than the original context (4096 "
                                                       "for Phi-3 128k / 3.5 / 4-mini) keeps LongRoPE's short factors")
@@ -3120,7 +3174,7 @@ def main(argv=None) -> int:
 # The options the command line sets, by their Python names: its error messages name the flags
 CLI_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n", "beam_width", "stop",
                "logprobs", "repetition_penalty", "block_size", "max_model_len", "num_blocks", "max_num_seqs",
-               "max_num_batched_tokens", "preemption_mode", "attn_backend", "dtype", "device")
+               "max_num_batched_tokens", "preemption_mode", "attn_backend", "dtype", "device", "kv_cache_dtype")
 _CLI_OPTION = re.compile(rf"(^)?\b({'|'.join(CLI_OPTIONS)})\b( = |=)?")
 
 
@@ -3227,6 +3281,7 @@ def run_cli(argv) -> int:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching,
                   attn_backend=args.attn_backend, preemption_mode=args.preemption_mode,
+                  kv_cache_dtype=args.kv_cache_dtype,
                   generation_config="vllm",   # (the flags' own defaults sample: greedy)
                   seed=None)   # (without --seed, each run draws anew, as a command line's user expects)
         prompts, system = cli_prompts(llm, args)

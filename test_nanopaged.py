@@ -4524,18 +4524,20 @@ def test_unwritable_cache_directory(tmp_path, monkeypatch):
 # The paged KV cache: paged attention against dense softmax attention
 
 
-def make_paged_batch(specs, block_size, H, KVH, D, dtype=torch.float32, seed=0, spare_blocks=5, window=None):
+def make_paged_batch(specs, block_size, H, KVH, D, dtype=torch.float32, seed=0, spare_blocks=5, window=None,
+                     kv_dtype=None):
     """A flat batch over a shuffled, NaN-poisoned pool.
 
     specs: [(q_len, ctx_len)] per sequence. Returns the paged inputs and, per sequence, the
     dense float64 (q, k, v) a plain softmax attention can check them against. With a
-    sliding window, the positions before the first query's window stay NaN too.
+    sliding window, the positions before the first query's window stay NaN too. kv_dtype:
+    the caches' (default: dtype), the dense k and v rounded to it, as the cache holds them.
     """
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-ctx // block_size) for _, ctx in specs]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     # Every slot starts as NaN: anything read outside a context poisons the output.
-    k_cache = torch.full((num_blocks, block_size, KVH, D), float("nan"), dtype=dtype)
+    k_cache = torch.full((num_blocks, block_size, KVH, D), float("nan"), dtype=kv_dtype or dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     perm = torch.randperm(num_blocks, generator=g).tolist()  # random, non-contiguous blocks
     poisoned_block = perm[-1]                                 # never written: pure NaN
@@ -4549,9 +4551,11 @@ def make_paged_batch(specs, block_size, H, KVH, D, dtype=torch.float32, seed=0, 
         k = torch.randn(ctx, KVH, D, generator=g, dtype=torch.float64)
         v = torch.randn(ctx, KVH, D, generator=g, dtype=torch.float64)
         q = torch.randn(q_len, H, D, generator=g, dtype=torch.float64)
+        if kv_dtype is not None:
+            k, v = k.to(kv_dtype).double(), v.to(kv_dtype).double()
         for t in range(0 if window is None else max(ctx - q_len - window + 1, 0), ctx):
-            k_cache[ids[t // block_size], t % block_size] = k[t].to(dtype)
-            v_cache[ids[t // block_size], t % block_size] = v[t].to(dtype)
+            k_cache[ids[t // block_size], t % block_size] = k[t].to(k_cache.dtype)
+            v_cache[ids[t // block_size], t % block_size] = v[t].to(k_cache.dtype)
         qs.append(q)
         dense.append((q, k, v))
         qsl.append(qsl[-1] + q_len)
@@ -10027,6 +10031,162 @@ def test_cpu_kernel_drives_the_engine(tmp_path, change):
     assert results["auto"][1] == pytest.approx(results["torch"][1], abs=1e-4)
 
 
+# --- a narrower KV cache (LLM's kv_cache_dtype): float8, or bfloat16 under a float32 model ---
+
+NARROW_KV = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv", NARROW_KV, ids=str)
+def test_write_kv_stores_k_and_v_rounded_to_a_narrower_cache_and_float8_saturated(kv):
+    """Each value rounded to nearest as torch rounds it; a float8 cache saturates at its
+    largest value (448, 57,344), an inf too, as vLLM's kernels do (torch's own cast to e5m2
+    makes inf), and keeps a NaN a NaN (the engine's broken-row check needs it). Slots not in
+    slot_mapping are left alone. Catches: no saturation, or a clamp before a NaN check."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(5, 2, 8, generator=g) * 3, torch.randn(5, 2, 8, generator=g)
+    k[0, 0, :4] = torch.tensor([1e6, -1e6, float("inf"), float("nan")])
+    kc, vc = torch.zeros(3, 4, 2, 8, dtype=kv), torch.zeros(3, 4, 2, 8, dtype=kv)
+    slots = torch.tensor([11, 0, 5, 6, 3])
+    write_kv(kc, vc, k, v, slots)
+    got_k, got_v = kc.view(-1, 2, 8).float(), vc.view(-1, 2, 8).float()
+    big = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}.get(kv)
+    first = got_k[11, 0, :4].tolist()
+    if big is None:   # bfloat16 reaches past 1e6: nothing to saturate
+        assert first[:3] == [999424.0, -999424.0, float("inf")]
+    else:
+        assert first[:3] == [big, -big, big]
+    assert math.isnan(first[3])
+    k[0, 0, :4] = 0
+    got_k[11, 0, :4] = 0
+    assert torch.equal(got_k[slots], k.to(kv).float()) and torch.equal(got_v[slots], v.to(kv).float())
+    untouched = [s for s in range(12) if s not in slots.tolist()]
+    assert not got_k[untouched].any() and not got_v[untouched].any()
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("kv", NARROW_KV[:2], ids=str)
+def test_the_cpu_kernel_widens_every_float8_byte_as_torch_does(kv):
+    """All 256 bytes of the format (subnormals, the largest values, e5m2's infs, the NaNs) as
+    one key's V row: its attention output is that row, exactly torch's float32 of each byte.
+    Catches: a wrong bias, a subnormal read as a normal number, a NaN read as a number."""
+    D = 256
+    kc = torch.zeros(1, 16, 1, D, dtype=torch.uint8).view(kv)
+    vc = torch.zeros(1, 16, 1, D, dtype=torch.uint8)
+    vc[0, 0, 0] = torch.arange(256, dtype=torch.uint8)
+    vc = vc.view(kv)
+    q, out = torch.zeros(1, 1, D), torch.zeros(1, 1, D)
+    one = torch.tensor([1], dtype=torch.int32)
+    cpu_kernel().decode_attention(q, kc, vc, torch.tensor([[0]], dtype=torch.int32), one,
+                                  torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0]), 1.0, out)
+    torch.testing.assert_close(out[0, 0], vc[0, 0, 0].float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kv", NARROW_KV, ids=str)
+def test_every_attention_path_reads_a_narrower_kv_cache(kv, dtype):
+    """The reference, the fast torch path and the CPU kernel (split into partitions, and not)
+    over a cache narrower than q: the dense attention of the values the cache holds. Blocks
+    of 32 (the kernel widens float8 16 rows at a time: twice a block), 8 and 16, a head_dim
+    that is not a multiple of 16, a window, a softcap, GQA; every slot outside a context NaN."""
+    for block_size, D, window, softcap in [(32, 72, None, None), (8, 64, 20, None), (16, 128, None, 0.5)]:
+        specs = [(1, 1), (1, 50), (1, 200), (6, 70), (1, 33)]
+        q, kc, vc, bt, sl, qsl, dense = make_paged_batch(specs, block_size, 6, 2, D, dtype=dtype, window=window,
+                                                         kv_dtype=kv, seed=D)
+        assert kc.dtype == kv
+        scale = 1 / math.sqrt(D)
+        expected = torch.cat([dense_attention(qd.to(dtype).double(), k, v, scale, window, softcap)
+                              for qd, k, v in dense])
+        paths = {"paged_attention_ref": paged_attention_ref, "paged_attention": paged_attention}
+        if cpu_kernel() is not None:
+            paths["kernels_cpu.c"] = functools.partial(paged_attention, decode_kernel=cpu_kernel())
+        decodes = torch.tensor([b for b, (n, _) in enumerate(specs) if n == 1])
+        for name, fn in paths.items():
+            out = fn(q, kc, vc, bt, sl, qsl, scale, window, softcap=softcap)
+            if name == "kernels_cpu.c":   # and its decode rows again, cut into partitions of 8 positions
+                split, kernel = out.clone(), cpu_kernel()
+                kernel.decode_attention(q, kc, vc, bt, sl, qsl, decodes, scale, split, window, softcap,
+                                        partition_size=8)
+                assert kernel.work_items > len(decodes) * 2
+                torch.testing.assert_close(split, out, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+            assert out.dtype == dtype and torch.isfinite(out).all(), f"{name} read a slot outside a context"
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2", "bfloat16"])
+def test_a_narrower_kv_cache_holds_more_tokens_and_serves_a_model_whose_k_and_v_it_rounds(
+        tmp_path, monkeypatch, kv_cache_dtype):
+    """LLM(kv_cache_dtype=...) under a float32 model: the same memory holds 4x the blocks of
+    float8 (2x of bfloat16), describe_kv_cache says so; the engine's greedy tokens are those
+    of dense forward passes whose K and V are rounded as the cache rounds them (and that
+    rounding moves the logits: the test can tell); the CPU kernel gives the torch path's
+    tokens and logprobs through prefill, decode, chunks, prefix hits, forks and beams; and
+    preempted by swapping (the swap space in the cache's dtype too), the same tokens."""
+    model_dir = tiny_llama_dir(tmp_path)
+    kv = nanopaged_module.KV_CACHE_DTYPES[kv_cache_dtype]
+    plain = LLM(model_dir, dtype="float32", load_format="dummy", kv_cache_memory=2**24)
+    llm = LLM(model_dir, dtype="float32", load_format="dummy", kv_cache_memory=2**24, kv_cache_dtype=kv_cache_dtype)
+    assert llm.pool.k_cache[0].dtype == llm.pool.v_cache[0].dtype == kv and llm.attn.backend == "cpu"
+    assert llm.bytes_per_block * 4 // kv.itemsize == plain.bytes_per_block
+    assert llm.pool.num_blocks == plain.pool.num_blocks * 4 // kv.itemsize
+    assert f"x {kv.itemsize} byte{'s' if kv.itemsize > 1 else ''} ({str(kv)[6:]}); " in llm.describe_kv_cache()
+    assert "x 4 bytes; " in plain.describe_kv_cache()
+    prompts = [[(5 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 23, 40, 70))]
+    plain_logits = forward_all(llm.model, prompts[3])
+    dense_call, rounded = DenseAttention.__call__, lambda x: nanopaged_module.to_cache_dtype(x, kv).float()
+    monkeypatch.setattr(DenseAttention, "__call__", lambda self, layer, q, k, v, window=None: dense_call(
+        self, layer, q, rounded(k), rounded(v), window))
+    assert (forward_all(llm.model, prompts[3]) - plain_logits).abs().max() > 1e-3
+    small = LLM(model_dir, dtype="float32", load_format="dummy", num_blocks=96, block_size=4,
+                max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
+    outs = small.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    expected = [reference_penalized_greedy(small.model, prompt, 12) for prompt in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    results = {}
+    for backend in ("auto", "torch"):
+        llm = LLM(model_dir, dtype="float32", load_format="dummy", max_num_batched_tokens=64, num_blocks=100,
+                  attn_backend=backend, kv_cache_dtype=kv_cache_dtype)
+        results[backend] = engine_tokens(llm, (5, 40, 90, 17), max_tokens=12)
+    assert results["auto"][0] == results["torch"][0]
+    assert results["auto"][1] == pytest.approx(results["torch"][1], abs=1e-4)
+    swapping = LLM(model_dir, dtype="float32", load_format="dummy", num_blocks=22, block_size=4,
+                   max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype, preemption_mode="swap", swap_space=0.01)
+    assert swapping.swap_pool.k_cache[0].dtype == kv
+    outs = swapping.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected and swapping.stats.swapped_out > 0
+    assert_nothing_leaked(swapping)
+
+
+def test_a_kv_cache_dtype_it_cannot_serve_is_refused_by_name(tmp_path, capsys, monkeypatch):
+    """An unknown kv_cache_dtype (vLLM's fp8_inc, Intel Gaudi's, among them) names the
+    choices; a bfloat16 cache under float16 (no smaller, less precise) is refused, on the
+    command line in its flags; the CUDA kernel, which reads a cache of the model's dtype only,
+    falls back to the torch path with one line, or refuses where asked for."""
+    model_dir = tiny_llama_dir(tmp_path)
+    for bad in ("fp8_inc", "int4", None, "FP8"):
+        with pytest.raises(ValueError, match=f"unknown kv_cache_dtype {re.escape(repr(bad))}: use auto "
+                                             r"\(the model's dtype\), bfloat16, fp8 \(fp8_e4m3\) or fp8_e5m2"):
+            LLM(model_dir, load_format="dummy", kv_cache_dtype=bad)
+    with pytest.raises(ValueError, match="kv_cache_dtype = bfloat16 with dtype = float16: a cache no smaller"):
+        LLM(model_dir, load_format="dummy", dtype="float16", kv_cache_dtype="bfloat16")
+    assert LLM(model_dir, load_format="dummy", dtype="bfloat16", kv_cache_dtype="bfloat16",
+               num_blocks=8).pool.k_cache[0].dtype == torch.bfloat16
+    assert main(["--model", str(model_dir), "--dtype", "float16", "--kv-cache-dtype", "bfloat16",
+                           "--prompt", "hi"]) == 2
+    assert "--kv-cache-dtype bfloat16 with --dtype float16: a cache no smaller" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", str(model_dir), "--kv-cache-dtype", "int4", "--prompt", "hi"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+    monkeypatch.setattr(build_ext, "load_kernels", lambda: object())   # (stands for the compiled ops)
+    args = (torch.device("cuda"), ModelConfig.from_dict(llama_config(head_dim=64)), 16, torch.bfloat16,
+            torch.float8_e4m3fn)
+    assert nanopaged_module._pick_kernels("auto", *args) is None
+    reason = "the kernel reads a KV cache of the model's dtype, not float8_e4m3fn"
+    assert capsys.readouterr().err == f"nanopaged: attention runs on the torch path: {reason}\n"
+    with pytest.raises(ValueError, match=re.escape(f"attn_backend='cuda' is not available: {reason}")):
+        nanopaged_module._pick_kernels("cuda", *args)
+
+
 def test_cpu_kernel_falls_back_with_one_line_or_refuses_when_forced(monkeypatch, capsys, tmp_path):
     """Where kernels_cpu.c does not build (no compiler, a compiler error) or does not fit the
     model, "auto" runs the torch path and says why in one line; "cpu" is a clear error."""
@@ -10453,7 +10613,8 @@ def test_vllm_options_for_what_nanopaged_lacks_are_taken_at_off_and_refused_by_n
                                                            "no tensor parallelism \\(it takes 1\\)"),
                             ({"tensor_parallel_size": True}, "tensor_parallel_size=True"),
                             ({"quantization": "awq"}, "quantization='awq': nanopaged has no quantized weights"),
-                            ({"kv_cache_dtype": "fp8"}, "no quantized KV cache \\(it takes 'auto'\\)"),
+                            ({"calculate_kv_scales": True}, "float8 KV cache has no scales \\(vLLM's default, "
+                                                            "1.0\\).* \\(it takes False\\)"),
                             ({"enable_lora": True}, "nanopaged has no LoRA adapters"),
                             ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization=0.9: nanopaged sizes its KV "
                                                               "cache by kv_cache_memory \\(bytes\\) or num_blocks \\(it takes None\\)$"),
