@@ -21,6 +21,8 @@ README quotes them with the command that produced them.
                               a request per beam that finds the earlier ones' blocks in the prefix cache
   python bench.py sampling    what logprobs, prompt logprobs, penalties and constraints cost, against plain greedy
   python bench.py dtype       float32 vs bfloat16 vs float16 on the CPU: one chat request, and a batch
+  python bench.py kv-dtype    kv_cache_dtype auto (float32) vs bfloat16 vs fp8 vs fp8_e5m2 in one KV budget:
+                              blocks, preemptions, time, and how far the greedy tokens stay float32's
   python bench.py kernel      (GPU) the CUDA kernel's bandwidth vs the card's copy bandwidth, the split-K
                               sweep, and prefill / chunk / GQA-8 steps against the torch path
   python bench.py all         every CPU benchmark above
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 
 import build_ext
 import nanopaged
-from nanopaged import GatherPlan, BlockPool, paged_attention, paged_attention_ref
+from nanopaged import GatherPlan, BlockPool, paged_attention, paged_attention_ref, to_cache_dtype
 from scheduler import BeamSearchParams, SamplingParams, Scheduler
 
 
@@ -149,6 +151,10 @@ def bench_attention(args):
             q, k_cache, v_cache, tables, seq_lens, qsl, scale, plan=kernel_plan, decode_kernel=kernel))
         variants.append(("paged, decode rows on kernels_cpu.c", lambda: paged_attention(
             q, k_cache, v_cache, tables, seq_lens, qsl, scale, plan=kernel_plan, decode_kernel=kernel)))
+        # the same over a float8 cache (kv_cache_dtype="fp8"): a quarter of the bytes, widened as read
+        k8, v8 = to_cache_dtype(k_cache, torch.float8_e4m3fn), to_cache_dtype(v_cache, torch.float8_e4m3fn)
+        variants.append(("  same, float8 (e4m3) K/V", lambda: paged_attention(
+            q, k8, v8, tables, seq_lens, qsl, scale, plan=kernel_plan, decode_kernel=kernel)))
     rows = list(zip([name for name, _ in variants], median_times([fn for _, fn in variants], args.repeats)))
     rows.append(("paged reference (loops; one call)", median_times(
         [lambda: paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale)], 1, 0)[0]))
@@ -765,6 +771,45 @@ def bench_dtype(args):
         print(f"  {dt:10s} {1000 * ttft:17.0f} ms {1000 * tpot:14.1f} ms {t:20.2f} s   the first {same} of 128")
 
 
+def bench_kv_dtype(args):
+    """16 requests of 100 random prompt tokens + 100 greedy output tokens (3,200 token slots),
+    in a KV budget of 64 blocks of 16 of the model's float32 K and V (1,024 slots): a
+    narrower cache (kv_cache_dtype) holds more blocks in it, so fewer sequences are
+    preempted. Timed in turns, medians of args.repeats. Also: how many of the 16 outputs stay
+    float32's, and for how many tokens each does (float8 rounds K and V to 3 or 2 mantissa
+    bits), and the same for one chat request of 128 tokens, whose tokens mean something."""
+    from nanopaged import render_chat
+    names = ["auto", "bfloat16", "fp8", "fp8_e5m2"]
+    budget = 64 * new_engine(args, num_blocks=1).bytes_per_block
+    engines = {kv: new_engine(args, kv_cache_memory=budget, kv_cache_dtype=kv, enable_prefix_caching=False)
+               for kv in names}
+    rng = random.Random(0)
+    vocab = engines["auto"].config.vocab_size
+    prompts = [[rng.randrange(17, vocab) for _ in range(100)] for _ in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    chat = render_chat(engines["auto"].get_tokenizer(), [
+        {"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}])[1]
+    tokens, stats = {}, {}
+
+    def run(kv):
+        outs = engines[kv].generate(prompts + [chat], [params] * 16 + [SamplingParams(temperature=0, max_tokens=128)])
+        tokens[kv], stats[kv] = [o.outputs[0].token_ids for o in outs], engines[kv].stats
+    times = median_times([lambda kv=kv: run(kv) for kv in names], repeats=args.repeats)
+
+    def agreement(a, b):   # how many first tokens two outputs share
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    print(f"16 requests x (100 random prompt + 100 output tokens) and one chat request (128 tokens), greedy, "
+          f"in a KV budget of {budget / 2**20:.1f} MiB (64 blocks of 16 float32 K/V); {torch.get_num_threads()} "
+          f"CPU threads, medians of {args.repeats}, timed in turns:")
+    print(f"  {'kv_cache_dtype':15s} {'blocks':>7s} {'preemptions':>12s} {'time':>8s}   outputs as float32's "
+          f"(median tokens alike)   the chat's first tokens alike")
+    for kv, t in zip(names, times):
+        alike = [agreement(a, b) for a, b in zip(tokens[kv][:16], tokens["auto"][:16])]
+        print(f"  {kv:15s} {engines[kv].pool.num_blocks:7d} {stats[kv].preemptions:12d} {t:7.2f} s   "
+              f"{sum(n == 100 for n in alike):2d} of 16 ({statistics.median(alike):.0f} of 100){'':17s}"
+              f"{agreement(tokens[kv][16], tokens['auto'][16]):3d} of {len(tokens['auto'][16])}")
+
+
 #
 # Decode attention on the GPU: the CUDA kernel against the card's copy bandwidth.
 #
@@ -996,7 +1041,7 @@ def partition_sweep(ops, label, contexts, sizes, copy_gbs, gen) -> int:
 BENCHES = {"load": bench_load, "attention": bench_attention, "scheduler": bench_scheduler, "seats": bench_seats,
            "engine": bench_engine, "prefix": bench_prefix, "parallel": bench_parallel, "preempt": bench_preempt,
            "priority": bench_priority, "beam": bench_beam, "sampling": bench_sampling, "dtype": bench_dtype,
-           "backends": bench_backends, "kernel": bench_kernel}
+           "kv-dtype": bench_kv_dtype, "backends": bench_backends, "kernel": bench_kernel}
 
 
 def count(text: str) -> int:
