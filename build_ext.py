@@ -907,7 +907,7 @@ class CpuKernels:
         widened = 2 * CPU_WIDEN_ROWS * head_dim if str(kv_dtype).startswith("torch.float8") else 0
         if 4 * (2 * group * head_dim + 2 * group + block_size + widened) > limit:
             return (f"the CPU kernel keeps a GQA group's state on the stack: {group} heads x head_dim {head_dim} "
-                    f"with block_size {block_size} is too large" +
+                    f"with block_size {block_size}{' and a float8 cache' if widened else ''} is too large" +
                     (f" for OpenMP's threads' stacks of {stack >> 10} KiB (OMP_STACKSIZE)" if limit < CPU_STACK_LIMIT else ""))
         return None
 

@@ -10272,7 +10272,7 @@ def test_cpu_kernel_is_not_used_for_what_it_does_not_fit(capsys):
 def test_cpu_kernel_fits_its_state_into_the_stacks_omp_stacksize_gives(monkeypatch):
     """48 heads on one kv head of 256 (98 KiB of state) fit the default stacks; with
     OMP_STACKSIZE=64K the kernel's threads overflowed theirs (a segfault): refused instead.
-    Catches: a block's scores left out of the estimate."""
+    Catches: a block's scores, or a float8 cache's widened rows, left out of the estimate."""
     for name in ("OMP_STACKSIZE", "GOMP_STACKSIZE"):
         monkeypatch.delenv(name, raising=False)
     fits = lambda: cpu_kernel().unsupported(torch.float32, 48, 1, 256, 16)
@@ -10289,6 +10289,11 @@ def test_cpu_kernel_fits_its_state_into_the_stacks_omp_stacksize_gives(monkeypat
     # a block's scores are on the stack too: 65,536 of them are 256 KiB, whatever the heads
     monkeypatch.delenv("OMP_STACKSIZE")
     assert "block_size 65536 is too large" in cpu_kernel().unsupported(torch.float32, 6, 2, 64, 1 << 16)
+    # and a float8 cache's rows, widened to float32 16 at a time, K's and V's (2 x 16 x head_dim floats)
+    assert cpu_kernel().unsupported(torch.float32, 48, 1, 512, 16, torch.float32) is None
+    assert cpu_kernel().unsupported(torch.float32, 48, 1, 512, 16, torch.float8_e5m2) == (
+        "the CPU kernel keeps a GQA group's state on the stack: 48 heads x head_dim 512 with block_size 16 and a "
+        "float8 cache is too large")
 
 
 def test_cpu_kernel_on_an_openmp_runtime_beside_torchs_is_refused(monkeypatch):
