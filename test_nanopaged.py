@@ -9790,6 +9790,36 @@ def test_cuda_engine_same_tokens_as_torch_path(tmp_path):
     assert [[c.token_ids for c in o.outputs] for o in outs] == results["torch"][0][:5] and llm.stats.swapped_out > 0
 
 
+@needs_cuda
+def test_cuda_float8_kv_cache_runs_the_torch_path_as_the_reference(tmp_path, capsys):
+    """On a GPU, a float8 cache (which the CUDA kernel does not read) takes the torch path,
+    saying so: write_kv stores the bytes it stores on the CPU; the fast path's attention is the
+    reference's over the same cache; and the engine serves through swapping to CPU memory and
+    back (float8 blocks both ways), nothing leaked. (Written without a GPU: not yet run.)"""
+    kv = torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(5, 2, 64, generator=g) * 100, torch.randn(5, 2, 64, generator=g)
+    slots = torch.tensor([11, 0, 5, 6, 3])
+    caches = {}
+    for device in ("cpu", "cuda"):
+        kc, vc = torch.zeros(3, 4, 2, 64, dtype=kv, device=device), torch.zeros(3, 4, 2, 64, dtype=kv, device=device)
+        write_kv(kc, vc, k.to(device), v.to(device), slots.to(device))
+        caches[device] = torch.cat([kc.view(torch.uint8).flatten(), vc.view(torch.uint8).flatten()]).cpu()
+    assert torch.equal(caches["cuda"], caches["cpu"])
+    q, kc, vc, bt, sl, qsl, _ = make_paged_batch([(1, 50), (6, 70), (1, 200)], 16, 8, 2, 128, dtype=torch.bfloat16,
+                                                 kv_dtype=kv)
+    args = [t.cuda() for t in (q, kc, vc, bt, sl, qsl)]
+    torch.testing.assert_close(paged_attention(*args, 0.1).float(), paged_attention_ref(*args, 0.1).float(),
+                               atol=2e-2, rtol=2e-2)
+    llm = LLM(tiny_llama_dir(tmp_path), device="cuda", dtype="bfloat16", load_format="dummy", kv_cache_dtype="fp8",
+              num_blocks=22, block_size=4, max_num_batched_tokens=16, preemption_mode="swap", swap_space=0.01)
+    assert llm.attn.backend == "torch" and "attention runs on the torch path" in capsys.readouterr().err
+    prompts = [[(5 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 23, 40, 70))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 4 and llm.stats.swapped_out > 0
+    assert_nothing_leaked(llm)
+
+
 @pytest.mark.parametrize("change", [{}, WINDOWED, WINDOWED_EVERYWHERE], ids=["full", "windowed", "dropping"])
 def test_emulated_kernels_drive_the_engine(tmp_path, emulated_ops, change):
     """The engine's side of the kernel interface (slot_mapping, block tables, seq_lens,
@@ -10041,7 +10071,7 @@ def test_write_kv_stores_k_and_v_rounded_to_a_narrower_cache_and_float8_saturate
     """Each value rounded to nearest as torch rounds it; a float8 cache saturates at its
     largest value (448, 57,344), an inf too, as vLLM's kernels do (torch's own cast to e5m2
     makes inf), and keeps a NaN a NaN (the engine's broken-row check needs it). Slots not in
-    slot_mapping are left alone. Catches: no saturation, or a clamp before a NaN check."""
+    slot_mapping are left alone. Catches: no saturation, or one that makes a NaN a number."""
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(5, 2, 8, generator=g) * 3, torch.randn(5, 2, 8, generator=g)
     k[0, 0, :4] = torch.tensor([1e6, -1e6, float("inf"), float("nan")])
