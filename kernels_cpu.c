@@ -141,11 +141,12 @@ INLINE void store(void* p, int64_t i, float x, int dtype) {
   }
 }
 
+/* the bytes of one element of this dtype */
 INLINE int64_t bytes_of(int dtype) { return dtype == F32 ? 4 : dtype == E4M3 || dtype == E5M2 ? 1 : 2; }
 
 /* element i of a tensor of this dtype, as a pointer (to hand a row to the loops below) */
 INLINE const void* at(const void* p, int64_t i, int dtype) {
-  return (const char*)p + i * (dtype == F32 ? 4 : 2);
+  return (const char*)p + i * bytes_of(dtype);
 }
 
 /* ---- 16 floats at a time ----
