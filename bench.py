@@ -773,11 +773,12 @@ def bench_dtype(args):
 
 def bench_kv_dtype(args):
     """16 requests of 100 random prompt tokens + 100 greedy output tokens (3,200 token slots),
-    in a KV budget of 64 blocks of 16 of the model's float32 K and V (1,024 slots): a
-    narrower cache (kv_cache_dtype) holds more blocks in it, so fewer sequences are
-    preempted. Timed in turns, medians of args.repeats. Also: how many of the 16 outputs stay
-    float32's, and for how many tokens each does (float8 rounds K and V to 3 or 2 mantissa
-    bits), and the same for one chat request of 128 tokens, whose tokens mean something."""
+    in a KV budget of 64 blocks of 16 of the model's K and V in its dtype (float32 by
+    default; 1,024 slots): a narrower cache (kv_cache_dtype) holds more blocks in it, so
+    fewer sequences are preempted. Timed in turns, medians of args.repeats. Also: how many of
+    the 16 outputs stay those of the model's dtype, and for how many tokens each does (float8
+    rounds K and V to 3 or 2 mantissa bits), and the same for one chat request of 128 tokens,
+    whose tokens mean something."""
     from nanopaged import render_chat
     names = ["auto", "bfloat16", "fp8", "fp8_e5m2"]
     budget = 64 * new_engine(args, num_blocks=1).bytes_per_block
@@ -799,9 +800,9 @@ def bench_kv_dtype(args):
     def agreement(a, b):   # how many first tokens two outputs share
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     print(f"16 requests x (100 random prompt + 100 output tokens) and one chat request (128 tokens), greedy, "
-          f"in a KV budget of {budget / 2**20:.1f} MiB (64 blocks of 16 float32 K/V); {torch.get_num_threads()} "
+          f"in a KV budget of {budget / 2**20:.1f} MiB (64 blocks of 16 {args.dtype} K/V); {torch.get_num_threads()} "
           f"CPU threads, medians of {args.repeats}, timed in turns:")
-    print(f"  {'kv_cache_dtype':15s} {'blocks':>7s} {'preemptions':>12s} {'time':>8s}   outputs as float32's "
+    print(f"  {'kv_cache_dtype':15s} {'blocks':>7s} {'preemptions':>12s} {'time':>8s}   outputs as {args.dtype}'s "
           f"(median tokens alike)   the chat's first tokens alike")
     for kv, t in zip(names, times):
         alike = [agreement(a, b) for a, b in zip(tokens[kv][:16], tokens["auto"][:16])]
