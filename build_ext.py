@@ -822,6 +822,7 @@ CPU_BASELINE_ARCH = {"x86_64": "x86-64", "AMD64": "x86-64", "aarch64": "armv8-a"
 CPU_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}   # F32, BF16, F16 in kernels_cpu.c
 # a KV cache's besides (LLM's kv_cache_dtype): E4M3, E5M2; or bfloat16 under another dtype
 CPU_KV_DTYPES = {"bfloat16": 1, "float8_e4m3fn": 3, "float8_e5m2": 4}
+CPU_STORAGE = CPU_DTYPES | CPU_KV_DTYPES   # every dtype's number, q's or the caches'
 CPU_WIDEN_ROWS = 16   # kernels_cpu.c's WIDEN_ROWS
 # the per-thread stack the kernel's (group, head_dim) state and a block's scores may take
 CPU_STACK_LIMIT = 256 << 10
@@ -955,7 +956,7 @@ class CpuKernels:
                           query_start_loc.data_ptr(), seq_lens.shape[0], T, seqs.data_ptr(), seqs.shape[0],
                           out.data_ptr(), H, kvh, D, block_size, window,
                           CPU_DTYPES[str(q.dtype).removeprefix("torch.")],
-                          {**CPU_DTYPES, **CPU_KV_DTYPES}[str(kv_dtype).removeprefix("torch.")], torch.get_num_threads(),
+                          CPU_STORAGE[str(kv_dtype).removeprefix("torch.")], torch.get_num_threads(),
                           scale, softcap or 0.0, partition_size)
         rc = self.lib.paged_decode(ctypes.byref(args))
         if rc:
